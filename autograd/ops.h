@@ -1,0 +1,123 @@
+// The public ops: every tensor computation a model, optimizer or strategy does goes through here.
+// Each op checks its operands (naming the op and the shapes), dispatches to the device's kernel
+// through the op table, and — when an input requires grad and a tape is active — records a Node
+// whose backward keeps only what it needs. Ops on bf16/f16 CPU tensors compute in f32.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace sg {
+
+// ---- creation and data movement (never recorded) ----
+Tensor empty(const Shape& shape, DType dtype = DType::f32, Device device = Device::cpu());
+Tensor full(const Shape& shape, double value, DType dtype = DType::f32, Device device = Device::cpu());
+Tensor zeros(const Shape& shape, DType dtype = DType::f32, Device device = Device::cpu());
+Tensor ones(const Shape& shape, DType dtype = DType::f32, Device device = Device::cpu());
+Tensor zeros_like(const Tensor& t);
+Tensor ones_like(const Tensor& t);
+Tensor arange(int64_t n, DType dtype = DType::i64, Device device = Device::cpu());
+// Philox draws: element i of the flattened tensor uses counter first + i in the given stream.
+Tensor randn(const Shape& shape, uint64_t seed, uint64_t stream, double mean = 0, double std = 1,
+             DType dtype = DType::f32, Device device = Device::cpu(), uint64_t first = 0);
+Tensor rand(const Shape& shape, uint64_t seed, uint64_t stream, double lo = 0, double hi = 1,
+            DType dtype = DType::f32, Device device = Device::cpu(), uint64_t first = 0);
+
+template <class T>
+Tensor from_vector(const std::vector<T>& v, const Shape& shape, Device device = Device::cpu());
+template <class T>
+std::vector<T> to_vector(const Tensor& t);  // any dtype, any layout, any device
+double item(const Tensor& t);                // one-element tensor as double
+
+Tensor to(const Tensor& t, DType dtype);     // differentiable cast
+Tensor to(const Tensor& t, Device device);   // differentiable device move
+Tensor contiguous(const Tensor& t);          // differentiable; a no-op handle when already contiguous
+Tensor clone(const Tensor& t);               // differentiable copy
+
+// In-place, never recorded (optimizer steps, gradient buffers, communication buffers).
+void copy_(const Tensor& dst, const Tensor& src);  // same shape; converts dtype; any layouts
+void fill_(const Tensor& t, double value);
+void zero_(const Tensor& t);
+void add_(const Tensor& t, const Tensor& other, double alpha = 1.0);  // t += alpha * other
+void mul_(const Tensor& t, double s);
+
+// ---- views (zero-copy, differentiable) ----
+Tensor reshape(const Tensor& t, Shape shape);  // one -1 allowed; copies only if the layout needs it
+Tensor view(const Tensor& t, Shape shape);     // like reshape, but refuses to copy
+Tensor transpose(const Tensor& t, int64_t d0, int64_t d1);
+Tensor permute(const Tensor& t, const std::vector<int64_t>& dims);
+Tensor narrow(const Tensor& t, int64_t dim, int64_t start, int64_t length);
+Tensor expand(const Tensor& t, const Shape& shape);
+Tensor unsqueeze(const Tensor& t, int64_t dim);
+Tensor squeeze(const Tensor& t, int64_t dim);
+Tensor flatten(const Tensor& t);
+Tensor cat(const std::vector<Tensor>& ts, int64_t dim);
+std::vector<Tensor> chunk(const Tensor& t, int64_t n, int64_t dim);  // views
+
+// ---- elementwise (broadcasting, differentiable) ----
+Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op);
+Tensor add(const Tensor& a, const Tensor& b);
+Tensor sub(const Tensor& a, const Tensor& b);
+Tensor mul(const Tensor& a, const Tensor& b);
+Tensor div(const Tensor& a, const Tensor& b);
+Tensor maximum(const Tensor& a, const Tensor& b);  // not differentiable
+Tensor add(const Tensor& a, double s);
+Tensor mul(const Tensor& a, double s);
+Tensor neg(const Tensor& a);
+Tensor exp(const Tensor& a);
+Tensor log(const Tensor& a);
+Tensor sqrt(const Tensor& a);
+Tensor tanh(const Tensor& a);
+Tensor square(const Tensor& a);
+Tensor pow(const Tensor& a, double p);
+Tensor relu(const Tensor& a);
+Tensor gelu(const Tensor& a);  // tanh approximation, as GPT-2
+Tensor silu(const Tensor& a);
+
+// ---- reductions ----
+Tensor sum(const Tensor& a);  // all elements -> shape []
+Tensor sum(const Tensor& a, std::vector<int64_t> dims, bool keepdim = false);
+Tensor mean(const Tensor& a);
+Tensor mean(const Tensor& a, std::vector<int64_t> dims, bool keepdim = false);
+Tensor amax(const Tensor& a, int64_t dim, bool keepdim = false);  // not differentiable
+Tensor sum_to(const Tensor& a, const Shape& shape);                // undo a broadcast
+double sum_squares(const Tensor& a);                                // f64 accumulate; for norms
+
+// ---- linear algebra ----
+// a [..., M, K] @ b [..., K, N] with broadcast batch dims; b may be 2-D.
+Tensor matmul(const Tensor& a, const Tensor& b);
+// y = x W^T + b with W [out, in] (PyTorch's nn.Linear layout); b may be undefined.
+Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b);
+
+// ---- neural-network ops ----
+Tensor softmax(const Tensor& x);      // over the last dim
+Tensor log_softmax(const Tensor& x);  // over the last dim
+Tensor layernorm(const Tensor& x, const Tensor& w, const Tensor& b, double eps = 1e-5);
+Tensor rmsnorm(const Tensor& x, const Tensor& w, double eps = 1e-6);
+Tensor embedding(const Tensor& weight, const Tensor& idx);  // weight [V, C], idx int -> [..., C]
+
+struct CrossEntropyOptions {
+  int64_t vocab = -1;          // real vocabulary: columns >= vocab are padding and never count
+  int64_t ignore_index = -1;   // targets equal to this contribute nothing
+  bool sum = false;            // false: mean over counted targets; true: plain sum
+  double scale = 1.0;          // multiplies the result (e.g. 1 / global token count)
+};
+// logits [..., Vp], targets [...] (i32/i64). Fused: probabilities are never materialised.
+Tensor cross_entropy(const Tensor& logits, const Tensor& targets, const CrossEntropyOptions& opt = {});
+int64_t count_targets(const Tensor& targets, int64_t ignore_index);
+
+// Dropout with a Philox mask drawn from the dropout generator; identity when p == 0.
+Tensor dropout(const Tensor& x, double p);
+// Causal (or full) attention on q, k, v [B, H, T, D]; scale defaults to 1/sqrt(D).
+Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal = true, double scale = 0);
+
+// The generator dropout draws from: (seed, next stream). Recompute saves and restores it so a
+// re-run region draws the same masks.
+struct DropoutGenerator {
+  uint64_t seed = 0;
+  uint64_t next_stream = 0;
+};
+DropoutGenerator& dropout_generator();
+
+}  // namespace sg

@@ -1,0 +1,192 @@
+// Creation, data movement, casts and in-place updates.
+#include <cstring>
+
+#include "autograd/ops/common.h"
+
+namespace sg {
+
+using detail::TensorList;
+
+Tensor empty(const Shape& shape, DType dtype, Device device) { return Tensor::empty(shape, dtype, device); }
+
+Tensor full(const Shape& shape, double value, DType dtype, Device device) {
+  Tensor t = empty(shape, dtype, device);
+  fill_(t, value);
+  return t;
+}
+Tensor zeros(const Shape& shape, DType dtype, Device device) { return full(shape, 0.0, dtype, device); }
+Tensor ones(const Shape& shape, DType dtype, Device device) { return full(shape, 1.0, dtype, device); }
+Tensor zeros_like(const Tensor& t) { return zeros(t.shape(), t.dtype(), t.device()); }
+Tensor ones_like(const Tensor& t) { return ones(t.shape(), t.dtype(), t.device()); }
+
+Tensor arange(int64_t n, DType dtype, Device device) {
+  std::vector<int64_t> v(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) v[size_t(i)] = i;
+  return to(to(from_vector(v, {n}), dtype), device);
+}
+
+static Tensor random_fill(const Shape& shape, bool normal, double a, double b, uint64_t seed, uint64_t stream,
+                          DType dtype, Device device, uint64_t first) {
+  Tensor t = empty(shape, dtype, device);
+  DType cd = detail::compute_dtype(t);
+  Tensor target = cd == dtype ? t : empty(shape, cd, device);
+  SG_KERNEL(device, random)(cd, target.data_ptr(), t.numel(), normal, a, b, seed, stream, first);
+  if (cd != dtype) copy_(t, target);
+  return t;
+}
+Tensor randn(const Shape& shape, uint64_t seed, uint64_t stream, double mean, double std, DType dtype, Device device,
+             uint64_t first) {
+  return random_fill(shape, true, mean, std, seed, stream, dtype, device, first);
+}
+Tensor rand(const Shape& shape, uint64_t seed, uint64_t stream, double lo, double hi, DType dtype, Device device,
+            uint64_t first) {
+  return random_fill(shape, false, lo, hi, seed, stream, dtype, device, first);
+}
+
+template <class T>
+static DType dtype_of() {
+  if constexpr (std::is_same_v<T, float>) return DType::f32;
+  else if constexpr (std::is_same_v<T, double>) return DType::f64;
+  else if constexpr (std::is_same_v<T, int32_t>) return DType::i32;
+  else if constexpr (std::is_same_v<T, int64_t>) return DType::i64;
+  else return DType::bf16;  // uint16_t: raw half bits are not supported through from_vector
+}
+
+template <class T>
+Tensor from_vector(const std::vector<T>& v, const Shape& shape, Device device) {
+  SG_CHECK(int64_t(v.size()) == shape_numel(shape), "from_vector: ", v.size(), " values for shape ",
+           shape_str(shape));
+  Tensor host = empty(shape, dtype_of<T>(), Device::cpu());
+  if (!v.empty()) std::memcpy(host.data_ptr(), v.data(), v.size() * sizeof(T));
+  return device.is_cpu() ? host : to(host, device);
+}
+
+template <class T>
+std::vector<T> to_vector(const Tensor& t) {
+  Tensor h = t.device().is_cpu() ? t : to(t, Device::cpu());
+  Tensor c = empty(h.shape(), dtype_of<T>(), Device::cpu());
+  copy_(c, h);
+  std::vector<T> out(size_t(c.numel()));
+  if (!out.empty()) std::memcpy(out.data(), c.data_ptr(), out.size() * sizeof(T));
+  return out;
+}
+
+template Tensor from_vector<float>(const std::vector<float>&, const Shape&, Device);
+template Tensor from_vector<double>(const std::vector<double>&, const Shape&, Device);
+template Tensor from_vector<int32_t>(const std::vector<int32_t>&, const Shape&, Device);
+template Tensor from_vector<int64_t>(const std::vector<int64_t>&, const Shape&, Device);
+template std::vector<float> to_vector<float>(const Tensor&);
+template std::vector<double> to_vector<double>(const Tensor&);
+template std::vector<int32_t> to_vector<int32_t>(const Tensor&);
+template std::vector<int64_t> to_vector<int64_t>(const Tensor&);
+
+double item(const Tensor& t) {
+  SG_CHECK(t.numel() == 1, "item: tensor has ", t.numel(), " elements (", t.describe(), "), expected 1");
+  return to_vector<double>(t)[0];
+}
+
+void copy_(const Tensor& dst, const Tensor& src) {
+  SG_CHECK(dst.shape() == src.shape(), "copy_: destination ", shape_str(dst.shape()), " and source ",
+           shape_str(src.shape()), " differ");
+  if (dst.numel() == 0) return;
+  if (dst.device() != src.device()) {
+    // Cross-device: make the source contiguous in the destination dtype on its own device, then move bytes.
+    Tensor s = contiguous(src);
+    if (s.dtype() != dst.dtype()) s = to(s, dst.dtype());
+    Tensor d = dst.is_contiguous() ? dst : empty(dst.shape(), dst.dtype(), dst.device());
+    if (src.device().is_cpu()) {
+      SG_KERNEL(dst.device(), copy_from_host)(d.data_ptr(), s.data_ptr(), d.nbytes(), dst.device());
+    } else if (dst.device().is_cpu()) {
+      SG_KERNEL(src.device(), copy_to_host)(d.data_ptr(), s.data_ptr(), d.nbytes(), src.device());
+    } else {
+      Tensor h = empty(s.shape(), s.dtype(), Device::cpu());
+      SG_KERNEL(src.device(), copy_to_host)(h.data_ptr(), s.data_ptr(), h.nbytes(), src.device());
+      SG_KERNEL(dst.device(), copy_from_host)(d.data_ptr(), h.data_ptr(), d.nbytes(), dst.device());
+    }
+    if (d.impl() != dst.impl()) copy_(dst, d);
+    return;
+  }
+  if (dst.is_contiguous()) {
+    SG_KERNEL(dst.device(), copy_strided)(dst.data_ptr(), dst.dtype(), src.data_ptr(), src.dtype(), src.shape(),
+                                          src.strides());
+    return;
+  }
+  // Strided destination: gather into a contiguous temporary, then scatter through a transposed walk.
+  // The walk is a strided copy with the roles swapped: iterate dst's layout, reading a contiguous buffer.
+  Tensor tmp = empty(src.shape(), dst.dtype(), dst.device());
+  SG_KERNEL(dst.device(), copy_strided)(tmp.data_ptr(), dst.dtype(), src.data_ptr(), src.dtype(), src.shape(),
+                                        src.strides());
+  // Scatter element by element on the host (destination views that are not contiguous are rare:
+  // narrow() slices of gradients and parameters).
+  SG_CHECK(dst.device().is_cpu(), "copy_: a non-contiguous destination on ", dst.device().str(),
+           " is not supported");
+  const size_t es = dtype_size(dst.dtype());
+  const auto& shape = dst.shape();
+  const auto& st = dst.strides();
+  const int64_t n = dst.numel(), nd = dst.dim();
+  char* base = static_cast<char*>(dst.data_ptr());
+  const char* from = static_cast<const char*>(tmp.data_ptr());
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t rem = i, off = 0;
+    for (int64_t d = nd - 1; d >= 0; --d) {
+      off += (rem % shape[size_t(d)]) * st[size_t(d)];
+      rem /= shape[size_t(d)];
+    }
+    std::memcpy(base + off * int64_t(es), from + i * int64_t(es), es);
+  }
+}
+
+void fill_(const Tensor& t, double value) {
+  SG_CHECK(t.is_contiguous(), "fill_: tensor must be contiguous, got strides ", shape_str(t.strides()));
+  SG_KERNEL(t.device(), fill)(t.data_ptr(), t.dtype(), t.numel(), value);
+}
+void zero_(const Tensor& t) { fill_(t, 0.0); }
+
+void add_(const Tensor& t, const Tensor& other, double alpha) {
+  SG_CHECK(t.shape() == other.shape(), "add_: shapes ", shape_str(t.shape()), " and ", shape_str(other.shape()),
+           " differ");
+  SG_CHECK(t.is_contiguous(), "add_: destination must be contiguous");
+  autograd::NoGradGuard ng;
+  Tensor o = alpha == 1.0 ? other : mul(other, alpha);
+  Tensor r = add(t, o);
+  copy_(t, r);
+}
+
+void mul_(const Tensor& t, double s) {
+  autograd::NoGradGuard ng;
+  copy_(t, mul(t, s));
+}
+
+Tensor to(const Tensor& t, DType dtype) {
+  if (t.dtype() == dtype) return t;
+  Tensor out = empty(t.shape(), dtype, t.device());
+  copy_(out, t);
+  if (autograd::needs_grad({t}) && is_floating(dtype)) {
+    DType from = t.dtype();
+    autograd::record("to_dtype", {t}, {out}, [from](const TensorList& g) { return TensorList{to(g[0], from)}; });
+  }
+  return out;
+}
+
+Tensor to(const Tensor& t, Device device) {
+  if (t.device() == device) return t;
+  Tensor out = empty(t.shape(), t.dtype(), device);
+  copy_(out, t);
+  if (autograd::needs_grad({t})) {
+    Device from = t.device();
+    autograd::record("to_device", {t}, {out}, [from](const TensorList& g) { return TensorList{to(g[0], from)}; });
+  }
+  return out;
+}
+
+Tensor clone(const Tensor& t) {
+  Tensor out = empty(t.shape(), t.dtype(), t.device());
+  copy_(out, t);
+  if (autograd::needs_grad({t}))
+    autograd::record("clone", {t}, {out}, [](const TensorList& g) { return TensorList{g[0]}; });
+  return out;
+}
+
+Tensor contiguous(const Tensor& t) { return t.is_contiguous() ? t : clone(t); }
+
+}  // namespace sg

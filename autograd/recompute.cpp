@@ -1,0 +1,55 @@
+#include "autograd/recompute.h"
+
+#include "autograd/ops.h"
+
+namespace sg::autograd {
+
+TensorList recompute(const RegionFn& fn, const TensorList& inputs, const TensorList& params) {
+  TensorList all = inputs;
+  all.insert(all.end(), params.begin(), params.end());
+  if (!needs_grad(all)) return fn(inputs);
+  const DropoutGenerator rng_at_forward = dropout_generator();
+  TensorList outputs;
+  {
+    NoGradGuard ng;
+    outputs = fn(inputs);
+  }
+  const size_t n_in = inputs.size();
+  TensorList saved_inputs;
+  for (const auto& t : inputs) saved_inputs.push_back(detach(t));
+  std::vector<bool> in_grad;
+  for (const auto& t : inputs) in_grad.push_back(t.defined() && t.requires_grad());
+  record("recompute", all, outputs, [fn, saved_inputs, in_grad, params, n_in, rng_at_forward](const TensorList& g) {
+    // Re-run the region on fresh leaves with the forward's dropout streams.
+    TensorList leaves;
+    for (size_t i = 0; i < n_in; ++i) {
+      Tensor l = detach(saved_inputs[i]);
+      if (in_grad[i]) l.set_requires_grad(true);
+      leaves.push_back(l);
+    }
+    DropoutGenerator& gen = dropout_generator();
+    const DropoutGenerator now = gen;
+    gen = rng_at_forward;
+    Tape inner;
+    TensorList outs;
+    {
+      GradModeGuard enable(true);
+      TapeScope scope(inner);
+      outs = fn(leaves);
+    }
+    gen = now;
+    TensorList live_outs, live_grads;
+    for (size_t i = 0; i < outs.size(); ++i)
+      if (g[i].defined() && outs[i].requires_grad()) {
+        live_outs.push_back(outs[i]);
+        live_grads.push_back(g[i]);
+      }
+    TensorList wrt = leaves;
+    wrt.insert(wrt.end(), params.begin(), params.end());
+    if (live_outs.empty()) return TensorList(wrt.size());
+    return inner.grad(live_outs, live_grads, wrt);
+  });
+  return outputs;
+}
+
+}  // namespace sg::autograd

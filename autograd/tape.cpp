@@ -1,0 +1,183 @@
+#include "autograd/tape.h"
+
+#include <unordered_map>
+
+#include "autograd/ops.h"
+#include "core/error.h"
+
+namespace sg::autograd {
+
+static thread_local Tape* t_tape = nullptr;
+static thread_local bool t_grad_enabled = true;
+
+TapeScope::TapeScope(Tape& t) : prev_(t_tape) { t_tape = &t; }
+TapeScope::~TapeScope() { t_tape = prev_; }
+Tape* active_tape() { return t_tape; }
+
+GradModeGuard::GradModeGuard(bool enabled) : prev_(t_grad_enabled) { t_grad_enabled = enabled; }
+GradModeGuard::~GradModeGuard() { t_grad_enabled = prev_; }
+bool grad_enabled() { return t_grad_enabled; }
+
+bool needs_grad(const TensorList& inputs) {
+  if (!t_grad_enabled || !t_tape) return false;
+  for (const auto& t : inputs)
+    if (t.defined() && t.requires_grad()) return true;
+  return false;
+}
+
+Tensor detach(const Tensor& t) {
+  if (!t.defined()) return t;
+  return t.with_layout(t.layout());
+}
+
+void record(const std::string& name, const TensorList& inputs, const TensorList& outputs, BackwardFn backward) {
+  auto node = std::make_shared<Node>();
+  node->name = name;
+  node->backward = std::move(backward);
+  for (const auto& in : inputs) {
+    Edge e;
+    if (in.defined() && in.requires_grad()) {
+      if (in.grad_fn()) {
+        e.producer = in.grad_fn();
+        e.output_nr = in.output_nr();
+      } else {
+        e.leaf = in.impl_ptr();
+      }
+    }
+    node->edges.push_back(std::move(e));
+  }
+  node->grad_outputs.resize(outputs.size());
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    TensorImpl* o = outputs[i].impl();
+    o->requires_grad = true;
+    o->grad_fn = node;
+    o->output_nr = int(i);
+    node->output_shapes.push_back(outputs[i].shape());
+  }
+  t_tape->record(std::move(node));
+}
+
+Tape::~Tape() { clear(); }
+
+void Tape::clear() {
+  for (auto& n : nodes_) n->release();
+  nodes_.clear();
+}
+
+namespace {
+void accumulate(Tensor& slot, const Tensor& g) {
+  if (!g.defined()) return;
+  slot = slot.defined() ? sg::add(slot, g) : g;
+}
+}  // namespace
+
+void Tape::backward(const Tensor& loss) {
+  SG_CHECK(loss.numel() == 1, "backward: loss must have one element, got ", loss.describe(),
+           " (pass grad_outputs for a non-scalar output)");
+  NoGradGuard ng;
+  run({loss}, {sg::ones_like(loss)}, nullptr, nullptr);
+}
+
+void Tape::backward(const TensorList& outputs, const TensorList& grad_outputs) {
+  run(outputs, grad_outputs, nullptr, nullptr);
+}
+
+TensorList Tape::grad(const TensorList& outputs, const TensorList& grad_outputs, const TensorList& wrt) {
+  TensorList out(wrt.size());
+  run(outputs, grad_outputs, &wrt, &out);
+  return out;
+}
+
+void Tape::run(const TensorList& outputs, const TensorList& grad_outputs, const TensorList* wrt,
+               TensorList* wrt_grads) {
+  SG_CHECK(outputs.size() == grad_outputs.size(), "backward: ", outputs.size(), " outputs but ",
+           grad_outputs.size(), " grad_outputs");
+  NoGradGuard no_grad;  // backward itself is never recorded
+  std::unordered_map<Node*, size_t> position;
+  for (size_t i = 0; i < nodes_.size(); ++i) position[nodes_[i].get()] = i;
+
+  // Seed the outputs.
+  std::vector<char> needed(nodes_.size(), 0);
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    const Tensor& o = outputs[i];
+    SG_CHECK(o.defined() && o.requires_grad(), "backward: output ", i, " does not require grad");
+    const Tensor& g = grad_outputs[i];
+    SG_CHECK(!g.defined() || g.shape() == o.shape(), "backward: grad_output ", i, " has shape ",
+             shape_str(g.shape()), " but output has ", shape_str(o.shape()));
+    if (!o.grad_fn()) continue;  // a leaf output: delivered below
+    auto it = position.find(o.grad_fn().get());
+    SG_CHECK(it != position.end(), "backward: output ", i, " was not recorded on this tape");
+    needed[it->second] = 1;
+    accumulate(o.grad_fn()->grad_outputs[size_t(o.output_nr())], g);
+  }
+
+  // Which nodes can receive a gradient (reverse record order is a topological order), and how
+  // many of them consume each leaf: a leaf's gradient is final when that count reaches zero.
+  std::unordered_map<TensorImpl*, int> pending;
+  for (size_t i = nodes_.size(); i-- > 0;) {
+    if (!needed[i]) continue;
+    for (const Edge& e : nodes_[i]->edges) {
+      if (e.producer) {
+        auto it = position.find(e.producer.get());
+        if (it != position.end()) needed[it->second] = 1;
+      } else if (e.leaf) {
+        ++pending[e.leaf.get()];
+      }
+    }
+  }
+
+  std::unordered_map<TensorImpl*, size_t> wrt_index;
+  if (wrt)
+    for (size_t i = 0; i < wrt->size(); ++i) wrt_index[(*wrt)[i].impl()] = i;
+
+  auto deliver_leaf = [&](const std::shared_ptr<TensorImpl>& leaf, const Tensor& g) {
+    if (wrt) {
+      auto it = wrt_index.find(leaf.get());
+      if (it != wrt_index.end()) accumulate((*wrt_grads)[it->second], g);
+      return;
+    }
+    if (!g.defined()) return;
+    Tensor& slot = leaf->grad;
+    if (!slot.defined()) {
+      MemScope scope(MemCategory::grad);
+      slot = sg::clone(g);
+    } else {
+      sg::add_(slot, g);
+    }
+  };
+
+  for (size_t i = 0; i < outputs.size(); ++i)
+    if (!outputs[i].grad_fn()) deliver_leaf(outputs[i].impl_ptr(), grad_outputs[i]);
+
+  for (size_t i = nodes_.size(); i-- > 0;) {
+    if (!needed[i]) continue;
+    Node& n = *nodes_[i];
+    bool any = false;
+    for (const auto& g : n.grad_outputs) any = any || g.defined();
+    TensorList in_grads;
+    if (any) {
+      SG_CHECK(n.backward, "backward through '", n.name, "' a second time (its saved tensors were released)");
+      in_grads = n.backward(n.grad_outputs);
+      SG_CHECK(in_grads.size() == n.edges.size(), "internal: node '", n.name, "' returned ", in_grads.size(),
+               " gradients for ", n.edges.size(), " inputs");
+    }
+    for (size_t k = 0; k < n.edges.size(); ++k) {
+      const Edge& e = n.edges[k];
+      const Tensor g = any ? in_grads[k] : Tensor();
+      if (e.producer) {
+        if (g.defined()) accumulate(e.producer->grad_outputs[size_t(e.output_nr)], g);
+      } else if (e.leaf) {
+        deliver_leaf(e.leaf, g);
+        if (--pending[e.leaf.get()] == 0 && !wrt && e.leaf->grad.defined()) {
+          Tensor leaf(e.leaf);
+          for (auto& hook : e.leaf->grad_ready_hooks) hook(leaf);
+        }
+      }
+    }
+    n.grad_outputs.clear();
+    n.release();
+  }
+  clear();
+}
+
+}  // namespace sg::autograd

@@ -1,0 +1,32 @@
+// Where a tensor lives: the CPU or one CUDA device.
+#pragma once
+#include <string>
+
+#include "core/error.h"
+
+namespace sg {
+
+enum class DeviceType : uint8_t { cpu = 0, cuda = 1 };
+constexpr int kNumDeviceTypes = 2;
+
+struct Device {
+  DeviceType type = DeviceType::cpu;
+  int index = 0;
+
+  static Device cpu(int i = 0) { return {DeviceType::cpu, i}; }
+  static Device cuda(int i) { return {DeviceType::cuda, i}; }
+  bool is_cpu() const { return type == DeviceType::cpu; }
+  bool is_cuda() const { return type == DeviceType::cuda; }
+  bool operator==(const Device& o) const { return type == o.type && index == o.index; }
+  bool operator!=(const Device& o) const { return !(*this == o); }
+  bool operator<(const Device& o) const { return type != o.type ? type < o.type : index < o.index; }
+  std::string str() const {
+    if (is_cpu()) return index == 0 ? "cpu" : "cpu:" + std::to_string(index);
+    return "cuda:" + std::to_string(index);
+  }
+};
+
+// "cpu", "cpu:1", "cuda", "cuda:3"
+Device parse_device(const std::string& s);
+
+}  // namespace sg

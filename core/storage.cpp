@@ -1,0 +1,57 @@
+#include "core/storage.h"
+
+#include <cstdlib>
+#include <cstring>
+
+#include "core/error.h"
+
+namespace sg {
+
+namespace {
+struct CpuAllocator : Allocator {
+  void* allocate(size_t bytes, Device) override {
+    size_t rounded = (bytes + 63) / 64 * 64;  // 64-byte aligned for vector loads
+    void* p = std::aligned_alloc(64, rounded == 0 ? 64 : rounded);
+    SG_CHECK(p, "cpu allocator: out of memory allocating ", bytes, " bytes");
+    return p;
+  }
+  void deallocate(void* p, size_t, Device) override { std::free(p); }
+};
+
+Allocator*& slot(DeviceType t) {
+  static Allocator* slots[kNumDeviceTypes] = {new CpuAllocator(), nullptr};
+  return slots[int(t)];
+}
+}  // namespace
+
+void register_allocator(DeviceType t, Allocator* a) { slot(t) = a; }
+
+Allocator* allocator_for(DeviceType t) {
+  Allocator* a = slot(t);
+  SG_CHECK(a, "no allocator for device type ", t == DeviceType::cuda ? "cuda" : "cpu",
+           " (was shardgrad built with CUDA?)");
+  return a;
+}
+
+Storage::Storage(size_t nbytes, Device d, MemCategory c) : nbytes_(nbytes), device_(d), category_(c) {
+  data_ = allocator_for(d.type)->allocate(nbytes, d);
+  Ledger::global().on_alloc(d, c, int64_t(nbytes));
+}
+
+Storage::Storage(void* external, size_t nbytes, Device d)
+    : data_(external), nbytes_(nbytes), device_(d), category_(MemCategory::workspace), owned_(false) {}
+
+Storage::~Storage() {
+  if (!owned_) return;
+  allocator_for(device_.type)->deallocate(data_, nbytes_, device_);
+  Ledger::global().on_free(device_, category_, int64_t(nbytes_));
+}
+
+void Storage::recategorize(MemCategory c) {
+  if (!owned_ || c == category_) return;
+  Ledger::global().on_free(device_, category_, int64_t(nbytes_));
+  category_ = c;
+  Ledger::global().on_alloc(device_, c, int64_t(nbytes_));
+}
+
+}  // namespace sg

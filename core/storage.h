@@ -1,0 +1,45 @@
+// A block of bytes on one device, charged to the ledger for as long as it lives.
+#pragma once
+#include <cstddef>
+#include <memory>
+
+#include "core/device.h"
+#include "core/ledger.h"
+
+namespace sg {
+
+// One allocator per device type. The CPU one is registered here; the CUDA caching allocator
+// registers itself when the CUDA backend is linked.
+struct Allocator {
+  virtual ~Allocator() = default;
+  virtual void* allocate(size_t bytes, Device d) = 0;
+  virtual void deallocate(void* p, size_t bytes, Device d) = 0;
+};
+void register_allocator(DeviceType t, Allocator* a);
+Allocator* allocator_for(DeviceType t);
+
+class Storage {
+ public:
+  Storage(size_t nbytes, Device d, MemCategory c);
+  // Wraps memory someone else owns (never freed, never charged).
+  Storage(void* external, size_t nbytes, Device d);
+  ~Storage();
+  Storage(const Storage&) = delete;
+  Storage& operator=(const Storage&) = delete;
+
+  void* data() const { return data_; }
+  size_t nbytes() const { return nbytes_; }
+  Device device() const { return device_; }
+  MemCategory category() const { return category_; }
+  // Moves the bytes to another ledger category (a gathered buffer becoming a parameter, ...).
+  void recategorize(MemCategory c);
+
+ private:
+  void* data_ = nullptr;
+  size_t nbytes_ = 0;
+  Device device_;
+  MemCategory category_;
+  bool owned_ = true;
+};
+
+}  // namespace sg

@@ -1,0 +1,46 @@
+// Training data: every source yields global batches of B rows of T tokens (inputs) and the next
+// tokens (targets, -1 where nothing is to be predicted). A source's position is one integer,
+// saved in checkpoints so a resumed run sees exactly the batches it would have seen.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace sg::io {
+
+struct Batch {
+  Tensor inputs;   // i64 [B, T]
+  Tensor targets;  // i64 [B, T]; -1 = ignored
+};
+
+enum class Split { train, val };
+
+class Dataset {
+ public:
+  virtual ~Dataset() = default;
+  virtual Batch next(int64_t B, int64_t T) = 0;
+  virtual int64_t position() const = 0;      // opaque cursor (token offset or batch counter)
+  virtual void set_position(int64_t p) = 0;
+  virtual int64_t vocab_size() const = 0;    // tokens are in [0, vocab_size)
+  virtual std::string describe() const = 0;  // for the progress header
+  // Text <-> tokens for `shardgrad generate` (bytes and the synthetic task; token shards have no decoder here).
+  virtual std::vector<int64_t> encode(const std::string& text) const = 0;
+  virtual std::string decode(const std::vector<int64_t>& tokens) const = 0;
+};
+
+struct DataOptions {
+  std::string spec = "synthetic";  // "synthetic", a text file, or a glob of llm.c .bin shards
+  Split split = Split::train;
+  uint64_t seed = 0;
+  bool shuffle = false;
+  double val_fraction = 0.1;  // for a single text file: the tail held out
+};
+
+// Throws sg::Error naming the file/glob when it cannot be opened or is malformed.
+std::unique_ptr<Dataset> open_dataset(const DataOptions& opt);
+
+}  // namespace sg::io

@@ -1,0 +1,248 @@
+// Elementwise family on the CPU: strided copy/cast, fill, broadcasting binary ops, unary ops and
+// their derivatives, axis reductions, Philox fills and dropout.
+#include <cmath>
+#include <cstring>
+
+#include "core/philox.h"
+#include "kernels/cpu/cpu.h"
+
+namespace sg::kernels::cpu {
+
+namespace {
+
+// Load/store any dtype through double (exact for every type we hold).
+inline double load(DType t, const void* p, int64_t i) {
+  switch (t) {
+    case DType::f32: return static_cast<const float*>(p)[i];
+    case DType::f64: return static_cast<const double*>(p)[i];
+    case DType::bf16: return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    case DType::f16: return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    case DType::i32: return static_cast<const int32_t*>(p)[i];
+    case DType::i64: return double(static_cast<const int64_t*>(p)[i]);
+  }
+  return 0;
+}
+inline void store(DType t, void* p, int64_t i, double v) {
+  switch (t) {
+    case DType::f32: static_cast<float*>(p)[i] = float(v); break;
+    case DType::f64: static_cast<double*>(p)[i] = v; break;
+    case DType::bf16: static_cast<uint16_t*>(p)[i] = f32_to_bf16(float(v)); break;
+    case DType::f16: static_cast<uint16_t*>(p)[i] = f32_to_f16(float(v)); break;
+    case DType::i32: static_cast<int32_t*>(p)[i] = int32_t(v); break;
+    case DType::i64: static_cast<int64_t*>(p)[i] = int64_t(v); break;
+  }
+}
+
+// Calls f(out_index, offset_of_each_operand) over a shape, innermost dimension fastest.
+// Row-parallel over the outermost dimensions: every row of the last dim is independent.
+template <int NOps, class F>
+void for_each_strided(const Dims& shape, const Dims* strides[NOps], F f) {
+  const int64_t nd = int64_t(shape.size());
+  if (nd == 0) {
+    int64_t offs[NOps] = {};
+    f(0, offs);
+    return;
+  }
+  const int64_t inner = shape[size_t(nd - 1)];
+  int64_t rows = 1;
+  for (int64_t d = 0; d + 1 < nd; ++d) rows *= shape[size_t(d)];
+  if (inner == 0 || rows == 0) return;
+#pragma omp parallel for schedule(static) if (rows * inner > 32768)
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t offs[NOps] = {};
+    int64_t rem = r;
+    for (int64_t d = nd - 2; d >= 0; --d) {
+      int64_t i = rem % shape[size_t(d)];
+      rem /= shape[size_t(d)];
+      for (int k = 0; k < NOps; ++k) offs[k] += i * (*strides[k])[size_t(d)];
+    }
+    f(r * inner, offs);
+  }
+}
+
+template <class T>
+inline T apply_binary(Binary op, T a, T b) {
+  switch (op) {
+    case Binary::add: return a + b;
+    case Binary::sub: return a - b;
+    case Binary::mul: return a * b;
+    case Binary::div: return a / b;
+    case Binary::max: return a > b ? a : b;
+    case Binary::min: return a < b ? a : b;
+  }
+  return 0;
+}
+
+constexpr double kGeluK = 0.7978845608028654;  // sqrt(2/pi)
+
+template <class T>
+inline T apply_unary(Unary op, T x, T alpha) {
+  switch (op) {
+    case Unary::neg: return -x;
+    case Unary::exp: return std::exp(x);
+    case Unary::log: return std::log(x);
+    case Unary::sqrt: return std::sqrt(x);
+    case Unary::rsqrt: return T(1) / std::sqrt(x);
+    case Unary::tanh: return std::tanh(x);
+    case Unary::relu: return x > T(0) ? x : T(0);
+    case Unary::gelu: return T(0.5) * x * (T(1) + std::tanh(T(kGeluK) * (x + T(0.044715) * x * x * x)));
+    case Unary::silu: return x / (T(1) + std::exp(-x));
+    case Unary::abs: return std::abs(x);
+    case Unary::scale: return x * alpha;
+    case Unary::add_scalar: return x + alpha;
+    case Unary::pow: return std::pow(x, alpha);
+    case Unary::square: return x * x;
+  }
+  return 0;
+}
+
+template <class T>
+inline T unary_derivative(Unary op, T x) {
+  switch (op) {
+    case Unary::relu: return x > T(0) ? T(1) : T(0);
+    case Unary::gelu: {
+      T x3 = T(0.044715) * x * x * x;
+      T t = std::tanh(T(kGeluK) * (x + x3));
+      return T(0.5) * (T(1) + t) + T(0.5) * x * (T(1) - t * t) * T(kGeluK) * (T(1) + T(3) * T(0.044715) * x * x);
+    }
+    case Unary::silu: {
+      T s = T(1) / (T(1) + std::exp(-x));
+      return s * (T(1) + x * (T(1) - s));
+    }
+    case Unary::tanh: return T(1) - x * x;  // x holds y = tanh(input)
+    case Unary::exp: return x;              // x holds y = exp(input)
+    default: return T(0);
+  }
+}
+
+}  // namespace
+
+void copy_strided(void* dst, DType dt, const void* src, DType st, const Dims& shape, const Dims& src_strides) {
+  const Dims* strides[1] = {&src_strides};
+  const int64_t inner = shape.empty() ? 1 : shape.back();
+  const int64_t sinner = shape.empty() ? 0 : src_strides.back();
+  const size_t es = dtype_size(st);
+  for_each_strided<1>(shape, strides, [&](int64_t o, const int64_t* offs) {
+    if (dt == st && (sinner == 1 || inner == 1)) {
+      std::memcpy(static_cast<char*>(dst) + o * int64_t(es), static_cast<const char*>(src) + offs[0] * int64_t(es),
+                  size_t(inner) * es);
+    } else if (dt == DType::f32 && st == DType::f32) {
+      auto* d = static_cast<float*>(dst) + o;
+      auto* s = static_cast<const float*>(src) + offs[0];
+      for (int64_t i = 0; i < inner; ++i) d[i] = s[i * sinner];
+    } else {
+      for (int64_t i = 0; i < inner; ++i) store(dt, dst, o + i, load(st, src, offs[0] + i * sinner));
+    }
+  });
+}
+
+void fill(void* dst, DType dtype, int64_t n, double value) {
+  if (dtype == DType::f32) {
+    float v = float(value);
+    auto* d = static_cast<float*>(dst);
+    for (int64_t i = 0; i < n; ++i) d[i] = v;
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) store(dtype, dst, i, value);
+}
+
+void binary(Binary op, DType dtype, void* out, const void* a, const Dims& as, const void* b, const Dims& bs,
+            const Dims& shape) {
+  dispatch_float(dtype, "binary", [&](auto tag) {
+    using T = decltype(tag);
+    const Dims* strides[2] = {&as, &bs};
+    const int64_t inner = shape.empty() ? 1 : shape.back();
+    const int64_t sa = shape.empty() ? 0 : as.back(), sb = shape.empty() ? 0 : bs.back();
+    auto* o = static_cast<T*>(out);
+    auto* pa = static_cast<const T*>(a);
+    auto* pb = static_cast<const T*>(b);
+    for_each_strided<2>(shape, strides, [&](int64_t oi, const int64_t* offs) {
+      const T* x = pa + offs[0];
+      const T* y = pb + offs[1];
+      T* z = o + oi;
+      if (sa == 1 && sb == 1 && op == Binary::add) {
+        for (int64_t i = 0; i < inner; ++i) z[i] = x[i] + y[i];
+      } else if (sa == 1 && sb == 1 && op == Binary::mul) {
+        for (int64_t i = 0; i < inner; ++i) z[i] = x[i] * y[i];
+      } else {
+        for (int64_t i = 0; i < inner; ++i) z[i] = apply_binary<T>(op, x[i * sa], y[i * sb]);
+      }
+    });
+  });
+}
+
+void unary(Unary op, DType dtype, void* out, const void* x, int64_t n, double alpha) {
+  dispatch_float(dtype, "unary", [&](auto tag) {
+    using T = decltype(tag);
+    auto* o = static_cast<T*>(out);
+    auto* p = static_cast<const T*>(x);
+    T al = T(alpha);
+#pragma omp parallel for schedule(static) if (n > 32768)
+    for (int64_t i = 0; i < n; ++i) o[i] = apply_unary<T>(op, p[i], al);
+  });
+}
+
+void unary_backward(Unary op, DType dtype, void* dx, const void* dy, const void* x, int64_t n) {
+  dispatch_float(dtype, "unary_backward", [&](auto tag) {
+    using T = decltype(tag);
+    auto* o = static_cast<T*>(dx);
+    auto* g = static_cast<const T*>(dy);
+    auto* p = static_cast<const T*>(x);
+#pragma omp parallel for schedule(static) if (n > 32768)
+    for (int64_t i = 0; i < n; ++i) o[i] = g[i] * unary_derivative<T>(op, p[i]);
+  });
+}
+
+void reduce(Reduce op, DType dtype, void* out, const void* x, int64_t outer, int64_t n, int64_t inner) {
+  dispatch_float(dtype, "reduce", [&](auto tag) {
+    using T = decltype(tag);
+    auto* o = static_cast<T*>(out);
+    auto* p = static_cast<const T*>(x);
+#pragma omp parallel for schedule(static) if (outer * n * inner > 32768)
+    for (int64_t r = 0; r < outer; ++r) {
+      for (int64_t i = 0; i < inner; ++i) {
+        const T* base = p + r * n * inner + i;
+        if (op == Reduce::max) {
+          T m = n ? base[0] : T(-INFINITY);
+          for (int64_t k = 1; k < n; ++k) m = base[k * inner] > m ? base[k * inner] : m;
+          o[r * inner + i] = m;
+        } else {
+          double acc = 0;  // accumulate in f64 so sums do not depend on the thread split
+          if (op == Reduce::sum)
+            for (int64_t k = 0; k < n; ++k) acc += double(base[k * inner]);
+          else
+            for (int64_t k = 0; k < n; ++k) acc += double(base[k * inner]) * double(base[k * inner]);
+          o[r * inner + i] = T(acc);
+        }
+      }
+    }
+  });
+}
+
+void random(DType dtype, void* out, int64_t n, bool normal, double a, double b, uint64_t seed, uint64_t stream,
+            uint64_t first) {
+  dispatch_float(dtype, "random", [&](auto tag) {
+    using T = decltype(tag);
+    auto* o = static_cast<T*>(out);
+#pragma omp parallel for schedule(static) if (n > 16384)
+    for (int64_t i = 0; i < n; ++i) {
+      uint64_t idx = first + uint64_t(i);
+      o[i] = normal ? T(a + b * double(Philox::normal(seed, stream, idx)))
+                    : T(a + (b - a) * double(Philox::uniform(seed, stream, idx)));
+    }
+  });
+}
+
+void dropout(DType dtype, void* out, const void* x, int64_t n, double p, uint64_t seed, uint64_t stream) {
+  dispatch_float(dtype, "dropout", [&](auto tag) {
+    using T = decltype(tag);
+    auto* o = static_cast<T*>(out);
+    auto* in = static_cast<const T*>(x);
+    const T scale = T(1.0 / (1.0 - p));
+    const float pf = float(p);
+#pragma omp parallel for schedule(static) if (n > 16384)
+    for (int64_t i = 0; i < n; ++i) o[i] = Philox::uniform(seed, stream, uint64_t(i)) >= pf ? in[i] * scale : T(0);
+  });
+}
+
+}  // namespace sg::kernels::cpu

@@ -1,0 +1,36 @@
+#include "kernels/cpu/cpu.h"
+
+namespace sg::kernels {
+
+const OpTable* cpu_table() {
+  static const OpTable t = [] {
+    OpTable o;
+    o.device_name = "cpu";
+    o.copy_strided = cpu::copy_strided;
+    o.fill = cpu::fill;
+    o.binary = cpu::binary;
+    o.unary = cpu::unary;
+    o.unary_backward = cpu::unary_backward;
+    o.reduce = cpu::reduce;
+    o.gemm = cpu::gemm;
+    o.softmax = cpu::softmax;
+    o.softmax_backward = cpu::softmax_backward;
+    o.layernorm = cpu::layernorm;
+    o.layernorm_backward = cpu::layernorm_backward;
+    o.rmsnorm = cpu::rmsnorm;
+    o.rmsnorm_backward = cpu::rmsnorm_backward;
+    o.embedding = cpu::embedding;
+    o.embedding_backward = cpu::embedding_backward;
+    o.cross_entropy = cpu::cross_entropy;
+    o.cross_entropy_backward = cpu::cross_entropy_backward;
+    o.dropout = cpu::dropout;
+    o.attention = cpu::attention;
+    o.attention_backward = cpu::attention_backward;
+    o.random = cpu::random;
+    o.adamw = cpu::adamw;
+    return o;
+  }();
+  return &t;
+}
+
+}  // namespace sg::kernels

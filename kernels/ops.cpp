@@ -1,0 +1,31 @@
+#include "kernels/ops.h"
+
+#include "core/error.h"
+
+namespace sg::kernels {
+
+namespace {
+const OpTable*& slot(DeviceType t) {
+  static const OpTable* tables[kNumDeviceTypes] = {nullptr, nullptr};
+  return tables[int(t)];
+}
+}  // namespace
+
+void register_table(DeviceType t, const OpTable* table) { slot(t) = table; }
+
+const OpTable& table(Device d) {
+  const OpTable* t = slot(d.type);
+  if (!t && d.is_cpu()) {
+    extern const OpTable* cpu_table();
+    t = cpu_table();
+    slot(d.type) = t;
+  }
+  SG_CHECK(t, "no kernels registered for device ", d.str(), " (was shardgrad built with CUDA?)");
+  return *t;
+}
+
+void unsupported(const char* op, DType dtype, const char* device) {
+  throw Error(str("op '", op, "' does not support dtype ", dtype_name(dtype), " on ", device));
+}
+
+}  // namespace sg::kernels

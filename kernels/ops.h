@@ -1,0 +1,135 @@
+// The op table: the one place where an op meets a device. Each device registers a table of
+// function pointers; an entry left null is an op that device cannot do, and calling it fails with
+// the op, dtype and device named. Kernels take raw buffers plus sizes (B, T, C in llm.c's sense);
+// buffers are contiguous unless strides are passed. Floating kernels compute in f32 or f64; bf16
+// and f16 operands are widened by the caller (sg ops) or by the kernel where the table says so.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/device.h"
+#include "core/dtype.h"
+
+namespace sg::kernels {
+
+using Dims = std::vector<int64_t>;
+
+enum class Binary : uint8_t { add, sub, mul, div, max, min };
+enum class Unary : uint8_t { neg, exp, log, sqrt, rsqrt, tanh, relu, gelu, silu, abs, scale, add_scalar, pow, square };
+enum class Reduce : uint8_t { sum, max, sum_squares };
+
+struct GemmArgs {
+  DType dtype;
+  bool trans_a = false, trans_b = false;  // row-major: C[M,N] = alpha * op(A)[M,K] op(B)[K,N] + beta * C
+  int64_t M = 0, N = 0, K = 0;
+  const void* A = nullptr;
+  int64_t lda = 0;
+  const void* B = nullptr;
+  int64_t ldb = 0;
+  void* C = nullptr;
+  int64_t ldc = 0;
+  double alpha = 1.0, beta = 0.0;
+  int64_t batch = 1, stride_a = 0, stride_b = 0, stride_c = 0;  // batched: element strides between matrices
+};
+
+struct AttentionArgs {
+  DType dtype;
+  int64_t B = 0, H = 0, T = 0, D = 0;  // q, k, v, out: [B, H, T, D] contiguous
+  bool causal = true;
+  double scale = 0;  // usually 1/sqrt(D)
+  const void *q = nullptr, *k = nullptr, *v = nullptr;
+  void* out = nullptr;
+  void* lse = nullptr;  // [B, H, T] f32/f64 log-sum-exp of each softmax row, saved for backward
+  // backward (all '=' outputs)
+  const void* dout = nullptr;
+  void *dq = nullptr, *dk = nullptr, *dv = nullptr;
+};
+
+struct AdamWArgs {
+  DType dtype;  // of param, grad, m, v (f32 or f64)
+  int64_t n = 0;
+  void* param = nullptr;
+  const void* grad = nullptr;
+  void* m = nullptr;
+  void* v = nullptr;
+  double lr = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0, grad_scale = 1.0;
+  int64_t step = 1;  // 1-based, for bias correction
+};
+
+struct OpTable {
+  const char* device_name = "?";
+  // dst (contiguous, dst_dtype) = src (strided view, src_dtype), converting the element type.
+  void (*copy_strided)(void* dst, DType dst_dtype, const void* src, DType src_dtype, const Dims& shape,
+                       const Dims& src_strides) = nullptr;
+  void (*fill)(void* dst, DType dtype, int64_t n, double value) = nullptr;
+  // out[shape] = a op b; a and b are strided (stride 0 on broadcast dims); out contiguous.
+  void (*binary)(Binary op, DType dtype, void* out, const void* a, const Dims& a_strides, const void* b,
+                 const Dims& b_strides, const Dims& shape) = nullptr;
+  void (*unary)(Unary op, DType dtype, void* out, const void* x, int64_t n, double alpha) = nullptr;
+  // dx = dy * f'(x) for gelu/relu/silu (from x) and tanh/exp (from y = f(x), passed as x).
+  void (*unary_backward)(Unary op, DType dtype, void* dx, const void* dy, const void* x, int64_t n) = nullptr;
+  // out[outer, inner] = reduce over the middle axis of x[outer, n, inner].
+  void (*reduce)(Reduce op, DType dtype, void* out, const void* x, int64_t outer, int64_t n, int64_t inner) = nullptr;
+  void (*gemm)(const GemmArgs& a) = nullptr;
+  // Row softmax over the last axis (log form if log_softmax). Backward: dx = from dy and y.
+  void (*softmax)(DType dtype, void* y, const void* x, int64_t rows, int64_t cols, bool log) = nullptr;
+  void (*softmax_backward)(DType dtype, void* dx, const void* dy, const void* y, int64_t rows, int64_t cols,
+                           bool log) = nullptr;
+  // LayerNorm over C: saves mean and rstd per row. Backward: dx, dw, db all '=' (not '+=').
+  void (*layernorm)(DType dtype, void* y, void* mean, void* rstd, const void* x, const void* w, const void* b,
+                    int64_t rows, int64_t C, double eps) = nullptr;
+  void (*layernorm_backward)(DType dtype, void* dx, void* dw, void* db, const void* dy, const void* x,
+                             const void* w, const void* mean, const void* rstd, int64_t rows, int64_t C) = nullptr;
+  // RMSNorm: y = x * rstd * w. Backward: dx, dw '='.
+  void (*rmsnorm)(DType dtype, void* y, void* rstd, const void* x, const void* w, int64_t rows, int64_t C,
+                  double eps) = nullptr;
+  void (*rmsnorm_backward)(DType dtype, void* dx, void* dw, const void* dy, const void* x, const void* w,
+                           const void* rstd, int64_t rows, int64_t C) = nullptr;
+  // out[n, C] = weight[idx[n], :]; backward: dweight[idx[n], :] += dout[n, :] ('+=', deterministic order).
+  void (*embedding)(DType dtype, DType idx_dtype, void* out, const void* idx, const void* weight, int64_t n,
+                    int64_t C, int64_t num_rows) = nullptr;
+  void (*embedding_backward)(DType dtype, DType idx_dtype, void* dweight, const void* dout, const void* idx,
+                             int64_t n, int64_t C) = nullptr;
+  // Fused softmax + cross-entropy over logits[rows, Vp] using only the first V columns (padded
+  // vocabulary). loss[r] = logsumexp - logit[target]; rows whose target == ignore_index get loss 0.
+  // lse[r] is saved. Backward: dlogits = (softmax - onehot) * dloss[r] ('='); padded columns and
+  // ignored rows get 0.
+  void (*cross_entropy)(DType dtype, DType tgt_dtype, void* loss, void* lse, const void* logits, const void* targets,
+                        int64_t rows, int64_t Vp, int64_t V, int64_t ignore_index) = nullptr;
+  void (*cross_entropy_backward)(DType dtype, DType tgt_dtype, void* dlogits, const void* dloss, const void* logits,
+                                 const void* lse, const void* targets, int64_t rows, int64_t Vp, int64_t V,
+                                 int64_t ignore_index) = nullptr;
+  // out = x * keep / (1 - p), keep drawn from Philox(seed, stream, index); backward uses the same draw.
+  void (*dropout)(DType dtype, void* out, const void* x, int64_t n, double p, uint64_t seed, uint64_t stream) = nullptr;
+  // Fused causal scaled-dot-product attention: forward writes out and lse; backward dq, dk, dv.
+  void (*attention)(const AttentionArgs& a) = nullptr;
+  void (*attention_backward)(const AttentionArgs& a) = nullptr;
+  // Philox fills: uniform [lo, hi) or normal(mean, std); element i uses index first + i.
+  void (*random)(DType dtype, void* out, int64_t n, bool normal, double a, double b, uint64_t seed, uint64_t stream,
+                 uint64_t first) = nullptr;
+  // In-place AdamW (decoupled weight decay) on one tensor.
+  void (*adamw)(const AdamWArgs& a) = nullptr;
+  // Byte copies between this device and host memory (null on the CPU, which is the host).
+  void (*copy_to_host)(void* host_dst, const void* dev_src, size_t bytes, Device d) = nullptr;
+  void (*copy_from_host)(void* dev_dst, const void* host_src, size_t bytes, Device d) = nullptr;
+};
+
+void register_table(DeviceType t, const OpTable* table);
+// The table for a device; throws if none is registered.
+const OpTable& table(Device d);
+
+[[noreturn]] void unsupported(const char* op, DType dtype, const char* device);
+
+}  // namespace sg::kernels
+
+// Fetch an entry, failing loudly when the device lacks it: SG_KERNEL(dev, gemm)(args)
+#define SG_KERNEL(device, entry) (::sg::kernels::checked_entry(::sg::kernels::table(device).entry, #entry, device))
+
+namespace sg::kernels {
+template <class F>
+F checked_entry(F f, const char* op, Device d) {
+  if (!f) throw Error(str("op '", op, "' is not implemented on device ", d.str()));
+  return f;
+}
+}  // namespace sg::kernels
