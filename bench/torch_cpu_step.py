@@ -32,6 +32,7 @@ import statistics
 import sys
 import time
 
+sys.dont_write_bytecode = True  # keep tests/golden free of __pycache__
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests",
                                 "golden"))
 
@@ -81,9 +82,17 @@ def main():
         ap.error("--n-embd must be divisible by --n-head")
     if a.steps < 1 or a.warmup < 0:
         ap.error("--steps must be >= 1 and --warmup >= 0")
-    # Thread counts for OpenMP and OpenBLAS must be set before torch is imported.
+    # Thread settings must be in the environment before torch is imported.  Debian's torch
+    # runs its own ops on an OpenMP pool but its GEMMs on OpenBLAS's pthread pool; with
+    # libgomp's default spin-waiting the idle OpenMP workers steal the cores OpenBLAS needs
+    # (measured ~3x slower steps on 2 cores), so the OpenMP pool waits passively unless the
+    # caller says otherwise.
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(var, str(a.threads))
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    env = {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+                                      "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+           if k in os.environ}
     import torch
     import gpt_ref
 
@@ -125,6 +134,7 @@ def main():
         "torch_version": torch.__version__,
         "blas": blas_info(torch),
         "threads": torch.get_num_threads(),
+        "env": env,
         "config": {"n_layer": L, "n_head": H, "n_embd": C, "seq_len": T, "batch_size": B,
                    "vocab_size": V, "steps": a.steps, "warmup": a.warmup, "seed": a.seed,
                    "dtype": "float32", "lr": 3e-4, "weight_decay": 0.1, "clip": 1.0},

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.dont_write_bytecode = True  # keep tests/golden free of __pycache__
 sys.path.insert(0, HERE)
 import gpt_ref  # noqa: E402
 

@@ -1,0 +1,105 @@
+#include "cli/args.h"
+
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <sstream>
+
+#include "core/error.h"
+
+namespace sg::cli {
+
+void Args::flag(const std::string& name, const std::string& default_value, const std::string& help) {
+  flags_[name] = Flag{default_value, help, false, false};
+  order_.push_back(name);
+}
+
+void Args::toggle(const std::string& name, const std::string& help) {
+  flags_[name] = Flag{"0", help, true, false};
+  order_.push_back(name);
+}
+
+void Args::positional(const std::string& name, const std::string& help) { positionals_.emplace_back(name, help); }
+
+bool Args::parse(int argc, char** argv) {
+  for (int i = 0; i < argc; ++i) argv_copy.emplace_back(argv[i]);
+  for (int i = 0; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--help" || a == "-h") return false;
+    if (a.rfind("--", 0) != 0) {
+      SG_CHECK(positional_values_.size() < positionals_.size(), command_, ": unexpected argument '", a, "'");
+      flags_[positionals_[positional_values_.size()].first] = Flag{a, "", false, true};
+      positional_values_.push_back(a);
+      continue;
+    }
+    std::string name = a.substr(2), value;
+    bool has_value = false;
+    if (auto eq = name.find('='); eq != std::string::npos) {
+      value = name.substr(eq + 1);
+      name = name.substr(0, eq);
+      has_value = true;
+    }
+    auto it = flags_.find(name);
+    SG_CHECK(it != flags_.end(), command_, ": unknown flag --", name, " (see shardgrad ", command_, " --help)");
+    if (it->second.is_toggle) {
+      SG_CHECK(!has_value || value == "0" || value == "1", command_, ": --", name, " takes no value");
+      it->second.value = has_value ? value : "1";
+    } else {
+      if (!has_value) {
+        SG_CHECK(i + 1 < argc, command_, ": --", name, " needs a value");
+        value = argv[++i];
+      }
+      it->second.value = value;
+    }
+    it->second.given = true;
+  }
+  SG_CHECK(positional_values_.size() == positionals_.size(), command_, ": missing argument <",
+           positionals_.size() > positional_values_.size() ? positionals_[positional_values_.size()].first : "", ">");
+  return true;
+}
+
+const Args::Flag& Args::get(const std::string& name) const {
+  auto it = flags_.find(name);
+  SG_CHECK(it != flags_.end(), "internal: flag --", name, " was never declared");
+  return it->second;
+}
+
+std::string Args::str(const std::string& name) const { return get(name).value; }
+bool Args::on(const std::string& name) const { return get(name).value == "1"; }
+bool Args::given(const std::string& name) const { return get(name).given; }
+
+int64_t Args::i64(const std::string& name) const {
+  const std::string& v = get(name).value;
+  errno = 0;
+  char* end = nullptr;
+  long long x = std::strtoll(v.c_str(), &end, 10);
+  SG_CHECK(!v.empty() && *end == 0 && errno == 0, command_, ": --", name, " expects an integer, got '", v, "'");
+  return x;
+}
+
+double Args::f64(const std::string& name) const {
+  const std::string& v = get(name).value;
+  errno = 0;
+  char* end = nullptr;
+  double x = std::strtod(v.c_str(), &end);
+  SG_CHECK(!v.empty() && *end == 0 && errno == 0 && std::isfinite(x), command_, ": --", name,
+           " expects a number, got '", v, "'");
+  return x;
+}
+
+std::string Args::usage() const {
+  std::ostringstream os;
+  os << "usage: shardgrad " << command_;
+  for (auto& [n, h] : positionals_) os << " <" << n << ">";
+  os << " [flags]\n" << summary_ << "\n\n";
+  for (auto& [n, h] : positionals_) os << "  <" << n << ">  " << h << "\n";
+  for (const auto& n : order_) {
+    const Flag& f = flags_.at(n);
+    os << "  --" << n;
+    if (!f.is_toggle) os << " (default: " << (f.value.empty() ? "none" : f.value) << ")";
+    os << "\n      " << f.help << "\n";
+  }
+  return os.str();
+}
+
+}  // namespace sg::cli

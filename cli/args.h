@@ -1,0 +1,41 @@
+// Command-line flags: each subcommand declares its flags (name, default, help); parsing refuses
+// unknown flags, missing values and malformed numbers with the flag named.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace sg::cli {
+
+class Args {
+ public:
+  Args(std::string command, std::string summary) : command_(std::move(command)), summary_(std::move(summary)) {}
+  void flag(const std::string& name, const std::string& default_value, const std::string& help);
+  void toggle(const std::string& name, const std::string& help);  // boolean, no value
+  void positional(const std::string& name, const std::string& help);
+  // Throws sg::Error for bad input; returns false when --help was asked (usage printed).
+  bool parse(int argc, char** argv);
+
+  std::string str(const std::string& name) const;
+  int64_t i64(const std::string& name) const;
+  double f64(const std::string& name) const;
+  bool on(const std::string& name) const;
+  bool given(const std::string& name) const;  // set on the command line (not defaulted)
+  std::string usage() const;
+  std::vector<std::string> argv_copy;  // the command line, for run configs
+
+ private:
+  struct Flag {
+    std::string value, help;
+    bool is_toggle = false, given = false;
+  };
+  const Flag& get(const std::string& name) const;
+  std::string command_, summary_;
+  std::map<std::string, Flag> flags_;
+  std::vector<std::string> order_;
+  std::vector<std::pair<std::string, std::string>> positionals_;
+  std::vector<std::string> positional_values_;
+};
+
+}  // namespace sg::cli

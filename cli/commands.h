@@ -1,0 +1,7 @@
+// The shardgrad subcommands.
+#pragma once
+
+namespace sg::cli {
+int train_main(int argc, char** argv);
+int generate_main(int argc, char** argv);
+}  // namespace sg::cli

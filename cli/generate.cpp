@@ -1,0 +1,97 @@
+// shardgrad generate: sample from a trained model (a checkpoint directory or a .safetensors file).
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+
+#include "autograd/ops.h"
+#include "autograd/tape.h"
+#include "cli/args.h"
+#include "cli/commands.h"
+#include "core/philox.h"
+#include "io/dataset.h"
+#include "models/gpt.h"
+#include "parallel/checkpoint.h"
+
+namespace sg::cli {
+
+int generate_main(int argc, char** argv) {
+  Args a("generate", "Sample from a model trained on bytes or on the synthetic task.");
+  a.flag("from", "", "checkpoint directory (run or step) or a .safetensors file written by shardgrad");
+  a.flag("prompt", "", "text to continue");
+  a.flag("max-new-tokens", "64", "tokens to sample");
+  a.flag("temperature", "1.0", "softmax temperature (0 = greedy)");
+  a.flag("top-k", "0", "sample among the k most likely tokens (0 = all)");
+  a.flag("seed", "42", "sampling seed");
+  a.flag("n-head", "0", "head count, for files that do not record it");
+  a.flag("data", "", "tokenizer: synthetic or a text file's bytes (default: what the model was trained on)");
+  if (!a.parse(argc, argv)) {
+    std::printf("%s", a.usage().c_str());
+    return 0;
+  }
+  SG_CHECK(!a.str("from").empty(), "generate: --from is required");
+  const int64_t max_new = a.i64("max-new-tokens"), top_k = a.i64("top-k");
+  const double temperature = a.f64("temperature");
+  SG_CHECK(max_new >= 0, "generate: --max-new-tokens must be >= 0");
+  SG_CHECK(temperature >= 0, "generate: --temperature must be >= 0");
+  SG_CHECK(top_k >= 0, "generate: --top-k must be >= 0");
+
+  std::string from = a.str("from");
+  std::string file = from;
+  if (std::filesystem::is_directory(from)) file = (std::filesystem::path(ckpt::resolve_checkpoint(from)) / "model.safetensors").string();
+  io::SafetensorsFile weights = io::load_safetensors(file);
+  nn::GPTConfig cfg = nn::config_from_hf(weights, a.i64("n-head"));
+  nn::GPT model(cfg);
+  nn::load_hf_state(model, weights);
+
+  std::string data = a.str("data");
+  if (data.empty()) {
+    auto it = weights.metadata.find("data");
+    data = it != weights.metadata.end() ? it->second : "";
+  }
+  SG_CHECK(!data.empty(), "generate: ", file, " does not say what data it was trained on; pass --data");
+  io::DataOptions opt;
+  opt.spec = data;
+  std::unique_ptr<io::Dataset> tok = io::open_dataset(opt);
+
+  std::vector<int64_t> ids = tok->encode(a.str("prompt"));
+  SG_CHECK(!ids.empty(), "generate: the prompt is empty (give --prompt)");
+  const uint64_t seed = uint64_t(a.i64("seed"));
+  autograd::NoGradGuard ng;
+  std::vector<int64_t> out;
+  for (int64_t s = 0; s < max_new; ++s) {
+    const int64_t start = std::max<int64_t>(0, int64_t(ids.size()) - cfg.block_size);
+    std::vector<int64_t> window(ids.begin() + start, ids.end());
+    Tensor logits = model.forward(from_vector(window, {1, int64_t(window.size())}));
+    std::vector<float> last = to_vector<float>(narrow(logits, 1, int64_t(window.size()) - 1, 1));
+    last.resize(size_t(cfg.vocab_size));  // the padded columns are never sampled
+    int64_t next = 0;
+    if (temperature == 0) {
+      next = std::max_element(last.begin(), last.end()) - last.begin();
+    } else {
+      std::vector<int64_t> order(last.size());
+      for (size_t i = 0; i < order.size(); ++i) order[i] = int64_t(i);
+      std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return last[size_t(x)] > last[size_t(y)]; });
+      if (top_k > 0 && top_k < int64_t(order.size())) order.resize(size_t(top_k));
+      double mx = last[size_t(order[0])], z = 0;
+      std::vector<double> p;
+      for (int64_t i : order) z += p.emplace_back(std::exp((last[size_t(i)] - mx) / temperature));
+      double u = double(Philox::uniform(seed, 0x6e6e, uint64_t(s))) * z;
+      next = order.back();
+      for (size_t i = 0; i < order.size(); ++i) {
+        if ((u -= p[i]) <= 0) {
+          next = order[i];
+          break;
+        }
+      }
+    }
+    ids.push_back(next);
+    out.push_back(next);
+  }
+  std::printf("%s%s\n", a.str("prompt").c_str(), tok->decode(out).c_str());
+  return 0;
+}
+
+}  // namespace sg::cli

@@ -1,0 +1,32 @@
+// shardgrad: train, generate (bench, plan and export arrive with their issues).
+#include <cstdio>
+#include <cstring>
+#include <exception>
+
+#include "cli/commands.h"
+
+static void usage() {
+  std::printf(
+      "usage: shardgrad <command> [flags]\n\n"
+      "commands:\n"
+      "  train      train a GPT-2-family model (default: tiny model on the built-in synthetic task, CPU)\n"
+      "  generate   sample text from a trained model\n\n"
+      "run 'shardgrad <command> --help' for the flags of a command.\n");
+}
+
+int main(int argc, char** argv) {
+  if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
+    usage();
+    return argc < 2 ? 2 : 0;
+  }
+  try {
+    if (!std::strcmp(argv[1], "train")) return sg::cli::train_main(argc - 2, argv + 2);
+    if (!std::strcmp(argv[1], "generate")) return sg::cli::generate_main(argc - 2, argv + 2);
+    std::fprintf(stderr, "shardgrad: unknown command '%s'\n", argv[1]);
+    usage();
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "shardgrad %s: error: %s\n", argv[1], e.what());
+    return 1;
+  }
+}

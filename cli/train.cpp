@@ -1,0 +1,403 @@
+// shardgrad train: the single-process training loop (strategies wrap the same steps).
+// One step: the loader's global batch -> micro-batches (gradient accumulation) -> forward/backward
+// on a tape each -> global-norm clipping -> AdamW on f32 master weights -> progress line.
+#include <omp.h>
+
+#include <Eigen/Core>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include "autograd/ops.h"
+#include "autograd/tape.h"
+#include "cli/args.h"
+#include "cli/commands.h"
+#include "io/dataset.h"
+#include "io/synthetic.h"
+#include "models/gpt.h"
+#include "optim/loss_scaler.h"
+#include "optim/optim.h"
+#include "parallel/checkpoint.h"
+
+namespace sg::cli {
+
+namespace {
+
+using nlohmann::json;
+
+void declare_flags(Args& a) {
+  a.flag("model", "tiny", "preset: tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl");
+  a.flag("n-layer", "0", "override the preset's layer count");
+  a.flag("n-head", "0", "override the preset's head count");
+  a.flag("n-embd", "0", "override the preset's width");
+  a.flag("block-size", "0", "override the preset's longest sequence (rows of wpe)");
+  a.flag("vocab-size", "0", "vocabulary (0 = the data's own: 256 bytes, 50257 GPT-2 tokens, the task's)");
+  a.flag("seq-len", "0", "tokens per training row T (0 = the model's block size)");
+  a.flag("dropout", "0", "dropout probability");
+  a.flag("recompute", "none", "activation recompute: none, selective (attention core) or full (whole blocks)");
+  a.flag("data", "synthetic", "synthetic | FILE.txt (bytes) | 'GLOB.bin' (llm.c token shards)");
+  a.toggle("shuffle", "draw rows at seeded random positions instead of reading sequentially");
+  a.flag("batch-size", "32", "global batch: sequences per optimizer step");
+  a.flag("micro-batch-size", "0", "sequences per forward/backward (0 = the whole batch); must divide --batch-size");
+  a.flag("steps", "300", "optimizer steps");
+  a.flag("lr", "3e-3", "peak learning rate");
+  a.flag("lr-schedule", "cosine", "constant | cosine");
+  a.flag("warmup-steps", "20", "linear warmup steps");
+  a.flag("min-lr", "0", "final learning rate of the cosine schedule");
+  a.flag("beta1", "0.9", "AdamW beta1");
+  a.flag("beta2", "0.95", "AdamW beta2");
+  a.flag("eps", "1e-8", "AdamW epsilon");
+  a.flag("weight-decay", "0.1", "AdamW decoupled weight decay (matrices and embeddings only)");
+  a.flag("clip", "1.0", "clip the global gradient norm to this (0 = off)");
+  a.flag("seed", "1337", "seed for init, data order and dropout");
+  a.flag("device", "cpu", "cpu or cuda:N");
+  a.flag("dtype", "fp32", "fp32 | bf16 | fp16 (half types keep f32 master weights; fp16 uses loss scaling)");
+  a.flag("init-from", "", "start from a Hugging Face-named GPT-2 .safetensors file");
+  a.flag("save", "", "run directory for checkpoints (never overwritten)");
+  a.flag("save-every", "0", "checkpoint every N steps (0 = only at the end, when --save is given)");
+  a.flag("resume", "", "continue from a run directory or step directory");
+  a.flag("eval-every", "100", "evaluate every N steps (0 = only at the end)");
+  a.flag("eval-batches", "4", "validation batches per evaluation");
+  a.flag("eval-problems", "200", "synthetic task: problems for the accuracy figure");
+  a.flag("log-json", "", "write one JSON object per step to this file");
+  a.flag("threads", "0", "CPU threads (0 = all cores)");
+}
+
+int64_t positive(const Args& a, const std::string& f, int64_t min = 1) {
+  int64_t v = a.i64(f);
+  SG_CHECK(v >= min, "train: --", f, " must be >= ", min, ", got ", v);
+  return v;
+}
+
+nn::GPTConfig model_config(const Args& a, int64_t data_vocab) {
+  nn::GPTConfig c = nn::gpt_preset(a.str("model"));
+  if (a.i64("n-layer")) c.n_layer = positive(a, "n-layer");
+  if (a.i64("n-head")) c.n_head = positive(a, "n-head");
+  if (a.i64("n-embd")) c.n_embd = positive(a, "n-embd");
+  if (a.i64("block-size")) c.block_size = positive(a, "block-size");
+  c.vocab_size = data_vocab;
+  if (a.i64("vocab-size")) {
+    int64_t v = positive(a, "vocab-size");
+    SG_CHECK(v >= data_vocab, "train: --vocab-size ", v, " is smaller than the data's vocabulary ", data_vocab);
+    c.vocab_size = v;
+  }
+  c.dropout = a.f64("dropout");
+  if (a.i64("seq-len") > c.block_size && !a.i64("block-size")) c.block_size = a.i64("seq-len");
+  c.validate();
+  return c;
+}
+
+std::map<std::string, std::string> config_metadata(const nn::GPTConfig& c, const std::string& data) {
+  return {{"format", "shardgrad-gpt2"},        {"n_layer", std::to_string(c.n_layer)},
+          {"n_head", std::to_string(c.n_head)}, {"n_embd", std::to_string(c.n_embd)},
+          {"block_size", std::to_string(c.block_size)}, {"vocab_size", std::to_string(c.vocab_size)},
+          {"padded_vocab", std::to_string(c.vocab_rows())}, {"data", data}};
+}
+
+std::string human_bytes(int64_t b) {
+  char buf[32];
+  if (b >= (int64_t(1) << 30)) std::snprintf(buf, sizeof buf, "%.2f GiB", double(b) / double(int64_t(1) << 30));
+  else std::snprintf(buf, sizeof buf, "%.1f MiB", double(b) / double(1 << 20));
+  return buf;
+}
+
+json ledger_json(Device d) {
+  MemStats s = Ledger::global().stats(d);
+  json j;
+  for (int c = 0; c < kNumMemCategories; ++c)
+    j[mem_category_name(MemCategory(c))] = {{"current", s.current[size_t(c)]}, {"peak", s.peak[size_t(c)]}};
+  j["total"] = {{"current", s.total_current}, {"peak", s.total_peak}};
+  return j;
+}
+
+class Trainer {
+ public:
+  explicit Trainer(const Args& a) : args_(a) {}
+  int run();
+
+ private:
+  void setup();
+  double train_step(int64_t step, double lr, double& grad_norm, bool& applied);
+  json evaluate();
+  void save(int64_t next_step);
+  void resume(const std::string& dir);
+
+  const Args& args_;
+  Device device_;
+  DType dtype_ = DType::f32;
+  io::DataOptions data_opt_;
+  std::unique_ptr<io::Dataset> train_, val_;
+  nn::GPTConfig cfg_;
+  std::unique_ptr<nn::GPT> model_;
+  io::NamedTensors master_;  // what the optimizer updates: the params (f32) or f32 copies (bf16/f16)
+  std::unique_ptr<optim::AdamW> opt_;
+  optim::LrSchedule sched_;
+  optim::LossScaler scaler_;
+  int64_t B_ = 0, T_ = 0, micro_ = 0, steps_ = 0, start_step_ = 0;
+  uint64_t seed_ = 0;
+  std::string save_dir_;
+};
+
+void Trainer::setup() {
+  const Args& a = args_;
+  const int64_t threads = a.i64("threads");
+  SG_CHECK(threads >= 0, "train: --threads must be >= 0");
+  const int nt = threads ? int(threads) : int(std::max(1u, std::thread::hardware_concurrency()));
+  omp_set_num_threads(nt);
+  Eigen::setNbThreads(nt);
+
+  device_ = parse_device(a.str("device"));
+  dtype_ = parse_dtype(a.str("dtype"));
+  SG_CHECK(dtype_ == DType::f32 || dtype_ == DType::bf16 || dtype_ == DType::f16, "train: --dtype must be fp32, bf16 or fp16");
+  seed_ = uint64_t(a.i64("seed"));
+  B_ = positive(a, "batch-size");
+  micro_ = a.i64("micro-batch-size") ? positive(a, "micro-batch-size") : B_;
+  SG_CHECK(B_ % micro_ == 0, "train: --micro-batch-size ", micro_, " does not divide --batch-size ", B_);
+  steps_ = positive(a, "steps");
+  positive(a, "eval-batches");
+  SG_CHECK(a.i64("save-every") >= 0 && a.i64("eval-every") >= 0, "train: --save-every/--eval-every must be >= 0");
+
+  data_opt_.spec = a.str("data");
+  data_opt_.seed = seed_;
+  data_opt_.shuffle = a.on("shuffle");
+  train_ = io::open_dataset(data_opt_);
+  io::DataOptions vo = data_opt_;
+  vo.split = io::Split::val;
+  val_ = io::open_dataset(vo);
+
+  std::optional<ckpt::LoadedCheckpoint> ck;
+  if (!a.str("resume").empty()) ck = ckpt::load_checkpoint(a.str("resume"));
+  if (ck) {
+    cfg_ = nn::config_from_hf(ck->model);
+    for (const char* f : {"n-layer", "n-head", "n-embd", "block-size", "vocab-size"}) {
+      if (!a.given(f)) continue;
+      int64_t want = a.i64(f);
+      int64_t have = std::string(f) == "n-layer" ? cfg_.n_layer
+                     : std::string(f) == "n-head" ? cfg_.n_head
+                     : std::string(f) == "n-embd" ? cfg_.n_embd
+                     : std::string(f) == "block-size" ? cfg_.block_size : cfg_.vocab_size;
+      SG_CHECK(want == have, "train: --", f, " ", want, " does not match the checkpoint ", ck->path, " (", have, ")");
+    }
+    cfg_.dropout = a.f64("dropout");
+  } else if (!a.str("init-from").empty()) {
+    io::SafetensorsFile f = io::load_safetensors(a.str("init-from"));
+    cfg_ = nn::config_from_hf(f, a.i64("n-head"));
+    cfg_.dropout = a.f64("dropout");
+  } else {
+    cfg_ = model_config(a, train_->vocab_size());
+  }
+  SG_CHECK(cfg_.vocab_size >= train_->vocab_size(), "train: the model's vocabulary ", cfg_.vocab_size,
+           " is smaller than the data's ", train_->vocab_size());
+  T_ = a.i64("seq-len") ? positive(a, "seq-len") : cfg_.block_size;
+  SG_CHECK(T_ <= cfg_.block_size, "train: --seq-len ", T_, " exceeds the model's block size ", cfg_.block_size);
+
+  model_ = std::make_unique<nn::GPT>(cfg_, dtype_, device_);
+  model_->recompute = nn::parse_recompute(a.str("recompute"));
+  if (ck) {
+    load_hf_state(*model_, ck->model);
+  } else if (!a.str("init-from").empty()) {
+    load_hf_state(*model_, io::load_safetensors(a.str("init-from")));
+  } else {
+    model_->init_weights(seed_);
+  }
+  if (dtype_ == DType::f32) {
+    master_ = model_->named_parameters();
+  } else {
+    MemScope scope(MemCategory::optim_state);  // f32 master weights are optimizer state (ZeRO's K)
+    for (auto& [n, p] : model_->named_parameters()) master_.emplace_back(n, to(p, DType::f32));
+  }
+  optim::AdamWConfig oc;
+  oc.beta1 = a.f64("beta1");
+  oc.beta2 = a.f64("beta2");
+  oc.eps = a.f64("eps");
+  oc.weight_decay = a.f64("weight-decay");
+  SG_CHECK(oc.beta1 >= 0 && oc.beta1 < 1 && oc.beta2 >= 0 && oc.beta2 < 1, "train: --beta1/--beta2 must be in [0, 1)");
+  SG_CHECK(oc.eps > 0 && oc.weight_decay >= 0, "train: --eps must be > 0 and --weight-decay >= 0");
+  SG_CHECK(a.f64("clip") >= 0, "train: --clip must be >= 0");
+  opt_ = std::make_unique<optim::AdamW>(master_, oc);
+  sched_.kind = a.str("lr-schedule");
+  sched_.lr = a.f64("lr");
+  sched_.min_lr = a.f64("min-lr");
+  sched_.warmup_steps = a.i64("warmup-steps");
+  sched_.total_steps = steps_;
+  sched_.validate();
+  dropout_generator() = DropoutGenerator{seed_ ^ 0xd50b5eedull, 0};
+
+  if (ck) {
+    const json& s = ck->state;
+    start_step_ = s.at("step").get<int64_t>();
+    SG_CHECK(start_step_ <= steps_, "train: the checkpoint is at step ", start_step_, " but --steps is ", steps_);
+    train_->set_position(s.at("train_position").get<int64_t>());
+    dropout_generator().next_stream = s.at("dropout_stream").get<uint64_t>();
+    scaler_.scale = s.value("loss_scale", scaler_.scale);
+    scaler_.clean_steps = s.value("loss_scale_clean_steps", int64_t(0));
+    scaler_.skipped_steps = s.value("skipped_steps", int64_t(0));
+    io::NamedTensors st(ck->optim.tensors.begin(), ck->optim.tensors.end());
+    opt_->load_state(st, s.at("optimizer_step").get<int64_t>());
+    if (dtype_ != DType::f32) {  // master weights were saved exactly
+      for (auto& [n, m] : master_) copy_(m, ck->optim.at(n + ".master"));
+    }
+  }
+  save_dir_ = a.str("save");
+  if (!save_dir_.empty() && std::filesystem::exists(save_dir_) && save_dir_ != a.str("resume") &&
+      std::filesystem::exists(std::filesystem::path(save_dir_) / "latest") && !ck) {
+    throw Error(str("train: --save ", save_dir_, " already holds a run; choose another directory or --resume it"));
+  }
+}
+
+double Trainer::train_step(int64_t step, double lr, double& grad_norm, bool& applied) {
+  io::Batch b = train_->next(B_, T_);
+  const int64_t counted = count_targets(b.targets, -1);
+  SG_CHECK(counted > 0, "train: step ", step, " has no targets to predict");
+  const double loss_scale = dtype_ == DType::f16 ? scaler_.scale : 1.0;
+  Tensor idx = to(b.inputs, device_), tgt = to(b.targets, device_);
+  double loss_sum = 0;
+  for (int64_t m = 0; m < B_ / micro_; ++m) {
+    Tensor mi = narrow(idx, 0, m * micro_, micro_), mt = narrow(tgt, 0, m * micro_, micro_);
+    autograd::Tape tape;
+    Tensor loss;
+    {
+      autograd::TapeScope scope(tape);
+      // Sum over this micro-batch / tokens in the whole batch: the accumulated gradient is the
+      // gradient of the global batch's mean loss, whatever the micro-batch split.
+      loss = model_->loss(mi, mt, true, loss_scale / double(counted));
+    }
+    loss_sum += item(loss) / loss_scale;
+    tape.backward(loss);
+  }
+  std::vector<Tensor> grads_of;
+  if (dtype_ != DType::f32) {
+    autograd::NoGradGuard ng;
+    auto params = model_->named_parameters();
+    for (size_t i = 0; i < params.size(); ++i) {
+      Tensor g = params[i].second.grad();
+      if (g.defined()) {
+        MemScope scope(MemCategory::grad);
+        master_[i].second.set_grad(mul(to(g, DType::f32), 1.0 / loss_scale));
+      }
+    }
+  }
+  std::vector<Tensor> ps;
+  for (auto& [n, p] : master_) ps.push_back(p);
+  grad_norm = optim::global_grad_norm(ps);
+  applied = std::isfinite(grad_norm);
+  if (dtype_ == DType::f16) applied = scaler_.update(!applied);
+  SG_CHECK(applied || dtype_ == DType::f16, "train: non-finite gradient norm at step ", step, " (loss ", loss_sum, ")");
+  if (applied) {
+    opt_->step(lr, optim::clip_coefficient(grad_norm, args_.f64("clip")));
+    if (dtype_ != DType::f32) {
+      autograd::NoGradGuard ng;
+      auto params = model_->named_parameters();
+      for (size_t i = 0; i < params.size(); ++i) copy_(params[i].second, master_[i].second);
+    }
+  }
+  model_->zero_grad();
+  for (auto& [n, p] : master_) p.set_grad(Tensor());
+  return loss_sum;
+}
+
+json Trainer::evaluate() {
+  autograd::NoGradGuard ng;
+  json out;
+  val_->set_position(0);  // the same held-out batches at every evaluation
+  double total = 0;
+  const int64_t nb = args_.i64("eval-batches");
+  for (int64_t i = 0; i < nb; ++i) {
+    io::Batch b = val_->next(B_, T_);
+    total += item(model_->loss(to(b.inputs, device_), to(b.targets, device_)));
+  }
+  out["val_loss"] = total / double(nb);
+  if (auto* task = dynamic_cast<const io::SyntheticDataset*>(val_.get())) {
+    auto logits_fn = [this](const Tensor& idx) { return to(model_->forward(to(idx, device_)), Device::cpu()); };
+    out["accuracy"] = io::synthetic_accuracy(task->task(), logits_fn, args_.i64("eval-problems"), cfg_.block_size, seed_ + 1);
+  }
+  return out;
+}
+
+void Trainer::save(int64_t next_step) {
+  json s;
+  s["step"] = next_step;
+  s["optimizer_step"] = opt_->steps();
+  s["train_position"] = train_->position();
+  s["dropout_stream"] = dropout_generator().next_stream;
+  s["loss_scale"] = scaler_.scale;
+  s["loss_scale_clean_steps"] = scaler_.clean_steps;
+  s["skipped_steps"] = scaler_.skipped_steps;
+  s["seed"] = seed_;
+  s["dtype"] = dtype_name(dtype_);
+  s["data"] = data_opt_.spec;
+  s["argv"] = args_.argv_copy;
+  io::NamedTensors optim_state = opt_->state();
+  if (dtype_ != DType::f32)
+    for (auto& [n, m] : master_) optim_state.emplace_back(n + ".master", m);
+  std::string where = ckpt::save_checkpoint(save_dir_, next_step, nn::hf_state_dict(*model_),
+                                            config_metadata(cfg_, data_opt_.spec), optim_state, s);
+  std::printf("saved checkpoint %s\n", where.c_str());
+}
+
+int Trainer::run() {
+  setup();
+  std::unique_ptr<std::ofstream> log;
+  if (!args_.str("log-json").empty()) {
+    log = std::make_unique<std::ofstream>(args_.str("log-json"), start_step_ ? std::ios::app : std::ios::trunc);
+    SG_CHECK(log->good(), "train: cannot write --log-json ", args_.str("log-json"));
+  }
+  std::printf("shardgrad train | model %s: %lld layers, %lld heads, width %lld, vocab %lld (padded %lld), %.2fM params\n",
+              cfg_.name.c_str(), (long long)cfg_.n_layer, (long long)cfg_.n_head, (long long)cfg_.n_embd,
+              (long long)cfg_.vocab_size, (long long)cfg_.vocab_rows(), double(model_->num_parameters()) / 1e6);
+  std::printf("data %s | batch %lld x %lld tokens (micro-batch %lld) | %s %s | %d threads | steps %lld..%lld\n",
+              train_->describe().c_str(), (long long)B_, (long long)T_, (long long)micro_, device_.str().c_str(),
+              dtype_name(dtype_), omp_get_max_threads(), (long long)start_step_, (long long)steps_);
+  std::fflush(stdout);
+  const int64_t save_every = args_.i64("save-every"), eval_every = args_.i64("eval-every");
+  for (int64_t step = start_step_; step < steps_; ++step) {
+    const double lr = sched_.at(step);
+    Ledger::global().reset_peaks(device_);
+    auto t0 = std::chrono::steady_clock::now();
+    double norm = 0;
+    bool applied = true;
+    const double loss = train_step(step, lr, norm, applied);
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    const double tps = double(B_ * T_) / (ms / 1000.0);
+    const MemStats mem = Ledger::global().stats(device_);
+    std::printf("step %5lld/%lld | loss %.4f | lr %.2e | norm %.3f | %7.1f ms | %8.0f tok/s | peak %s%s\n",
+                (long long)step + 1, (long long)steps_, loss, lr, norm, ms, tps, human_bytes(mem.total_peak).c_str(),
+                applied ? "" : " | skipped (overflow)");
+    std::fflush(stdout);
+    json rec = {{"step", step + 1}, {"loss", loss}, {"lr", lr}, {"grad_norm", norm}, {"step_ms", ms},
+                {"tokens_per_s", tps}, {"mem", ledger_json(device_)}, {"skipped", !applied}};
+    const bool last = step + 1 == steps_;
+    if ((eval_every && (step + 1) % eval_every == 0) || last) {
+      json ev = evaluate();
+      std::printf("eval  step %lld | val loss %.4f", (long long)step + 1, ev["val_loss"].get<double>());
+      if (ev.contains("accuracy")) std::printf(" | task accuracy %.1f%%", 100.0 * ev["accuracy"].get<double>());
+      std::printf("\n");
+      std::fflush(stdout);
+      rec["eval"] = ev;
+    }
+    if (log) {
+      *log << rec.dump() << "\n";
+      log->flush();
+    }
+    if (!save_dir_.empty() && ((save_every && (step + 1) % save_every == 0) || last)) save(step + 1);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int train_main(int argc, char** argv) {
+  Args a("train", "Train a GPT-2-family model. Defaults: the tiny model on the built-in synthetic addition task.");
+  declare_flags(a);
+  if (!a.parse(argc, argv)) {
+    std::printf("%s", a.usage().c_str());
+    return 0;
+  }
+  Trainer t(a);
+  return t.run();
+}
+
+}  // namespace sg::cli

@@ -1,0 +1,246 @@
+#include "models/gpt.h"
+
+#include <cmath>
+#include <set>
+
+#include "autograd/ops.h"
+#include "autograd/recompute.h"
+#include "autograd/tape.h"
+#include "core/philox.h"
+
+namespace sg::nn {
+
+Recompute parse_recompute(const std::string& s) {
+  if (s == "none") return Recompute::none;
+  if (s == "selective") return Recompute::selective;
+  if (s == "full") return Recompute::full;
+  throw Error(str("--recompute: unknown mode '", s, "' (expected none, selective or full)"));
+}
+
+int64_t GPTConfig::vocab_rows() const { return padded_vocab > 0 ? padded_vocab : (vocab_size + 63) / 64 * 64; }
+
+void GPTConfig::validate() const {
+  SG_CHECK(n_layer >= 1, "model: n_layer must be >= 1, got ", n_layer);
+  SG_CHECK(n_head >= 1, "model: n_head must be >= 1, got ", n_head);
+  SG_CHECK(n_embd >= 1 && n_embd % n_head == 0, "model: n_embd ", n_embd, " is not divisible by n_head ", n_head);
+  SG_CHECK(block_size >= 1, "model: block_size (seq-len) must be >= 1, got ", block_size);
+  SG_CHECK(vocab_size >= 1, "model: vocab_size must be >= 1, got ", vocab_size);
+  SG_CHECK(padded_vocab == 0 || padded_vocab >= vocab_size, "model: padded vocabulary ", padded_vocab,
+           " is smaller than the vocabulary ", vocab_size);
+  SG_CHECK(dropout >= 0 && dropout < 1, "model: dropout ", dropout, " outside [0, 1)");
+}
+
+int64_t GPTConfig::num_params() const {
+  const int64_t C = n_embd;
+  const int64_t per_block = 2 * C + (C * 3 * C + 3 * C) + (C * C + C) + 2 * C + (C * 4 * C + 4 * C) + (4 * C * C + C);
+  return vocab_rows() * C + block_size * C + n_layer * per_block + 2 * C;
+}
+
+GPTConfig gpt_preset(const std::string& name) {
+  GPTConfig c;
+  c.name = name;
+  if (name == "tiny") {
+    c.n_layer = 2; c.n_head = 4; c.n_embd = 64; c.block_size = 64; c.vocab_size = 256;
+  } else if (name == "gpt2") {
+    c.n_layer = 12; c.n_head = 12; c.n_embd = 768;
+  } else if (name == "gpt2-medium") {
+    c.n_layer = 24; c.n_head = 16; c.n_embd = 1024;
+  } else if (name == "gpt2-large") {
+    c.n_layer = 36; c.n_head = 20; c.n_embd = 1280;
+  } else if (name == "gpt2-xl") {
+    c.n_layer = 48; c.n_head = 25; c.n_embd = 1600;
+  } else {
+    throw Error(str("--model: unknown preset '", name, "' (expected tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl)"));
+  }
+  return c;
+}
+
+CausalSelfAttention::CausalSelfAttention(const GPTConfig& c, DType dtype, Device device)
+    : n_head(c.n_head), dropout(c.dropout) {
+  c_attn = register_module("c_attn", std::make_shared<Linear>(c.n_embd, 3 * c.n_embd, true, dtype, device));
+  c_proj = register_module("c_proj", std::make_shared<Linear>(c.n_embd, c.n_embd, true, dtype, device));
+}
+
+Tensor CausalSelfAttention::forward(const Tensor& x, bool recompute_core) const {
+  const int64_t B = x.size(0), T = x.size(1), C = x.size(2), H = n_head, D = C / H;
+  Tensor qkv = c_attn->forward(x);  // [B, T, 3C]: q, k, v side by side
+  auto heads = [&](int64_t part) { return permute(reshape(narrow(qkv, 2, part * C, C), {B, T, H, D}), {0, 2, 1, 3}); };
+  auto core = [](const autograd::TensorList& in) { return autograd::TensorList{attention(in[0], in[1], in[2], true)}; };
+  autograd::TensorList qkv_heads{heads(0), heads(1), heads(2)};
+  // selective recompute: only the attention core is re-run in backward (its saved q, k, v, out go)
+  Tensor y = recompute_core ? autograd::recompute(core, qkv_heads, {})[0] : core(qkv_heads)[0];
+  y = reshape(permute(y, {0, 2, 1, 3}), {B, T, C});
+  return dropout > 0 ? sg::dropout(c_proj->forward(y), dropout) : c_proj->forward(y);
+}
+
+MLP::MLP(const GPTConfig& c, DType dtype, Device device) {
+  c_fc = register_module("c_fc", std::make_shared<Linear>(c.n_embd, 4 * c.n_embd, true, dtype, device));
+  c_proj = register_module("c_proj", std::make_shared<Linear>(4 * c.n_embd, c.n_embd, true, dtype, device));
+}
+
+Tensor MLP::forward(const Tensor& x) const { return c_proj->forward(gelu(c_fc->forward(x))); }
+
+Block::Block(const GPTConfig& c, DType dtype, Device device) : dropout(c.dropout) {
+  ln_1 = register_module("ln_1", std::make_shared<LayerNorm>(c.n_embd, c.ln_eps, dtype, device));
+  attn = register_module("attn", std::make_shared<CausalSelfAttention>(c, dtype, device));
+  ln_2 = register_module("ln_2", std::make_shared<LayerNorm>(c.n_embd, c.ln_eps, dtype, device));
+  mlp = register_module("mlp", std::make_shared<MLP>(c, dtype, device));
+}
+
+Tensor Block::forward(const Tensor& x, Recompute rc) const {
+  auto body = [this, rc](const autograd::TensorList& in) {
+    Tensor h = add(in[0], attn->forward(ln_1->forward(in[0]), rc == Recompute::selective));
+    Tensor m = mlp->forward(ln_2->forward(h));
+    return autograd::TensorList{add(h, dropout > 0 ? sg::dropout(m, dropout) : m)};
+  };
+  if (rc == Recompute::full) return autograd::recompute(body, {x}, parameters())[0];
+  return body({x})[0];
+}
+
+GPT::GPT(const GPTConfig& c, DType dtype, Device device) : config(c) {
+  c.validate();
+  wte = register_module("wte", std::make_shared<Embedding>(c.vocab_rows(), c.n_embd, dtype, device));
+  wpe = register_module("wpe", std::make_shared<Embedding>(c.block_size, c.n_embd, dtype, device));
+  for (int64_t i = 0; i < c.n_layer; ++i) h.push_back(register_module("h." + std::to_string(i), std::make_shared<Block>(c, dtype, device)));
+  ln_f = register_module("ln_f", std::make_shared<LayerNorm>(c.n_embd, c.ln_eps, dtype, device));
+}
+
+void GPT::init_weights(uint64_t seed) {
+  autograd::NoGradGuard ng;
+  const double std_resid = 0.02 / std::sqrt(2.0 * double(config.n_layer));
+  for (auto& [name, p] : named_parameters()) {
+    const bool is_bias = name.size() >= 5 && name.compare(name.size() - 5, 5, ".bias") == 0;
+    const bool is_ln = name.find("ln_") != std::string::npos;
+    if (is_ln) {
+      fill_(p, is_bias ? 0.0 : 1.0);
+    } else if (is_bias) {
+      zero_(p);
+    } else {
+      const bool resid = name.find("c_proj.weight") != std::string::npos;
+      Tensor r = randn(p.shape(), seed, rng_stream_from_name(name.c_str()), 0.0, resid ? std_resid : 0.02, p.dtype(), p.device());
+      copy_(p, r);
+    }
+  }
+  // Padded vocabulary rows are never looked up and never predicted: keep them zero.
+  const int64_t V = config.vocab_size, Vp = config.vocab_rows();
+  if (Vp > V) zero_(narrow(wte->weight, 0, V, Vp - V));
+}
+
+Tensor GPT::forward(const Tensor& idx) const {
+  SG_CHECK(idx.dim() == 2, "GPT: idx must be [B, T], got ", shape_str(idx.shape()));
+  const int64_t T = idx.size(1);
+  SG_CHECK(T <= config.block_size, "GPT: sequence length ", T, " exceeds block_size ", config.block_size);
+  Tensor pos = arange(T, DType::i64, idx.device());
+  Tensor x = add(wte->forward(idx), wpe->forward(pos));  // [B,T,C] + [T,C]
+  if (config.dropout > 0) x = dropout(x, config.dropout);
+  for (const auto& block : h) x = block->forward(x, recompute);
+  x = ln_f->forward(x);
+  return matmul(x, transpose(wte->weight, 0, 1));  // tied head: logits = x wte^T
+}
+
+Tensor GPT::loss(const Tensor& idx, const Tensor& targets, bool sum, double scale) const {
+  Tensor logits = forward(idx);
+  CrossEntropyOptions o;
+  o.vocab = config.vocab_size;
+  o.ignore_index = -1;
+  o.sum = sum;
+  o.scale = scale;
+  return cross_entropy(logits, targets, o);
+}
+
+// ---- Hugging Face names ----
+
+namespace {
+bool is_conv1d(const std::string& name) {
+  for (const char* s : {".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight"}) {
+    std::string suf(s);
+    if (name.size() >= suf.size() && name.compare(name.size() - suf.size(), suf.size(), suf) == 0) return true;
+  }
+  return false;
+}
+}  // namespace
+
+io::NamedTensors hf_state_dict(const GPT& model) {
+  autograd::NoGradGuard ng;
+  io::NamedTensors out;
+  for (auto& [name, p] : model.named_parameters()) {
+    if (name == "wte.weight") out.emplace_back(name, contiguous(narrow(p, 0, 0, model.config.vocab_size)));
+    else if (is_conv1d(name)) out.emplace_back(name, contiguous(transpose(p, 0, 1)));
+    else out.emplace_back(name, p);
+  }
+  return out;
+}
+
+static std::string strip_prefix(const std::string& n) {
+  const std::string pre = "transformer.";
+  return n.rfind(pre, 0) == 0 ? n.substr(pre.size()) : n;
+}
+
+void load_hf_state(GPT& model, const io::SafetensorsFile& file) {
+  autograd::NoGradGuard ng;
+  std::map<std::string, Tensor> by_name;
+  for (auto& [n, t] : file.tensors) by_name[strip_prefix(n)] = t;
+  std::set<std::string> used;
+  for (auto& [name, p] : model.named_parameters()) {
+    auto it = by_name.find(name);
+    SG_CHECK(it != by_name.end(), file.path, ": tensor '", name, "' is missing (the model expects it with shape ",
+             shape_str(name == "wte.weight" ? Shape{model.config.vocab_size, p.size(1)}
+                                            : (is_conv1d(name) ? Shape{p.size(1), p.size(0)} : p.shape())),
+             ")");
+    used.insert(name);
+    Tensor src = it->second;
+    if (name == "wte.weight") {
+      SG_CHECK(src.dim() == 2 && src.size(0) == model.config.vocab_size && src.size(1) == p.size(1), file.path,
+               ": tensor 'wte.weight' has shape ", shape_str(src.shape()), " but the model expects [",
+               model.config.vocab_size, ",", p.size(1), "]");
+      zero_(p);
+      copy_(narrow(p, 0, 0, model.config.vocab_size), src);
+    } else if (is_conv1d(name)) {
+      SG_CHECK(src.dim() == 2 && src.size(0) == p.size(1) && src.size(1) == p.size(0), file.path, ": tensor '", name,
+               "' has shape ", shape_str(src.shape()), " but the model expects [", p.size(1), ",", p.size(0),
+               "] (Conv1D [in, out])");
+      copy_(p, transpose(src, 0, 1));
+    } else {
+      SG_CHECK(src.shape() == p.shape(), file.path, ": tensor '", name, "' has shape ", shape_str(src.shape()),
+               " but the model expects ", shape_str(p.shape()));
+      copy_(p, src);
+    }
+  }
+  for (auto& [n, t] : by_name) {
+    if (used.count(n)) continue;
+    const bool mask_buffer = n.find(".attn.bias") != std::string::npos || n.find(".attn.masked_bias") != std::string::npos;
+    if (mask_buffer || n == "lm_head.weight") continue;  // causal masks; the tied head
+    throw Error(str(file.path, ": unexpected tensor '", n, "' (not part of a GPT-2 with ", model.config.n_layer,
+                    " layers)"));
+  }
+}
+
+GPTConfig config_from_hf(const io::SafetensorsFile& file, int64_t n_head_hint) {
+  std::map<std::string, Tensor> by_name;
+  for (auto& [n, t] : file.tensors) by_name[strip_prefix(n)] = t;
+  auto need = [&](const std::string& n) -> const Tensor& {
+    auto it = by_name.find(n);
+    SG_CHECK(it != by_name.end(), file.path, ": not a GPT-2 checkpoint (no '", n, "')");
+    return it->second;
+  };
+  GPTConfig c;
+  c.name = "from-file";
+  const Tensor& wte = need("wte.weight");
+  const Tensor& wpe = need("wpe.weight");
+  SG_CHECK(wte.dim() == 2 && wpe.dim() == 2, file.path, ": wte/wpe must be 2-D");
+  c.vocab_size = wte.size(0);
+  c.n_embd = wte.size(1);
+  c.block_size = wpe.size(0);
+  int64_t layers = 0;
+  while (by_name.count("h." + std::to_string(layers) + ".ln_1.weight")) ++layers;
+  c.n_layer = layers;
+  auto m = file.metadata.find("n_head");
+  c.n_head = m != file.metadata.end() ? std::stoll(m->second) : n_head_hint;
+  SG_CHECK(c.n_head > 0, file.path, ": the number of heads is not recorded; pass --n-head");
+  auto pv = file.metadata.find("padded_vocab");
+  if (pv != file.metadata.end()) c.padded_vocab = std::stoll(pv->second);
+  c.validate();
+  return c;
+}
+
+}  // namespace sg::nn

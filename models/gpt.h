@@ -1,0 +1,95 @@
+// GPT-2: learned positions, pre-LN blocks (attention then GELU-tanh MLP), final LayerNorm, the
+// output head tied to the token embedding. The body is a flat list of calls, as in llm.c.
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "io/safetensors.h"
+#include "models/module.h"
+
+namespace sg::nn {
+
+enum class Recompute { none, selective, full };
+Recompute parse_recompute(const std::string& s);
+
+struct GPTConfig {
+  std::string name = "custom";
+  int64_t n_layer = 12, n_head = 12, n_embd = 768;
+  int64_t block_size = 1024;   // longest sequence (rows of wpe)
+  int64_t vocab_size = 50257;  // real vocabulary
+  int64_t padded_vocab = 0;    // rows of wte; 0 = vocab rounded up to a multiple of 64
+  double dropout = 0.0;
+  double ln_eps = 1e-5;
+  int64_t vocab_rows() const;
+  int64_t head_dim() const { return n_embd / n_head; }
+  void validate() const;  // throws naming the field
+  // Ψ: parameter count (with the padded vocabulary rows, which is what is allocated).
+  int64_t num_params() const;
+};
+
+// tiny (tests), gpt2 (124M), gpt2-medium, gpt2-large, gpt2-xl. Throws for an unknown name.
+GPTConfig gpt_preset(const std::string& name);
+
+class CausalSelfAttention : public Module {
+ public:
+  CausalSelfAttention(const GPTConfig& c, DType dtype, Device device);
+  Tensor forward(const Tensor& x, bool recompute_core) const;
+  const char* type_name() const override { return "CausalSelfAttention"; }
+  std::shared_ptr<Linear> c_attn, c_proj;
+  int64_t n_head;
+  double dropout;
+};
+
+class MLP : public Module {
+ public:
+  MLP(const GPTConfig& c, DType dtype, Device device);
+  Tensor forward(const Tensor& x) const;
+  const char* type_name() const override { return "MLP"; }
+  std::shared_ptr<Linear> c_fc, c_proj;
+};
+
+class Block : public Module {
+ public:
+  Block(const GPTConfig& c, DType dtype, Device device);
+  Tensor forward(const Tensor& x, Recompute rc) const;
+  const char* type_name() const override { return "Block"; }
+  std::shared_ptr<LayerNorm> ln_1, ln_2;
+  std::shared_ptr<CausalSelfAttention> attn;
+  std::shared_ptr<MLP> mlp;
+  double dropout;
+};
+
+class GPT : public Module {
+ public:
+  explicit GPT(const GPTConfig& c, DType dtype = DType::f32, Device device = Device::cpu());
+  const char* type_name() const override { return "GPT"; }
+  // GPT-2 init from a seed: N(0, 0.02), residual projections N(0, 0.02/sqrt(2 n_layer)), zero
+  // biases, unit LayerNorm gains; padded vocabulary rows zero. Each parameter draws from its own
+  // Philox stream (named by the parameter), so the values do not depend on any sharding.
+  void init_weights(uint64_t seed);
+  // idx [B, T] -> logits [B, T, vocab_rows]
+  Tensor forward(const Tensor& idx) const;
+  // Mean cross-entropy over the targets that are not -1 (the padded columns never count).
+  // With sum=true: the sum, times scale (for averaging over a global batch).
+  Tensor loss(const Tensor& idx, const Tensor& targets, bool sum = false, double scale = 1.0) const;
+
+  GPTConfig config;
+  Recompute recompute = Recompute::none;
+  std::shared_ptr<Embedding> wte, wpe;
+  std::vector<std::shared_ptr<Block>> h;
+  std::shared_ptr<LayerNorm> ln_f;
+};
+
+// Hugging Face GPT-2 names and layouts: Conv1D weights are [in, out] there and [out, in] here;
+// wte has vocab_size rows there and vocab_rows here.
+io::NamedTensors hf_state_dict(const GPT& model);
+// Loads a Hugging Face-named state into the model (a "transformer." prefix and attn.bias /
+// attn.masked_bias buffers accepted; lm_head.weight accepted when it equals wte). Every
+// expected tensor must be present with the right shape; errors name the tensor and the file.
+void load_hf_state(GPT& model, const io::SafetensorsFile& file);
+// The config a Hugging Face-named file describes (n_layer from h.N, n_embd and vocab from wte,
+// block_size from wpe); n_head must come from metadata ("n_head") or the caller.
+GPTConfig config_from_hf(const io::SafetensorsFile& file, int64_t n_head_hint = 0);
+
+}  // namespace sg::nn

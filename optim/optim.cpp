@@ -1,0 +1,122 @@
+#include "optim/optim.h"
+
+#include <cmath>
+
+#include "autograd/ops.h"
+#include "autograd/tape.h"
+#include "kernels/ops.h"
+
+namespace sg::optim {
+
+AdamW::AdamW(NamedTensors params, AdamWConfig cfg) : params_(std::move(params)), cfg_(cfg) {
+  MemScope scope(MemCategory::optim_state);
+  for (auto& [n, p] : params_) {
+    SG_CHECK(p.dtype() == DType::f32 || p.dtype() == DType::f64, "AdamW: parameter '", n, "' is ",
+             dtype_name(p.dtype()), "; keep f32 master weights for the optimizer");
+    m_.push_back(zeros(p.shape(), p.dtype(), p.device()));
+    v_.push_back(zeros(p.shape(), p.dtype(), p.device()));
+  }
+}
+
+void AdamW::step(double lr, double grad_scale) {
+  autograd::NoGradGuard ng;
+  ++step_;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Tensor& p = params_[i].second;
+    Tensor g = p.grad();
+    if (!g.defined()) continue;
+    SG_CHECK(p.is_contiguous(), "AdamW: parameter '", params_[i].first, "' is not contiguous");
+    g = contiguous(g);
+    if (g.dtype() != p.dtype()) g = to(g, p.dtype());
+    kernels::AdamWArgs a;
+    a.dtype = p.dtype();
+    a.n = p.numel();
+    a.param = p.data_ptr();
+    a.grad = g.data_ptr();
+    a.m = m_[i].data_ptr();
+    a.v = v_[i].data_ptr();
+    a.lr = lr;
+    a.beta1 = cfg_.beta1;
+    a.beta2 = cfg_.beta2;
+    a.eps = cfg_.eps;
+    a.weight_decay = decays(p) ? cfg_.weight_decay : 0.0;
+    a.grad_scale = grad_scale;
+    a.step = step_;
+    SG_KERNEL(p.device(), adamw)(a);
+  }
+}
+
+NamedTensors AdamW::state() const {
+  NamedTensors out;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    out.emplace_back(params_[i].first + ".exp_avg", m_[i]);
+    out.emplace_back(params_[i].first + ".exp_avg_sq", v_[i]);
+  }
+  return out;
+}
+
+void AdamW::load_state(const NamedTensors& state, int64_t step) {
+  std::map<std::string, Tensor> by_name(state.begin(), state.end());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    for (auto [suffix, dst] : {std::pair{".exp_avg", &m_[i]}, std::pair{".exp_avg_sq", &v_[i]}}) {
+      auto it = by_name.find(params_[i].first + suffix);
+      SG_CHECK(it != by_name.end(), "optimizer state: '", params_[i].first, suffix, "' is missing");
+      SG_CHECK(it->second.shape() == dst->shape(), "optimizer state: '", params_[i].first, suffix, "' has shape ",
+               shape_str(it->second.shape()), ", expected ", shape_str(dst->shape()));
+      copy_(*dst, it->second);
+    }
+  }
+  step_ = step;
+}
+
+SGD::SGD(NamedTensors params, SGDConfig cfg) : params_(std::move(params)), cfg_(cfg) {
+  MemScope scope(MemCategory::optim_state);
+  for (auto& [n, p] : params_) buf_.push_back(cfg_.momentum != 0 ? zeros(p.shape(), p.dtype(), p.device()) : Tensor());
+}
+
+void SGD::step(double lr, double grad_scale) {
+  autograd::NoGradGuard ng;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Tensor& p = params_[i].second;
+    Tensor g = p.grad();
+    if (!g.defined()) continue;
+    Tensor d = grad_scale == 1.0 ? g : mul(g, grad_scale);
+    if (cfg_.weight_decay != 0) d = add(d, mul(p, cfg_.weight_decay));
+    if (cfg_.momentum != 0) {
+      copy_(buf_[i], add(mul(buf_[i], cfg_.momentum), d));
+      d = buf_[i];
+    }
+    add_(p, d, -lr);
+  }
+}
+
+double global_grad_norm(const std::vector<Tensor>& params) {
+  double ss = 0;
+  for (const auto& p : params)
+    if (p.grad().defined()) ss += sum_squares(p.grad());
+  return std::sqrt(ss);
+}
+
+double clip_coefficient(double norm, double max_norm) {
+  if (max_norm <= 0) return 1.0;
+  double c = max_norm / (norm + 1e-6);
+  return c < 1.0 ? c : 1.0;
+}
+
+void LrSchedule::validate() const {
+  SG_CHECK(kind == "constant" || kind == "cosine", "--lr-schedule: unknown schedule '", kind,
+           "' (expected constant or cosine)");
+  SG_CHECK(lr > 0, "--lr must be > 0, got ", lr);
+  SG_CHECK(min_lr >= 0 && min_lr <= lr, "--min-lr must be in [0, lr], got ", min_lr);
+  SG_CHECK(warmup_steps >= 0, "--warmup-steps must be >= 0, got ", warmup_steps);
+}
+
+double LrSchedule::at(int64_t step) const {
+  if (step < warmup_steps) return lr * double(step + 1) / double(warmup_steps);
+  if (kind == "constant") return lr;
+  const int64_t span = std::max<int64_t>(1, total_steps - warmup_steps);
+  double ratio = std::min(1.0, double(step - warmup_steps) / double(span));
+  return min_lr + 0.5 * (1.0 + std::cos(M_PI * ratio)) * (lr - min_lr);
+}
+
+}  // namespace sg::optim

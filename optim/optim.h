@@ -1,0 +1,72 @@
+// Optimizers (SGD with momentum, AdamW with decoupled weight decay on >= 2-D weights only),
+// learning-rate schedules and global-norm clipping. An optimizer holds its parameters by name so
+// its state can be saved and loaded under Hugging Face-style names.
+#pragma once
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace sg::optim {
+
+using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
+
+struct AdamWConfig {
+  double beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.0;
+};
+
+class AdamW {
+ public:
+  AdamW(NamedTensors params, AdamWConfig cfg);
+  // One update with learning rate lr; gradients are multiplied by grad_scale first (clipping).
+  // Parameters without a gradient are left alone (their moments do not advance).
+  void step(double lr, double grad_scale = 1.0);
+  int64_t steps() const { return step_; }
+  // m, v per parameter ("<name>.exp_avg", "<name>.exp_avg_sq") and the step counter.
+  NamedTensors state() const;
+  void load_state(const NamedTensors& state, int64_t step);
+  const AdamWConfig& config() const { return cfg_; }
+  // Weight decay applies to matrices and embeddings only (dim >= 2), never to biases or gains.
+  static bool decays(const Tensor& p) { return p.dim() >= 2; }
+
+ private:
+  NamedTensors params_;
+  std::vector<Tensor> m_, v_;
+  AdamWConfig cfg_;
+  int64_t step_ = 0;
+};
+
+struct SGDConfig {
+  double momentum = 0.0, weight_decay = 0.0;
+};
+
+class SGD {
+ public:
+  SGD(NamedTensors params, SGDConfig cfg);
+  // buf = momentum * buf + (g + wd * p);  p -= lr * buf   (PyTorch's form, no dampening)
+  void step(double lr, double grad_scale = 1.0);
+
+ private:
+  NamedTensors params_;
+  std::vector<Tensor> buf_;
+  SGDConfig cfg_;
+};
+
+// Square root of the sum of squared gradients over all params (undefined grads count zero).
+double global_grad_norm(const std::vector<Tensor>& params);
+// The factor that brings a gradient norm down to max_norm (1 when within it or max_norm <= 0),
+// as torch.nn.utils.clip_grad_norm_: max_norm / (norm + 1e-6).
+double clip_coefficient(double norm, double max_norm);
+
+struct LrSchedule {
+  std::string kind = "constant";  // constant | cosine
+  double lr = 3e-4, min_lr = 0.0;
+  int64_t warmup_steps = 0, total_steps = 1;
+  // Learning rate for step (0-based): linear warmup over warmup_steps to lr, then constant, or a
+  // cosine from lr down to min_lr at total_steps.
+  double at(int64_t step) const;
+  void validate() const;
+};
+
+}  // namespace sg::optim

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Configures and builds shardgrad into ./build (Release, native ISA unless SG_NATIVE=OFF).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/deps.sh
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DSG_NATIVE="${SG_NATIVE:-ON}" > build.log 2>&1 || { cat build.log; exit 1; }
+cmake --build build -j"$(nproc)" 2>&1 | tail -n 3

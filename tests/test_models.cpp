@@ -1,0 +1,205 @@
+// GPT-2 models: structure, init, Hugging Face names, padded vocabulary, recompute, and the
+// golden test against PyTorch (tests/golden/make_gpt_golden.py wrote the reference).
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+
+#include "autograd/ops.h"
+#include "autograd/tape.h"
+#include "io/safetensors.h"
+#include "models/gpt.h"
+#include "optim/optim.h"
+
+using namespace sg;
+using Catch::Approx;
+
+namespace {
+
+nn::GPTConfig small_config(int64_t padded = 0) {
+  nn::GPTConfig c;
+  c.n_layer = 2;
+  c.n_head = 4;
+  c.n_embd = 32;
+  c.block_size = 16;
+  c.vocab_size = 61;
+  c.padded_vocab = padded;
+  return c;
+}
+
+double max_rel_diff(const std::vector<float>& a, const std::vector<float>& b, double floor = 1e-3) {
+  REQUIRE(a.size() == b.size());
+  double m = 0;
+  for (size_t i = 0; i < a.size(); ++i) m = std::max(m, std::abs(double(a[i]) - b[i]) / std::max(floor, std::abs(double(b[i]))));
+  return m;
+}
+
+// Loss and gradients of one batch (params' .grad are set).
+double loss_and_grads(nn::GPT& m, const Tensor& idx, const Tensor& tgt) {
+  m.zero_grad();
+  autograd::Tape tape;
+  Tensor loss;
+  {
+    autograd::TapeScope s(tape);
+    loss = m.loss(idx, tgt);
+  }
+  tape.backward(loss);
+  return item(loss);
+}
+
+std::string golden_path() { return std::string(SG_SOURCE_DIR) + "/tests/golden/gpt_tiny.safetensors"; }
+
+}  // namespace
+
+TEST_CASE("GPT parameters carry the Hugging Face GPT-2 names in registration order", "[models]") {
+  nn::GPT m(small_config());
+  auto names = m.named_parameters();
+  REQUIRE(names.front().first == "wte.weight");
+  REQUIRE(names[1].first == "wpe.weight");
+  REQUIRE(names[2].first == "h.0.ln_1.weight");
+  REQUIRE(names[4].first == "h.0.attn.c_attn.weight");
+  REQUIRE(names.back().first == "ln_f.bias");
+  REQUIRE(names.size() == 2 + 2 * 12 + 2);
+  REQUIRE(m.num_parameters() == m.config.num_params());
+}
+
+TEST_CASE("GPT-2 124M preset has 124,475,904 parameters with the vocabulary padded to 50304", "[models]") {
+  nn::GPTConfig c = nn::gpt_preset("gpt2");
+  REQUIRE(c.vocab_rows() == 50304);
+  REQUIRE(c.num_params() == 124475904);
+  REQUIRE_THROWS_WITH(nn::gpt_preset("gpt3"), Catch::Contains("unknown preset 'gpt3'"));
+  nn::GPTConfig bad = small_config();
+  bad.n_head = 5;
+  REQUIRE_THROWS_WITH(bad.validate(), Catch::Contains("n_embd 32 is not divisible by n_head 5"));
+}
+
+TEST_CASE("GPT-2 init: seeded, N(0, 0.02) weights, scaled residual projections, zero padded rows", "[models]") {
+  nn::GPT a(small_config()), b(small_config(128));
+  a.init_weights(7);
+  b.init_weights(7);
+  // the real vocabulary rows do not depend on how far the vocabulary is padded
+  auto wa = to_vector<float>(a.wte->weight), wb = to_vector<float>(narrow(b.wte->weight, 0, 0, 64));
+  REQUIRE(std::vector<float>(wa.begin(), wa.begin() + 61 * 32) == std::vector<float>(wb.begin(), wb.begin() + 61 * 32));
+  auto pad = to_vector<float>(narrow(b.wte->weight, 0, 61, 128 - 61));
+  for (float v : pad) REQUIRE(v == 0.0f);
+  auto stddev = [](const Tensor& t) { return std::sqrt(sum_squares(t) / double(t.numel())); };
+  REQUIRE(stddev(a.h[0]->mlp->c_fc->weight) == Approx(0.02).epsilon(0.1));
+  REQUIRE(stddev(a.h[0]->mlp->c_proj->weight) == Approx(0.02 / std::sqrt(4.0)).epsilon(0.1));
+  REQUIRE(item(sum(a.h[1]->ln_2->weight)) == 32.0);
+  REQUIRE(sum_squares(a.h[1]->attn->c_attn->bias) == 0.0);
+}
+
+TEST_CASE("a padded vocabulary changes no logit, loss or gradient", "[models]") {
+  nn::GPT a(small_config(61)), b(small_config(128));
+  a.init_weights(3);
+  b.init_weights(3);
+  Tensor idx = from_vector<int64_t>({1, 5, 60, 7, 0, 33, 2, 2, 9, 14, 59, 3}, {2, 6});
+  Tensor tgt = from_vector<int64_t>({5, 60, 7, 0, 33, -1, 2, 9, 14, 59, 3, 8}, {2, 6});
+  double la = loss_and_grads(a, idx, tgt), lb = loss_and_grads(b, idx, tgt);
+  REQUIRE(la == Approx(lb).epsilon(1e-6));
+  auto pa = a.named_parameters(), pb = b.named_parameters();
+  for (size_t i = 0; i < pa.size(); ++i) {
+    INFO(pa[i].first);
+    Tensor gb = pb[i].first == "wte.weight" ? narrow(pb[i].second.grad(), 0, 0, 61) : pb[i].second.grad();
+    REQUIRE(max_rel_diff(to_vector<float>(pa[i].second.grad()), to_vector<float>(gb)) < 1e-4);
+  }
+  auto padgrad = to_vector<float>(narrow(pb[0].second.grad(), 0, 61, 128 - 61));
+  for (float v : padgrad) REQUIRE(v == 0.0f);
+}
+
+TEST_CASE("activation recompute (selective and full) leaves loss and gradients unchanged", "[models]") {
+  nn::GPTConfig c = small_config();
+  c.dropout = 0.1;  // masks must replay exactly in the re-run
+  Tensor idx = from_vector<int64_t>({1, 5, 60, 7, 0, 33, 2, 2, 9, 14, 59, 3}, {2, 6});
+  Tensor tgt = from_vector<int64_t>({5, 60, 7, 0, 33, 4, 2, 9, 14, 59, 3, 8}, {2, 6});
+  std::vector<double> losses;
+  std::vector<std::vector<float>> grads;
+  for (auto rc : {nn::Recompute::none, nn::Recompute::selective, nn::Recompute::full}) {
+    nn::GPT m(c);
+    m.init_weights(11);
+    m.recompute = rc;
+    dropout_generator() = {99, 0};
+    losses.push_back(loss_and_grads(m, idx, tgt));
+    grads.push_back(to_vector<float>(m.h[0]->attn->c_attn->weight.grad()));
+  }
+  REQUIRE(losses[1] == losses[0]);
+  REQUIRE(losses[2] == losses[0]);
+  REQUIRE(max_rel_diff(grads[1], grads[0]) < 1e-5);
+  REQUIRE(max_rel_diff(grads[2], grads[0]) < 1e-5);
+}
+
+TEST_CASE("Hugging Face state round trip, with 'transformer.' prefix and mask buffers accepted", "[models][io]") {
+  nn::GPT a(small_config());
+  a.init_weights(5);
+  io::NamedTensors sd = nn::hf_state_dict(a);
+  REQUIRE(sd[0].second.shape() == Shape{61, 32});  // wte without the padded rows
+  REQUIRE(sd[4].first == "h.0.attn.c_attn.weight");
+  REQUIRE(sd[4].second.shape() == Shape{32, 96});  // Conv1D [in, out]
+  io::NamedTensors prefixed;
+  for (auto& [n, t] : sd) prefixed.emplace_back("transformer." + n, t);
+  prefixed.emplace_back("transformer.h.0.attn.bias", ones({1, 1, 16, 16}));
+  auto path = (std::filesystem::temp_directory_path() / "sg_models_roundtrip.safetensors").string();
+  io::save_safetensors(path, prefixed, {{"n_head", "4"}});
+  io::SafetensorsFile f = io::load_safetensors(path);
+  nn::GPTConfig c = nn::config_from_hf(f);
+  REQUIRE(c.n_layer == 2);
+  REQUIRE(c.vocab_size == 61);
+  nn::GPT b(c);
+  nn::load_hf_state(b, f);
+  Tensor idx = from_vector<int64_t>({3, 4, 5}, {1, 3});
+  REQUIRE(to_vector<float>(a.forward(idx)) == to_vector<float>(b.forward(idx)));
+  // a missing tensor is named
+  io::NamedTensors missing(sd.begin() + 1, sd.end());
+  io::save_safetensors(path, missing);
+  REQUIRE_THROWS_WITH(nn::load_hf_state(b, io::load_safetensors(path)), Catch::Contains("'wte.weight' is missing"));
+  std::filesystem::remove(path);
+}
+
+TEST_CASE("golden: tiny GPT logits, loss, every gradient and 3 AdamW steps match PyTorch", "[models][golden]") {
+  io::SafetensorsFile g = io::load_safetensors(golden_path());
+  nn::GPT m(small_config());  // vocabulary 61 padded to 64: the padding must not show
+  nn::load_hf_state(m, g);
+  Tensor idx = g.at("input.idx"), tgt = g.at("input.targets");
+  {
+    autograd::NoGradGuard ng;
+    Tensor logits = narrow(m.forward(idx), 2, 0, 61);
+    REQUIRE(max_rel_diff(to_vector<float>(logits), to_vector<float>(g.at("expected.logits")), 1e-2) < 1e-4);
+  }
+  double loss = loss_and_grads(m, idx, tgt);
+  REQUIRE(loss == Approx(item(g.at("expected.loss"))).epsilon(1e-5));
+  for (auto& [name, p] : m.named_parameters()) {
+    INFO(name);
+    Tensor grad = p.grad();
+    if (name == "wte.weight") grad = narrow(grad, 0, 0, 61);
+    Tensor expect = g.at("grad." + name);
+    if (expect.shape() != grad.shape()) expect = transpose(expect, 0, 1);  // Conv1D layout
+    // gradients are compared relative to the tensor's largest entry
+    auto a = to_vector<float>(grad), b = to_vector<float>(expect);
+    double scale = 0, err = 0;
+    for (size_t i = 0; i < b.size(); ++i) scale = std::max(scale, std::abs(double(b[i])));
+    for (size_t i = 0; i < b.size(); ++i) err = std::max(err, std::abs(double(a[i]) - b[i]));
+    REQUIRE(err <= 1e-4 * scale + 1e-7);
+  }
+  // Three AdamW steps with clipping at 1.0, weight decay on matrices only.
+  nn::GPT t(small_config());
+  nn::load_hf_state(t, g);
+  optim::AdamWConfig oc;
+  oc.beta1 = 0.9;
+  oc.beta2 = 0.95;
+  oc.eps = 1e-8;
+  oc.weight_decay = 0.1;
+  optim::AdamW opt(t.named_parameters(), oc);
+  auto losses = to_vector<float>(g.at("adamw.losses"));
+  auto norms = to_vector<float>(g.at("adamw.grad_norms"));
+  for (int s = 0; s < 3; ++s) {
+    double l = loss_and_grads(t, idx, tgt);
+    REQUIRE(l == Approx(losses[size_t(s)]).epsilon(1e-5));
+    double n = optim::global_grad_norm(t.parameters());
+    REQUIRE(n == Approx(norms[size_t(s)]).epsilon(1e-4));
+    opt.step(1e-2, optim::clip_coefficient(n, 1.0));
+  }
+  for (auto& [name, p] : nn::hf_state_dict(t)) {
+    INFO(name);
+    REQUIRE(max_rel_diff(to_vector<float>(p), to_vector<float>(g.at("after_adamw." + name)), 1e-2) < 1e-3);
+  }
+}

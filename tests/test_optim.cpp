@@ -1,0 +1,112 @@
+// Optimizers and schedules against values worked out by hand.
+#include <catch2/catch.hpp>
+#include <cmath>
+
+#include "autograd/ops.h"
+#include "optim/loss_scaler.h"
+#include "optim/optim.h"
+
+using namespace sg;
+using Catch::Approx;
+
+namespace {
+Tensor param(const Shape& s, double v) {
+  Tensor p = full(s, v, DType::f64);
+  p.set_requires_grad(true);
+  return p;
+}
+}  // namespace
+
+TEST_CASE("AdamW: two steps match the hand-worked update, decay only on matrices", "[optim]") {
+  Tensor w = param({1, 1}, 1.0), b = param({1}, 1.0);
+  optim::AdamWConfig cfg;
+  cfg.beta1 = 0.9;
+  cfg.beta2 = 0.999;
+  cfg.eps = 1e-8;
+  cfg.weight_decay = 0.1;
+  optim::AdamW opt({{"w", w}, {"b", b}}, cfg);
+  for (int s = 0; s < 2; ++s) {
+    w.set_grad(full({1, 1}, 0.5, DType::f64));
+    b.set_grad(full({1}, 0.5, DType::f64));
+    opt.step(0.1);
+  }
+  // step 1: p = 1*(1-0.01) - (0.1/0.1) * 0.05 / (0.5 + 1e-8) = 0.89
+  // step 2: p = 0.89*0.99 - (0.1/0.19) * 0.095 / (0.5 + 1e-8) = 0.7811
+  REQUIRE(item(w) == Approx(0.7811).epsilon(1e-7));
+  REQUIRE(item(b) == Approx(0.8).epsilon(1e-7));
+  REQUIRE(opt.steps() == 2);
+  auto st = opt.state();
+  REQUIRE(st.size() == 4);
+  REQUIRE(st[0].first == "w.exp_avg");
+  REQUIRE(item(st[0].second) == Approx(0.095));
+}
+
+TEST_CASE("AdamW: a parameter without a gradient is left alone", "[optim]") {
+  Tensor w = param({2, 2}, 1.0);
+  optim::AdamW opt({{"w", w}}, {});
+  opt.step(0.1);
+  REQUIRE(to_vector<double>(w) == std::vector<double>{1, 1, 1, 1});
+}
+
+TEST_CASE("AdamW: grad_scale scales the gradient before the moments", "[optim]") {
+  Tensor a = param({3}, 1.0), b = param({3}, 1.0);
+  optim::AdamW oa({{"a", a}}, {}), ob({{"b", b}}, {});
+  a.set_grad(full({3}, 0.2, DType::f64));
+  b.set_grad(full({3}, 0.4, DType::f64));
+  oa.step(0.01);
+  ob.step(0.01, 0.5);
+  REQUIRE(to_vector<double>(a) == to_vector<double>(b));
+}
+
+TEST_CASE("SGD with momentum: PyTorch's buffer update", "[optim]") {
+  Tensor p = param({1}, 1.0);
+  optim::SGD opt({{"p", p}}, {0.9, 0.0});
+  p.set_grad(full({1}, 1.0, DType::f64));
+  opt.step(0.1);
+  REQUIRE(item(p) == Approx(0.9));
+  opt.step(0.1);  // buf = 0.9*1 + 1 = 1.9
+  REQUIRE(item(p) == Approx(0.71));
+}
+
+TEST_CASE("learning-rate schedules: warmup, cosine to min_lr, constant", "[optim]") {
+  optim::LrSchedule s;
+  s.kind = "cosine";
+  s.lr = 1.0;
+  s.min_lr = 0.1;
+  s.warmup_steps = 10;
+  s.total_steps = 110;
+  REQUIRE(s.at(0) == Approx(0.1));
+  REQUIRE(s.at(9) == Approx(1.0));
+  REQUIRE(s.at(10) == Approx(1.0));
+  REQUIRE(s.at(60) == Approx(0.55));
+  REQUIRE(s.at(110) == Approx(0.1));
+  s.kind = "constant";
+  REQUIRE(s.at(100) == Approx(1.0));
+  s.kind = "linear";
+  REQUIRE_THROWS_WITH(s.validate(), Catch::Contains("unknown schedule 'linear'"));
+}
+
+TEST_CASE("global-norm clipping: the norm over all grads and torch's coefficient", "[optim]") {
+  Tensor a = param({2}, 0.0), b = param({1}, 0.0), c = param({1}, 0.0);
+  a.set_grad(from_vector<double>({3, 0}, {2}));
+  b.set_grad(from_vector<double>({4}, {1}));
+  REQUIRE(optim::global_grad_norm({a, b, c}) == Approx(5.0));
+  REQUIRE(optim::clip_coefficient(5.0, 1.0) == Approx(1.0 / (5.0 + 1e-6)));
+  REQUIRE(optim::clip_coefficient(0.5, 1.0) == 1.0);
+  REQUIRE(optim::clip_coefficient(5.0, 0.0) == 1.0);
+}
+
+TEST_CASE("loss scaler: backs off and skips on overflow, grows after clean steps", "[optim]") {
+  optim::LossScaler s;
+  s.scale = 1024;
+  s.growth_interval = 2;
+  REQUIRE_FALSE(s.update(true));
+  REQUIRE(s.scale == 512);
+  REQUIRE(s.skipped_steps == 1);
+  REQUIRE(s.update(false));
+  REQUIRE(s.update(false));
+  REQUIRE(s.scale == 1024);
+  s.scale = 1;
+  s.update(true);
+  REQUIRE(s.scale == 1);  // never below min_scale
+}
