@@ -106,6 +106,8 @@ void Tape::run(const TensorList& outputs, const TensorList& grad_outputs, const 
              shape_str(g.shape()), " but output has ", shape_str(o.shape()));
     if (!o.grad_fn()) continue;  // a leaf output: delivered below
     auto it = position.find(o.grad_fn().get());
+    SG_CHECK(it != position.end() || o.grad_fn()->backward, "backward through '", o.grad_fn()->name,
+             "' a second time: an earlier backward consumed its tape (record the forward again)");
     SG_CHECK(it != position.end(), "backward: output ", i, " was not recorded on this tape");
     needed[it->second] = 1;
     accumulate(o.grad_fn()->grad_outputs[size_t(o.output_nr())], g);

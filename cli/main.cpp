@@ -3,6 +3,8 @@
 #include <cstring>
 #include <exception>
 
+#include <mpi.h>
+
 #include "cli/commands.h"
 
 static void usage() {
@@ -26,6 +28,18 @@ int main(int argc, char** argv) {
     usage();
     return 2;
   } catch (const std::exception& e) {
+    int up = 0, down = 0;
+    MPI_Initialized(&up);
+    MPI_Finalized(&down);
+    if (up && !down) {
+      // Under mpirun: name this rank, then take the whole job down so no rank is left waiting
+      // in a collective for us.
+      int rank = 0;
+      MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+      std::fprintf(stderr, "shardgrad %s: rank %d: error: %s\n", argv[1], rank, e.what());
+      std::fflush(stderr);
+      MPI_Abort(MPI_COMM_WORLD, 1);
+    }
     std::fprintf(stderr, "shardgrad %s: error: %s\n", argv[1], e.what());
     return 1;
   }

@@ -21,6 +21,8 @@
 #include "optim/loss_scaler.h"
 #include "optim/optim.h"
 #include "parallel/checkpoint.h"
+#include "parallel/comm/mpi_backend.h"
+#include "parallel/ddp.h"
 
 namespace sg::cli {
 
@@ -64,6 +66,9 @@ void declare_flags(Args& a) {
   a.flag("eval-problems", "200", "synthetic task: problems for the accuracy figure");
   a.flag("log-json", "", "write one JSON object per step to this file");
   a.flag("threads", "0", "CPU threads (0 = all cores)");
+  a.flag("strategy", "single", "single | ddp (launch ddp with mpirun -np N)");
+  a.flag("bucket-mb", "25", "ddp: gradient bucket size in MiB");
+  a.toggle("find-unused-parameters", "ddp: allow parameters that get no gradient (their gradient counts as zero)");
 }
 
 int64_t positive(const Args& a, const std::string& f, int64_t min = 1) {
@@ -139,6 +144,12 @@ class Trainer {
   int64_t B_ = 0, T_ = 0, micro_ = 0, steps_ = 0, start_step_ = 0;
   uint64_t seed_ = 0;
   std::string save_dir_;
+  // data parallelism: this rank's rows of the global batch, and the gradient averaging
+  std::string strategy_ = "single";
+  std::shared_ptr<comm::ProcessGroup> world_, metrics_;
+  std::unique_ptr<parallel::DistributedDataParallel> ddp_;
+  int rank_ = 0, world_size_ = 1;
+  bool lead() const { return rank_ == 0; }
 };
 
 void Trainer::setup() {
@@ -149,13 +160,27 @@ void Trainer::setup() {
   omp_set_num_threads(nt);
   Eigen::setNbThreads(nt);
 
+  strategy_ = a.str("strategy");
+  SG_CHECK(strategy_ == "single" || strategy_ == "ddp", "train: --strategy '", strategy_,
+           "' is not available (expected single or ddp)");
+  if (strategy_ == "ddp") {
+    comm::init();
+    world_ = comm::MpiProcessGroup::world();
+    metrics_ = world_->split(0, world_->rank());  // losses and barriers: kept out of the gradient counters
+    rank_ = world_->rank();
+    world_size_ = world_->size();
+  }
   device_ = parse_device(a.str("device"));
   dtype_ = parse_dtype(a.str("dtype"));
   SG_CHECK(dtype_ == DType::f32 || dtype_ == DType::bf16 || dtype_ == DType::f16, "train: --dtype must be fp32, bf16 or fp16");
   seed_ = uint64_t(a.i64("seed"));
   B_ = positive(a, "batch-size");
   micro_ = a.i64("micro-batch-size") ? positive(a, "micro-batch-size") : B_;
-  SG_CHECK(B_ % micro_ == 0, "train: --micro-batch-size ", micro_, " does not divide --batch-size ", B_);
+  SG_CHECK(B_ % world_size_ == 0, "train: --batch-size ", B_, " is not divisible by ", world_size_,
+           " data-parallel ranks");
+  SG_CHECK((B_ / world_size_) % micro_ == 0, "train: --micro-batch-size ", micro_, " does not divide ",
+           world_size_ > 1 ? str("the per-rank batch ", B_ / world_size_, " (--batch-size ", B_, " over ", world_size_, " ranks)")
+                           : str("--batch-size ", B_));
   steps_ = positive(a, "steps");
   positive(a, "eval-batches");
   SG_CHECK(a.i64("save-every") >= 0 && a.i64("eval-every") >= 0, "train: --save-every/--eval-every must be >= 0");
@@ -218,6 +243,14 @@ void Trainer::setup() {
   SG_CHECK(oc.eps > 0 && oc.weight_decay >= 0, "train: --eps must be > 0 and --weight-decay >= 0");
   SG_CHECK(a.f64("clip") >= 0, "train: --clip must be >= 0");
   opt_ = std::make_unique<optim::AdamW>(master_, oc);
+  if (strategy_ == "ddp") {
+    parallel::DdpOptions d;
+    SG_CHECK(a.f64("bucket-mb") > 0, "train: --bucket-mb must be > 0");
+    d.bucket_bytes = int64_t(a.f64("bucket-mb") * double(1 << 20));
+    d.find_unused_parameters = a.on("find-unused-parameters");
+    ddp_ = std::make_unique<parallel::DistributedDataParallel>(model_->named_parameters(), world_, d);
+    ddp_->broadcast_parameters();
+  }
   sched_.kind = a.str("lr-schedule");
   sched_.lr = a.f64("lr");
   sched_.min_lr = a.f64("min-lr");
@@ -253,20 +286,33 @@ double Trainer::train_step(int64_t step, double lr, double& grad_norm, bool& app
   const int64_t counted = count_targets(b.targets, -1);
   SG_CHECK(counted > 0, "train: step ", step, " has no targets to predict");
   const double loss_scale = dtype_ == DType::f16 ? scaler_.scale : 1.0;
-  Tensor idx = to(b.inputs, device_), tgt = to(b.targets, device_);
+  // This rank's rows of the global batch (all of it without data parallelism).
+  const int64_t local = B_ / world_size_, n_micro = local / micro_;
+  Tensor idx = to(narrow(b.inputs, 0, rank_ * local, local), device_);
+  Tensor tgt = to(narrow(b.targets, 0, rank_ * local, local), device_);
+  // With ddp the gradients are averaged over ranks, so each rank's loss is scaled by the world
+  // size: the average of the ranks' gradients is then the gradient of the global batch's mean.
+  const double rank_scale = double(world_size_);
   double loss_sum = 0;
-  for (int64_t m = 0; m < B_ / micro_; ++m) {
+  for (int64_t m = 0; m < n_micro; ++m) {
     Tensor mi = narrow(idx, 0, m * micro_, micro_), mt = narrow(tgt, 0, m * micro_, micro_);
+    if (ddp_) ddp_->set_sync(m == n_micro - 1);  // no_sync for all but the last micro-batch
     autograd::Tape tape;
     Tensor loss;
     {
       autograd::TapeScope scope(tape);
       // Sum over this micro-batch / tokens in the whole batch: the accumulated gradient is the
       // gradient of the global batch's mean loss, whatever the micro-batch split.
-      loss = model_->loss(mi, mt, true, loss_scale / double(counted));
+      loss = model_->loss(mi, mt, true, rank_scale * loss_scale / double(counted));
     }
-    loss_sum += item(loss) / loss_scale;
+    loss_sum += item(loss) / (loss_scale * rank_scale);
     tape.backward(loss);
+  }
+  if (ddp_) {
+    ddp_->finish_gradients();
+    Tensor l = from_vector<double>({loss_sum}, {1});
+    metrics_->all_reduce(l, comm::ReduceOp::sum)->wait();
+    loss_sum = item(l);
   }
   std::vector<Tensor> grads_of;
   if (dtype_ != DType::f32) {
@@ -341,16 +387,18 @@ void Trainer::save(int64_t next_step) {
 int Trainer::run() {
   setup();
   std::unique_ptr<std::ofstream> log;
-  if (!args_.str("log-json").empty()) {
+  if (!args_.str("log-json").empty() && lead()) {
     log = std::make_unique<std::ofstream>(args_.str("log-json"), start_step_ ? std::ios::app : std::ios::trunc);
     SG_CHECK(log->good(), "train: cannot write --log-json ", args_.str("log-json"));
   }
-  std::printf("shardgrad train | model %s: %lld layers, %lld heads, width %lld, vocab %lld (padded %lld), %.2fM params\n",
+  if (lead()) std::printf("shardgrad train | model %s: %lld layers, %lld heads, width %lld, vocab %lld (padded %lld), %.2fM params\n",
               cfg_.name.c_str(), (long long)cfg_.n_layer, (long long)cfg_.n_head, (long long)cfg_.n_embd,
               (long long)cfg_.vocab_size, (long long)cfg_.vocab_rows(), double(model_->num_parameters()) / 1e6);
-  std::printf("data %s | batch %lld x %lld tokens (micro-batch %lld) | %s %s | %d threads | steps %lld..%lld\n",
-              train_->describe().c_str(), (long long)B_, (long long)T_, (long long)micro_, device_.str().c_str(),
-              dtype_name(dtype_), omp_get_max_threads(), (long long)start_step_, (long long)steps_);
+  if (lead())
+    std::printf("data %s | batch %lld x %lld tokens (micro-batch %lld) | %s %s | %d threads | %s x %d | steps %lld..%lld\n",
+                train_->describe().c_str(), (long long)B_, (long long)T_, (long long)micro_, device_.str().c_str(),
+                dtype_name(dtype_), omp_get_max_threads(), strategy_.c_str(), world_size_, (long long)start_step_,
+                (long long)steps_);
   std::fflush(stdout);
   const int64_t save_every = args_.i64("save-every"), eval_every = args_.i64("eval-every");
   for (int64_t step = start_step_; step < steps_; ++step) {
@@ -363,14 +411,15 @@ int Trainer::run() {
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     const double tps = double(B_ * T_) / (ms / 1000.0);
     const MemStats mem = Ledger::global().stats(device_);
-    std::printf("step %5lld/%lld | loss %.4f | lr %.2e | norm %.3f | %7.1f ms | %8.0f tok/s | peak %s%s\n",
+    if (lead())
+      std::printf("step %5lld/%lld | loss %.4f | lr %.2e | norm %.3f | %7.1f ms | %8.0f tok/s | peak %s%s\n",
                 (long long)step + 1, (long long)steps_, loss, lr, norm, ms, tps, human_bytes(mem.total_peak).c_str(),
                 applied ? "" : " | skipped (overflow)");
     std::fflush(stdout);
     json rec = {{"step", step + 1}, {"loss", loss}, {"lr", lr}, {"grad_norm", norm}, {"step_ms", ms},
                 {"tokens_per_s", tps}, {"mem", ledger_json(device_)}, {"skipped", !applied}};
     const bool last = step + 1 == steps_;
-    if ((eval_every && (step + 1) % eval_every == 0) || last) {
+    if (((eval_every && (step + 1) % eval_every == 0) || last) && lead()) {
       json ev = evaluate();
       std::printf("eval  step %lld | val loss %.4f", (long long)step + 1, ev["val_loss"].get<double>());
       if (ev.contains("accuracy")) std::printf(" | task accuracy %.1f%%", 100.0 * ev["accuracy"].get<double>());
@@ -382,7 +431,10 @@ int Trainer::run() {
       *log << rec.dump() << "\n";
       log->flush();
     }
-    if (!save_dir_.empty() && ((save_every && (step + 1) % save_every == 0) || last)) save(step + 1);
+    if (!save_dir_.empty() && ((save_every && (step + 1) % save_every == 0) || last)) {
+      if (lead()) save(step + 1);  // every rank holds the same replica: one writer
+      if (metrics_) metrics_->barrier()->wait();
+    }
   }
   return 0;
 }
@@ -396,8 +448,13 @@ int train_main(int argc, char** argv) {
     std::printf("%s", a.usage().c_str());
     return 0;
   }
-  Trainer t(a);
-  return t.run();
+  int rc = 0;
+  {
+    Trainer t(a);
+    rc = t.run();
+  }
+  if (a.str("strategy") == "ddp") comm::finalize();
+  return rc;
 }
 
 }  // namespace sg::cli

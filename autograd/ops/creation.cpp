@@ -111,28 +111,35 @@ void copy_(const Tensor& dst, const Tensor& src) {
                                           src.strides());
     return;
   }
-  // Strided destination: gather into a contiguous temporary, then scatter through a transposed walk.
-  // The walk is a strided copy with the roles swapped: iterate dst's layout, reading a contiguous buffer.
-  Tensor tmp = empty(src.shape(), dst.dtype(), dst.device());
-  SG_KERNEL(dst.device(), copy_strided)(tmp.data_ptr(), dst.dtype(), src.data_ptr(), src.dtype(), src.shape(),
-                                        src.strides());
-  // Scatter element by element on the host (destination views that are not contiguous are rare:
-  // narrow() slices of gradients and parameters).
+  // Strided destination (narrow() slices of gradients and parameters): bring the source to a
+  // contiguous buffer in the destination dtype, then scatter it row by row of the innermost dim.
   SG_CHECK(dst.device().is_cpu(), "copy_: a non-contiguous destination on ", dst.device().str(),
            " is not supported");
-  const size_t es = dtype_size(dst.dtype());
+  Tensor tmp = src;
+  if (!src.is_contiguous() || src.dtype() != dst.dtype() || src.storage() == dst.storage()) {
+    tmp = empty(src.shape(), dst.dtype(), dst.device());
+    SG_KERNEL(dst.device(), copy_strided)(tmp.data_ptr(), dst.dtype(), src.data_ptr(), src.dtype(), src.shape(),
+                                          src.strides());
+  }
+  const int64_t es = int64_t(dtype_size(dst.dtype()));
   const auto& shape = dst.shape();
   const auto& st = dst.strides();
-  const int64_t n = dst.numel(), nd = dst.dim();
+  const int64_t nd = dst.dim(), inner = shape.back(), inner_stride = st.back(), rows = dst.numel() / inner;
   char* base = static_cast<char*>(dst.data_ptr());
   const char* from = static_cast<const char*>(tmp.data_ptr());
-  for (int64_t i = 0; i < n; ++i) {
-    int64_t rem = i, off = 0;
-    for (int64_t d = nd - 1; d >= 0; --d) {
+#pragma omp parallel for schedule(static) if (dst.numel() > 65536)
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t rem = r, off = 0;
+    for (int64_t d = nd - 2; d >= 0; --d) {
       off += (rem % shape[size_t(d)]) * st[size_t(d)];
       rem /= shape[size_t(d)];
     }
-    std::memcpy(base + off * int64_t(es), from + i * int64_t(es), es);
+    const char* row = from + r * inner * es;
+    if (inner_stride == 1) {
+      std::memcpy(base + off * es, row, size_t(inner * es));
+    } else {
+      for (int64_t i = 0; i < inner; ++i) std::memcpy(base + (off + i * inner_stride) * es, row + i * es, size_t(es));
+    }
   }
 }
 

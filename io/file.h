@@ -1,0 +1,38 @@
+// Plain POSIX file access for io/: positioned reads that either return every byte asked for or
+// throw naming the file, and atomic replacement (temporary file, fsync, rename, fsync the folder).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+
+namespace sg::io {
+
+// A read-only file descriptor that closes itself.
+class ReadFile {
+ public:
+  // `what` prefixes every error ("safetensors", "token shard", ...).
+  ReadFile(const std::string& path, const std::string& what);
+  ~ReadFile();
+  ReadFile(const ReadFile&) = delete;
+  ReadFile& operator=(const ReadFile&) = delete;
+
+  int64_t size() const { return size_; }
+  const std::string& path() const { return path_; }
+  // Exactly n bytes at offset, or an error that says how many were missing.
+  void read_at(void* dst, size_t n, int64_t offset) const;
+
+ private:
+  std::string path_, what_;
+  int fd_ = -1;
+  int64_t size_ = 0;
+};
+
+// Calls write(fd-writer) on PATH.tmp-<pid> in the same folder, fsyncs it, renames it over path and
+// fsyncs the folder, so a crash leaves either the old file or the new one, never a torn one. The
+// temporary file is removed when anything throws.
+using ByteSink = std::function<void(const void* data, size_t n)>;
+void write_file_atomic(const std::string& path, const std::string& what,
+                       const std::function<void(const ByteSink&)>& write);
+
+}  // namespace sg::io

@@ -1,0 +1,447 @@
+#include "parallel/comm/mpi_backend.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <climits>
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <thread>
+
+#include "autograd/ops.h"
+#include "core/error.h"
+
+namespace sg::comm {
+
+// ---- process-wide state: thread level, the 2-byte float types and their reductions, live groups ----
+
+namespace {
+constexpr int kSpinMicros = 50;
+
+struct MpiState {
+  std::mutex mu;
+  bool ready = false;          // init() has run since the last finalize()
+  bool initialised_by_us = false;
+  int provided = MPI_THREAD_SINGLE;
+  MPI_Datatype bf16 = MPI_DATATYPE_NULL, f16 = MPI_DATATYPE_NULL;
+  MPI_Op half_sum = MPI_OP_NULL, half_max = MPI_OP_NULL;
+  std::vector<MpiProcessGroup*> groups;  // creation order, so every rank frees them in one order
+};
+MpiState& state() {
+  static MpiState s;
+  return s;
+}
+
+// Widen each pair to f32, reduce, round back (the datatype says which 2-byte format it is).
+template <bool Max>
+void reduce_half(void* in, void* inout, int* len, MPI_Datatype* dt) {
+  bool bf = *dt == state().bf16;
+  auto a = static_cast<const uint16_t*>(in);
+  auto b = static_cast<uint16_t*>(inout);
+  for (int i = 0; i < *len; ++i) {
+    float x = bf ? bf16_to_f32(a[i]) : f16_to_f32(a[i]);
+    float y = bf ? bf16_to_f32(b[i]) : f16_to_f32(b[i]);
+    float r = Max ? std::max(x, y) : x + y;
+    b[i] = bf ? f32_to_bf16(r) : f32_to_f16(r);
+  }
+}
+
+MPI_Datatype mpi_type(DType t) {
+  switch (t) {
+    case DType::f32: return MPI_FLOAT;
+    case DType::f64: return MPI_DOUBLE;
+    case DType::bf16: return state().bf16;
+    case DType::f16: return state().f16;
+    case DType::i32: return MPI_INT32_T;
+    case DType::i64: return MPI_INT64_T;
+  }
+  return MPI_DATATYPE_NULL;
+}
+
+MPI_Op mpi_op(ReduceOp op, DType t) {
+  if (op == ReduceOp::max) return is_half(t) ? state().half_max : MPI_MAX;
+  return is_half(t) ? state().half_sum : MPI_SUM;  // avg = sum, then divide
+}
+
+// avg: the sum divided by the group size, in f32 for the 2-byte formats.
+void divide(void* p, int64_t n, DType t, int by) {
+  switch (t) {
+    case DType::f32: for (int64_t i = 0; i < n; ++i) static_cast<float*>(p)[i] /= float(by); break;
+    case DType::f64: for (int64_t i = 0; i < n; ++i) static_cast<double*>(p)[i] /= double(by); break;
+    case DType::bf16:
+      for (int64_t i = 0; i < n; ++i) {
+        auto& h = static_cast<uint16_t*>(p)[i];
+        h = f32_to_bf16(bf16_to_f32(h) / float(by));
+      }
+      break;
+    case DType::f16:
+      for (int64_t i = 0; i < n; ++i) {
+        auto& h = static_cast<uint16_t*>(p)[i];
+        h = f32_to_f16(f16_to_f32(h) / float(by));
+      }
+      break;
+    default: throw Error(str("avg: not defined for ", dtype_name(t)));
+  }
+}
+
+int mpi_count(const char* op, int64_t n) {
+  SG_CHECK(n <= INT_MAX, op, ": ", n, " elements exceed MPI's int count; split the tensor");
+  return int(n);
+}
+}  // namespace
+
+int init(int* argc, char*** argv) {
+  auto& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (s.ready) return s.provided;
+  int initialised = 0, finalized = 0;
+  MPI_Initialized(&initialised);
+  MPI_Finalized(&finalized);
+  SG_CHECK(!finalized, "comm::init: MPI has already been finalized");
+  if (initialised) {
+    MPI_Query_thread(&s.provided);
+  } else {
+    MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &s.provided);
+    s.initialised_by_us = true;
+  }
+  MPI_Type_contiguous(1, MPI_UINT16_T, &s.bf16);
+  MPI_Type_commit(&s.bf16);
+  MPI_Type_contiguous(1, MPI_UINT16_T, &s.f16);
+  MPI_Type_commit(&s.f16);
+  MPI_Op_create(&reduce_half<false>, 1, &s.half_sum);
+  MPI_Op_create(&reduce_half<true>, 1, &s.half_max);
+  s.ready = true;
+  return s.provided;
+}
+
+void finalize() {
+  auto& s = state();
+  std::vector<MpiProcessGroup*> groups;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (!s.ready) return;
+    groups = s.groups;
+  }
+  for (auto* g : groups) g->shutdown();
+  std::lock_guard<std::mutex> lock(s.mu);
+  MPI_Type_free(&s.bf16);
+  MPI_Type_free(&s.f16);
+  MPI_Op_free(&s.half_sum);
+  MPI_Op_free(&s.half_max);
+  s.ready = false;
+  if (s.initialised_by_us) MPI_Finalize();
+}
+
+bool threaded() { return state().provided == MPI_THREAD_MULTIPLE; }
+
+// ---- Work handles ----
+
+namespace {
+// A hand-off between threads costs a futex wake-up on each side (~10 us each). Spinning briefly
+// before sleeping catches operations that finish soon: that is what keeps a 1 MiB all-reduce
+// through the queue close to a raw MPI call. yield() leaves the core to others meanwhile.
+template <class Ready>
+void spin_briefly(Ready ready) {
+  const auto end = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinMicros);
+  while (!ready() && std::chrono::steady_clock::now() < end) std::this_thread::yield();
+}
+
+// Completed by the communication thread (or at once, without one).
+class QueuedWork : public Work {
+ public:
+  void finish(std::exception_ptr err) {
+    std::lock_guard<std::mutex> lock(mu_);
+    err_ = err;
+    done_.store(true, std::memory_order_release);
+    cv_.notify_all();
+  }
+  void wait() override {
+    spin_briefly([&] { return test(); });
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return test(); });
+    if (err_) std::rethrow_exception(err_);
+  }
+  bool test() override { return done_.load(std::memory_order_acquire); }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::atomic<bool> done_{false};
+  std::exception_ptr err_;
+};
+
+// A pointer MPI can use: the tensor's own bytes on the CPU, else a host copy charged to
+// comm_buffer (CUDA tensors; copy_ does the device transfer).
+class HostView {
+ public:
+  HostView(const Tensor& t, bool copy_in) : dev_(t) {
+    if (t.device().is_cpu()) {
+      host_ = t;
+      return;
+    }
+    MemScope scope(MemCategory::comm_buffer);
+    host_ = Tensor::empty(t.shape(), t.dtype(), Device::cpu());
+    if (copy_in) copy_(host_, t);
+  }
+  void* ptr() const { return host_.data_ptr(); }
+  void copy_out() const {
+    if (!dev_.device().is_cpu()) copy_(dev_, host_);
+  }
+
+ private:
+  Tensor dev_, host_;
+};
+
+std::string mpi_error(int rc) {
+  char msg[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(rc, msg, &len);
+  return std::string(msg, size_t(len));
+}
+
+// A posted MPI_Isend/MPI_Irecv. Dropping it unfinished waits, since MPI still owns its buffer.
+class RequestWork : public Work {
+ public:
+  RequestWork(std::string what, MPI_Request req, HostView buf, bool receives)
+      : what_(std::move(what)), req_(req), buf_(std::move(buf)), receives_(receives) {}
+  ~RequestWork() override {
+    int fin = 0;
+    MPI_Finalized(&fin);
+    if (!done_ && !fin) MPI_Wait(&req_, MPI_STATUS_IGNORE);
+  }
+  void wait() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!done_) complete(MPI_Wait(&req_, MPI_STATUS_IGNORE));
+    if (!err_.empty()) throw Error(err_);
+  }
+  bool test() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    int flag = 0;
+    if (!done_) {
+      int rc = MPI_Test(&req_, &flag, MPI_STATUS_IGNORE);
+      if (flag || rc != MPI_SUCCESS) complete(rc);
+    }
+    return done_;
+  }
+
+ private:
+  void complete(int rc) {
+    done_ = true;
+    if (rc != MPI_SUCCESS) err_ = str(what_, ": MPI error: ", mpi_error(rc));
+    else if (receives_) buf_.copy_out();
+  }
+  std::mutex mu_;
+  std::string what_;
+  MPI_Request req_;
+  HostView buf_;
+  bool receives_;
+  bool done_ = false;
+  std::string err_;
+};
+}  // namespace
+
+// ---- the communication thread ----
+
+class MpiProcessGroup::CommThread {
+ public:
+  CommThread() : thread_([this] { loop(); }) {}
+  void push(std::function<void()> task) {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(std::move(task));
+    cv_.notify_one();
+  }
+  // Runs what is queued (other ranks expect those collectives), then joins.
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_one();
+    thread_.join();
+  }
+
+ private:
+  void loop() {
+    for (;;) {
+      std::function<void()> task;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        task = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      task();
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  bool stop_ = false;
+  std::thread thread_;  // last: starts once the queue exists
+};
+
+// ---- the group ----
+
+namespace {
+int comm_rank(MPI_Comm c) {
+  int r = 0;
+  MPI_Comm_rank(c, &r);
+  return r;
+}
+int comm_size(MPI_Comm c) {
+  int n = 0;
+  MPI_Comm_size(c, &n);
+  return n;
+}
+}  // namespace
+
+std::shared_ptr<MpiProcessGroup> MpiProcessGroup::world() {
+  SG_CHECK(state().ready, "MpiProcessGroup::world: call sg::comm::init() first");
+  MPI_Comm c;
+  MPI_Comm_dup(MPI_COMM_WORLD, &c);
+  return std::make_shared<MpiProcessGroup>(c);
+}
+
+MpiProcessGroup::MpiProcessGroup(MPI_Comm comm) : ProcessGroup(comm_rank(comm), comm_size(comm)), comm_(comm) {
+  auto& s = state();
+  SG_CHECK(s.ready, "MpiProcessGroup: call sg::comm::init() first");
+  // Errors come back as codes, so they surface as exceptions from wait() naming the op and rank.
+  MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+  if (threaded()) thread_ = std::make_unique<CommThread>();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.groups.push_back(this);
+}
+
+MpiProcessGroup::~MpiProcessGroup() {
+  shutdown();
+  auto& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.groups.erase(std::remove(s.groups.begin(), s.groups.end(), this), s.groups.end());
+}
+
+void MpiProcessGroup::shutdown() {
+  if (thread_) thread_->stop();
+  thread_.reset();
+  int fin = 0;
+  MPI_Finalized(&fin);
+  if (comm_ != MPI_COMM_NULL && !fin) MPI_Comm_free(&comm_);
+  comm_ = MPI_COMM_NULL;
+}
+
+std::shared_ptr<Work> MpiProcessGroup::enqueue(const char* op, std::function<void()> body) {
+  SG_CHECK(comm_ != MPI_COMM_NULL, op, ": the process group was shut down (comm::finalize)", at());
+  auto work = std::make_shared<QueuedWork>();
+  auto task = [work, body = std::move(body)] {
+    try {
+      body();
+      work->finish(nullptr);
+    } catch (...) {
+      work->finish(std::current_exception());
+    }
+  };
+  if (thread_) thread_->push(std::move(task));
+  else task();
+  return work;
+}
+
+// Turns an MPI error code into an Error naming the op and this rank.
+#define SG_MPI(op, call)                                                                     \
+  do {                                                                                       \
+    int rc_ = (call);                                                                        \
+    SG_CHECK(rc_ == MPI_SUCCESS, op, ": MPI error: ", mpi_error(rc_), at());                 \
+  } while (0)
+
+std::shared_ptr<Work> MpiProcessGroup::do_all_reduce(const Tensor& t, ReduceOp op) {
+  int n = mpi_count("all_reduce", t.numel());
+  return enqueue("all_reduce", [=, this] {
+    HostView buf(t, true);
+    SG_MPI("all_reduce", MPI_Allreduce(MPI_IN_PLACE, buf.ptr(), n, mpi_type(t.dtype()), mpi_op(op, t.dtype()), comm_));
+    if (op == ReduceOp::avg) divide(buf.ptr(), n, t.dtype(), size());
+    buf.copy_out();
+  });
+}
+
+std::shared_ptr<Work> MpiProcessGroup::do_reduce_scatter(const Tensor& out, const Tensor& in, ReduceOp op) {
+  int n = mpi_count("reduce_scatter", out.numel());
+  return enqueue("reduce_scatter", [=, this] {
+    HostView src(in, true), dst(out, false);
+    SG_MPI("reduce_scatter", MPI_Reduce_scatter_block(src.ptr(), dst.ptr(), n, mpi_type(in.dtype()),
+                                                      mpi_op(op, in.dtype()), comm_));
+    if (op == ReduceOp::avg) divide(dst.ptr(), n, out.dtype(), size());
+    dst.copy_out();
+  });
+}
+
+std::shared_ptr<Work> MpiProcessGroup::do_all_gather(const Tensor& out, const Tensor& in) {
+  int n = mpi_count("all_gather", in.numel());
+  // ProcessGroup::all_gather allows an overlap only when the input is exactly this rank's chunk.
+  bool in_place = in.storage() == out.storage() &&
+                  in.data_ptr() == static_cast<char*>(out.data_ptr()) + size_t(rank()) * in.nbytes();
+  return enqueue("all_gather", [=, this] {
+    MPI_Datatype type = mpi_type(in.dtype());
+    HostView dst(out, in_place);  // in place: this rank's chunk already sits in the output
+    if (in_place) {
+      SG_MPI("all_gather", MPI_Allgather(MPI_IN_PLACE, 0, type, dst.ptr(), n, type, comm_));
+    } else {
+      HostView src(in, true);
+      SG_MPI("all_gather", MPI_Allgather(src.ptr(), n, type, dst.ptr(), n, type, comm_));
+    }
+    dst.copy_out();
+  });
+}
+
+std::shared_ptr<Work> MpiProcessGroup::do_broadcast(const Tensor& t, int root) {
+  int n = mpi_count("broadcast", t.numel());
+  return enqueue("broadcast", [=, this] {
+    HostView buf(t, rank() == root);
+    SG_MPI("broadcast", MPI_Bcast(buf.ptr(), n, mpi_type(t.dtype()), root, comm_));
+    buf.copy_out();
+  });
+}
+
+std::shared_ptr<Work> MpiProcessGroup::do_reduce(const Tensor& t, int root, ReduceOp op) {
+  int n = mpi_count("reduce", t.numel());
+  return enqueue("reduce", [=, this] {
+    HostView buf(t, true);
+    bool is_root = rank() == root;
+    SG_MPI("reduce", MPI_Reduce(is_root ? MPI_IN_PLACE : buf.ptr(), is_root ? buf.ptr() : nullptr, n,
+                                mpi_type(t.dtype()), mpi_op(op, t.dtype()), root, comm_));
+    if (!is_root) return;
+    if (op == ReduceOp::avg) divide(buf.ptr(), n, t.dtype(), size());
+    buf.copy_out();
+  });
+}
+
+std::shared_ptr<Work> MpiProcessGroup::do_barrier() {
+  return enqueue("barrier", [this] { SG_MPI("barrier", MPI_Barrier(comm_)); });
+}
+
+std::shared_ptr<Work> MpiProcessGroup::do_send(const Tensor& t, int dst, int tag) {
+  SG_CHECK(comm_ != MPI_COMM_NULL, "send: the process group was shut down (comm::finalize)", at());
+  HostView buf(t, true);
+  MPI_Request req;
+  SG_MPI("send", MPI_Isend(buf.ptr(), mpi_count("send", t.numel()), mpi_type(t.dtype()), dst, tag, comm_, &req));
+  return std::make_shared<RequestWork>(str("send to ", dst, " tag ", tag, at()), req, std::move(buf), false);
+}
+
+std::shared_ptr<Work> MpiProcessGroup::do_recv(const Tensor& t, int src, int tag) {
+  SG_CHECK(comm_ != MPI_COMM_NULL, "recv: the process group was shut down (comm::finalize)", at());
+  HostView buf(t, false);
+  MPI_Request req;
+  SG_MPI("recv", MPI_Irecv(buf.ptr(), mpi_count("recv", t.numel()), mpi_type(t.dtype()), src, tag, comm_, &req));
+  return std::make_shared<RequestWork>(str("recv from ", src, " tag ", tag, at()), req, std::move(buf), true);
+}
+
+std::shared_ptr<ProcessGroup> MpiProcessGroup::do_split(int color, int key) {
+  MPI_Comm sub = MPI_COMM_NULL;
+  // On the queue, like any collective over this communicator, so it stays in issue order.
+  enqueue("split", [&, this] { SG_MPI("split", MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &sub)); })
+      ->wait();
+  if (sub == MPI_COMM_NULL) return nullptr;
+  return std::make_shared<MpiProcessGroup>(sub);
+}
+
+}  // namespace sg::comm

@@ -1,0 +1,182 @@
+#include "parallel/comm/process_group.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+
+namespace sg::comm {
+
+const char* reduce_op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum: return "sum";
+    case ReduceOp::avg: return "avg";
+    case ReduceOp::max: return "max";
+  }
+  return "?";
+}
+
+const char* comm_kind_name(CommKind k) {
+  switch (k) {
+    case CommKind::all_reduce: return "all_reduce";
+    case CommKind::reduce_scatter: return "reduce_scatter";
+    case CommKind::all_gather: return "all_gather";
+    case CommKind::broadcast: return "broadcast";
+    case CommKind::reduce: return "reduce";
+    case CommKind::send: return "send";
+    case CommKind::recv: return "recv";
+    case CommKind::barrier: return "barrier";
+  }
+  return "?";
+}
+
+int64_t CommCounters::sent_bytes() const {
+  int64_t total = 0;
+  for (int k = 0; k < kNumCommKinds; ++k)
+    if (CommKind(k) != CommKind::recv) total += kinds[size_t(k)].bytes;
+  return total;
+}
+
+nlohmann::json CommCounters::to_json() const {
+  nlohmann::json j = nlohmann::json::object();
+  for (int k = 0; k < kNumCommKinds; ++k)
+    j[comm_kind_name(CommKind(k))] = {{"calls", kinds[size_t(k)].calls}, {"bytes", kinds[size_t(k)].bytes}};
+  return j;
+}
+
+int64_t all_reduce_bytes(int64_t tensor_bytes, int n) { return 2 * int64_t(n - 1) * tensor_bytes / n; }
+int64_t reduce_scatter_bytes(int64_t input_bytes, int n) { return int64_t(n - 1) * input_bytes / n; }
+int64_t all_gather_bytes(int64_t output_bytes, int n) { return int64_t(n - 1) * output_bytes / n; }
+
+ProcessGroup::ProcessGroup(int rank, int size) : rank_(rank), size_(size) {
+  SG_CHECK(size >= 1 && rank >= 0 && rank < size, "ProcessGroup: rank ", rank, " is not in a group of ", size);
+}
+
+std::string ProcessGroup::at() const { return str(" (rank ", rank_, " of ", size_, ")"); }
+
+CommCounters ProcessGroup::counters() const {
+  std::lock_guard<std::mutex> lock(counters_mu_);
+  return counters_;
+}
+
+void ProcessGroup::reset_counters() {
+  std::lock_guard<std::mutex> lock(counters_mu_);
+  counters_ = CommCounters{};
+}
+
+void ProcessGroup::count(CommKind k, int64_t bytes) {
+  std::lock_guard<std::mutex> lock(counters_mu_);
+  counters_[k].calls += 1;
+  counters_[k].bytes += bytes;
+}
+
+void ProcessGroup::check_tensor(const char* op, const char* role, const Tensor& t) const {
+  SG_CHECK(t.defined(), op, ": ", role, " is undefined", at());
+  std::string name = t.name().empty() ? std::string(role) : str(role, " '", t.name(), "'");
+  SG_CHECK(t.is_contiguous(), op, ": ", name, " ", t.describe(), " is not contiguous (strides ",
+           shape_str(t.strides()), "); pass contiguous(t)", at());
+}
+
+void ProcessGroup::check_peer(const char* op, const char* what, int peer, bool allow_self) const {
+  SG_CHECK(peer >= 0 && peer < size_, op, ": ", what, " ", peer, " is not a rank of this group of ", size_, at());
+  // A rank's operations run in order on one queue: a message to itself would wait for itself.
+  SG_CHECK(allow_self || peer != rank_, op, ": ", what, " ", peer, " is this rank", at());
+}
+
+namespace {
+bool overlap(const Tensor& a, const Tensor& b) {
+  if (a.storage() != b.storage()) return false;
+  auto pa = static_cast<const char*>(a.data_ptr()), pb = static_cast<const char*>(b.data_ptr());
+  return pa < pb + b.nbytes() && pb < pa + a.nbytes();
+}
+}  // namespace
+
+std::shared_ptr<Work> ProcessGroup::all_reduce(const Tensor& t, ReduceOp op) {
+  check_tensor("all_reduce", "tensor", t);
+  SG_CHECK(op != ReduceOp::avg || is_floating(t.dtype()), "all_reduce: avg of ", t.describe(),
+           " would not be exact; use sum and divide", at());
+  count(CommKind::all_reduce, all_reduce_bytes(int64_t(t.nbytes()), size_));
+  return do_all_reduce(t, op);
+}
+
+std::shared_ptr<Work> ProcessGroup::reduce_scatter(const Tensor& out, const Tensor& in, ReduceOp op) {
+  check_tensor("reduce_scatter", "output", out);
+  check_tensor("reduce_scatter", "input", in);
+  SG_CHECK(out.dtype() == in.dtype() && out.device() == in.device(), "reduce_scatter: output ", out.describe(),
+           " and input ", in.describe(), " differ in dtype or device", at());
+  SG_CHECK(in.numel() == int64_t(size_) * out.numel(), "reduce_scatter: input has ", in.numel(), " elements, not ",
+           size_, " x ", out.numel(), " (output ", shape_str(out.shape()), ")", at());
+  SG_CHECK(!overlap(out, in), "reduce_scatter: output and input share memory", at());
+  SG_CHECK(op != ReduceOp::avg || is_floating(in.dtype()), "reduce_scatter: avg of ", in.describe(),
+           " would not be exact; use sum and divide", at());
+  count(CommKind::reduce_scatter, reduce_scatter_bytes(int64_t(in.nbytes()), size_));
+  return do_reduce_scatter(out, in, op);
+}
+
+std::shared_ptr<Work> ProcessGroup::all_gather(const Tensor& out, const Tensor& in) {
+  check_tensor("all_gather", "output", out);
+  check_tensor("all_gather", "input", in);
+  SG_CHECK(out.dtype() == in.dtype() && out.device() == in.device(), "all_gather: output ", out.describe(),
+           " and input ", in.describe(), " differ in dtype or device", at());
+  SG_CHECK(out.numel() == int64_t(size_) * in.numel(), "all_gather: output has ", out.numel(), " elements, not ",
+           size_, " x ", in.numel(), " (input ", shape_str(in.shape()), ")", at());
+  // In place is allowed when the input is exactly this rank's chunk of the output (FSDP shards).
+  const char* own_chunk = static_cast<const char*>(out.data_ptr()) + size_t(rank_) * in.nbytes();
+  SG_CHECK(!overlap(out, in) || in.data_ptr() == own_chunk, "all_gather: input overlaps the output but is not its chunk ",
+           rank_, at());
+  count(CommKind::all_gather, all_gather_bytes(int64_t(out.nbytes()), size_));
+  return do_all_gather(out, in);
+}
+
+std::shared_ptr<Work> ProcessGroup::broadcast(const Tensor& t, int root) {
+  check_tensor("broadcast", "tensor", t);
+  check_peer("broadcast", "root", root, true);
+  count(CommKind::broadcast, size_ > 1 ? int64_t(t.nbytes()) : 0);
+  return do_broadcast(t, root);
+}
+
+std::shared_ptr<Work> ProcessGroup::reduce(const Tensor& t, int root, ReduceOp op) {
+  check_tensor("reduce", "tensor", t);
+  check_peer("reduce", "root", root, true);
+  SG_CHECK(op != ReduceOp::avg || is_floating(t.dtype()), "reduce: avg of ", t.describe(),
+           " would not be exact; use sum and divide", at());
+  count(CommKind::reduce, size_ > 1 ? int64_t(t.nbytes()) : 0);
+  return do_reduce(t, root, op);
+}
+
+std::shared_ptr<Work> ProcessGroup::send(const Tensor& t, int dst, int tag) {
+  check_tensor("send", "tensor", t);
+  check_peer("send", "destination", dst, false);
+  SG_CHECK(tag >= 0, "send: tag ", tag, " is negative", at());
+  count(CommKind::send, int64_t(t.nbytes()));
+  return do_send(t, dst, tag);
+}
+
+std::shared_ptr<Work> ProcessGroup::recv(const Tensor& t, int src, int tag) {
+  check_tensor("recv", "tensor", t);
+  check_peer("recv", "source", src, false);
+  SG_CHECK(tag >= 0, "recv: tag ", tag, " is negative", at());
+  count(CommKind::recv, int64_t(t.nbytes()));
+  return do_recv(t, src, tag);
+}
+
+std::shared_ptr<Work> ProcessGroup::barrier() {
+  count(CommKind::barrier, 0);
+  return do_barrier();
+}
+
+std::shared_ptr<ProcessGroup> ProcessGroup::split(int color, int key) { return do_split(color, key); }
+
+std::shared_ptr<ProcessGroup> ProcessGroup::new_group(const std::vector<int>& ranks) {
+  SG_CHECK(!ranks.empty(), "new_group: empty rank list", at());
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    SG_CHECK(ranks[i] >= 0 && ranks[i] < size_, "new_group: rank ", ranks[i], " in ", shape_str(ranks),
+             " is not a rank of this group of ", size_, at());
+    SG_CHECK(std::count(ranks.begin(), ranks.end(), ranks[i]) == 1, "new_group: rank ", ranks[i], " is listed twice in ",
+             shape_str(ranks), at());
+  }
+  auto it = std::find(ranks.begin(), ranks.end(), rank_);
+  bool member = it != ranks.end();
+  return do_split(member ? 0 : -1, member ? int(it - ranks.begin()) : 0);
+}
+
+}  // namespace sg::comm

@@ -1,0 +1,131 @@
+// ProcessGroup: the collectives every parallel strategy is built on, independent of the backend.
+//
+// All operations work in place on contiguous tensors and return a Work handle at once: the
+// network is touched by wait(), never by the call (except that send/recv post their request).
+// Every rank of a group must issue the group's collectives in the same order, as with MPI and NCCL.
+// The public calls validate their arguments (naming the op, the shapes and this rank) and count
+// bytes before handing the operation to the backend, so every backend counts the same way.
+#pragma once
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/tensor.h"
+
+namespace sg::comm {
+
+enum class ReduceOp : uint8_t { sum, avg, max };
+const char* reduce_op_name(ReduceOp op);
+
+enum class CommKind : uint8_t { all_reduce, reduce_scatter, all_gather, broadcast, reduce, send, recv, barrier };
+constexpr int kNumCommKinds = 8;
+const char* comm_kind_name(CommKind k);
+
+// What one rank put on the wire, per collective kind, by the standard algorithm's volume.
+// With n = group size and B = bytes of the tensor named below (numel * dtype size), per call:
+//   all_reduce      2(n-1)·B / n  (ring: reduce-scatter + all-gather; B = the tensor), rounded down
+//   reduce_scatter  (n-1)·B / n   (B = the full input, n chunks; equals (n-1)·output bytes)
+//   all_gather      (n-1)·B / n   (B = the full output; equals (n-1)·input bytes)
+//   broadcast       B on every rank (pipelined chain: each rank forwards the buffer once)
+//   reduce          B on every rank (the same chain run backwards)
+//   send            B on the sender
+//   recv            B on the receiver: the one kind that counts bytes received, not sent
+//   barrier         calls only, 0 bytes
+// With n == 1 nothing moves: collectives count their call and 0 bytes.
+// Counted when the operation is issued (after validation), not when it completes.
+struct KindCount {
+  int64_t calls = 0;
+  int64_t bytes = 0;
+  bool operator==(const KindCount&) const = default;
+};
+
+struct CommCounters {
+  std::array<KindCount, kNumCommKinds> kinds{};
+
+  const KindCount& operator[](CommKind k) const { return kinds[size_t(k)]; }
+  KindCount& operator[](CommKind k) { return kinds[size_t(k)]; }
+  int64_t sent_bytes() const;  // every kind but recv
+  // {"all_reduce": {"calls": 3, "bytes": 6006}, ...}: every kind, zeros included.
+  nlohmann::json to_json() const;
+};
+
+int64_t all_reduce_bytes(int64_t tensor_bytes, int n);
+int64_t reduce_scatter_bytes(int64_t input_bytes, int n);
+int64_t all_gather_bytes(int64_t output_bytes, int n);
+
+// An operation in flight. wait() blocks until it has completed and rethrows its error, if any;
+// test() never blocks. Both may be called any number of times.
+class Work {
+ public:
+  virtual ~Work() = default;
+  virtual void wait() = 0;
+  virtual bool test() = 0;
+};
+
+class ProcessGroup {
+ public:
+  virtual ~ProcessGroup() = default;
+  ProcessGroup(const ProcessGroup&) = delete;
+  ProcessGroup& operator=(const ProcessGroup&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  virtual std::string backend_name() const = 0;
+
+  // t = op over ranks of t. avg is refused for integer dtypes (it would not be exact).
+  std::shared_ptr<Work> all_reduce(const Tensor& t, ReduceOp op = ReduceOp::sum);
+  // in has size() * out.numel() elements; rank r receives chunk r of the reduced input.
+  std::shared_ptr<Work> reduce_scatter(const Tensor& out, const Tensor& in, ReduceOp op = ReduceOp::sum);
+  // out has size() * in.numel() elements: every rank's in, concatenated in rank order.
+  std::shared_ptr<Work> all_gather(const Tensor& out, const Tensor& in);
+  std::shared_ptr<Work> broadcast(const Tensor& t, int root);
+  // Only root's t receives the result; the others' tensors are left as they were.
+  std::shared_ptr<Work> reduce(const Tensor& t, int root, ReduceOp op = ReduceOp::sum);
+  std::shared_ptr<Work> send(const Tensor& t, int dst, int tag = 0);
+  std::shared_ptr<Work> recv(const Tensor& t, int src, int tag = 0);
+  // Completes once every rank has reached it, after this rank's earlier operations.
+  std::shared_ptr<Work> barrier();
+
+  // Collective over this group (MPI_Comm_split): ranks with the same color form a subgroup,
+  // ordered by key (ties by rank here). color < 0 means "in no subgroup" and returns nullptr.
+  std::shared_ptr<ProcessGroup> split(int color, int key);
+  // Collective over this group: a subgroup of the listed ranks (of this group), in list order;
+  // ranks not listed get nullptr.
+  std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks);
+
+  // Each group keeps its own counters; a subgroup's traffic is not added to its parent's.
+  CommCounters counters() const;
+  void reset_counters();
+
+ protected:
+  ProcessGroup(int rank, int size);
+  // Backends implement these; arguments are already validated and counted.
+  virtual std::shared_ptr<Work> do_all_reduce(const Tensor& t, ReduceOp op) = 0;
+  virtual std::shared_ptr<Work> do_reduce_scatter(const Tensor& out, const Tensor& in, ReduceOp op) = 0;
+  virtual std::shared_ptr<Work> do_all_gather(const Tensor& out, const Tensor& in) = 0;
+  virtual std::shared_ptr<Work> do_broadcast(const Tensor& t, int root) = 0;
+  virtual std::shared_ptr<Work> do_reduce(const Tensor& t, int root, ReduceOp op) = 0;
+  virtual std::shared_ptr<Work> do_send(const Tensor& t, int dst, int tag) = 0;
+  virtual std::shared_ptr<Work> do_recv(const Tensor& t, int src, int tag) = 0;
+  virtual std::shared_ptr<Work> do_barrier() = 0;
+  virtual std::shared_ptr<ProcessGroup> do_split(int color, int key) = 0;
+
+  // " (rank 1 of 4)": ends every error this group raises, so a log line names its rank.
+  std::string at() const;
+
+ private:
+  void check_tensor(const char* op, const char* name, const Tensor& t) const;
+  void check_peer(const char* op, const char* what, int peer, bool allow_self) const;
+  void count(CommKind k, int64_t bytes);
+
+  int rank_, size_;
+  mutable std::mutex counters_mu_;
+  CommCounters counters_;
+};
+
+}  // namespace sg::comm

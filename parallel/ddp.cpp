@@ -1,0 +1,113 @@
+#include "parallel/ddp.h"
+
+#include "autograd/ops.h"
+#include "autograd/tape.h"
+
+namespace sg::parallel {
+
+DistributedDataParallel::DistributedDataParallel(NamedTensors params, std::shared_ptr<comm::ProcessGroup> group,
+                                                 DdpOptions opt)
+    : params_(std::move(params)), group_(std::move(group)), opt_(opt), alive_(std::make_shared<bool>(true)) {
+  SG_CHECK(opt_.bucket_bytes > 0, "ddp: --bucket-mb must be > 0");
+  bucket_of_.assign(params_.size(), 0);
+  marked_.assign(params_.size(), 0);
+  // Reverse registration order: the head and last blocks finish backward first.
+  Bucket cur;
+  int64_t bytes = 0;
+  auto close = [&] {
+    if (cur.params.empty()) return;
+    int64_t n = 0;
+    for (size_t i : cur.params) {
+      cur.offsets.push_back(n);
+      n += params_[i].second.numel();
+    }
+    MemScope scope(MemCategory::comm_buffer);
+    cur.buffer = empty({n}, params_[cur.params[0]].second.dtype(), params_[cur.params[0]].second.device());
+    for (size_t i : cur.params) bucket_of_[i] = buckets_.size();
+    buckets_.push_back(std::move(cur));
+    cur = Bucket{};
+    bytes = 0;
+  };
+  for (size_t k = params_.size(); k-- > 0;) {
+    const Tensor& p = params_[k].second;
+    const bool dtype_change = !cur.params.empty() && params_[cur.params[0]].second.dtype() != p.dtype();
+    if (dtype_change) close();
+    cur.params.push_back(k);
+    bytes += int64_t(p.nbytes());
+    if (bytes >= opt_.bucket_bytes) close();
+  }
+  close();
+  std::weak_ptr<bool> alive = alive_;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    params_[i].second.add_grad_ready_hook([this, i, alive](const Tensor&) {
+      if (alive.lock()) on_grad_ready(i);
+    });
+  }
+}
+
+DistributedDataParallel::~DistributedDataParallel() {
+  for (auto& b : buckets_)
+    if (b.work) b.work->wait();
+  *alive_ = false;
+}
+
+void DistributedDataParallel::broadcast_parameters() {
+  for (auto& [n, p] : params_) group_->broadcast(p, 0)->wait();
+}
+
+std::vector<std::string> DistributedDataParallel::bucket_names(int b) const {
+  std::vector<std::string> out;
+  for (size_t i : buckets_[size_t(b)].params) out.push_back(params_[i].first);
+  return out;
+}
+
+void DistributedDataParallel::on_grad_ready(size_t i) {
+  if (!sync_ || marked_[i]) return;
+  marked_[i] = 1;
+  Bucket& b = buckets_[bucket_of_[i]];
+  if (++b.ready == int(b.params.size())) launch(b);
+}
+
+void DistributedDataParallel::launch(Bucket& b) {
+  autograd::NoGradGuard ng;
+  for (size_t k = 0; k < b.params.size(); ++k) {
+    const Tensor& p = params_[b.params[k]].second;
+    Tensor slot = narrow(b.buffer, 0, b.offsets[k], p.numel());
+    Tensor g = p.grad();
+    if (g.defined()) copy_(slot, reshape(g, {p.numel()}));
+    else zero_(slot);
+  }
+  b.work = group_->all_reduce(b.buffer, comm::ReduceOp::avg);
+}
+
+void DistributedDataParallel::finish_gradients() {
+  if (!sync_) return;
+  // Buckets whose parameters did not all get a gradient never launched.
+  std::string unused;
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (!marked_[i]) unused += (unused.empty() ? "" : ", ") + params_[i].first;
+  if (!unused.empty() && !opt_.find_unused_parameters)
+    throw Error(str("ddp: these parameters received no gradient in this step: ", unused,
+                    " (pass --find-unused-parameters if that is intended)"));
+  for (auto& b : buckets_)  // every rank launches the leftovers in bucket order: same order everywhere
+    if (!b.work) launch(b);
+  autograd::NoGradGuard ng;
+  for (auto& b : buckets_) {
+    b.work->wait();
+    b.work.reset();
+    b.ready = 0;
+    for (size_t k = 0; k < b.params.size(); ++k) {
+      const Tensor& p = params_[b.params[k]].second;
+      Tensor avg = reshape(narrow(b.buffer, 0, b.offsets[k], p.numel()), p.shape());
+      if (!p.grad().defined()) {
+        MemScope scope(MemCategory::grad);
+        p.set_grad(clone(avg));
+      } else {
+        copy_(p.grad(), avg);
+      }
+    }
+  }
+  std::fill(marked_.begin(), marked_.end(), 0);
+}
+
+}  // namespace sg::parallel

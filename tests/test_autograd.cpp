@@ -1,0 +1,267 @@
+// The tape: gradients accumulate, several tapes live at once, hooks fire exactly when a leaf's
+// gradient is final, and recompute trades activation bytes for a second forward without
+// changing a single number.
+#include <catch2/catch.hpp>
+
+#include "autograd/ops.h"
+#include "autograd/recompute.h"
+#include "autograd/tape.h"
+
+using namespace sg;
+using autograd::Tape;
+using autograd::TapeScope;
+using autograd::TensorList;
+using Catch::Contains;
+
+namespace {
+
+Tensor leaf(const Shape& s, uint64_t stream) {
+  Tensor t = randn(s, 5, stream, 0, 1, DType::f64);
+  t.set_requires_grad(true);
+  return t;
+}
+
+std::vector<double> vec(const Tensor& t) { return to_vector<double>(t); }
+
+void check_close(const std::vector<double>& got, const std::vector<double>& want, double tol = 1e-12) {
+  REQUIRE(got.size() == want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    INFO("element " << i);
+    CHECK(got[i] == Approx(want[i]).margin(tol).epsilon(tol));
+  }
+}
+
+// Elementwise a * s + b (reference arithmetic on plain vectors).
+std::vector<double> axpb(const std::vector<double>& a, double s, const std::vector<double>& b) {
+  std::vector<double> r(a.size());
+  for (size_t i = 0; i < a.size(); ++i) r[i] = a[i] * s + (b.empty() ? 0.0 : b[i]);
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("gradients accumulate (+=) into .grad across two backward calls", "[autograd]") {
+  Tensor x = leaf({3, 4}, 1);
+  for (int step = 1; step <= 2; ++step) {
+    Tape tape;
+    Tensor loss;
+    {
+      TapeScope s(tape);
+      loss = sum(square(x));
+    }
+    tape.backward(loss);
+    check_close(vec(x.grad()), axpb(vec(x), 2.0 * step, {}));  // d/dx sum(x^2) = 2x, twice
+  }
+  CHECK(x.grad().storage()->category() == MemCategory::grad);
+}
+
+TEST_CASE("backward(outputs, grad_outputs) seeds a non-scalar output", "[autograd]") {
+  Tensor x = leaf({2, 3}, 2);
+  Tensor G = randn({2, 3}, 5, 3, 0, 1, DType::f64);
+  Tape tape;
+  Tensor y;
+  {
+    TapeScope s(tape);
+    y = mul(x, 3.0);
+  }
+  REQUIRE_THROWS_WITH(tape.backward(y), Contains("loss must have one element"));
+  tape.backward({y}, {G});
+  check_close(vec(x.grad()), axpb(vec(G), 3.0, {}));
+}
+
+TEST_CASE("Tape::grad returns gradients and leaves every .grad untouched", "[autograd]") {
+  Tensor x = leaf({4}, 3), w = leaf({4}, 4);
+  w.set_grad(full({4}, 7.0, DType::f64));
+  Tape tape;
+  Tensor loss;
+  {
+    TapeScope s(tape);
+    loss = sum(mul(x, w));
+  }
+  TensorList g = tape.grad({loss}, {ones_like(loss)}, {x, w});
+  check_close(vec(g[0]), vec(w));
+  check_close(vec(g[1]), vec(x));
+  CHECK_FALSE(x.grad().defined());
+  CHECK(vec(w.grad()) == std::vector<double>(4, 7.0));
+}
+
+TEST_CASE("two tapes live at once record different micro-batches; backward in either order", "[autograd]") {
+  Tensor xa = randn({3, 5}, 5, 10, 0, 1, DType::f64), xb = randn({3, 5}, 5, 11, 0, 1, DType::f64);
+  auto grad_of = [&](const Tensor& w, const Tensor& x) {  // d/dw sum(tanh(x w)) for w [5, 2]
+    Tensor h = tanh(matmul(x, w));
+    Tensor dh = sub(ones_like(h), square(h));
+    return vec(matmul(transpose(x, 0, 1), dh));
+  };
+  for (bool a_first : {true, false}) {
+    Tensor w = leaf({5, 2}, 12);
+    std::vector<std::vector<double>> hook_saw;  // one entry per firing: .grad when the hook ran
+    w.add_grad_ready_hook([&](const Tensor& t) { hook_saw.push_back(vec(t.grad())); });
+    Tape ta, tb;
+    Tensor la, lb;
+    {
+      TapeScope s(ta);
+      la = sum(tanh(matmul(xa, w)));
+    }
+    {
+      TapeScope s(tb);
+      lb = sum(tanh(matmul(xb, w)));
+    }
+    CHECK(ta.size() > 0);
+    CHECK(tb.size() == ta.size());
+    std::vector<double> ga = grad_of(w, xa), gb = grad_of(w, xb);
+    Tape& first = a_first ? ta : tb;
+    Tape& second = a_first ? tb : ta;
+    first.backward(a_first ? la : lb);
+    check_close(vec(w.grad()), a_first ? ga : gb);
+    second.backward(a_first ? lb : la);
+    check_close(vec(w.grad()), axpb(ga, 1.0, gb));
+    REQUIRE(hook_saw.size() == 2);  // once per tape's backward
+    check_close(hook_saw[0], a_first ? ga : gb);
+  }
+}
+
+TEST_CASE("NoGradGuard records nothing", "[autograd]") {
+  Tensor x = leaf({3}, 5);
+  Tape tape;
+  TapeScope s(tape);
+  Tensor y;
+  {
+    autograd::NoGradGuard ng;
+    CHECK_FALSE(autograd::grad_enabled());
+    y = exp(mul(x, 2.0));
+  }
+  CHECK(autograd::grad_enabled());
+  CHECK(tape.empty());
+  CHECK_FALSE(y.requires_grad());
+  CHECK(y.grad_fn() == nullptr);
+  Tensor z = exp(x);
+  CHECK(tape.size() == 1);
+  CHECK(z.requires_grad());
+}
+
+TEST_CASE("a leaf's grad-ready hook fires once per backward, after its last consumer, with the full gradient",
+          "[autograd]") {
+  Tensor w = leaf({4}, 6), a = randn({4}, 5, 7, 0, 1, DType::f64);
+  Tensor unused = leaf({4}, 8), dead_end = leaf({4}, 9);
+  int fired = 0, unused_fired = 0, dead_end_fired = 0;
+  std::vector<double> seen;
+  w.add_grad_ready_hook([&](const Tensor& t) {
+    ++fired;
+    seen = vec(t.grad());
+  });
+  unused.add_grad_ready_hook([&](const Tensor&) { ++unused_fired; });
+  dead_end.add_grad_ready_hook([&](const Tensor&) { ++dead_end_fired; });
+  // d/dw [sum(w * a) + sum(exp(w)) + sum(w)] = a + exp(w) + 1
+  std::vector<double> want(4);
+  for (size_t i = 0; i < 4; ++i) want[i] = vec(a)[i] + std::exp(vec(w)[i]) + 1.0;
+  for (int step = 1; step <= 2; ++step) {
+    Tape tape;
+    Tensor loss;
+    {
+      TapeScope s(tape);
+      Tensor side = mul(dead_end, a);  // recorded, but the loss does not depend on it
+      (void)side;
+      loss = add(add(sum(mul(w, a)), sum(exp(w))), sum(w));
+    }
+    tape.backward(loss);
+    CHECK(fired == step);
+    check_close(seen, axpb(want, double(step), {}));  // the accumulated .grad, all three consumers in
+  }
+  CHECK(unused_fired == 0);
+  CHECK(dead_end_fired == 0);
+}
+
+TEST_CASE("backward through a consumed tape fails with a clear message", "[autograd]") {
+  Tensor x = leaf({2}, 15);
+  Tape tape;
+  Tensor loss;
+  {
+    TapeScope s(tape);
+    loss = sum(exp(x));
+  }
+  tape.backward(loss);
+  REQUIRE_THROWS_WITH(tape.backward(loss), Contains("second time"));
+  CHECK(tape.empty());
+}
+
+namespace {
+
+struct Region {
+  Tensor W1, b1, W2;
+  TensorList params() const { return {W1, b1, W2}; }
+  // A transformer-MLP-like block with dropout inside: linear -> gelu -> dropout -> linear.
+  TensorList operator()(const TensorList& in) const {
+    Tensor h = dropout(gelu(linear(in[0], W1, b1)), 0.25);
+    return {linear(h, W2, Tensor()), h};
+  }
+};
+
+struct RunResult {
+  std::vector<double> y, dx, dW1, db1, dW2;
+  int64_t live_activation_bytes = 0;  // held between forward and backward
+};
+
+RunResult run_region(bool use_recompute) {
+  Region r;
+  r.W1 = leaf({64, 16}, 20);
+  r.b1 = leaf({64}, 21);
+  r.W2 = leaf({16, 64}, 22);
+  Tensor x = leaf({8, 16}, 23);
+  Tensor G = randn({8, 64}, 5, 24, 0, 1, DType::f64);  // weights the second output
+  dropout_generator() = {77, 0};
+  const Device cpu = Device::cpu();
+  RunResult res;
+  Tape tape;
+  TensorList out;
+  Tensor loss;
+  const int64_t before = Ledger::global().stats(cpu).cur(MemCategory::activation);
+  {
+    TapeScope s(tape);
+    out = use_recompute ? autograd::recompute(r, {x}, r.params()) : r({x});
+    loss = add(sum(out[0]), sum(mul(out[1], G)));
+  }
+  res.live_activation_bytes = Ledger::global().stats(cpu).cur(MemCategory::activation) - before;
+  tape.backward(loss);
+  res.y = vec(out[0]);
+  res.dx = vec(x.grad());
+  res.dW1 = vec(r.W1.grad());
+  res.db1 = vec(r.b1.grad());
+  res.dW2 = vec(r.W2.grad());
+  return res;
+}
+
+}  // namespace
+
+TEST_CASE("recompute gives the plain region's outputs and gradients, dropout included, in fewer live bytes",
+          "[autograd]") {
+  RunResult plain = run_region(false), rec = run_region(true);
+  CHECK(rec.y == plain.y);
+  check_close(rec.dx, plain.dx);
+  check_close(rec.dW1, plain.dW1);
+  check_close(rec.db1, plain.db1);
+  check_close(rec.dW2, plain.dW2);
+  CHECK(rec.live_activation_bytes < plain.live_activation_bytes);
+  // plain also keeps gelu's input, x W1^T + b1 (8 x 64 f64), alive for backward
+  CHECK(plain.live_activation_bytes - rec.live_activation_bytes >= 8 * 64 * 8);
+}
+
+TEST_CASE("recompute records one node and its params' hooks fire once, from the outer backward", "[autograd]") {
+  Region r;
+  r.W1 = leaf({6, 4}, 30);
+  r.b1 = leaf({6}, 31);
+  r.W2 = leaf({4, 6}, 32);
+  Tensor x = randn({3, 4}, 5, 33, 0, 1, DType::f64);  // an input that needs no gradient
+  int fired = 0;
+  for (const Tensor& p : r.params()) p.add_grad_ready_hook([&](const Tensor&) { ++fired; });
+  Tape tape;
+  Tensor loss;
+  {
+    TapeScope s(tape);
+    loss = sum(autograd::recompute(r, {x}, r.params())[0]);
+    CHECK(tape.size() == 2);  // recompute + sum
+  }
+  tape.backward(loss);
+  CHECK(fired == 3);
+  CHECK(r.W1.grad().defined());
+  CHECK(r.W2.grad().defined());
+}

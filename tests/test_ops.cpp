@@ -1,0 +1,718 @@
+// The op correctness suite: one harness runs every op on every device we have. Each case gives
+// the op, its inputs (small irregular shapes) and a plain reference loop in double. The harness
+// checks the forward in f64 and f32 (and bf16/f16 where the case says so: the dtype is kept and
+// the values match within the half precision) and the backward against f64 finite differences.
+// Behaviour that is not a pure function of the inputs (dropout statistics, errors, padded
+// vocabularies, casts) has its own tests after the harness.
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <functional>
+#include <limits>
+
+#include "autograd/gradcheck.h"
+#include "autograd/ops.h"
+#include "autograd/tape.h"
+#include "core/philox.h"
+
+using namespace sg;
+using autograd::TensorList;
+using Catch::Contains;
+
+namespace {
+
+// ---- reference arrays: a shape and row-major values in double ----
+
+struct Ref {
+  Shape shape;
+  std::vector<double> v;
+};
+
+int64_t count(const Shape& s) {
+  int64_t n = 1;
+  for (auto d : s) n *= d;
+  return n;
+}
+
+std::vector<int64_t> unravel(int64_t flat, const Shape& s) {
+  std::vector<int64_t> idx(s.size());
+  for (size_t d = s.size(); d-- > 0;) {
+    idx[d] = flat % s[d];
+    flat /= s[d];
+  }
+  return idx;
+}
+
+int64_t ravel(const std::vector<int64_t>& idx, const Shape& s) {
+  int64_t flat = 0;
+  for (size_t d = 0; d < s.size(); ++d) flat = flat * s[d] + idx[d];
+  return flat;
+}
+
+// Flat index in s of the element that broadcasting reads for the (right-aligned) index idx.
+int64_t broadcast_index(const std::vector<int64_t>& idx, const Shape& s) {
+  int64_t flat = 0;
+  const size_t off = idx.size() - s.size();
+  for (size_t d = 0; d < s.size(); ++d) flat = flat * s[d] + (s[d] == 1 ? 0 : idx[off + d]);
+  return flat;
+}
+
+Shape broadcast(const Shape& a, const Shape& b) {
+  Shape out(std::max(a.size(), b.size()), 1);
+  for (size_t i = 0; i < out.size(); ++i) {
+    int64_t da = i < a.size() ? a[a.size() - 1 - i] : 1, db = i < b.size() ? b[b.size() - 1 - i] : 1;
+    out[out.size() - 1 - i] = da == 1 ? db : da;
+  }
+  return out;
+}
+
+Ref each(const Ref& a, const std::function<double(double)>& f) {
+  Ref r{a.shape, a.v};
+  for (auto& x : r.v) x = f(x);
+  return r;
+}
+
+Ref zip(const Ref& a, const Ref& b, const std::function<double(double, double)>& f) {
+  Ref r{broadcast(a.shape, b.shape), {}};
+  r.v.resize(size_t(count(r.shape)));
+  for (int64_t i = 0; i < count(r.shape); ++i) {
+    auto idx = unravel(i, r.shape);
+    r.v[size_t(i)] = f(a.v[size_t(broadcast_index(idx, a.shape))], b.v[size_t(broadcast_index(idx, b.shape))]);
+  }
+  return r;
+}
+
+// Reduces dims (negative allowed) with f, starting from init.
+Ref reduce(const Ref& a, std::vector<int64_t> dims, bool keepdim, double init,
+           const std::function<double(double, double)>& f) {
+  const int64_t n = int64_t(a.shape.size());
+  std::vector<bool> red(size_t(n), false);
+  for (auto d : dims) red[size_t(d < 0 ? d + n : d)] = true;
+  Shape kept = a.shape;
+  for (int64_t d = 0; d < n; ++d)
+    if (red[size_t(d)]) kept[size_t(d)] = 1;
+  Ref r{kept, std::vector<double>(size_t(count(kept)), init)};
+  for (int64_t i = 0; i < count(a.shape); ++i) {
+    auto idx = unravel(i, a.shape);
+    for (int64_t d = 0; d < n; ++d)
+      if (red[size_t(d)]) idx[size_t(d)] = 0;
+    double& o = r.v[size_t(ravel(idx, kept))];
+    o = f(o, a.v[size_t(i)]);
+  }
+  if (!keepdim) {
+    r.shape.clear();
+    for (int64_t d = 0; d < n; ++d)
+      if (!red[size_t(d)]) r.shape.push_back(a.shape[size_t(d)]);
+  }
+  return r;
+}
+double plus(double a, double b) { return a + b; }
+
+// out index i reads input index p^-1: out[i0, i1, ...] = a[... at position dims[k] = ik ...]
+Ref permute_ref(const Ref& a, const std::vector<int64_t>& dims) {
+  Shape s(dims.size());
+  for (size_t k = 0; k < dims.size(); ++k) s[k] = a.shape[size_t(dims[k])];
+  Ref r{s, std::vector<double>(a.v.size())};
+  for (int64_t i = 0; i < count(s); ++i) {
+    auto o = unravel(i, s);
+    std::vector<int64_t> in(dims.size());
+    for (size_t k = 0; k < dims.size(); ++k) in[size_t(dims[k])] = o[k];
+    r.v[size_t(i)] = a.v[size_t(ravel(in, a.shape))];
+  }
+  return r;
+}
+
+Ref narrow_ref(const Ref& a, int64_t dim, int64_t start, int64_t len) {
+  Shape s = a.shape;
+  s[size_t(dim)] = len;
+  Ref r{s, std::vector<double>(size_t(count(s)))};
+  for (int64_t i = 0; i < count(s); ++i) {
+    auto idx = unravel(i, s);
+    idx[size_t(dim)] += start;
+    r.v[size_t(i)] = a.v[size_t(ravel(idx, a.shape))];
+  }
+  return r;
+}
+
+Ref expand_ref(const Ref& a, const Shape& s) {
+  Ref r{s, std::vector<double>(size_t(count(s)))};
+  for (int64_t i = 0; i < count(s); ++i) r.v[size_t(i)] = a.v[size_t(broadcast_index(unravel(i, s), a.shape))];
+  return r;
+}
+
+Ref cat_ref(const std::vector<Ref>& xs, int64_t dim) {
+  Shape s = xs[0].shape;
+  s[size_t(dim)] = 0;
+  for (const auto& x : xs) s[size_t(dim)] += x.shape[size_t(dim)];
+  Ref r{s, std::vector<double>(size_t(count(s)))};
+  for (int64_t i = 0; i < count(s); ++i) {
+    auto idx = unravel(i, s);
+    size_t k = 0;
+    while (idx[size_t(dim)] >= xs[k].shape[size_t(dim)]) idx[size_t(dim)] -= xs[k++].shape[size_t(dim)];
+    r.v[size_t(i)] = xs[k].v[size_t(ravel(idx, xs[k].shape))];
+  }
+  return r;
+}
+
+// a [..., M, K] (or [K]) times b [..., K, N] with broadcast batch dims.
+Ref matmul_ref(const Ref& a, const Ref& b) {
+  const bool vec = a.shape.size() == 1;
+  const int64_t K = a.shape.back(), N = b.shape.back(), M = vec ? 1 : a.shape[a.shape.size() - 2];
+  Shape ba = vec ? Shape{} : Shape(a.shape.begin(), a.shape.end() - 2);
+  Shape bb(b.shape.begin(), b.shape.end() - 2);
+  Shape batch = broadcast(ba, bb);
+  Shape s = batch;
+  if (!vec) s.push_back(M);
+  s.push_back(N);
+  Ref r{s, std::vector<double>(size_t(count(s)))};
+  for (int64_t bi = 0; bi < count(batch); ++bi) {
+    auto idx = unravel(bi, batch);
+    const int64_t ia = broadcast_index(idx, ba), ib = broadcast_index(idx, bb);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) {
+        double acc = 0;
+        for (int64_t k = 0; k < K; ++k) acc += a.v[size_t((ia * M + m) * K + k)] * b.v[size_t((ib * K + k) * N + n)];
+        r.v[size_t((bi * M + m) * N + n)] = acc;
+      }
+  }
+  return r;
+}
+
+// y[r, o] = sum_i x[r, i] w[o, i] + b[o]
+Ref linear_ref(const Ref& x, const Ref& w, const Ref* b) {
+  const int64_t in = w.shape[1], out = w.shape[0], rows = count(x.shape) / in;
+  Shape s = x.shape;
+  s.back() = out;
+  Ref r{s, std::vector<double>(size_t(rows * out))};
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t o = 0; o < out; ++o) {
+      double acc = b ? b->v[size_t(o)] : 0.0;
+      for (int64_t k = 0; k < in; ++k) acc += x.v[size_t(i * in + k)] * w.v[size_t(o * in + k)];
+      r.v[size_t(i * out + o)] = acc;
+    }
+  return r;
+}
+
+// Applies f to each row of the last dim: f(in_row, out_row).
+Ref rows_ref(const Ref& x, const std::function<void(const double*, double*, int64_t)>& f) {
+  const int64_t C = x.shape.back(), rows = count(x.shape) / C;
+  Ref r{x.shape, std::vector<double>(x.v.size())};
+  for (int64_t i = 0; i < rows; ++i) f(x.v.data() + i * C, r.v.data() + i * C, C);
+  return r;
+}
+
+Ref softmax_ref(const Ref& x, bool log) {
+  return rows_ref(x, [log](const double* in, double* out, int64_t C) {
+    double s = 0;
+    for (int64_t j = 0; j < C; ++j) s += std::exp(in[j]);
+    for (int64_t j = 0; j < C; ++j) out[j] = log ? in[j] - std::log(s) : std::exp(in[j]) / s;
+  });
+}
+
+Ref layernorm_ref(const Ref& x, const Ref& w, const Ref* b, double eps) {
+  return rows_ref(x, [&](const double* in, double* out, int64_t C) {
+    double m = 0, v = 0;
+    for (int64_t j = 0; j < C; ++j) m += in[j] / double(C);
+    for (int64_t j = 0; j < C; ++j) v += (in[j] - m) * (in[j] - m) / double(C);
+    for (int64_t j = 0; j < C; ++j) out[j] = (in[j] - m) / std::sqrt(v + eps) * w.v[size_t(j)] + (b ? b->v[size_t(j)] : 0);
+  });
+}
+
+Ref rmsnorm_ref(const Ref& x, const Ref& w, double eps) {
+  return rows_ref(x, [&](const double* in, double* out, int64_t C) {
+    double ms = 0;
+    for (int64_t j = 0; j < C; ++j) ms += in[j] * in[j] / double(C);
+    for (int64_t j = 0; j < C; ++j) out[j] = in[j] / std::sqrt(ms + eps) * w.v[size_t(j)];
+  });
+}
+
+Ref embedding_ref(const Ref& w, const Ref& idx) {
+  const int64_t C = w.shape[1];
+  Shape s = idx.shape;
+  s.push_back(C);
+  Ref r{s, {}};
+  for (double i : idx.v)
+    for (int64_t c = 0; c < C; ++c) r.v.push_back(w.v[size_t(int64_t(i) * C + c)]);
+  return r;
+}
+
+// mean (over counted targets) or sum of logsumexp(x[:V]) - x[t], times scale.
+Ref cross_entropy_ref(const Ref& x, const Ref& t, const CrossEntropyOptions& o) {
+  const int64_t Vp = x.shape.back(), V = o.vocab < 0 ? Vp : o.vocab, rows = count(x.shape) / Vp;
+  double total = 0;
+  int64_t counted = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t tgt = int64_t(t.v[size_t(r)]);
+    if (tgt == o.ignore_index) continue;
+    const double* row = x.v.data() + r * Vp;
+    double s = 0;
+    for (int64_t j = 0; j < V; ++j) s += std::exp(row[j]);
+    total += std::log(s) - row[tgt];
+    ++counted;
+  }
+  return Ref{{}, {(o.sum ? total : total / double(counted)) * o.scale}};
+}
+
+// softmax(q k^T * scale + mask) v per (batch, head), the mask hiding keys after the query when causal.
+Ref attention_ref(const Ref& q, const Ref& k, const Ref& v, bool causal, double scale) {
+  const int64_t B = q.shape[0], H = q.shape[1], T = q.shape[2], D = q.shape[3];
+  if (scale == 0) scale = 1.0 / std::sqrt(double(D));
+  Ref r{q.shape, std::vector<double>(q.v.size())};
+  for (int64_t bh = 0; bh < B * H; ++bh) {
+    auto Q = [&](int64_t t, int64_t d) { return q.v[size_t((bh * T + t) * D + d)]; };
+    auto Kk = [&](int64_t t, int64_t d) { return k.v[size_t((bh * T + t) * D + d)]; };
+    auto Vv = [&](int64_t t, int64_t d) { return v.v[size_t((bh * T + t) * D + d)]; };
+    for (int64_t i = 0; i < T; ++i) {
+      std::vector<double> p(static_cast<size_t>(T));
+      double norm = 0;
+      for (int64_t j = 0; j < T; ++j) {
+        double s = 0;
+        for (int64_t d = 0; d < D; ++d) s += Q(i, d) * Kk(j, d);
+        p[size_t(j)] = (causal && j > i) ? 0.0 : std::exp(s * scale);
+        norm += p[size_t(j)];
+      }
+      for (int64_t d = 0; d < D; ++d) {
+        double acc = 0;
+        for (int64_t j = 0; j < T; ++j) acc += p[size_t(j)] / norm * Vv(j, d);
+        r.v[size_t((bh * T + i) * D + d)] = acc;
+      }
+    }
+  }
+  return r;
+}
+
+// Rounds to a float format with `bits` significant bits (bf16: 8, f16: 11), ties to even.
+double round_significand(double x, int bits) {
+  if (x == 0 || !std::isfinite(x)) return x;
+  int e;
+  double m = std::frexp(x, &e);  // x = m 2^e, 0.5 <= |m| < 1
+  return std::ldexp(std::nearbyint(std::ldexp(m, bits)), e - bits);
+}
+
+double gelu_ref(double x) { return 0.5 * x * (1 + std::tanh(std::sqrt(2 / M_PI) * (x + 0.044715 * x * x * x))); }
+
+// ---- the harness ----
+
+struct In {
+  Shape shape;
+  enum Kind { normal, positive, index } kind = normal;
+  std::vector<int64_t> ints = {};  // index inputs: their values
+  DType int_dtype = DType::i64;
+};
+In N(Shape s) { return {std::move(s)}; }
+In P(Shape s) { return {std::move(s), In::positive}; }
+In I(Shape s, std::vector<int64_t> v, DType dt = DType::i64) { return {std::move(s), In::index, std::move(v), dt}; }
+
+using OpFn = std::function<Tensor(const TensorList&)>;
+using RefFn = std::function<Ref(const std::vector<Ref>&)>;
+
+struct OpCase {
+  std::string name;
+  std::vector<In> ins;
+  OpFn fn;
+  RefFn ref;
+  double tol = 1e-5;   // f32 forward: |got - ref| <= tol * (1 + |ref|)
+  bool half = false;   // also run in bf16 and f16
+  bool grad = true;    // differentiable: gradcheck in f64
+  double gc_eps = 1e-6, gc_atol = 1e-5, gc_rtol = 1e-4;
+};
+
+// A case from a fn and a ref, with builder-style options.
+struct CaseList {
+  std::vector<OpCase> cases;
+  OpCase& add(std::string name, std::vector<In> ins, OpFn fn, RefFn ref) {
+    cases.push_back(OpCase{std::move(name), std::move(ins), std::move(fn), std::move(ref)});
+    return cases.back();
+  }
+};
+
+std::vector<OpCase> all_op_cases() {
+  CaseList L;
+  using V = const TensorList&;
+  using R = const std::vector<Ref>&;
+  const Shape S = {3, 5, 7};
+
+  // Elementwise binary ops: same shape, both sides broadcast, a 0-d scalar, a [1] tensor.
+  struct Bin {
+    const char* name;
+    Tensor (*op)(const Tensor&, const Tensor&);
+    double (*f)(double, double);
+  };
+  const Bin bins[] = {{"add", add, [](double a, double b) { return a + b; }},
+                      {"sub", sub, [](double a, double b) { return a - b; }},
+                      {"mul", mul, [](double a, double b) { return a * b; }},
+                      {"div", div, [](double a, double b) { return a / b; }}};
+  const std::pair<Shape, Shape> layouts[] = {{S, S}, {{3, 1, 7}, {5, 1}}, {S, {}}, {{1}, S}};
+  for (const Bin& b : bins)
+    for (const auto& [sa, sb] : layouts) {
+      auto op = b.op;
+      auto f = b.f;
+      bool is_div = std::string(b.name) == "div";
+      L.add(std::string(b.name) + " " + shape_str(sa) + " " + shape_str(sb), {N(sa), is_div ? P(sb) : N(sb)},
+            [op](V x) { return op(x[0], x[1]); }, [f](R r) { return zip(r[0], r[1], f); })
+          .half = std::string(b.name) == "add";
+    }
+  L.add("add on a transposed and a narrowed view", {N({7, 5}), N({5, 9})},
+        [](V x) { return add(transpose(x[0], 0, 1), narrow(x[1], 1, 2, 7)); },
+        [](R r) { return zip(permute_ref(r[0], {1, 0}), narrow_ref(r[1], 1, 2, 7), plus); });
+
+  // Scalar and unary ops.
+  L.add("add scalar", {N(S)}, [](V x) { return add(x[0], 1.5); }, [](R r) { return each(r[0], [](double v) { return v + 1.5; }); });
+  L.add("mul scalar", {N(S)}, [](V x) { return mul(x[0], -0.7); }, [](R r) { return each(r[0], [](double v) { return v * -0.7; }); });
+  L.add("neg", {N(S)}, [](V x) { return neg(x[0]); }, [](R r) { return each(r[0], [](double v) { return -v; }); });
+  L.add("exp", {N(S)}, [](V x) { return exp(x[0]); }, [](R r) { return each(r[0], [](double v) { return std::exp(v); }); });
+  L.add("log", {P(S)}, [](V x) { return log(x[0]); }, [](R r) { return each(r[0], [](double v) { return std::log(v); }); });
+  L.add("sqrt", {P(S)}, [](V x) { return sqrt(x[0]); }, [](R r) { return each(r[0], [](double v) { return std::sqrt(v); }); });
+  L.add("tanh", {N(S)}, [](V x) { return tanh(x[0]); }, [](R r) { return each(r[0], [](double v) { return std::tanh(v); }); });
+  L.add("square", {N(S)}, [](V x) { return square(x[0]); }, [](R r) { return each(r[0], [](double v) { return v * v; }); });
+  L.add("pow 2.5", {P(S)}, [](V x) { return pow(x[0], 2.5); }, [](R r) { return each(r[0], [](double v) { return std::pow(v, 2.5); }); });
+  L.add("pow 3 of signed values", {N(S)}, [](V x) { return pow(x[0], 3.0); }, [](R r) { return each(r[0], [](double v) { return v * v * v; }); });
+  L.add("relu", {N(S)}, [](V x) { return relu(x[0]); }, [](R r) { return each(r[0], [](double v) { return v > 0 ? v : 0.0; }); });
+  L.add("gelu (tanh form)", {N(S)}, [](V x) { return gelu(x[0]); }, [](R r) { return each(r[0], gelu_ref); }).half = true;
+  L.add("silu", {N(S)}, [](V x) { return silu(x[0]); }, [](R r) { return each(r[0], [](double v) { return v / (1 + std::exp(-v)); }); });
+  L.add("exp of a permuted view", {N(S)}, [](V x) { return exp(permute(x[0], {2, 0, 1})); },
+        [](R r) { return each(permute_ref(r[0], {2, 0, 1}), [](double v) { return std::exp(v); }); });
+
+  // Reductions.
+  L.add("sum of all", {N(S)}, [](V x) { return sum(x[0]); }, [](R r) { return reduce(r[0], {0, 1, 2}, false, 0, plus); });
+  L.add("sum over dims {0,2}", {N(S)}, [](V x) { return sum(x[0], {0, 2}); }, [](R r) { return reduce(r[0], {0, 2}, false, 0, plus); });
+  L.add("sum over dims {2,0} keepdim", {N(S)}, [](V x) { return sum(x[0], {2, 0}, true); },
+        [](R r) { return reduce(r[0], {0, 2}, true, 0, plus); });
+  L.add("sum over dim -2 keepdim", {N(S)}, [](V x) { return sum(x[0], {-2}, true); }, [](R r) { return reduce(r[0], {1}, true, 0, plus); });
+  L.add("sum over dims {0,1} of a 4-d tensor", {N({2, 3, 1, 4})}, [](V x) { return sum(x[0], {1, 0}); },
+        [](R r) { return reduce(r[0], {0, 1}, false, 0, plus); });
+  L.add("sum over dims {0,2} of a transposed view", {N(S)}, [](V x) { return sum(transpose(x[0], 0, 1), {0, 2}); },
+        [](R r) { return reduce(permute_ref(r[0], {1, 0, 2}), {0, 2}, false, 0, plus); });
+  L.add("mean of all", {N(S)}, [](V x) { return mean(x[0]); },
+        [](R r) { return each(reduce(r[0], {0, 1, 2}, false, 0, plus), [](double v) { return v / 105; }); });
+  L.add("mean over dims {0,2}", {N(S)}, [](V x) { return mean(x[0], {0, 2}); },
+        [](R r) { return each(reduce(r[0], {0, 2}, false, 0, plus), [](double v) { return v / 21; }); });
+  auto maxf = [](double a, double b) { return std::max(a, b); };
+  const double lowest = -std::numeric_limits<double>::infinity();
+  L.add("amax over dim 1", {N(S)}, [](V x) { return amax(x[0], 1); }, [=](R r) { return reduce(r[0], {1}, false, lowest, maxf); })
+      .grad = false;
+  L.add("amax over dim -1 keepdim", {N(S)}, [](V x) { return amax(x[0], -1, true); },
+        [=](R r) { return reduce(r[0], {2}, true, lowest, maxf); })
+      .grad = false;
+  L.add("sum_to [5,1]", {N(S)}, [](V x) { return sum_to(x[0], {5, 1}); },
+        [](R r) { return Ref{{5, 1}, reduce(r[0], {0, 2}, false, 0, plus).v}; });
+  L.add("sum_to [1,7]", {N(S)}, [](V x) { return sum_to(x[0], {1, 7}); },
+        [](R r) { return Ref{{1, 7}, reduce(r[0], {0, 1}, false, 0, plus).v}; });
+
+  // Views.
+  L.add("reshape [15,7]", {N(S)}, [](V x) { return reshape(x[0], {15, -1}); }, [](R r) { return Ref{{15, 7}, r[0].v}; });
+  L.add("reshape of a transposed view (copies)", {N(S)}, [](V x) { return reshape(transpose(x[0], 1, 2), {21, 5}); },
+        [](R r) { return Ref{{21, 5}, permute_ref(r[0], {0, 2, 1}).v}; });
+  L.add("view splitting a dim", {N(S)}, [](V x) { return view(x[0], {3, 5, 7, 1}); }, [](R r) { return Ref{{3, 5, 7, 1}, r[0].v}; });
+  L.add("transpose", {N(S)}, [](V x) { return transpose(x[0], 0, 2); }, [](R r) { return permute_ref(r[0], {2, 1, 0}); });
+  L.add("permute", {N(S)}, [](V x) { return permute(x[0], {1, 2, 0}); }, [](R r) { return permute_ref(r[0], {1, 2, 0}); });
+  L.add("narrow", {N(S)}, [](V x) { return narrow(x[0], 1, 1, 3); }, [](R r) { return narrow_ref(r[0], 1, 1, 3); });
+  L.add("expand", {N({5, 1})}, [](V x) { return expand(x[0], {3, 5, 7}); }, [](R r) { return expand_ref(r[0], {3, 5, 7}); });
+  L.add("unsqueeze and squeeze", {N(S)}, [](V x) { return squeeze(unsqueeze(transpose(x[0], 0, 1), 2), 2); },
+        [](R r) { return permute_ref(r[0], {1, 0, 2}); });
+  L.add("contiguous of a transposed view", {N(S)}, [](V x) { return contiguous(transpose(x[0], 1, 2)); },
+        [](R r) { return permute_ref(r[0], {0, 2, 1}); });
+  L.add("flatten", {N(S)}, [](V x) { return flatten(x[0]); }, [](R r) { return Ref{{105}, r[0].v}; });
+  L.add("cat along dim 1", {N({3, 2, 7}), N(S), N({3, 1, 7})}, [](V x) { return cat({x[0], x[1], x[2]}, 1); },
+        [](R r) { return cat_ref({r[0], r[1], r[2]}, 1); });
+  L.add("cat along dim -1 of views", {N({3, 5}), N({5, 3})}, [](V x) { return cat({x[0], transpose(x[1], 0, 1)}, -1); },
+        [](R r) { return cat_ref({r[0], permute_ref(r[1], {1, 0})}, 1); });
+  L.add("chunk: the middle of three slices", {N({3, 6, 7})}, [](V x) { return chunk(x[0], 3, 1)[1]; },
+        [](R r) { return narrow_ref(r[0], 1, 2, 2); });
+  L.add("to f32 and back", {N(S)}, [](V x) { return to(to(x[0], DType::f32), x[0].dtype()); },
+        [](R r) { return each(r[0], [](double v) { return double(float(v)); }); });
+  L.cases.back().gc_eps = 1e-3;  // finite differences of a function rounded to f32
+  L.cases.back().gc_rtol = 1e-3;
+
+  // Linear algebra.
+  L.add("matmul 2-d", {N({3, 5}), N({5, 4})}, [](V x) { return matmul(x[0], x[1]); }, [](R r) { return matmul_ref(r[0], r[1]); })
+      .half = true;
+  L.add("matmul batched", {N({2, 3, 5}), N({2, 5, 4})}, [](V x) { return matmul(x[0], x[1]); },
+        [](R r) { return matmul_ref(r[0], r[1]); })
+      .half = true;
+  L.add("matmul broadcast batch [2,1,3,5] @ [3,5,4]", {N({2, 1, 3, 5}), N({3, 5, 4})}, [](V x) { return matmul(x[0], x[1]); },
+        [](R r) { return matmul_ref(r[0], r[1]); });
+  L.add("matmul broadcast batch [3,1,3,5] @ [1,2,5,4]", {N({3, 1, 3, 5}), N({1, 2, 5, 4})},
+        [](V x) { return matmul(x[0], x[1]); }, [](R r) { return matmul_ref(r[0], r[1]); });
+  L.add("matmul 3-d @ 2-d", {N({2, 3, 5}), N({5, 4})}, [](V x) { return matmul(x[0], x[1]); },
+        [](R r) { return matmul_ref(r[0], r[1]); });
+  L.add("matmul 2-d @ 3-d", {N({3, 5}), N({2, 5, 4})}, [](V x) { return matmul(x[0], x[1]); },
+        [](R r) { return matmul_ref(r[0], r[1]); });
+  L.add("matmul 1-d @ 2-d", {N({5}), N({5, 4})}, [](V x) { return matmul(x[0], x[1]); }, [](R r) { return matmul_ref(r[0], r[1]); });
+  L.add("matmul with a transposed b", {N({2, 3, 5}), N({2, 4, 5})}, [](V x) { return matmul(x[0], transpose(x[1], 1, 2)); },
+        [](R r) { return matmul_ref(r[0], permute_ref(r[1], {0, 2, 1})); });
+  L.add("linear with bias", {N({2, 3, 5}), N({4, 5}), N({4})}, [](V x) { return linear(x[0], x[1], x[2]); },
+        [](R r) { return linear_ref(r[0], r[1], &r[2]); });
+  L.add("linear without bias", {N({3, 5}), N({4, 5})}, [](V x) { return linear(x[0], x[1], Tensor()); },
+        [](R r) { return linear_ref(r[0], r[1], nullptr); });
+
+  // Neural-network ops.
+  L.add("softmax", {N(S)}, [](V x) { return softmax(x[0]); }, [](R r) { return softmax_ref(r[0], false); });
+  L.add("log_softmax", {N(S)}, [](V x) { return log_softmax(x[0]); }, [](R r) { return softmax_ref(r[0], true); });
+  L.add("softmax of large logits", {N({3, 7})}, [](V x) { return softmax(mul(x[0], 30.0)); },
+        [](R r) { return softmax_ref(each(r[0], [](double v) { return 30 * v; }), false); });
+  L.add("layernorm with bias", {N(S), N({7}), N({7})}, [](V x) { return layernorm(x[0], x[1], x[2]); },
+        [](R r) { return layernorm_ref(r[0], r[1], &r[2], 1e-5); })
+      .half = true;
+  L.add("layernorm without bias", {N(S), N({7})}, [](V x) { return layernorm(x[0], x[1], Tensor(), 1e-3); },
+        [](R r) { return layernorm_ref(r[0], r[1], nullptr, 1e-3); });
+  L.add("rmsnorm", {N(S), N({7})}, [](V x) { return rmsnorm(x[0], x[1]); }, [](R r) { return rmsnorm_ref(r[0], r[1], 1e-6); });
+  L.add("embedding with repeated indices (scatter-add backward)", {N({7, 5}), I({2, 4}, {1, 4, 1, 6, 0, 1, 4, 3})},
+        [](V x) { return embedding(x[0], x[1]); }, [](R r) { return embedding_ref(r[0], r[1]); });
+  L.add("embedding with i32 indices", {N({6, 3}), I({5}, {5, 5, 0, 2, 5}, DType::i32)},
+        [](V x) { return embedding(x[0], x[1]); }, [](R r) { return embedding_ref(r[0], r[1]); });
+  auto ce = [&](std::string name, Shape logits, std::vector<int64_t> targets, CrossEntropyOptions o) {
+    Shape ts(logits.begin(), logits.end() - 1);
+    L.add("cross_entropy " + name, {N(logits), I(ts, std::move(targets))},
+          [o](V x) { return cross_entropy(x[0], x[1], o); }, [o](R r) { return cross_entropy_ref(r[0], r[1], o); });
+  };
+  ce("mean", {2, 3, 7}, {0, 6, 3, 3, 1, 5}, {});
+  ce("sum", {2, 3, 7}, {0, 6, 3, 3, 1, 5}, {-1, -1, true, 1.0});
+  ce("mean with ignore_index", {2, 3, 7}, {2, -100, 6, 0, -100, 4}, {-1, -100, false, 1.0});
+  ce("sum with ignore_index and scale", {6, 7}, {2, -100, 6, 0, -100, 4}, {-1, -100, true, 0.25});
+  ce("over a padded vocabulary (V=5 of 7 columns)", {2, 3, 7}, {4, 0, 3, 1, -1, 2}, {5, -1, false, 1.0});
+  for (bool causal : {true, false})
+    L.add(std::string("attention ") + (causal ? "causal" : "non-causal"), {N({2, 2, 5, 3}), N({2, 2, 5, 3}), N({2, 2, 5, 3})},
+          [causal](V x) { return attention(x[0], x[1], x[2], causal); },
+          [causal](R r) { return attention_ref(r[0], r[1], r[2], causal, 0); });
+  L.add("attention with an explicit scale", {N({1, 3, 4, 2}), N({1, 3, 4, 2}), N({1, 3, 4, 2})},
+        [](V x) { return attention(x[0], x[1], x[2], true, 0.8); }, [](R r) { return attention_ref(r[0], r[1], r[2], true, 0.8); });
+  L.add("dropout p=0 is the identity", {N(S)}, [](V x) { return dropout(x[0], 0.0); }, [](R r) { return r[0]; });
+  L.add("dropout p=0.3 with a fixed (seed, stream)", {N(S)},
+        [](V x) {
+          dropout_generator() = {42, 3};  // every call draws the same mask
+          return dropout(x[0], 0.3);
+        },
+        [](R r) {
+          Ref out = r[0];
+          for (size_t i = 0; i < out.v.size(); ++i) out.v[i] = Philox::uniform(42, 3, i) >= 0.3f ? out.v[i] / 0.7 : 0.0;
+          return out;
+        });
+  return L.cases;
+}
+
+// Inputs for one case in f64: normals, positives in [0.5, 2), or the given indices.
+TensorList make_inputs(const OpCase& c, uint64_t seed) {
+  TensorList xs;
+  uint64_t stream = 0;
+  for (const In& in : c.ins) {
+    if (in.kind == In::index) {
+      Tensor t = from_vector(in.ints, in.shape);
+      xs.push_back(in.int_dtype == DType::i64 ? t : to(t, in.int_dtype));
+    } else if (in.kind == In::positive) {
+      xs.push_back(rand(in.shape, seed, stream++, 0.5, 2.0, DType::f64));
+    } else {
+      xs.push_back(randn(in.shape, seed, stream++, 0, 1, DType::f64));
+    }
+  }
+  return xs;
+}
+
+TensorList cast_floats(const TensorList& xs, DType dt, Device dev) {
+  TensorList out;
+  for (const Tensor& x : xs) out.push_back(to(is_floating(x.dtype()) ? to(x, dt) : x, dev));
+  return out;
+}
+
+// The first element where got and want differ by more than tol * (1 + |want|), or "".
+std::string mismatch(const Tensor& got, const Ref& want, double tol) {
+  if (got.shape() != want.shape) return "shape " + shape_str(got.shape()) + " but the reference has " + shape_str(want.shape);
+  auto g = to_vector<double>(got);
+  for (size_t i = 0; i < g.size(); ++i) {
+    double err = std::abs(g[i] - want.v[i]);
+    if (!(err <= tol * (1 + std::abs(want.v[i]))))
+      return str("element ", i, ": got ", g[i], ", reference ", want.v[i], " (error ", err, ")");
+  }
+  return "";
+}
+
+std::vector<Ref> as_refs(const TensorList& xs) {
+  std::vector<Ref> r;
+  for (const Tensor& x : xs) r.push_back(Ref{x.shape(), to_vector<double>(x)});
+  return r;
+}
+
+// Runs one case on one device: forward in each dtype against the reference on the same
+// (rounded) input values, then gradcheck in f64.
+void run_case(const OpCase& c, Device dev) {
+  const TensorList x64 = make_inputs(c, 2024);
+  struct Run {
+    DType dtype;
+    double tol;
+  };
+  std::vector<Run> runs = {{DType::f64, 1e-10}, {DType::f32, c.tol}};
+  if (c.half) runs.insert(runs.end(), {{DType::bf16, 8e-3}, {DType::f16, 1e-3}});
+  for (const Run& run : runs) {
+    INFO("forward in " << dtype_name(run.dtype) << " on " << dev.str());
+    TensorList xs = cast_floats(x64, run.dtype, dev);
+    Tensor y;
+    {
+      autograd::NoGradGuard ng;
+      y = c.fn(xs);
+    }
+    CHECK(y.dtype() == run.dtype);
+    CHECK(y.device() == dev);
+    CHECK(mismatch(to(y, Device::cpu()), c.ref(as_refs(xs)), run.tol) == "");
+  }
+  if (c.grad) {
+    INFO("gradcheck in f64");
+    auto r = autograd::gradcheck(c.fn, cast_floats(x64, DType::f64, dev), c.gc_eps, c.gc_atol, c.gc_rtol);
+    INFO(r.message);
+    CHECK(r.ok);
+  }
+}
+
+std::vector<Device> test_devices() { return {Device::cpu()}; }  // CUDA joins here when it is built
+
+}  // namespace
+
+TEST_CASE("every op: forward matches a double reference loop, backward matches f64 finite differences", "[ops]") {
+  const auto cases = all_op_cases();
+  for (Device dev : test_devices())
+    for (const OpCase& c : cases) {
+      DYNAMIC_SECTION(c.name << " on " << dev.str()) { run_case(c, dev); }
+    }
+}
+
+// ---- what a single forward/backward pair does not show ----
+
+TEST_CASE("cross_entropy over a padded vocabulary equals the unpadded loss; padded columns get zero gradient", "[ops]") {
+  const int64_t V = 5, Vp = 8;
+  Tensor logits = randn({4, V}, 9, 1, 0, 1, DType::f64);
+  Tensor junk = randn({4, Vp - V}, 9, 2, 0, 50, DType::f64);  // anything: padding never counts
+  Tensor targets = from_vector<int64_t>({4, 0, 2, 4}, {4});
+  auto loss_and_grad = [&](const Tensor& x, int64_t vocab) {
+    Tensor leaf = clone(x);
+    leaf.set_requires_grad(true);
+    autograd::Tape tape;
+    Tensor loss;
+    {
+      autograd::TapeScope s(tape);
+      loss = cross_entropy(leaf, targets, {vocab, -1, false, 1.0});
+    }
+    tape.backward(loss);
+    return std::make_pair(item(loss), leaf.grad());
+  };
+  auto [l0, g0] = loss_and_grad(logits, -1);
+  auto [l1, g1] = loss_and_grad(cat({logits, junk}, 1), V);
+  CHECK(l1 == Approx(l0).epsilon(1e-14));
+  auto a = to_vector<double>(g0), b = to_vector<double>(g1);
+  for (int64_t r = 0; r < 4; ++r) {
+    for (int64_t j = 0; j < V; ++j) CHECK(b[size_t(r * Vp + j)] == Approx(a[size_t(r * V + j)]).margin(1e-15));
+    for (int64_t j = V; j < Vp; ++j) CHECK(b[size_t(r * Vp + j)] == 0.0);
+  }
+}
+
+TEST_CASE("cross_entropy names an out-of-range target, including one in the padding", "[ops]") {
+  Tensor logits = zeros({3, 7});
+  REQUIRE_THROWS_WITH(cross_entropy(logits, from_vector<int64_t>({1, 7, 2}, {3})), Contains("target 7 out of range [0, 7)"));
+  REQUIRE_THROWS_WITH(cross_entropy(logits, from_vector<int64_t>({1, 5, 2}, {3}), {5}), Contains("target 5 out of range [0, 5)"));
+  CrossEntropyOptions ignore_pad;
+  ignore_pad.ignore_index = -100;
+  REQUIRE_THROWS_WITH(cross_entropy(logits, from_vector<int64_t>({-1, 0, 2}, {3}), ignore_pad),
+                      Contains("target -1 out of range [0, 7)"));
+  REQUIRE_THROWS_WITH(cross_entropy(logits, from_vector<int64_t>({0, 1}, {2})), Contains("targets [2] has 2"));
+  CHECK(item(cross_entropy(logits, from_vector<int64_t>({-1, -1, -1}, {3}))) == 0.0);  // nothing counted
+}
+
+TEST_CASE("embedding names an out-of-range index", "[ops]") {
+  Tensor w = zeros({4, 3});
+  REQUIRE_THROWS_WITH(embedding(w, from_vector<int64_t>({0, 4}, {2})), Contains("index 4 out of range for a table of 4 rows"));
+  REQUIRE_THROWS_WITH(embedding(w, from_vector<int32_t>({-1, 0}, {2})), Contains("index -1 out of range"));
+}
+
+TEST_CASE("dropout: drops a fraction p, scales survivors by 1/(1-p), backward reuses the mask", "[ops]") {
+  const double p = 0.3;
+  Tensor x = add(rand({100000}, 4, 1, 0, 1), 1.0);  // in [1, 2): never zero
+  x.set_requires_grad(true);
+  dropout_generator() = {123, 0};
+  autograd::Tape tape;
+  Tensor y;
+  {
+    autograd::TapeScope s(tape);
+    y = dropout(x, p);
+  }
+  CHECK(dropout_generator().next_stream == 1);  // each call takes a fresh stream
+  auto xv = to_vector<float>(x), yv = to_vector<float>(y);
+  size_t dropped = 0;
+  for (size_t i = 0; i < xv.size(); ++i) {
+    if (yv[i] == 0) ++dropped;
+    else if (std::abs(yv[i] - xv[i] / 0.7f) > 1e-6f) FAIL("survivor " << i << " is " << yv[i] << ", not x/(1-p)");
+  }
+  CHECK(std::abs(double(dropped) / double(xv.size()) - p) < 0.01);
+  tape.backward({y}, {ones_like(y)});
+  auto gv = to_vector<float>(x.grad());
+  for (size_t i = 0; i < xv.size(); ++i)
+    if ((gv[i] == 0) != (yv[i] == 0) || (gv[i] != 0 && std::abs(gv[i] - 1 / 0.7f) > 1e-6f))
+      FAIL("gradient " << i << " = " << gv[i] << " does not follow the forward mask");
+
+  autograd::NoGradGuard ng;
+  dropout_generator() = {123, 0};
+  CHECK(to_vector<float>(dropout(x, p)) == yv);  // same (seed, stream): same mask
+  CHECK(to_vector<float>(dropout(x, p)) != yv);  // next stream: another mask
+  CHECK(dropout(x, 0.0).impl() == x.impl());
+  REQUIRE_THROWS_WITH(dropout(x, 1.0), Contains("dropout: probability 1 is outside [0, 1)"));
+}
+
+TEST_CASE("to(dtype) round trips keep values representable in the target and cast gradients back", "[ops]") {
+  Tensor x = randn({3, 5, 7}, 8, 1, 0, 1, DType::f64);
+  auto xv = to_vector<double>(x);
+  struct Target {
+    DType dt;
+    int bits;
+  };
+  for (Target t : {Target{DType::bf16, 8}, Target{DType::f16, 11}, Target{DType::f32, 24}}) {
+    INFO(dtype_name(t.dt));
+    Tensor h = to(x, t.dt);
+    CHECK(h.dtype() == t.dt);
+    auto back = to_vector<double>(to(h, DType::f64));
+    for (size_t i = 0; i < xv.size(); ++i) CHECK(back[i] == round_significand(xv[i], t.bits));
+    CHECK(to_vector<double>(to(to(h, DType::f64), t.dt)) == back);  // exact from then on
+  }
+  Tensor ints = from_vector<int64_t>({-3, 0, 7}, {3});
+  CHECK(to_vector<int64_t>(to(to(ints, DType::f32), DType::i32)) == std::vector<int64_t>{-3, 0, 7});
+
+  Tensor leaf = clone(x);
+  leaf.set_requires_grad(true);
+  Tensor G = randn({3, 5, 7}, 8, 2, 0, 1, DType::f64);
+  autograd::Tape tape;
+  Tensor y;
+  {
+    autograd::TapeScope s(tape);
+    y = to(to(leaf, DType::bf16), DType::f64);
+  }
+  tape.backward({y}, {G});
+  auto g = to_vector<double>(leaf.grad()), gv = to_vector<double>(G);
+  for (size_t i = 0; i < g.size(); ++i) CHECK(g[i] == round_significand(gv[i], 8));  // the gradient passes as bf16
+}
+
+TEST_CASE("bf16 and f16 tensors keep their dtype through a small model on the CPU", "[ops]") {
+  for (DType dt : {DType::bf16, DType::f16}) {
+    INFO(dtype_name(dt));
+    Tensor x = randn({4, 6}, 3, 1, 0, 1, dt), w = randn({5, 6}, 3, 2, 0, 0.5, dt), b = randn({5}, 3, 3, 0, 1, dt);
+    Tensor lw = ones({5}, dt), lb = zeros({5}, dt);
+    w.set_requires_grad(true);
+    autograd::Tape tape;
+    Tensor loss;
+    {
+      autograd::TapeScope s(tape);
+      loss = sum(gelu(layernorm(linear(x, w, b), lw, lb)));
+    }
+    CHECK(loss.dtype() == dt);
+    tape.backward(loss);
+    CHECK(w.grad().dtype() == dt);
+    // the same model in f32 on the same (rounded) values
+    Tensor w32 = to(w, DType::f32);
+    w32.set_requires_grad(true);
+    autograd::Tape t32;
+    Tensor l32;
+    {
+      autograd::TapeScope s(t32);
+      l32 = sum(gelu(layernorm(linear(to(x, DType::f32), w32, to(b, DType::f32)), to(lw, DType::f32), to(lb, DType::f32))));
+    }
+    t32.backward(l32);
+    const double tol = dt == DType::bf16 ? 3e-2 : 4e-3;
+    CHECK(item(loss) == Approx(item(l32)).margin(tol * 4).epsilon(tol));
+    auto g = to_vector<float>(w.grad()), g32 = to_vector<float>(w32.grad());
+    for (size_t i = 0; i < g.size(); ++i) CHECK(g[i] == Approx(g32[i]).margin(tol * 4).epsilon(tol));
+  }
+}
