@@ -46,6 +46,12 @@ GradcheckResult gradcheck(const std::function<Tensor(const TensorList&)>& fn, co
   NoGradGuard ng;
   for (size_t i : which) {
     Tensor x = leaves[i];
+    if (analytic[i].defined() && analytic[i].shape() != x.shape()) {  // a backward returned the wrong shape
+      res.ok = false;
+      res.message = str("input ", i, ": gradient has shape ", shape_str(analytic[i].shape()), " but the input has ",
+                        shape_str(x.shape()));
+      return res;
+    }
     double* data = x.data<double>();
     std::vector<double> an = analytic[i].defined() ? to_vector<double>(analytic[i]) : std::vector<double>(size_t(x.numel()), 0.0);
     for (int64_t e = 0; e < x.numel(); ++e) {

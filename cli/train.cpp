@@ -23,6 +23,8 @@
 #include "parallel/checkpoint.h"
 #include "parallel/comm/mpi_backend.h"
 #include "parallel/ddp.h"
+#include "parallel/dp.h"
+#include "parallel/watchdog.h"
 
 namespace sg::cli {
 
@@ -44,8 +46,8 @@ void declare_flags(Args& a) {
   a.toggle("shuffle", "draw rows at seeded random positions instead of reading sequentially");
   a.flag("batch-size", "32", "global batch: sequences per optimizer step");
   a.flag("micro-batch-size", "0", "sequences per forward/backward (0 = the whole batch); must divide --batch-size");
-  a.flag("steps", "300", "optimizer steps");
-  a.flag("lr", "3e-3", "peak learning rate");
+  a.flag("steps", "1000", "optimizer steps");
+  a.flag("lr", "1e-2", "peak learning rate");
   a.flag("lr-schedule", "cosine", "constant | cosine");
   a.flag("warmup-steps", "20", "linear warmup steps");
   a.flag("min-lr", "0", "final learning rate of the cosine schedule");
@@ -61,13 +63,16 @@ void declare_flags(Args& a) {
   a.flag("save", "", "run directory for checkpoints (never overwritten)");
   a.flag("save-every", "0", "checkpoint every N steps (0 = only at the end, when --save is given)");
   a.flag("resume", "", "continue from a run directory or step directory");
-  a.flag("eval-every", "100", "evaluate every N steps (0 = only at the end)");
+  a.flag("eval-every", "250", "evaluate every N steps (0 = only at the end)");
   a.flag("eval-batches", "4", "validation batches per evaluation");
   a.flag("eval-problems", "200", "synthetic task: problems for the accuracy figure");
   a.flag("log-json", "", "write one JSON object per step to this file");
   a.flag("threads", "0", "CPU threads (0 = all cores)");
-  a.flag("strategy", "single", "single | ddp (launch ddp with mpirun -np N)");
+  a.flag("strategy", "single", "single | dp (one process, --devices) | ddp (launch with mpirun -np N)");
+  a.flag("devices", "cpu:0,cpu:1", "dp: the devices to replicate over; the first one holds the model");
   a.flag("bucket-mb", "25", "ddp: gradient bucket size in MiB");
+  a.flag("comm-timeout", "300", "seconds without progress before the watchdog aborts the job, naming the stuck rank");
+  a.flag("inject-fault", "", "testing: rank=R,step=S,kind=exit|throw|abort|kill|hang");
   a.toggle("find-unused-parameters", "ddp: allow parameters that get no gradient (their gradient counts as zero)");
 }
 
@@ -148,7 +153,9 @@ class Trainer {
   std::string strategy_ = "single";
   std::shared_ptr<comm::ProcessGroup> world_, metrics_;
   std::unique_ptr<parallel::DistributedDataParallel> ddp_;
+  std::unique_ptr<parallel::DataParallel> dp_;
   int rank_ = 0, world_size_ = 1;
+  parallel::Fault fault_;
   bool lead() const { return rank_ == 0; }
 };
 
@@ -161,16 +168,26 @@ void Trainer::setup() {
   Eigen::setNbThreads(nt);
 
   strategy_ = a.str("strategy");
-  SG_CHECK(strategy_ == "single" || strategy_ == "ddp", "train: --strategy '", strategy_,
-           "' is not available (expected single or ddp)");
+  SG_CHECK(strategy_ == "single" || strategy_ == "dp" || strategy_ == "ddp", "train: --strategy '", strategy_,
+           "' is not available (expected single, dp or ddp)");
   if (strategy_ == "ddp") {
     comm::init();
     world_ = comm::MpiProcessGroup::world();
     metrics_ = world_->split(0, world_->rank());  // losses and barriers: kept out of the gradient counters
     rank_ = world_->rank();
     world_size_ = world_->size();
+    SG_CHECK(a.f64("comm-timeout") > 0, "train: --comm-timeout must be > 0");
+    parallel::watchdog::arm(a.f64("comm-timeout"), rank_);
   }
+  fault_ = parallel::parse_fault(a.str("inject-fault"));
   device_ = parse_device(a.str("device"));
+  std::vector<Device> dp_devices;
+  if (strategy_ == "dp") {
+    dp_devices = parallel::parse_devices(a.str("devices"));
+    SG_CHECK(!a.given("device") || device_ == dp_devices[0], "train: --device ", device_.str(),
+             " differs from the first of --devices (", dp_devices[0].str(), ")");
+    device_ = dp_devices[0];
+  }
   dtype_ = parse_dtype(a.str("dtype"));
   SG_CHECK(dtype_ == DType::f32 || dtype_ == DType::bf16 || dtype_ == DType::f16, "train: --dtype must be fp32, bf16 or fp16");
   seed_ = uint64_t(a.i64("seed"));
@@ -249,7 +266,13 @@ void Trainer::setup() {
     d.bucket_bytes = int64_t(a.f64("bucket-mb") * double(1 << 20));
     d.find_unused_parameters = a.on("find-unused-parameters");
     ddp_ = std::make_unique<parallel::DistributedDataParallel>(model_->named_parameters(), world_, d);
+    parallel::watchdog::Waiting w("the parameter broadcast");
     ddp_->broadcast_parameters();
+  }
+  if (strategy_ == "dp") {
+    SG_CHECK(micro_ % int64_t(dp_devices.size()) == 0, "train: dp: the micro-batch of ", micro_,
+             " rows does not split over ", dp_devices.size(), " devices");
+    dp_ = std::make_unique<parallel::DataParallel>(*model_, dp_devices);
   }
   sched_.kind = a.str("lr-schedule");
   sched_.lr = a.f64("lr");
@@ -297,6 +320,10 @@ double Trainer::train_step(int64_t step, double lr, double& grad_norm, bool& app
   for (int64_t m = 0; m < n_micro; ++m) {
     Tensor mi = narrow(idx, 0, m * micro_, micro_), mt = narrow(tgt, 0, m * micro_, micro_);
     if (ddp_) ddp_->set_sync(m == n_micro - 1);  // no_sync for all but the last micro-batch
+    if (dp_) {
+      loss_sum += dp_->forward_backward(mi, mt, loss_scale / double(counted)) / loss_scale;
+      continue;
+    }
     autograd::Tape tape;
     Tensor loss;
     {
@@ -309,6 +336,7 @@ double Trainer::train_step(int64_t step, double lr, double& grad_norm, bool& app
     tape.backward(loss);
   }
   if (ddp_) {
+    parallel::watchdog::Waiting w("the gradient all-reduce");
     ddp_->finish_gradients();
     Tensor l = from_vector<double>({loss_sum}, {1});
     metrics_->all_reduce(l, comm::ReduceOp::sum)->wait();
@@ -404,6 +432,8 @@ int Trainer::run() {
   for (int64_t step = start_step_; step < steps_; ++step) {
     const double lr = sched_.at(step);
     Ledger::global().reset_peaks(device_);
+    parallel::watchdog::beat("forward/backward", step);
+    parallel::maybe_inject(fault_, rank_, step + 1);
     auto t0 = std::chrono::steady_clock::now();
     double norm = 0;
     bool applied = true;
@@ -433,6 +463,7 @@ int Trainer::run() {
     }
     if (!save_dir_.empty() && ((save_every && (step + 1) % save_every == 0) || last)) {
       if (lead()) save(step + 1);  // every rank holds the same replica: one writer
+      parallel::watchdog::Waiting w("the checkpoint barrier");
       if (metrics_) metrics_->barrier()->wait();
     }
   }
@@ -453,6 +484,7 @@ int train_main(int argc, char** argv) {
     Trainer t(a);
     rc = t.run();
   }
+  parallel::watchdog::disarm();
   if (a.str("strategy") == "ddp") comm::finalize();
   return rc;
 }

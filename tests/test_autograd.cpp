@@ -72,6 +72,8 @@ TEST_CASE("backward(outputs, grad_outputs) seeds a non-scalar output", "[autogra
 TEST_CASE("Tape::grad returns gradients and leaves every .grad untouched", "[autograd]") {
   Tensor x = leaf({4}, 3), w = leaf({4}, 4);
   w.set_grad(full({4}, 7.0, DType::f64));
+  int fired = 0;
+  w.add_grad_ready_hook([&](const Tensor&) { ++fired; });
   Tape tape;
   Tensor loss;
   {
@@ -83,6 +85,7 @@ TEST_CASE("Tape::grad returns gradients and leaves every .grad untouched", "[aut
   check_close(vec(g[1]), vec(x));
   CHECK_FALSE(x.grad().defined());
   CHECK(vec(w.grad()) == std::vector<double>(4, 7.0));
+  CHECK(fired == 0);  // no .grad was written, so no gradient became ready
 }
 
 TEST_CASE("two tapes live at once record different micro-batches; backward in either order", "[autograd]") {

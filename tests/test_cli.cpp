@@ -1,6 +1,8 @@
 // The shardgrad executable as a user runs it: resume reproduces the uninterrupted losses, flags
 // are validated, checkpoints are never overwritten, generate reads what train wrote.
 #include <catch2/catch.hpp>
+#include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -118,4 +120,73 @@ TEST_CASE("generate samples from what train saved", "[cli]") {
   REQUIRE(g.code == 0);
   REQUIRE(g.output.rfind("12+34=", 0) == 0);
   REQUIRE(shardgrad("generate --from " + save + " --prompt x --top-k -1").code != 0);
+}
+
+namespace {
+std::string mpirun(int np) {
+  return std::string(SG_MPIEXEC) + " --oversubscribe --allow-run-as-root --bind-to none -x OMP_NUM_THREADS=1 -np " +
+         std::to_string(np) + " " + SG_BINARY;
+}
+// Runs a multi-rank command line (already holding the binary) and times it.
+Run timed(const std::string& cmdline, double& seconds) {
+  static int n = 0;
+  fs::path out = fs::temp_directory_path() / ("sg_mpi_" + std::to_string(::getpid()) + "_" + std::to_string(n++) + ".txt");
+  auto t0 = std::chrono::steady_clock::now();
+  int status = std::system((cmdline + " > " + out.string() + " 2>&1").c_str());
+  seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  Run r;
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  std::ifstream f(out);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  r.output = ss.str();
+  fs::remove(out);
+  return r;
+}
+}  // namespace
+
+TEST_CASE("ddp through the CLI on 2 ranks gives the single-process losses", "[cli][mpi]") {
+  TempDir d;
+  const std::string args = " train " + kSmall + " --dropout 0 --steps 4 --log-json ";
+  Run one = shardgrad(args + (d.path / "one.jsonl").string());
+  REQUIRE(one.code == 0);
+  double secs = 0;
+  Run two = timed(mpirun(2) + args + (d.path / "two.jsonl").string() + " --strategy ddp --bucket-mb 0.01", secs);
+  INFO(two.output);
+  REQUIRE(two.code == 0);
+  auto a = read_log(d.path / "one.jsonl"), b = read_log(d.path / "two.jsonl");
+  REQUIRE(a.size() == 4);
+  REQUIRE(b.size() == 4);
+  for (size_t i = 0; i < 4; ++i) REQUIRE(std::abs(b[i]["loss"].get<double>() - a[i]["loss"].get<double>()) <= 1e-5 * a[i]["loss"].get<double>());
+  // only rank 0 prints progress
+  size_t lines = 0;
+  for (size_t p = two.output.find("step "); p != std::string::npos; p = two.output.find("step ", p + 1))
+    if (two.output.compare(p, 9, "step    1") == 0) ++lines;
+  REQUIRE(lines == 1);
+}
+
+TEST_CASE("a failing rank ends the whole job within --comm-timeout, naming the rank", "[cli][mpi]") {
+  for (const char* kind : {"throw", "exit", "kill", "hang"}) {
+    INFO(kind);
+    double secs = 0;
+    Run r = timed(mpirun(2) + " train " + kSmall + " --steps 50 --strategy ddp --comm-timeout 10 --inject-fault rank=1,step=3,kind=" + kind, secs);
+    INFO(r.output);
+    REQUIRE(r.code != 0);
+    REQUIRE(secs < 40);  // 10 s timeout plus start-up and teardown on a loaded 2-core machine
+    REQUIRE(r.output.find("rank 1") != std::string::npos);
+  }
+}
+
+TEST_CASE("the default run (tiny GPT, synthetic 3-digit addition) learns to >= 90% task accuracy", "[cli][learn]") {
+  TempDir d;
+  Run r = shardgrad("train --log-json " + (d.path / "log.jsonl").string());
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  auto log = read_log(d.path / "log.jsonl");
+  REQUIRE(log.size() == 1000);
+  REQUIRE(log.back().contains("eval"));
+  const double acc = log.back()["eval"]["accuracy"].get<double>();
+  INFO("final accuracy " << acc);
+  REQUIRE(acc >= 0.9);
+  REQUIRE(log.back()["loss"].get<double>() < log.front()["loss"].get<double>() / 2);
 }

@@ -8,6 +8,7 @@
 
 #include "autograd/ops.h"
 #include "core/philox.h"
+#include "kernels/ops.h"
 
 using namespace sg;
 using Catch::Contains;
@@ -206,6 +207,20 @@ TEST_CASE("broadcasting aligns trailing dims and names incompatible shapes", "[c
 TEST_CASE("matmul names the shapes that do not chain", "[core]") {
   REQUIRE_THROWS_WITH(matmul(zeros({4, 8}), zeros({7, 3})), "matmul: shapes [4,8] and [7,3] do not chain (8 != 7)");
   REQUIRE_THROWS_WITH(matmul(zeros({2, 4, 8}), zeros({3, 8, 2})), Contains("matmul: shapes [2] and [3] do not broadcast"));
+}
+
+TEST_CASE("an op a device or dtype cannot do fails loudly, naming the op, dtype and device", "[core]") {
+  REQUIRE_THROWS_WITH(exp(zeros({2}, DType::i32)), Contains("exp: expected a floating tensor, got i32[2] on cpu"));
+  kernels::GemmArgs g;
+  g.dtype = DType::bf16;
+  REQUIRE_THROWS_WITH(kernels::table(Device::cpu()).gemm(g), "op 'gemm' does not support dtype bf16 on cpu");
+  REQUIRE_THROWS_WITH(SG_KERNEL(Device::cpu(), copy_to_host)(nullptr, nullptr, 0, Device::cpu()),
+                      "op 'copy_to_host' is not implemented on device cpu");
+  try {
+    zeros({2}, DType::f32, Device::cuda(0));  // fine in a CUDA build; otherwise it must say why not
+  } catch (const Error& e) {
+    CHECK_THAT(e.what(), Contains("was shardgrad built with CUDA?"));
+  }
 }
 
 // ---- memory ledger ----

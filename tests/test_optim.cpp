@@ -7,7 +7,6 @@
 #include "optim/optim.h"
 
 using namespace sg;
-using Catch::Approx;
 
 namespace {
 Tensor param(const Shape& s, double v) {

@@ -242,6 +242,7 @@ static Tensor reduce_dims(kernels::Reduce op, const Tensor& a, std::vector<int64
   for (auto& d : dims) d = wrap_dim(d, a.dim(), name);
   std::sort(dims.begin(), dims.end());
   Tensor x = detail::operand(a);
+  if (dims.empty()) x = clone(x);  // nothing to reduce: still a new tensor, never the input's own handle
   for (auto it = dims.rbegin(); it != dims.rend(); ++it) x = reduce_dim(op, x, *it);
   if (!keepdim) {
     Shape s;

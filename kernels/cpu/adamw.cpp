@@ -1,4 +1,6 @@
 // AdamW update on the CPU (Loshchilov & Hutter, decoupled weight decay), in place.
+#include <Eigen/Core>
+#include <algorithm>
 #include <cmath>
 
 #include "kernels/cpu/cpu.h"
@@ -19,12 +21,21 @@ void adamw(const AdamWArgs& a) {
     const T step_size = T(a.lr / bc1), bc2_sqrt = T(std::sqrt(bc2));
     const T decay = T(1.0 - a.lr * a.weight_decay), b1 = T(a.beta1), b2 = T(a.beta2), eps = T(a.eps);
     const T gs = T(a.grad_scale);
+    // Eigen arrays: the sqrt and divide vectorise (a plain loop keeps std::sqrt's errno branch).
+    using Arr = Eigen::Array<T, Eigen::Dynamic, 1>;
+    auto update = [=](T* pp, const T* gg, T* mm, T* vv, int64_t len) {
+      Eigen::Map<Arr> P(pp, len), M(mm, len), V(vv, len);
+      Eigen::Map<const Arr> G(gg, len);
+      M = b1 * M + (T(1) - b1) * (G * gs);
+      V = b2 * V + ((T(1) - b2) * (G * gs)) * (G * gs);
+      P = P * decay - step_size * M / (V.sqrt() / bc2_sqrt + eps);
+    };
+    constexpr int64_t kChunk = 8192;
+    const int64_t chunks = (a.n + kChunk - 1) / kChunk;
 #pragma omp parallel for schedule(static) if (a.n > 32768)
-    for (int64_t i = 0; i < a.n; ++i) {
-      T gi = g[i] * gs;
-      m[i] = b1 * m[i] + (T(1) - b1) * gi;
-      v[i] = b2 * v[i] + (T(1) - b2) * gi * gi;
-      p[i] = p[i] * decay - step_size * m[i] / (std::sqrt(v[i]) / bc2_sqrt + eps);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t i0 = c * kChunk;
+      update(p + i0, g + i0, m + i0, v + i0, std::min(kChunk, a.n - i0));
     }
   });
 }

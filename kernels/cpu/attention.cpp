@@ -1,8 +1,11 @@
 // Fused causal scaled-dot-product attention on the CPU, forward and backward. One (batch, head)
-// per task; inside, S = scale * Q K^T, a masked row softmax P, O = P V, all with Eigen on a
-// per-thread T x T buffer. Forward saves only the row log-sum-exp; backward rebuilds P from it:
+// per task; inside, queries go in blocks of kRowBlock rows, and with the causal mask a block only
+// meets the keys up to its last row (so about half the T x T work is never done). For a block:
+// S = scale * Q K^T, a masked row softmax P, O = P V, all with Eigen on a per-thread buffer.
+// Forward saves only the row log-sum-exp; backward rebuilds P from it:
 //   dV = P^T dO;  dP = dO V^T;  dS = P o (dP - rowsum(dO o O));  dQ = scale dS K;  dK = scale dS^T Q
 #include <Eigen/Core>
+#include <algorithm>
 #include <cmath>
 
 #include "kernels/cpu/cpu.h"
@@ -16,19 +19,13 @@ template <class T>
 using CMap = Eigen::Map<const Mat<T>>;
 template <class T>
 using MMap = Eigen::Map<Mat<T>>;
-
-// Fills P (T x T) with the attention probabilities of one head, from scores and the saved lse.
 template <class T>
-void probabilities(Mat<T>& P, const CMap<T>& q, const CMap<T>& k, T scale, bool causal, const T* lse) {
-  const int64_t Tn = q.rows();
-  P.noalias() = (q * k.transpose()) * scale;
-  for (int64_t i = 0; i < Tn; ++i) {
-    T* row = P.data() + i * Tn;
-    const int64_t last = causal ? i : Tn - 1;
-    for (int64_t j = 0; j <= last; ++j) row[j] = std::exp(row[j] - lse[i]);
-    for (int64_t j = last + 1; j < Tn; ++j) row[j] = 0;
-  }
-}
+using RowArray = Eigen::Map<Eigen::Array<T, 1, Eigen::Dynamic>>;
+
+constexpr int64_t kRowBlock = 32;
+
+// Keys query row i may see: all T, or 0..i under the causal mask.
+inline int64_t visible(bool causal, int64_t i, int64_t T) { return causal ? i + 1 : T; }
 }  // namespace
 
 void attention(const AttentionArgs& a) {
@@ -38,7 +35,7 @@ void attention(const AttentionArgs& a) {
     const T scale = T(a.scale);
 #pragma omp parallel
     {
-      Mat<T> S(T_, T_);
+      Mat<T> S(kRowBlock, T_);
 #pragma omp for schedule(static)
       for (int64_t bh = 0; bh < BH; ++bh) {
         const int64_t off = bh * T_ * D;
@@ -47,20 +44,22 @@ void attention(const AttentionArgs& a) {
         CMap<T> v(static_cast<const T*>(a.v) + off, T_, D);
         MMap<T> o(static_cast<T*>(a.out) + off, T_, D);
         T* lse = static_cast<T*>(a.lse) + bh * T_;
-        S.noalias() = (q * k.transpose()) * scale;
-        for (int64_t i = 0; i < T_; ++i) {
-          T* row = S.data() + i * T_;
-          const int64_t last = a.causal ? i : T_ - 1;
-          T m = row[0];
-          for (int64_t j = 1; j <= last; ++j) m = row[j] > m ? row[j] : m;
-          T s = 0;
-          for (int64_t j = 0; j <= last; ++j) s += (row[j] = std::exp(row[j] - m));
-          const T inv = T(1) / s;
-          for (int64_t j = 0; j <= last; ++j) row[j] *= inv;
-          for (int64_t j = last + 1; j < T_; ++j) row[j] = 0;
-          lse[i] = m + std::log(s);
+        for (int64_t r0 = 0; r0 < T_; r0 += kRowBlock) {
+          const int64_t rows = std::min(kRowBlock, T_ - r0), cols = visible(a.causal, r0 + rows - 1, T_);
+          auto s = S.topLeftCorner(rows, cols);
+          s.noalias() = (q.middleRows(r0, rows) * k.topRows(cols).transpose()) * scale;
+          for (int64_t i = 0; i < rows; ++i) {
+            const int64_t n = visible(a.causal, r0 + i, T_);
+            RowArray<T> row(S.row(i).data(), n);
+            const T m = row.maxCoeff();
+            row = (row - m).exp();
+            const T sum = row.sum();
+            row *= T(1) / sum;
+            for (int64_t j = n; j < cols; ++j) S(i, j) = 0;
+            lse[r0 + i] = m + std::log(sum);
+          }
+          o.middleRows(r0, rows).noalias() = s * v.topRows(cols);
         }
-        o.noalias() = S * v;
       }
     }
   });
@@ -73,7 +72,7 @@ void attention_backward(const AttentionArgs& a) {
     const T scale = T(a.scale);
 #pragma omp parallel
     {
-      Mat<T> P(T_, T_), dP(T_, T_);
+      Mat<T> P(kRowBlock, T_), dP(kRowBlock, T_);
 #pragma omp for schedule(static)
       for (int64_t bh = 0; bh < BH; ++bh) {
         const int64_t off = bh * T_ * D;
@@ -86,17 +85,30 @@ void attention_backward(const AttentionArgs& a) {
         MMap<T> dk(static_cast<T*>(a.dk) + off, T_, D);
         MMap<T> dv(static_cast<T*>(a.dv) + off, T_, D);
         const T* lse = static_cast<const T*>(a.lse) + bh * T_;
-        probabilities<T>(P, q, k, scale, a.causal, lse);
-        dv.noalias() = P.transpose() * dout;
-        dP.noalias() = dout * v.transpose();
-        for (int64_t i = 0; i < T_; ++i) {
-          const T di = dout.row(i).dot(o.row(i));
-          T* pr = P.data() + i * T_;
-          T* dr = dP.data() + i * T_;
-          for (int64_t j = 0; j < T_; ++j) dr[j] = pr[j] * (dr[j] - di);
+        dk.setZero();
+        dv.setZero();
+        for (int64_t r0 = 0; r0 < T_; r0 += kRowBlock) {
+          const int64_t rows = std::min(kRowBlock, T_ - r0), cols = visible(a.causal, r0 + rows - 1, T_);
+          auto p = P.topLeftCorner(rows, cols);
+          auto dp = dP.topLeftCorner(rows, cols);
+          auto q_blk = q.middleRows(r0, rows);
+          auto do_blk = dout.middleRows(r0, rows);
+          p.noalias() = (q_blk * k.topRows(cols).transpose()) * scale;
+          for (int64_t i = 0; i < rows; ++i) {
+            const int64_t n = visible(a.causal, r0 + i, T_);
+            RowArray<T> row(P.row(i).data(), n);
+            row = (row - lse[r0 + i]).exp();
+            for (int64_t j = n; j < cols; ++j) P(i, j) = 0;
+          }
+          dv.topRows(cols).noalias() += p.transpose() * do_blk;
+          dp.noalias() = do_blk * v.topRows(cols).transpose();
+          for (int64_t i = 0; i < rows; ++i) {
+            const T di = dout.row(r0 + i).dot(o.row(r0 + i));
+            dp.row(i) = p.row(i).cwiseProduct(dp.row(i) - Eigen::Matrix<T, 1, Eigen::Dynamic>::Constant(cols, di));
+          }
+          dq.middleRows(r0, rows).noalias() = (dp * k.topRows(cols)) * scale;
+          dk.topRows(cols).noalias() += (dp.transpose() * q_blk) * scale;
         }
-        dq.noalias() = (dP * k) * scale;
-        dk.noalias() = (dP.transpose() * q) * scale;
       }
     }
   });

@@ -8,17 +8,12 @@ namespace sg::kernels::cpu {
 void embedding(DType dtype, DType idx_dtype, void* out, const void* idx, const void* weight, int64_t n, int64_t C,
                int64_t num_rows) {
   const size_t row_bytes = size_t(C) * dtype_size(dtype);
-  int64_t bad = -1;
   for (int64_t i = 0; i < n; ++i) {
     int64_t r = read_index(idx_dtype, idx, i);
-    if (r < 0 || r >= num_rows) {
-      bad = r;
-      break;
-    }
+    SG_CHECK(r >= 0 && r < num_rows, "embedding: index ", r, " out of range for a table of ", num_rows, " rows");
     std::memcpy(static_cast<char*>(out) + i * int64_t(row_bytes), static_cast<const char*>(weight) + r * int64_t(row_bytes),
                 row_bytes);
   }
-  SG_CHECK(bad == -1, "embedding: index ", bad, " out of range for a table of ", num_rows, " rows");
 }
 
 // dweight[idx[i], :] += dout[i, :]  ('+='), rows visited in index order so sums are deterministic.

@@ -61,7 +61,8 @@ void cross_entropy(DType dtype, DType tgt_dtype, void* loss, void* lse, const vo
     auto* L = static_cast<T*>(loss);
     auto* S = static_cast<T*>(lse);
     auto* X = static_cast<const T*>(logits);
-    int64_t bad = -1;
+    bool any_bad = false;  // a flag, not a sentinel: -1 is itself a target that can be out of range
+    int64_t bad = 0;
 #pragma omp parallel for schedule(static) if (rows * V > 16384)
     for (int64_t r = 0; r < rows; ++r) {
       const T* x = X + r * Vp;
@@ -75,13 +76,16 @@ void cross_entropy(DType dtype, DType tgt_dtype, void* loss, void* lse, const vo
         L[r] = 0;
       } else if (t < 0 || t >= V) {
 #pragma omp critical
-        bad = t;
+        {
+          any_bad = true;
+          bad = t;
+        }
         L[r] = 0;
       } else {
         L[r] = S[r] - x[t];
       }
     }
-    SG_CHECK(bad == -1 || bad == ignore_index, "cross_entropy: target ", bad, " out of range [0, ", V, ")");
+    SG_CHECK(!any_bad, "cross_entropy: target ", bad, " out of range [0, ", V, ")");
   });
 }
 

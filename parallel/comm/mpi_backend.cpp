@@ -1,14 +1,7 @@
 #include "parallel/comm/mpi_backend.h"
 
 #include <algorithm>
-#include <atomic>
-#include <chrono>
 #include <climits>
-#include <condition_variable>
-#include <deque>
-#include <exception>
-#include <functional>
-#include <thread>
 
 #include "autograd/ops.h"
 #include "core/error.h"
@@ -18,8 +11,6 @@ namespace sg::comm {
 // ---- process-wide state: thread level, the 2-byte float types and their reductions, live groups ----
 
 namespace {
-constexpr int kSpinMicros = 50;
-
 struct MpiState {
   std::mutex mu;
   bool ready = false;          // init() has run since the last finalize()
@@ -126,52 +117,22 @@ void finalize() {
   }
   for (auto* g : groups) g->shutdown();
   std::lock_guard<std::mutex> lock(s.mu);
+  s.ready = false;
+  int fin = 0;
+  MPI_Finalized(&fin);
+  if (fin) return;  // whoever initialised MPI has finalized it already
   MPI_Type_free(&s.bf16);
   MPI_Type_free(&s.f16);
   MPI_Op_free(&s.half_sum);
   MPI_Op_free(&s.half_max);
-  s.ready = false;
   if (s.initialised_by_us) MPI_Finalize();
 }
 
 bool threaded() { return state().provided == MPI_THREAD_MULTIPLE; }
 
-// ---- Work handles ----
+// ---- host staging and point-to-point Work ----
 
 namespace {
-// A hand-off between threads costs a futex wake-up on each side (~10 us each). Spinning briefly
-// before sleeping catches operations that finish soon: that is what keeps a 1 MiB all-reduce
-// through the queue close to a raw MPI call. yield() leaves the core to others meanwhile.
-template <class Ready>
-void spin_briefly(Ready ready) {
-  const auto end = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinMicros);
-  while (!ready() && std::chrono::steady_clock::now() < end) std::this_thread::yield();
-}
-
-// Completed by the communication thread (or at once, without one).
-class QueuedWork : public Work {
- public:
-  void finish(std::exception_ptr err) {
-    std::lock_guard<std::mutex> lock(mu_);
-    err_ = err;
-    done_.store(true, std::memory_order_release);
-    cv_.notify_all();
-  }
-  void wait() override {
-    spin_briefly([&] { return test(); });
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [&] { return test(); });
-    if (err_) std::rethrow_exception(err_);
-  }
-  bool test() override { return done_.load(std::memory_order_acquire); }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::atomic<bool> done_{false};
-  std::exception_ptr err_;
-};
-
 // A pointer MPI can use: the tensor's own bytes on the CPU, else a host copy charged to
 // comm_buffer (CUDA tensors; copy_ does the device transfer).
 class HostView {
@@ -204,8 +165,8 @@ std::string mpi_error(int rc) {
 // A posted MPI_Isend/MPI_Irecv. Dropping it unfinished waits, since MPI still owns its buffer.
 class RequestWork : public Work {
  public:
-  RequestWork(std::string what, MPI_Request req, HostView buf, bool receives)
-      : what_(std::move(what)), req_(req), buf_(std::move(buf)), receives_(receives) {}
+  RequestWork(std::string what, std::string at, MPI_Request req, HostView buf, bool receives)
+      : what_(std::move(what)), at_(std::move(at)), req_(req), buf_(std::move(buf)), receives_(receives) {}
   ~RequestWork() override {
     int fin = 0;
     MPI_Finalized(&fin);
@@ -229,11 +190,11 @@ class RequestWork : public Work {
  private:
   void complete(int rc) {
     done_ = true;
-    if (rc != MPI_SUCCESS) err_ = str(what_, ": MPI error: ", mpi_error(rc));
+    if (rc != MPI_SUCCESS) err_ = str(what_, ": MPI error: ", mpi_error(rc), at_);
     else if (receives_) buf_.copy_out();
   }
   std::mutex mu_;
-  std::string what_;
+  std::string what_, at_;
   MPI_Request req_;
   HostView buf_;
   bool receives_;
@@ -242,51 +203,11 @@ class RequestWork : public Work {
 };
 }  // namespace
 
-// ---- the communication thread ----
-
-class MpiProcessGroup::CommThread {
- public:
-  CommThread() : thread_([this] { loop(); }) {}
-  void push(std::function<void()> task) {
-    std::lock_guard<std::mutex> lock(mu_);
-    queue_.push_back(std::move(task));
-    cv_.notify_one();
-  }
-  // Runs what is queued (other ranks expect those collectives), then joins.
-  void stop() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_one();
-    thread_.join();
-  }
-
- private:
-  void loop() {
-    for (;;) {
-      std::function<void()> task;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-        if (queue_.empty()) return;
-        task = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      task();
-    }
-  }
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> queue_;
-  bool stop_ = false;
-  std::thread thread_;  // last: starts once the queue exists
-};
-
 // ---- the group ----
 
 namespace {
 int comm_rank(MPI_Comm c) {
+  SG_CHECK(state().ready, "MpiProcessGroup: call sg::comm::init() first");
   int r = 0;
   MPI_Comm_rank(c, &r);
   return r;
@@ -307,10 +228,9 @@ std::shared_ptr<MpiProcessGroup> MpiProcessGroup::world() {
 
 MpiProcessGroup::MpiProcessGroup(MPI_Comm comm) : ProcessGroup(comm_rank(comm), comm_size(comm)), comm_(comm) {
   auto& s = state();
-  SG_CHECK(s.ready, "MpiProcessGroup: call sg::comm::init() first");
   // Errors come back as codes, so they surface as exceptions from wait() naming the op and rank.
   MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
-  if (threaded()) thread_ = std::make_unique<CommThread>();
+  if (threaded()) queue_ = std::make_unique<WorkQueue>();
   std::lock_guard<std::mutex> lock(s.mu);
   s.groups.push_back(this);
 }
@@ -323,8 +243,8 @@ MpiProcessGroup::~MpiProcessGroup() {
 }
 
 void MpiProcessGroup::shutdown() {
-  if (thread_) thread_->stop();
-  thread_.reset();
+  if (queue_) queue_->stop();
+  queue_.reset();
   int fin = 0;
   MPI_Finalized(&fin);
   if (comm_ != MPI_COMM_NULL && !fin) MPI_Comm_free(&comm_);
@@ -333,18 +253,7 @@ void MpiProcessGroup::shutdown() {
 
 std::shared_ptr<Work> MpiProcessGroup::enqueue(const char* op, std::function<void()> body) {
   SG_CHECK(comm_ != MPI_COMM_NULL, op, ": the process group was shut down (comm::finalize)", at());
-  auto work = std::make_shared<QueuedWork>();
-  auto task = [work, body = std::move(body)] {
-    try {
-      body();
-      work->finish(nullptr);
-    } catch (...) {
-      work->finish(std::current_exception());
-    }
-  };
-  if (thread_) thread_->push(std::move(task));
-  else task();
-  return work;
+  return queue_ ? queue_->push(std::move(body)) : WorkQueue::run_inline(body);
 }
 
 // Turns an MPI error code into an Error naming the op and this rank.
@@ -424,7 +333,7 @@ std::shared_ptr<Work> MpiProcessGroup::do_send(const Tensor& t, int dst, int tag
   HostView buf(t, true);
   MPI_Request req;
   SG_MPI("send", MPI_Isend(buf.ptr(), mpi_count("send", t.numel()), mpi_type(t.dtype()), dst, tag, comm_, &req));
-  return std::make_shared<RequestWork>(str("send to ", dst, " tag ", tag, at()), req, std::move(buf), false);
+  return std::make_shared<RequestWork>(str("send to ", dst, ", tag ", tag), at(), req, std::move(buf), false);
 }
 
 std::shared_ptr<Work> MpiProcessGroup::do_recv(const Tensor& t, int src, int tag) {
@@ -432,7 +341,7 @@ std::shared_ptr<Work> MpiProcessGroup::do_recv(const Tensor& t, int src, int tag
   HostView buf(t, false);
   MPI_Request req;
   SG_MPI("recv", MPI_Irecv(buf.ptr(), mpi_count("recv", t.numel()), mpi_type(t.dtype()), src, tag, comm_, &req));
-  return std::make_shared<RequestWork>(str("recv from ", src, " tag ", tag, at()), req, std::move(buf), true);
+  return std::make_shared<RequestWork>(str("recv from ", src, ", tag ", tag), at(), req, std::move(buf), true);
 }
 
 std::shared_ptr<ProcessGroup> MpiProcessGroup::do_split(int color, int key) {

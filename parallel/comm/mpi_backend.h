@@ -23,6 +23,7 @@
 #include <memory>
 
 #include "parallel/comm/process_group.h"
+#include "parallel/comm/work_queue.h"
 
 namespace sg::comm {
 
@@ -60,12 +61,11 @@ class MpiProcessGroup : public ProcessGroup {
   std::shared_ptr<ProcessGroup> do_split(int color, int key) override;
 
  private:
-  class CommThread;
   // Queues `body` (run on the communication thread, or right here without one).
   std::shared_ptr<Work> enqueue(const char* op, std::function<void()> body);
 
   MPI_Comm comm_ = MPI_COMM_NULL;
-  std::unique_ptr<CommThread> thread_;
+  std::unique_ptr<WorkQueue> queue_;  // null without MPI_THREAD_MULTIPLE
 };
 
 }  // namespace sg::comm

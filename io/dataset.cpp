@@ -1,0 +1,167 @@
+// File-backed datasets (a text file as bytes, llm.c token shards) and the spec dispatch.
+//
+// A split is one stream of tokens: its shards concatenated in name order (a window may straddle two
+// shards; llm.c starts every document with <|endoftext|>, so a shard boundary is just another
+// document boundary), or the head / tail of a single file.
+//   sequential (default, as llm.c): batch k takes the next B*T+1 tokens of the stream as B rows
+//     (inputs = tokens[0, BT), targets = tokens[1, BT]) and advances by B*T; when the next batch
+//     would run past the end it starts again at token 0. position() is the token offset.
+//   shuffle: row r of batch k starts at a token drawn by Philox from (seed, split stream, kB + r),
+//     uniform over every start that leaves T+1 tokens (rows drawn with replacement).
+//     position() is the number of batches drawn.
+// Tokens are read from disk per batch, never the whole split into memory.
+#include "io/dataset.h"
+
+#include <algorithm>
+#include <memory>
+
+#include "autograd/ops.h"
+#include "core/philox.h"
+#include "io/file.h"
+#include "io/synthetic.h"
+#include "io/token_shards.h"
+
+namespace sg::io {
+
+namespace {
+
+const char* split_name(Split s) { return s == Split::train ? "train" : "val"; }
+
+class FileDataset : public Dataset {
+ public:
+  FileDataset(std::string spec, std::string kind, int64_t vocab, std::vector<TokenRange> ranges, const DataOptions& opt)
+      : spec_(std::move(spec)), kind_(std::move(kind)), vocab_(vocab), ranges_(std::move(ranges)), split_(opt.split),
+        seed_(opt.seed), shuffle_(opt.shuffle),
+        stream_(rng_stream_from_name(opt.split == Split::train ? "io.shuffle.train" : "io.shuffle.val")) {
+    for (const TokenRange& r : ranges_) {
+      starts_.push_back(total_);
+      total_ += r.count;
+    }
+    files_.resize(ranges_.size());
+    SG_CHECK(total_ > 0, "data ", spec_, ": the ", split_name(split_), " split is empty");
+  }
+
+  Batch next(int64_t B, int64_t T) override {
+    SG_CHECK(B > 0 && T > 0, "data ", spec_, ": batch shape B=", B, ", T=", T, " must be positive");
+    const int64_t need = shuffle_ ? T + 1 : B * T + 1;
+    SG_CHECK(total_ >= need, "data ", spec_, ": the ", split_name(split_), " split has ", total_, " tokens, fewer than ",
+             shuffle_ ? str("one row needs (T+1 = ", need, ")") : str("one batch needs (B*T+1 = ", need, ")"));
+    std::vector<int64_t> inputs(size_t(B * T)), targets(size_t(B * T));
+    if (shuffle_) {
+      std::vector<int64_t> row(size_t(T + 1));
+      for (int64_t r = 0; r < B; ++r) {
+        uint32_t w[4];
+        Philox::words(seed_, stream_, uint64_t(pos_) * uint64_t(B) + uint64_t(r), w);
+        const uint64_t draw = (uint64_t(w[0]) << 32) | w[1];
+        read(int64_t(draw % uint64_t(total_ - T)), T + 1, row.data());
+        std::copy(row.begin(), row.end() - 1, inputs.begin() + r * T);
+        std::copy(row.begin() + 1, row.end(), targets.begin() + r * T);
+      }
+      ++pos_;
+    } else {
+      if (pos_ + need > total_) pos_ = 0;
+      std::vector<int64_t> buf(static_cast<size_t>(need));
+      read(pos_, need, buf.data());
+      std::copy(buf.begin(), buf.end() - 1, inputs.begin());
+      std::copy(buf.begin() + 1, buf.end(), targets.begin());
+      pos_ += B * T;
+    }
+    return {from_vector(inputs, {B, T}), from_vector(targets, {B, T})};
+  }
+
+  int64_t position() const override { return pos_; }
+  void set_position(int64_t p) override {
+    SG_CHECK(p >= 0, "data ", spec_, ": position ", p, " is negative");
+    pos_ = p;
+  }
+  int64_t vocab_size() const override { return vocab_; }
+
+  std::string describe() const override {
+    return str(kind_, " ", spec_, " (vocab ", vocab_, "): ", split_name(split_), " split of ", total_, " tokens in ",
+               ranges_.size(), ranges_.size() == 1 ? " file" : " files", ", ",
+               shuffle_ ? "random rows" : "sequential");
+  }
+
+  std::vector<int64_t> encode(const std::string& text) const override {
+    SG_CHECK(vocab_ == 256, "data ", spec_, ": GPT-2 token shards have no tokenizer in shardgrad (encode the prompt elsewhere)");
+    std::vector<int64_t> out;
+    for (unsigned char c : text) out.push_back(c);
+    return out;
+  }
+
+  std::string decode(const std::vector<int64_t>& tokens) const override {
+    SG_CHECK(vocab_ == 256, "data ", spec_, ": GPT-2 token shards have no tokenizer in shardgrad (decode the tokens elsewhere)");
+    std::string out;
+    for (int64_t t : tokens) out.push_back(t >= 0 && t < 256 ? char(t) : '?');
+    return out;
+  }
+
+ private:
+  // Tokens [pos, pos + n) of the split's stream, which may span several files.
+  void read(int64_t pos, int64_t n, int64_t* out) {
+    size_t i = size_t(std::upper_bound(starts_.begin(), starts_.end(), pos) - starts_.begin()) - 1;
+    std::vector<uint8_t> raw;
+    while (n > 0) {
+      const TokenRange& r = ranges_[i];
+      const int64_t first = pos - starts_[i];
+      const int64_t take = std::min(n, r.count - first);
+      if (!files_[i]) files_[i] = std::make_unique<ReadFile>(r.path, "data");
+      raw.resize(size_t(take * r.elem_bytes));
+      files_[i]->read_at(raw.data(), raw.size(), r.data_offset + (r.first + first) * r.elem_bytes);
+      for (int64_t k = 0; k < take; ++k) {
+        int64_t t = r.elem_bytes == 1 ? raw[size_t(k)] : int64_t(raw[size_t(2 * k)]) | int64_t(raw[size_t(2 * k + 1)]) << 8;
+        SG_CHECK(t < vocab_, "data ", r.path, ": token ", t, " at index ", r.first + first + k, " is outside the vocabulary of ", vocab_);
+        out[k] = t;
+      }
+      out += take;
+      pos += take;
+      n -= take;
+      ++i;
+    }
+  }
+
+  std::string spec_, kind_;
+  int64_t vocab_;
+  std::vector<TokenRange> ranges_;
+  std::vector<int64_t> starts_;  // stream offset of each range
+  std::vector<std::unique_ptr<ReadFile>> files_;  // opened on first use
+  int64_t total_ = 0;
+  Split split_;
+  uint64_t seed_;
+  bool shuffle_;
+  uint64_t stream_;
+  int64_t pos_ = 0;
+};
+
+bool is_shard_spec(const std::string& s) {
+  return s.find_first_of("*?[") != std::string::npos || (s.size() >= 4 && s.compare(s.size() - 4, 4, ".bin") == 0);
+}
+
+}  // namespace
+
+std::unique_ptr<Dataset> open_dataset(const DataOptions& opt) {
+  const std::string& spec = opt.spec;
+  SG_CHECK(!spec.empty(), "data: empty data spec (synthetic, a text file, or a glob of .bin token shards)");
+  if (spec == "synthetic" || spec.rfind("synthetic:", 0) == 0)
+    return std::make_unique<SyntheticDataset>(parse_synthetic_spec(spec), opt.split, opt.seed);
+  SG_CHECK(opt.val_fraction >= 0 && opt.val_fraction < 1, "data ", spec, ": val_fraction ", opt.val_fraction,
+           " is not in [0, 1)");
+
+  if (is_shard_spec(spec)) {
+    ShardSplit s = split_token_shards(expand_glob(spec), opt.val_fraction);
+    return std::make_unique<FileDataset>(spec, "token shards", kGpt2Vocab, opt.split == Split::train ? s.train : s.val, opt);
+  }
+
+  int64_t bytes = 0;
+  {
+    ReadFile f(spec, "data");
+    bytes = f.size();
+  }
+  SG_CHECK(bytes > 0, "data ", spec, ": the file is empty");
+  const int64_t val = int64_t(double(bytes) * opt.val_fraction);
+  TokenRange r{spec, 0, 1, 0, bytes - val};
+  if (opt.split == Split::val) r = TokenRange{spec, 0, 1, bytes - val, val};
+  return std::make_unique<FileDataset>(spec, "text bytes", 256, std::vector<TokenRange>{r}, opt);
+}
+
+}  // namespace sg::io

@@ -1,0 +1,88 @@
+// The built-in task: multi-digit addition, small enough that a tiny GPT learns it in minutes on a CPU.
+//
+// Tokens: 0-9 are the digits, 10 '+', 11 '=', 12 '\n' (vocabulary 13). A problem with D-digit
+// operands (default 3) is written  a + b = reversed(sum) \n  with both operands zero-padded to D
+// digits and the sum zero-padded to D+1 digits, least-significant digit first, so each answer digit
+// depends only on digits already seen and the carry:  123+045=8610\n  (123 + 45 = 168).
+// A problem is 3D+4 tokens: a prompt of 2D+2 ("123+045=") and an answer of D+2 ("8610\n").
+//
+// Rows: each row of T tokens starts at a problem boundary and is filled with consecutive problems
+// (the last one cut off by the row's end). Targets are the next token at the D+2 positions that
+// predict the answer digits and the newline ('=' and the answer digits), -1 everywhere else: the
+// operands are random and never worth predicting.
+//
+// Splits: the unordered operand pair {a, b} is held out for val when a fixed hash of it is 0 mod 10,
+// so val problems (and their commuted twins) never occur in train. Problem n of a split is a pure
+// function of (seed, split, n) through Philox; row r of batch k holds problems
+// (kB + r)·P, ..., (kB + r)·P + P - 1 with P = ceil((T+1) / (3D+4)). The position is the number of
+// batches drawn, so batch k is the same on any machine and after resume.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+#include "io/dataset.h"
+
+namespace sg::io {
+
+struct SyntheticTask {
+  static constexpr int64_t kPlus = 10, kEquals = 11, kNewline = 12, kVocab = 13;
+  int64_t digits = 3;  // operand width D, 1..18
+
+  struct Problem {
+    uint64_t a = 0, b = 0;
+  };
+
+  int64_t vocab_size() const { return kVocab; }
+  int64_t prompt_length() const { return 2 * digits + 2; }
+  int64_t answer_length() const { return digits + 2; }
+  int64_t problem_length() const { return 3 * digits + 4; }
+
+  bool held_out(const Problem& p) const;  // true: the problem belongs to val
+  Problem problem(Split split, uint64_t seed, uint64_t n) const;
+  std::vector<int64_t> tokens(const Problem& p) const;  // prompt then answer
+  std::vector<int64_t> answer(const Problem& p) const;  // the D+2 answer tokens
+
+  std::vector<int64_t> encode(const std::string& text) const;  // throws on a character outside the vocabulary
+  std::string decode(const std::vector<int64_t>& tokens) const;  // '?' for ids outside it
+};
+
+// "synthetic" (3 digits) or "synthetic:D". Throws naming the spec otherwise.
+SyntheticTask parse_synthetic_spec(const std::string& spec);
+
+class SyntheticDataset : public Dataset {
+ public:
+  SyntheticDataset(SyntheticTask task, Split split, uint64_t seed) : task_(task), split_(split), seed_(seed) {}
+  Batch next(int64_t B, int64_t T) override;
+  int64_t position() const override { return batches_; }
+  void set_position(int64_t p) override;
+  int64_t vocab_size() const override { return task_.vocab_size(); }
+  std::string describe() const override;
+  std::vector<int64_t> encode(const std::string& text) const override { return task_.encode(text); }
+  std::string decode(const std::vector<int64_t>& tokens) const override { return task_.decode(tokens); }
+  const SyntheticTask& task() const { return task_; }
+
+ private:
+  SyntheticTask task_;
+  Split split_;
+  uint64_t seed_;
+  int64_t batches_ = 0;
+};
+
+// logits_fn: int64 token ids [B, T'] -> logits [B, T', V'] with V' >= the task's vocabulary.
+using LogitsFn = std::function<Tensor(const Tensor& idx_BT)>;
+
+// Greedy-decodes the answers of val problems 0..num_problems-1 drawn with `seed` (batched, all
+// prompts at position 0, argmax over the real vocabulary) and returns the fraction answered exactly
+// right, newline included. T is the model's longest input; it must hold a prompt and all but the
+// last answer token.
+double synthetic_accuracy(const SyntheticTask& task, const LogitsFn& logits_fn, int64_t num_problems, int64_t T,
+                          uint64_t seed);
+
+// The same decoding for a few problems, one line each: "123+045=8610  ok" or "123+045=8600  want 8610".
+std::vector<std::string> synthetic_examples(const SyntheticTask& task, const LogitsFn& logits_fn, int64_t num_problems,
+                                            int64_t T, uint64_t seed);
+
+}  // namespace sg::io

@@ -1,0 +1,130 @@
+#include "parallel/watchdog.h"
+
+#include <mpi.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include "core/error.h"
+
+namespace sg::parallel {
+
+namespace watchdog {
+namespace {
+using Clock = std::chrono::steady_clock;
+std::mutex mu;
+std::atomic<bool> armed{false};
+double limit = 0;
+int my_rank = 0;
+const char* phase = "startup";
+const char* waiting_on = nullptr;
+int64_t at_step = -1;
+Clock::time_point last = Clock::now();
+std::thread checker;
+
+void check_loop() {
+  while (armed.load()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    std::lock_guard<std::mutex> g(mu);
+    double idle = std::chrono::duration<double>(Clock::now() - last).count();
+    if (!armed.load() || idle < limit) continue;
+    if (waiting_on)
+      std::fprintf(stderr,
+                   "shardgrad: rank %d: no progress for %.0f s while waiting in %s at step %lld: a peer rank "
+                   "stopped responding; aborting the job (--comm-timeout %.0f)\n",
+                   my_rank, idle, waiting_on, (long long)at_step + 1, limit);
+    else
+      std::fprintf(stderr,
+                   "shardgrad: rank %d: FAILED: no progress for %.0f s in %s at step %lld (not waiting on any "
+                   "peer); aborting the job (--comm-timeout %.0f)\n",
+                   my_rank, idle, phase, (long long)at_step + 1, limit);
+    std::fflush(stderr);
+    int up = 0;
+    MPI_Initialized(&up);
+    if (up) MPI_Abort(MPI_COMM_WORLD, 3);
+    std::_Exit(3);
+  }
+}
+}  // namespace
+
+void arm(double timeout_s, int rank) {
+  if (timeout_s <= 0 || armed.exchange(true)) return;
+  {
+    std::lock_guard<std::mutex> g(mu);
+    limit = timeout_s;
+    my_rank = rank;
+    last = Clock::now();
+  }
+  checker = std::thread(check_loop);
+}
+
+void disarm() {
+  if (!armed.exchange(false)) return;
+  if (checker.joinable()) checker.join();
+}
+
+void beat(const char* p, int64_t step) {
+  std::lock_guard<std::mutex> g(mu);
+  phase = p;
+  at_step = step;
+  last = Clock::now();
+}
+
+Waiting::Waiting(const char* what) {
+  std::lock_guard<std::mutex> g(mu);
+  prev_ = waiting_on;
+  waiting_on = what;
+  last = Clock::now();
+}
+
+Waiting::~Waiting() {
+  std::lock_guard<std::mutex> g(mu);
+  waiting_on = prev_;
+  last = Clock::now();
+}
+}  // namespace watchdog
+
+Fault parse_fault(const std::string& spec) {
+  Fault f;
+  if (spec.empty()) return f;
+  std::stringstream ss(spec);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    auto eq = item.find('=');
+    SG_CHECK(eq != std::string::npos, "--inject-fault: '", item, "' is not key=value (expected rank=R,step=S,kind=K)");
+    std::string k = item.substr(0, eq), v = item.substr(eq + 1);
+    try {
+      if (k == "rank") f.rank = std::stoi(v);
+      else if (k == "step") f.step = std::stoll(v);
+      else if (k == "kind") f.kind = v;
+      else throw Error(str("--inject-fault: unknown key '", k, "' (expected rank, step, kind)"));
+    } catch (const std::invalid_argument&) {
+      throw Error(str("--inject-fault: ", k, "=", v, " is not a number"));
+    }
+  }
+  SG_CHECK(f.rank >= 0 && f.step >= 1, "--inject-fault: needs rank >= 0 and step >= 1, got '", spec, "'");
+  SG_CHECK(f.kind == "exit" || f.kind == "throw" || f.kind == "abort" || f.kind == "kill" || f.kind == "hang",
+           "--inject-fault: kind '", f.kind, "' is not one of exit, throw, abort, kill, hang");
+  return f;
+}
+
+void maybe_inject(const Fault& f, int rank, int64_t step) {
+  if (!f.active() || f.rank != rank || f.step != step) return;
+  std::fprintf(stderr, "shardgrad: rank %d: injecting fault '%s' at step %lld\n", rank, f.kind.c_str(), (long long)step);
+  std::fflush(stderr);
+  if (f.kind == "exit") std::exit(7);
+  if (f.kind == "abort") std::abort();
+  if (f.kind == "kill") ::kill(::getpid(), SIGKILL);
+  if (f.kind == "throw") throw Error(str("injected fault at step ", step));
+  if (f.kind == "hang")
+    for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+}
+
+}  // namespace sg::parallel

@@ -1,0 +1,96 @@
+// DataParallel (one process, several devices): the single-process losses, and the ledger showing
+// what piles up on the first device.
+#include <catch2/catch.hpp>
+#include <cmath>
+
+#include "autograd/ops.h"
+#include "autograd/tape.h"
+#include "models/gpt.h"
+#include "optim/optim.h"
+#include "parallel/dp.h"
+
+using namespace sg;
+
+namespace {
+
+nn::GPTConfig tiny() {
+  nn::GPTConfig c;
+  c.n_layer = 2;
+  c.n_head = 2;
+  c.n_embd = 16;
+  c.block_size = 8;
+  c.vocab_size = 23;
+  return c;
+}
+
+void batch(int64_t step, Tensor& idx, Tensor& tgt) {
+  std::vector<int64_t> x, y;
+  for (float v : to_vector<float>(rand({8, 9}, 77, uint64_t(step), 0, 23))) x.push_back(int64_t(v));
+  std::vector<int64_t> in, out;
+  for (int64_t b = 0; b < 8; ++b)
+    for (int64_t t = 0; t < 8; ++t) {
+      in.push_back(x[size_t(b * 9 + t)]);
+      out.push_back(t == 0 ? -1 : x[size_t(b * 9 + t + 1)]);
+    }
+  idx = from_vector(in, {8, 8});
+  tgt = from_vector(out, {8, 8});
+}
+
+std::vector<double> train(int steps, const std::vector<Device>& devices) {
+  nn::GPT model(tiny(), DType::f32, devices[0]);
+  model.init_weights(9);
+  optim::AdamW opt(model.named_parameters(), {});
+  std::unique_ptr<parallel::DataParallel> dp;
+  if (devices.size() > 1) dp = std::make_unique<parallel::DataParallel>(model, devices);
+  std::vector<double> losses;
+  for (int s = 0; s < steps; ++s) {
+    Tensor idx, tgt;
+    batch(s, idx, tgt);
+    const double scale = 1.0 / double(count_targets(tgt, -1));
+    double loss = 0;
+    if (dp) {
+      loss = dp->forward_backward(idx, tgt, scale);
+    } else {
+      autograd::Tape tape;
+      Tensor l;
+      {
+        autograd::TapeScope sc(tape);
+        l = model.loss(idx, tgt, true, scale);
+      }
+      loss = item(l);
+      tape.backward(l);
+    }
+    opt.step(1e-2, optim::clip_coefficient(optim::global_grad_norm(model.parameters()), 1.0));
+    model.zero_grad();
+    losses.push_back(loss);
+  }
+  return losses;
+}
+
+}  // namespace
+
+TEST_CASE("dp over cpu:0,cpu:1 reproduces the single-process losses for 20 steps", "[dp]") {
+  auto ref = train(20, {Device::cpu(0)});
+  auto got = train(20, {Device::cpu(0), Device::cpu(1)});
+  for (size_t i = 0; i < ref.size(); ++i) {
+    INFO("step " << i);
+    REQUIRE(std::abs(got[i] - ref[i]) <= 1e-5 * std::abs(ref[i]));
+  }
+}
+
+TEST_CASE("dp piles the gathered outputs and the reduced gradients onto the first device", "[dp]") {
+  Device d0 = Device::cpu(2), d1 = Device::cpu(3);  // fresh ledger rows for this test
+  Ledger::global().reset_peaks(d0);
+  Ledger::global().reset_peaks(d1);
+  train(1, {d0, d1});
+  MemStats s0 = Ledger::global().stats(d0), s1 = Ledger::global().stats(d1);
+  const int64_t psi_bytes = tiny().num_params() * 4;
+  REQUIRE(s1.pk(MemCategory::param) == psi_bytes);  // the per-step replica
+  REQUIRE(s1.cur(MemCategory::param) == 0);         // freed after the step
+  REQUIRE(s0.pk(MemCategory::param) == psi_bytes);  // the one real model
+  REQUIRE(s0.pk(MemCategory::optim_state) == 2 * psi_bytes);
+  REQUIRE(s1.pk(MemCategory::optim_state) == 0);
+  // all logits [8, 8, 64] are gathered on device 0, on top of its own half of the work
+  const int64_t logits = 8 * 8 * tiny().vocab_rows() * 4;
+  REQUIRE(s0.pk(MemCategory::activation) >= s1.pk(MemCategory::activation) + logits);
+}

@@ -1,0 +1,499 @@
+// io/: safetensors round-trips every dtype and refuses every malformed file naming it; saves are
+// atomic; token shards are validated; file datasets yield exactly the expected token windows and
+// resume exactly; the synthetic task is deterministic, split-disjoint and scored correctly.
+#include <catch2/catch.hpp>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "autograd/ops.h"
+#include "io/dataset.h"
+#include "io/safetensors.h"
+#include "io/synthetic.h"
+#include "io/token_shards.h"
+
+using namespace sg;
+using namespace sg::io;
+using Catch::Contains;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    static int n = 0;
+    path = fs::temp_directory_path() / ("sg_io_" + std::to_string(::getpid()) + "_" + std::to_string(n++));
+    fs::remove_all(path);
+    fs::create_directories(path);
+  }
+  ~TempDir() { fs::remove_all(path); }
+  std::string operator/(const std::string& name) const { return (path / name).string(); }
+};
+
+std::string read_bytes(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), {});
+}
+
+void write_bytes(const std::string& path, const std::string& bytes) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f.write(bytes.data(), std::streamsize(bytes.size()));
+}
+
+// A safetensors file from a literal header (padded to 8) and `data_bytes` zero bytes of data.
+void write_raw_safetensors(const std::string& path, std::string header, size_t data_bytes) {
+  header.append((8 - header.size() % 8) % 8, ' ');
+  uint64_t n = header.size();
+  std::string bytes(reinterpret_cast<const char*>(&n), 8);
+  write_bytes(path, bytes + header + std::string(data_bytes, '\0'));
+}
+
+std::vector<float> iota_f(int64_t n) {
+  std::vector<float> v(static_cast<size_t>(n));
+  for (size_t i = 0; i < v.size(); ++i) v[i] = float(i) * 0.5f - 3.0f;
+  return v;
+}
+
+std::vector<int64_t> row(const Tensor& t, int64_t r) {
+  std::vector<int64_t> all = to_vector<int64_t>(t);
+  const int64_t T = t.size(1);
+  return std::vector<int64_t>(all.begin() + r * T, all.begin() + (r + 1) * T);
+}
+
+std::vector<int64_t> range(int64_t lo, int64_t hi) {
+  std::vector<int64_t> v;
+  for (int64_t i = lo; i < hi; ++i) v.push_back(i);
+  return v;
+}
+
+std::vector<uint16_t> range_u16(int lo, int hi) {
+  std::vector<uint16_t> v;
+  for (int i = lo; i < hi; ++i) v.push_back(uint16_t(i));
+  return v;
+}
+
+bool same_batch(const Batch& a, const Batch& b) {
+  return to_vector<int64_t>(a.inputs) == to_vector<int64_t>(b.inputs) &&
+         to_vector<int64_t>(a.targets) == to_vector<int64_t>(b.targets);
+}
+
+}  // namespace
+
+// ---- safetensors ----
+
+TEST_CASE("safetensors round-trips every dtype, views, empty tensors, scalars and metadata", "[io]") {
+  TempDir d;
+  const std::string path = d / "model.safetensors";
+  Tensor f32 = from_vector(iota_f(6), {2, 3});
+  Tensor f32_t = transpose(f32, 0, 1);  // non-contiguous: written as the [3,2] it shows
+  Tensor f64 = from_vector(std::vector<double>{1.0 / 3, -2.5, 1e300}, {3});
+  Tensor bf16 = to(from_vector(iota_f(8), {2, 4}), DType::bf16);
+  Tensor f16 = to(from_vector(iota_f(5), {5}), DType::f16);
+  Tensor i32 = from_vector(std::vector<int32_t>{-7, 0, 2147483647, 3}, {2, 2});
+  Tensor i64 = from_vector(std::vector<int64_t>{-1, int64_t(1) << 40, 5}, {3, 1});
+  Tensor none = zeros({0, 4});
+  Tensor scalar = from_vector(std::vector<float>{4.25f}, {});
+  NamedTensors in = {{"f32_t", f32_t}, {"f64", f64}, {"bf16", bf16}, {"f16", f16},
+                     {"i32", i32},     {"i64", i64}, {"empty", none}, {"scalar", scalar}};
+  save_safetensors(path, in, {{"format", "pt"}, {"data", "synthetic"}});
+
+  SafetensorsFile f = load_safetensors(path);
+  CHECK(f.path == path);
+  CHECK(f.order == std::vector<std::string>{"f32_t", "f64", "bf16", "f16", "i32", "i64", "empty", "scalar"});
+  CHECK(f.metadata == std::map<std::string, std::string>{{"format", "pt"}, {"data", "synthetic"}});
+  for (const auto& [name, t] : in) {
+    INFO(name);
+    const Tensor& g = f.at(name);
+    CHECK(g.dtype() == t.dtype());
+    CHECK(g.shape() == t.shape());
+    CHECK(g.device() == Device::cpu());
+    CHECK(to_vector<double>(g) == to_vector<double>(t));  // bit-exact for every dtype here
+  }
+  CHECK(to_vector<float>(f.at("f32_t")) == std::vector<float>{-3, -1.5, -2.5, -1, -2, -0.5});
+
+  // The header is padded to a multiple of 8 so the data section stays aligned.
+  const std::string bytes = read_bytes(path);
+  uint64_t n = 0;
+  std::memcpy(&n, bytes.data(), 8);
+  CHECK(n % 8 == 0);
+  CHECK(bytes.size() == 8 + n + 6 * 4 + 3 * 8 + 8 * 2 + 5 * 2 + 4 * 4 + 3 * 8 + 0 + 4);
+
+  REQUIRE_THROWS_WITH(f.at("missing"), Contains(path) && Contains("'missing'"));
+}
+
+TEST_CASE("safetensors save is atomic: no temporary file is left, an existing file is replaced", "[io]") {
+  TempDir d;
+  const std::string path = d / "w.safetensors";
+  save_safetensors(path, {{"a", ones({3})}});
+  save_safetensors(path, {{"b", zeros({2})}});
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(d.path)) names.push_back(e.path().filename().string());
+  CHECK(names == std::vector<std::string>{"w.safetensors"});
+  CHECK(load_safetensors(path).order == std::vector<std::string>{"b"});
+
+  // A failed save names the file and leaves nothing behind.
+  REQUIRE_THROWS_WITH(save_safetensors(path, {{"x", ones({1})}, {"x", ones({1})}}), Contains(path) && Contains("'x'"));
+  const std::string missing = d / "no/such/dir/w.safetensors";
+  REQUIRE_THROWS_WITH(save_safetensors(missing, {{"a", ones({1})}}), Contains(missing));
+  CHECK(std::distance(fs::directory_iterator(d.path), fs::directory_iterator()) == 1);
+}
+
+TEST_CASE("safetensors refuses truncated files at every stage, naming the file", "[io]") {
+  TempDir d;
+  const std::string good = d / "good.safetensors";
+  save_safetensors(good, {{"w", from_vector(iota_f(16), {4, 4})}, {"b", from_vector(iota_f(4), {4})}});
+  const std::string bytes = read_bytes(good);
+  uint64_t n = 0;
+  std::memcpy(&n, bytes.data(), 8);
+  for (size_t cut : {size_t(0), size_t(4), size_t(7), size_t(8), size_t(20), size_t(8 + n - 1), size_t(8 + n),
+                     size_t(8 + n + 3), bytes.size() - 1}) {
+    INFO("truncated to " << cut << " bytes");
+    const std::string p = d / ("cut" + std::to_string(cut) + ".safetensors");
+    write_bytes(p, bytes.substr(0, cut));
+    REQUIRE_THROWS_WITH(load_safetensors(p), Contains(p));
+  }
+  // Trailing bytes after the last tensor are as wrong as missing ones.
+  const std::string longer = d / "long.safetensors";
+  write_bytes(longer, bytes + "xyz");
+  REQUIRE_THROWS_WITH(load_safetensors(longer), Contains(longer) && Contains("belong to no tensor"));
+  REQUIRE_THROWS_WITH(load_safetensors(d / "absent.safetensors"), Contains("absent.safetensors") && Contains("cannot open"));
+}
+
+TEST_CASE("safetensors refuses malformed headers, naming the file and the tensor", "[io]") {
+  TempDir d;
+  const std::string p = d / "bad.safetensors";
+  auto refuses = [&](const std::string& header, size_t data, const std::string& why) {
+    INFO(header);
+    write_raw_safetensors(p, header, data);
+    REQUIRE_THROWS_WITH(load_safetensors(p), Contains(p) && Contains(why));
+  };
+  const std::string a8 = R"("a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]})";
+
+  // Header length: beyond the file, beyond 100 MB.
+  for (uint64_t n : {uint64_t(64), uint64_t(200'000'000), ~uint64_t(0)}) {
+    std::string bytes(reinterpret_cast<const char*>(&n), 8);
+    write_bytes(p, bytes + std::string(16, ' '));
+    REQUIRE_THROWS_WITH(load_safetensors(p), Contains(p) && Contains("header length"));
+  }
+  refuses("{not json", 0, "not valid JSON");
+  refuses("[1,2]", 0, "not an object");
+  refuses("{" + a8 + "," + a8 + "}", 8, "names 'a' twice");
+  refuses(R"({"a":{"shape":[2],"data_offsets":[0,8]}})", 8, "'a': missing dtype");
+  refuses(R"({"a":{"dtype":"F8_E4M3","shape":[2],"data_offsets":[0,2]}})", 2, "'a': unsupported dtype 'F8_E4M3'");
+  refuses(R"({"a":{"dtype":7,"shape":[2],"data_offsets":[0,8]}})", 8, "'a': dtype is not a string");
+  refuses(R"({"a":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", 8, "'a': shape [-2] is not a list of non-negative");
+  refuses(R"({"a":{"dtype":"F32","shape":[2.0],"data_offsets":[0,8]}})", 8, "non-negative integers");
+  refuses(R"({"a":{"dtype":"F32","shape":"2","data_offsets":[0,8]}})", 8, "'a': shape is not a list");
+  refuses(R"({"a":{"dtype":"F32","data_offsets":[0,8]}})", 8, "'a': missing shape");
+  refuses(R"({"a":{"dtype":"F32","shape":[2]}})", 8, "'a': missing data_offsets");
+  refuses(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0]}})", 8, "is not [begin, end]");
+  refuses(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8],"extra":1}})", 8, "'a': unknown field 'extra'");
+  refuses(R"({"a":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,8]}})", 8, "64 bits");
+  refuses(R"({"a":{"dtype":"I64","shape":[1152921504606846976,2],"data_offsets":[0,8]}})", 8, "64 bits");
+  // Offsets: out of range, reversed, wrong size, overlapping, leaving a hole or a tail.
+  refuses(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 4, "'a': data_offsets [0, 8] do not lie within");
+  refuses(R"({"a":{"dtype":"F32","shape":[0],"data_offsets":[8,0]}})", 8, "do not lie within");
+  refuses(R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", 8, "'a': data_offsets [0, 8] hold 8 bytes but F32 [3] needs 12");
+  refuses(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
+          12, "'b' bytes [4, 12) overlap tensor 'a'");
+  refuses(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[12,20]}})",
+          20, "hole before tensor 'b'");
+  refuses(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})", 12, "hole before tensor 'a'");
+  refuses(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 12, "last 4 bytes of the data section belong to no tensor");
+  refuses(R"({"__metadata__":{"k":1}})", 0, "'k' is not a string");
+  refuses(R"({"__metadata__":[1]})", 0, "__metadata__ is not an object");
+
+  // Out-of-order offsets are fine as long as the bytes are covered exactly; so is an empty file body.
+  write_raw_safetensors(p, R"({"b":{"dtype":"F32","shape":[2],"data_offsets":[8,16]},"a":{"dtype":"I32","shape":[2],"data_offsets":[0,8]}})", 16);
+  CHECK(load_safetensors(p).order == std::vector<std::string>{"b", "a"});
+  write_raw_safetensors(p, "{}", 0);
+  CHECK(load_safetensors(p).tensors.empty());
+}
+
+// ---- token shards ----
+
+TEST_CASE("token shards round-trip and refuse a bad magic, version or length, naming the file", "[io]") {
+  TempDir d;
+  const std::string p = d / "s_train_000.bin";
+  const std::vector<uint16_t> tokens = {50256, 0, 1, 65535, 42};
+  write_token_shard(p, tokens);
+  CHECK(fs::file_size(p) == 1024 + 2 * tokens.size());
+  CHECK(token_shard_size(p) == 5);
+  CHECK(read_token_shard(p) == tokens);
+
+  const std::string good = read_bytes(p);
+  auto corrupt = [&](size_t at, int32_t value) {
+    std::string b = good;
+    std::memcpy(b.data() + at, &value, 4);
+    return b;
+  };
+  const std::string q = d / "bad.bin";
+  write_bytes(q, corrupt(0, 12345));
+  REQUIRE_THROWS_WITH(read_token_shard(q), Contains(q) && Contains("magic number 12345"));
+  write_bytes(q, corrupt(4, 2));
+  REQUIRE_THROWS_WITH(read_token_shard(q), Contains(q) && Contains("version 2"));
+  write_bytes(q, corrupt(8, 6));
+  REQUIRE_THROWS_WITH(read_token_shard(q), Contains(q) && Contains("says 6 tokens"));
+  write_bytes(q, good + "x");
+  REQUIRE_THROWS_WITH(token_shard_size(q), Contains(q) && Contains("1035 bytes"));
+  write_bytes(q, good.substr(0, 100));
+  REQUIRE_THROWS_WITH(token_shard_size(q), Contains(q) && Contains("shorter than the 1024-byte header"));
+}
+
+TEST_CASE("shard globs sort by name and split by the llm.c val convention", "[io]") {
+  TempDir d;
+  for (const char* n : {"fw_train_000002.bin", "fw_val_000000.bin", "fw_train_000001.bin"})
+    write_token_shard(d / n, range_u16(0, 10));
+  const auto files = expand_glob(d / "fw_*.bin");
+  REQUIRE(files.size() == 3);
+  CHECK(files[0] == d / "fw_train_000001.bin");
+  CHECK(files[2] == d / "fw_val_000000.bin");
+  REQUIRE_THROWS_WITH(expand_glob(d / "nope_*.bin"), Contains("nope_*.bin") && Contains("no files match"));
+  REQUIRE_THROWS_WITH(expand_glob(d / "plain.bin"), Contains("plain.bin") && Contains("no such file"));
+
+  ShardSplit named = split_token_shards(files, 0.1);
+  REQUIRE(named.train.size() == 2);
+  REQUIRE(named.val.size() == 1);
+  CHECK(named.val[0].path == d / "fw_val_000000.bin");
+
+  ShardSplit held = split_token_shards({files[0], files[1]}, 0.1);  // train only: the last is held out
+  REQUIRE(held.train.size() == 1);
+  CHECK(held.train[0].path == files[0]);
+  CHECK(held.val[0].path == files[1]);
+
+  ShardSplit single = split_token_shards({files[0]}, 0.3);  // one file: its tail
+  CHECK(single.train[0].first == 0);
+  CHECK(single.train[0].count == 7);
+  CHECK(single.val[0].first == 7);
+  CHECK(single.val[0].count == 3);
+}
+
+// ---- file datasets ----
+
+TEST_CASE("shard dataset: batch k is the k-th window of B*T+1 tokens across shards, then wraps", "[io]") {
+  TempDir d;
+  write_token_shard(d / "t_train_0.bin", range_u16(0, 100));
+  write_token_shard(d / "t_train_1.bin", range_u16(100, 200));
+  write_token_shard(d / "t_val_0.bin", range_u16(1000, 1050));
+  DataOptions o;
+  o.spec = d / "t_*.bin";
+  auto ds = open_dataset(o);
+  CHECK(ds->vocab_size() == 50257);
+  const int64_t B = 2, T = 8;
+  for (int64_t k = 0; k < 12; ++k) {  // 16k + 17 <= 200 for k <= 11; batch 6 straddles the shards
+    INFO("batch " << k);
+    CHECK(ds->position() == 16 * k);
+    Batch b = ds->next(B, T);
+    REQUIRE(b.inputs.shape() == Shape{2, 8});
+    CHECK(b.inputs.dtype() == DType::i64);
+    for (int64_t r = 0; r < B; ++r) {
+      CHECK(row(b.inputs, r) == range(16 * k + 8 * r, 16 * k + 8 * r + 8));
+      CHECK(row(b.targets, r) == range(16 * k + 8 * r + 1, 16 * k + 8 * r + 9));
+    }
+  }
+  Batch wrapped = ds->next(B, T);  // 192 + 17 > 200: back to the start
+  CHECK(row(wrapped.inputs, 0) == range(0, 8));
+  CHECK(ds->position() == 16);
+
+  o.split = Split::val;
+  auto val = open_dataset(o);
+  CHECK(row(val->next(B, T).inputs, 0) == range(1000, 1008));
+  REQUIRE_THROWS_WITH(val->next(4, 16), Contains(o.spec) && Contains("50 tokens") && Contains("B*T+1 = 65"));
+
+  write_token_shard(d / "big.bin", {1, 2, 60000, 4});
+  o.spec = d / "big.bin";
+  o.split = Split::train;
+  o.val_fraction = 0;
+  REQUIRE_THROWS_WITH(open_dataset(o)->next(1, 3), Contains("big.bin") && Contains("token 60000"));
+}
+
+TEST_CASE("file datasets resume exactly from position()", "[io]") {
+  TempDir d;
+  write_token_shard(d / "a.bin", range_u16(0, 500));
+  for (bool shuffle : {false, true}) {
+    INFO("shuffle " << shuffle);
+    DataOptions o;
+    o.spec = d / "a.bin";
+    o.shuffle = shuffle;
+    o.seed = 7;
+    auto first = open_dataset(o);
+    for (int i = 0; i < 3; ++i) first->next(3, 10);
+    const int64_t p = first->position();
+    std::vector<Batch> rest;
+    for (int i = 0; i < 4; ++i) rest.push_back(first->next(3, 10));
+    auto second = open_dataset(o);
+    second->set_position(p);
+    for (int i = 0; i < 4; ++i) CHECK(same_batch(second->next(3, 10), rest[size_t(i)]));
+  }
+}
+
+TEST_CASE("shuffled rows are seeded windows: the same for a seed, different across seeds and splits", "[io]") {
+  TempDir d;
+  write_token_shard(d / "a.bin", range_u16(0, 2000));
+  DataOptions o;
+  o.spec = d / "a.bin";
+  o.shuffle = true;
+  o.seed = 3;
+  auto a = open_dataset(o), b = open_dataset(o);
+  o.seed = 4;
+  auto c = open_dataset(o);
+  Batch ba = a->next(4, 16), bb = b->next(4, 16), bc = c->next(4, 16);
+  CHECK(same_batch(ba, bb));
+  CHECK_FALSE(same_batch(ba, bc));
+  CHECK(a->position() == 1);
+  std::set<int64_t> starts;
+  for (int64_t r = 0; r < 4; ++r) {
+    auto in = row(ba.inputs, r), tg = row(ba.targets, r);
+    starts.insert(in[0]);
+    CHECK(in == range(in[0], in[0] + 16));  // a contiguous window of the stream
+    CHECK(tg == range(in[0] + 1, in[0] + 17));
+    CHECK(in[0] + 16 < 1800);  // within the train split (the last 10% is val)
+  }
+  CHECK(starts.size() > 1);
+  o.split = Split::val;
+  Batch v = open_dataset(o)->next(2, 16);
+  for (int64_t r = 0; r < 2; ++r) CHECK(row(v.inputs, r)[0] >= 1800);
+}
+
+TEST_CASE("text dataset: bytes with vocab 256, the last val_fraction held out", "[io]") {
+  TempDir d;
+  const std::string p = d / "input.txt";
+  std::string text;
+  for (int i = 0; i < 1000; ++i) text.push_back(char('a' + i % 26));
+  text[950] = char(0xE9);  // a byte above 127 stays itself
+  write_bytes(p, text);
+  DataOptions o;
+  o.spec = p;
+  auto train = open_dataset(o);
+  CHECK(train->vocab_size() == 256);
+  CHECK_THAT(train->describe(), Contains(p) && Contains("900 tokens"));
+  Batch b = train->next(2, 5);
+  CHECK(row(b.inputs, 1) == std::vector<int64_t>{'f', 'g', 'h', 'i', 'j'});
+  CHECK(row(b.targets, 1) == std::vector<int64_t>{'g', 'h', 'i', 'j', 'k'});
+
+  o.split = Split::val;
+  auto val = open_dataset(o);
+  Batch v = val->next(10, 9);  // 91 of the 100 held-out bytes
+  std::vector<int64_t> want;
+  for (int i = 900; i < 909; ++i) want.push_back(int64_t(uint8_t(text[size_t(i)])));
+  CHECK(row(v.inputs, 0) == want);
+  CHECK(to_vector<int64_t>(v.inputs)[50] == 0xE9);
+  REQUIRE_THROWS_WITH(val->next(10, 10), Contains(p) && Contains("100 tokens") && Contains("B*T+1 = 101"));
+
+  CHECK(train->encode("hé\n") == std::vector<int64_t>{'h', 0xC3, 0xA9, '\n'});
+  CHECK(train->decode(train->encode("hé\n")) == "hé\n");
+
+  o.spec = d / "missing.txt";
+  REQUIRE_THROWS_WITH(open_dataset(o), Contains(o.spec));
+  write_bytes(d / "empty.txt", "");
+  o.spec = d / "empty.txt";
+  REQUIRE_THROWS_WITH(open_dataset(o), Contains(o.spec) && Contains("empty"));
+}
+
+// ---- the synthetic task ----
+
+TEST_CASE("synthetic task: token format, encode/decode and the spec", "[io]") {
+  SyntheticTask task;
+  CHECK(task.vocab_size() == 13);
+  CHECK(task.problem_length() == 13);
+  CHECK(task.decode(task.tokens({123, 45})) == "123+045=8610\n");
+  CHECK(task.decode(task.tokens({999, 999})) == "999+999=8991\n");
+  CHECK(task.encode("123+045=8610\n") == task.tokens({123, 45}));
+  CHECK(task.decode(task.encode("0+9=\n")) == "0+9=\n");
+  REQUIRE_THROWS_WITH(task.encode("1-2"), Contains("'-'"));
+  CHECK(parse_synthetic_spec("synthetic:2").digits == 2);
+  REQUIRE_THROWS_WITH(parse_synthetic_spec("synthetic:x"), Contains("synthetic:x"));
+  REQUIRE_THROWS_WITH(parse_synthetic_spec("synthetic:19"), Contains("19 digits"));
+  // Even one-digit problems leave both splits non-empty.
+  SyntheticTask one{1};
+  CHECK(one.held_out(one.problem(Split::val, 0, 0)));
+  CHECK_FALSE(one.held_out(one.problem(Split::train, 0, 0)));
+}
+
+TEST_CASE("synthetic batches: deterministic per seed, split-disjoint, targets only on answers", "[io]") {
+  DataOptions o;  // spec "synthetic"
+  o.seed = 11;
+  auto a = open_dataset(o), b = open_dataset(o);
+  o.seed = 12;
+  auto c = open_dataset(o);
+  o.seed = 11;
+  o.split = Split::val;
+  auto v = open_dataset(o);
+  auto* task_ds = dynamic_cast<SyntheticDataset*>(a.get());
+  REQUIRE(task_ds != nullptr);
+  const SyntheticTask& task = task_ds->task();
+  const int64_t B = 4, T = 40, L = task.problem_length(), P = task.prompt_length();
+
+  Batch ba = a->next(B, T);
+  CHECK(same_batch(ba, b->next(B, T)));
+  CHECK_FALSE(same_batch(ba, c->next(B, T)));
+  Batch bv = v->next(B, T);
+  CHECK_FALSE(same_batch(ba, bv));
+
+  for (const auto& [batch, split] : {std::pair{ba, Split::train}, std::pair{bv, Split::val}}) {
+    for (int64_t r = 0; r < B; ++r) {
+      auto in = row(batch.inputs, r), tg = row(batch.targets, r);
+      for (int64_t t = 0; t < T; ++t) {
+        const bool answer = (t + 1) % L >= P;
+        CHECK((tg[size_t(t)] != -1) == answer);
+        if (answer && t + 1 < T) CHECK(tg[size_t(t)] == in[size_t(t + 1)]);
+      }
+      for (int64_t s = 0; s + L <= T; s += L) {  // every whole problem is a correct sum in its split
+        std::vector<int64_t> prob(in.begin() + s, in.begin() + s + L);
+        const std::string text = task.decode(prob);
+        SyntheticTask::Problem p{std::stoull(text.substr(0, 3)), std::stoull(text.substr(4, 3))};
+        CHECK(task.tokens(p) == prob);
+        CHECK(task.held_out(p) == (split == Split::val));
+      }
+    }
+  }
+  // Resume: the position is the number of batches drawn.
+  CHECK(a->position() == 1);
+  Batch second = a->next(B, T);
+  b->set_position(1);
+  CHECK(same_batch(b->next(B, T), second));
+  REQUIRE_THROWS_WITH(a->next(B, 12), Contains("T=12") && Contains("13 tokens"));
+}
+
+TEST_CASE("synthetic accuracy: 1 for an oracle, 0 for a constant model", "[io]") {
+  SyntheticTask task;
+  const int64_t Vp = 16;  // padded vocabulary: the extra columns must never win
+  int calls = 0;
+  LogitsFn oracle = [&](const Tensor& idx) {
+    ++calls;
+    const int64_t B = idx.size(0), len = idx.size(1);
+    std::vector<int64_t> ids = to_vector<int64_t>(idx);
+    std::vector<float> logits(size_t(B * len * Vp), 0.0f);
+    for (int64_t i = 0; i < B; ++i) {
+      std::vector<int64_t> seq(ids.begin() + i * len, ids.begin() + (i + 1) * len);
+      const std::string s = task.decode(seq);
+      SyntheticTask::Problem p{std::stoull(s.substr(0, 3)), std::stoull(s.substr(4, 3))};
+      const int64_t next = task.answer(p)[size_t(len - task.prompt_length())];
+      float* last = logits.data() + (i * len + len - 1) * Vp;
+      last[next] = 5.0f;
+      last[14] = 9.0f;  // padding column
+    }
+    return from_vector(logits, {B, len, Vp});
+  };
+  CHECK(synthetic_accuracy(task, oracle, 100, 64, 5) == 1.0);
+  CHECK(calls == 2 * task.answer_length());  // 100 problems in two batched calls per answer token
+
+  LogitsFn constant = [&](const Tensor& idx) { return zeros({idx.size(0), idx.size(1), Vp}); };
+  CHECK(synthetic_accuracy(task, constant, 20, 64, 5) == 0.0);
+
+  auto lines = synthetic_examples(task, oracle, 3, 64, 5);
+  REQUIRE(lines.size() == 3);
+  CHECK_THAT(lines[0], Contains("=") && Contains("  ok"));
+  CHECK_THAT(synthetic_examples(task, constant, 1, 64, 5)[0], Contains("=00000  want 8"));
+
+  REQUIRE_THROWS_WITH(synthetic_accuracy(task, oracle, 10, 11, 5), Contains("12 tokens"));
+  LogitsFn narrow_vocab = [&](const Tensor& idx) { return zeros({idx.size(0), idx.size(1), 5}); };
+  REQUIRE_THROWS_WITH(synthetic_accuracy(task, narrow_vocab, 1, 64, 5), Contains("V >= 13"));
+}
