@@ -1,6 +1,7 @@
 #include "models/module.h"
 
 #include "autograd/ops.h"
+#include "autograd/tape.h"
 
 namespace sg::nn {
 
@@ -68,5 +69,48 @@ LayerNorm::LayerNorm(int64_t dim, double eps_, DType dtype, Device device) : eps
   fill_(weight, 1.0);
 }
 Tensor LayerNorm::forward(const Tensor& x) const { return layernorm(x, weight, bias, eps); }
+
+}  // namespace sg::nn
+
+namespace sg::nn {
+
+BatchNorm::BatchNorm(int64_t channels, double eps_, double momentum_, DType dtype, Device device)
+    : eps(eps_), momentum(momentum_) {
+  weight = register_parameter("weight", {channels}, dtype, device);
+  bias = register_parameter("bias", {channels}, dtype, device);
+  fill_(weight, 1.0);
+  running_mean = register_buffer("running_mean", zeros({channels}, dtype, device));
+  running_var = register_buffer("running_var", ones({channels}, dtype, device));
+}
+
+Tensor BatchNorm::as_rows(const Tensor& x) {
+  SG_CHECK(x.dim() == 2 || x.dim() == 3, "BatchNorm: expected [N, C] or [N, C, L], got ", shape_str(x.shape()));
+  if (x.dim() == 2) return x;
+  return reshape(transpose(x, 1, 2), {-1, x.size(1)});  // [N*L, C]
+}
+
+Tensor BatchNorm::forward(const Tensor& x) {
+  const int64_t C = weight.size(0);
+  SG_CHECK(x.size(1) == C, "BatchNorm: input has ", x.size(1), " channels, the layer ", C);
+  Tensor rows = as_rows(x);
+  Tensor mean, var;
+  if (training) {
+    Tensor sx = sum(rows, {0}), sx2 = sum(square(rows), {0});
+    double n = double(rows.size(0));
+    reduce_statistics(sx, sx2, n);
+    SG_CHECK(n > 1, "BatchNorm: training needs more than one value per channel, got ", n);
+    mean = mul(sx, 1.0 / n);
+    var = sub(mul(sx2, 1.0 / n), square(mean));  // biased, as used for normalising
+    autograd::NoGradGuard ng;
+    copy_(running_mean, add(mul(running_mean, 1 - momentum), mul(mean, momentum)));
+    copy_(running_var, add(mul(running_var, 1 - momentum), mul(var, momentum * n / (n - 1))));
+  } else {
+    mean = running_mean;
+    var = running_var;
+  }
+  Tensor y = add(mul(mul(sub(rows, mean), pow(add(var, eps), -0.5)), weight), bias);
+  if (x.dim() == 2) return y;
+  return transpose(reshape(y, {x.size(0), x.size(2), C}), 1, 2);
+}
 
 }  // namespace sg::nn

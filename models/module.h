@@ -69,3 +69,27 @@ class LayerNorm : public Module {
 };
 
 }  // namespace sg::nn
+
+namespace sg::nn {
+
+// BatchNorm over the batch of x [N, C] (or [N, C, L], statistics over N and L) with affine weight
+// and bias and running statistics (momentum 0.1, unbiased running variance, as PyTorch).
+class BatchNorm : public Module {
+ public:
+  explicit BatchNorm(int64_t channels, double eps = 1e-5, double momentum = 0.1, DType dtype = DType::f32,
+                     Device device = Device::cpu());
+  Tensor forward(const Tensor& x);
+  const char* type_name() const override { return "BatchNorm"; }
+  Tensor weight, bias, running_mean, running_var;
+  double eps, momentum;
+  bool training = true;
+
+ protected:
+  // The batch statistics' sums over the batch: [C] sums of x and of x^2 plus the element count.
+  // SyncBatchNorm reduces these over its group; here they stay local.
+  virtual void reduce_statistics(Tensor& sum_x, Tensor& sum_x2, double& count) {}
+  // x as [rows, C]: the layout statistics are taken over.
+  static Tensor as_rows(const Tensor& x);
+};
+
+}  // namespace sg::nn
