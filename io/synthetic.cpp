@@ -1,7 +1,6 @@
 #include "io/synthetic.h"
 
 #include <algorithm>
-#include <cstdlib>
 
 #include "autograd/ops.h"
 #include "autograd/tape.h"
@@ -108,9 +107,8 @@ std::vector<int64_t> SyntheticTask::answer(const Problem& p) const {
 
 std::vector<int64_t> SyntheticTask::tokens(const Problem& p) const {
   std::vector<int64_t> out;
-  auto operand = [&](uint64_t x) {
-    if (getenv("SG_REV")) { for (int64_t i = 0; i < digits; ++i, x /= 10) out.push_back(int64_t(x % 10)); return; }
-    for (uint64_t div = pow10(digits - 1); div > 0; div /= 10) out.push_back(int64_t(x / div % 10));
+  auto operand = [&](uint64_t x) {  // least significant digit first, zero-padded to D digits
+    for (int64_t i = 0; i < digits; ++i, x /= 10) out.push_back(int64_t(x % 10));
   };
   operand(p.a);
   out.push_back(kPlus);

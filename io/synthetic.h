@@ -1,15 +1,17 @@
 // The built-in task: multi-digit addition, small enough that a tiny GPT learns it in minutes on a CPU.
 //
-// Tokens: 0-9 are the digits, 10 '+', 11 '=', 12 '\n' (vocabulary 13). A problem with D-digit
-// operands (default 3) is written  a + b = reversed(sum) \n  with both operands zero-padded to D
-// digits and the sum zero-padded to D+1 digits, least-significant digit first, so each answer digit
-// depends only on digits already seen and the carry:  123+045=8610\n  (123 + 45 = 168).
-// A problem is 3D+4 tokens: a prompt of 2D+2 ("123+045=") and an answer of D+2 ("8610\n").
+// Tokens: 0-9 are the digits, 10 '+', 11 '=', 12 '\n' (vocabulary 13). Every number is written
+// least-significant digit first, operands zero-padded to D digits (default 3) and the sum to D+1:
+// 123 + 45 = 168 is  321+540=8610\n . Answer digit i then depends on operand digits i, which sit at
+// the same distance behind it in every problem, and on the carry from digit i-1, already written.
+// (With the operands most-significant first, the tiny preset learned packed rows several times
+// slower.) A problem is 3D+4 tokens: a prompt of 2D+2 ("321+540=") and an answer of D+2 ("8610\n").
 //
 // Rows: each row of T tokens starts at a problem boundary and is filled with consecutive problems
 // (the last one cut off by the row's end). Targets are the next token at the D+2 positions that
 // predict the answer digits and the newline ('=' and the answer digits), -1 everywhere else: the
-// operands are random and never worth predicting.
+// operands are random and never worth predicting. The evaluator puts every prompt at position 0, so
+// rows of exactly 3D+4 tokens (--seq-len 13 for D = 3) train only what it asks and learn fastest.
 //
 // Splits: the unordered operand pair {a, b} is held out for val when a fixed hash of it is 0 mod 10,
 // so val problems (and their commuted twins) never occur in train. Problem n of a split is a pure
@@ -81,7 +83,7 @@ using LogitsFn = std::function<Tensor(const Tensor& idx_BT)>;
 double synthetic_accuracy(const SyntheticTask& task, const LogitsFn& logits_fn, int64_t num_problems, int64_t T,
                           uint64_t seed);
 
-// The same decoding for a few problems, one line each: "123+045=8610  ok" or "123+045=8600  want 8610".
+// The same decoding for a few problems, one line each: "321+540=8610  ok" or "321+540=8600  want 8610".
 std::vector<std::string> synthetic_examples(const SyntheticTask& task, const LogitsFn& logits_fn, int64_t num_problems,
                                             int64_t T, uint64_t seed);
 

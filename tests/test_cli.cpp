@@ -19,12 +19,13 @@ struct Run {
   std::string output;
 };
 
-// Runs the CLI with arguments, capturing stdout and stderr.
-Run shardgrad(const std::string& args) {
+// Runs a shell command line, capturing stdout and stderr, and times it.
+Run run_command(const std::string& cmdline, double* seconds = nullptr) {
   static int n = 0;
   fs::path out = fs::temp_directory_path() / ("sg_cli_" + std::to_string(::getpid()) + "_" + std::to_string(n++) + ".txt");
-  std::string cmd = std::string(SG_BINARY) + " " + args + " > " + out.string() + " 2>&1";
-  int status = std::system(cmd.c_str());
+  auto t0 = std::chrono::steady_clock::now();
+  int status = std::system((cmdline + " > " + out.string() + " 2>&1").c_str());
+  if (seconds) *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   Run r;
   r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   std::ifstream f(out);
@@ -34,6 +35,8 @@ Run shardgrad(const std::string& args) {
   fs::remove(out);
   return r;
 }
+
+Run shardgrad(const std::string& args) { return run_command(std::string(SG_BINARY) + " " + args); }
 
 std::vector<nlohmann::json> read_log(const fs::path& p) {
   std::vector<nlohmann::json> v;
@@ -127,22 +130,6 @@ std::string mpirun(int np) {
   return std::string(SG_MPIEXEC) + " --oversubscribe --allow-run-as-root --bind-to none -x OMP_NUM_THREADS=1 -np " +
          std::to_string(np) + " " + SG_BINARY;
 }
-// Runs a multi-rank command line (already holding the binary) and times it.
-Run timed(const std::string& cmdline, double& seconds) {
-  static int n = 0;
-  fs::path out = fs::temp_directory_path() / ("sg_mpi_" + std::to_string(::getpid()) + "_" + std::to_string(n++) + ".txt");
-  auto t0 = std::chrono::steady_clock::now();
-  int status = std::system((cmdline + " > " + out.string() + " 2>&1").c_str());
-  seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  Run r;
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  std::ifstream f(out);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  r.output = ss.str();
-  fs::remove(out);
-  return r;
-}
 }  // namespace
 
 TEST_CASE("ddp through the CLI on 2 ranks gives the single-process losses", "[cli][mpi]") {
@@ -151,7 +138,7 @@ TEST_CASE("ddp through the CLI on 2 ranks gives the single-process losses", "[cl
   Run one = shardgrad(args + (d.path / "one.jsonl").string());
   REQUIRE(one.code == 0);
   double secs = 0;
-  Run two = timed(mpirun(2) + args + (d.path / "two.jsonl").string() + " --strategy ddp --bucket-mb 0.01", secs);
+  Run two = run_command(mpirun(2) + args + (d.path / "two.jsonl").string() + " --strategy ddp --bucket-mb 0.01", &secs);
   INFO(two.output);
   REQUIRE(two.code == 0);
   auto a = read_log(d.path / "one.jsonl"), b = read_log(d.path / "two.jsonl");
@@ -168,7 +155,7 @@ TEST_CASE("a failing rank ends the whole job within --comm-timeout, naming the r
   for (const char* kind : {"throw", "exit", "kill", "hang"}) {
     INFO(kind);
     double secs = 0;
-    Run r = timed(mpirun(2) + " train " + kSmall + " --steps 50 --strategy ddp --comm-timeout 10 --inject-fault rank=1,step=3,kind=" + kind, secs);
+    Run r = run_command(mpirun(2) + " train " + kSmall + " --steps 50 --strategy ddp --comm-timeout 10 --inject-fault rank=1,step=3,kind=" + kind, &secs);
     INFO(r.output);
     REQUIRE(r.code != 0);
     REQUIRE(secs < 40);  // 10 s timeout plus start-up and teardown on a loaded 2-core machine

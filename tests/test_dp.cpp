@@ -6,6 +6,7 @@
 #include "autograd/ops.h"
 #include "autograd/tape.h"
 #include "models/gpt.h"
+#include "tests/support.h"
 #include "optim/optim.h"
 #include "parallel/dp.h"
 
@@ -13,15 +14,7 @@ using namespace sg;
 
 namespace {
 
-nn::GPTConfig tiny() {
-  nn::GPTConfig c;
-  c.n_layer = 2;
-  c.n_head = 2;
-  c.n_embd = 16;
-  c.block_size = 8;
-  c.vocab_size = 23;
-  return c;
-}
+nn::GPTConfig tiny() { return testing::tiny_gpt(); }
 
 void batch(int64_t step, Tensor& idx, Tensor& tgt) {
   std::vector<int64_t> x, y;

@@ -79,6 +79,9 @@ std::vector<uint16_t> range_u16(int lo, int hi) {
   return v;
 }
 
+// "321" -> 123: the task writes numbers least-significant digit first.
+uint64_t lsb_first(const std::string& digits) { return std::stoull(std::string(digits.rbegin(), digits.rend())); }
+
 bool same_batch(const Batch& a, const Batch& b) {
   return to_vector<int64_t>(a.inputs) == to_vector<int64_t>(b.inputs) &&
          to_vector<int64_t>(a.targets) == to_vector<int64_t>(b.targets);
@@ -403,9 +406,9 @@ TEST_CASE("synthetic task: token format, encode/decode and the spec", "[io]") {
   SyntheticTask task;
   CHECK(task.vocab_size() == 13);
   CHECK(task.problem_length() == 13);
-  CHECK(task.decode(task.tokens({123, 45})) == "123+045=8610\n");
+  CHECK(task.decode(task.tokens({123, 45})) == "321+540=8610\n");
   CHECK(task.decode(task.tokens({999, 999})) == "999+999=8991\n");
-  CHECK(task.encode("123+045=8610\n") == task.tokens({123, 45}));
+  CHECK(task.encode("321+540=8610\n") == task.tokens({123, 45}));
   CHECK(task.decode(task.encode("0+9=\n")) == "0+9=\n");
   REQUIRE_THROWS_WITH(task.encode("1-2"), Contains("'-'"));
   CHECK(parse_synthetic_spec("synthetic:2").digits == 2);
@@ -448,7 +451,7 @@ TEST_CASE("synthetic batches: deterministic per seed, split-disjoint, targets on
       for (int64_t s = 0; s + L <= T; s += L) {  // every whole problem is a correct sum in its split
         std::vector<int64_t> prob(in.begin() + s, in.begin() + s + L);
         const std::string text = task.decode(prob);
-        SyntheticTask::Problem p{std::stoull(text.substr(0, 3)), std::stoull(text.substr(4, 3))};
+        SyntheticTask::Problem p{lsb_first(text.substr(0, 3)), lsb_first(text.substr(4, 3))};
         CHECK(task.tokens(p) == prob);
         CHECK(task.held_out(p) == (split == Split::val));
       }
@@ -474,7 +477,7 @@ TEST_CASE("synthetic accuracy: 1 for an oracle, 0 for a constant model", "[io]")
     for (int64_t i = 0; i < B; ++i) {
       std::vector<int64_t> seq(ids.begin() + i * len, ids.begin() + (i + 1) * len);
       const std::string s = task.decode(seq);
-      SyntheticTask::Problem p{std::stoull(s.substr(0, 3)), std::stoull(s.substr(4, 3))};
+      SyntheticTask::Problem p{lsb_first(s.substr(0, 3)), lsb_first(s.substr(4, 3))};
       const int64_t next = task.answer(p)[size_t(len - task.prompt_length())];
       float* last = logits.data() + (i * len + len - 1) * Vp;
       last[next] = 5.0f;
