@@ -39,12 +39,12 @@ void declare_flags(Args& a) {
   a.flag("n-embd", "0", "override the preset's width");
   a.flag("block-size", "0", "override the preset's longest sequence (rows of wpe)");
   a.flag("vocab-size", "0", "vocabulary (0 = the data's own: 256 bytes, 50257 GPT-2 tokens, the task's)");
-  a.flag("seq-len", "0", "tokens per training row T (0 = the model's block size)");
+  a.flag("seq-len", "0", "tokens per training row T (0 = the model's block size; synthetic task: one problem per row)");
   a.flag("dropout", "0", "dropout probability");
   a.flag("recompute", "none", "activation recompute: none, selective (attention core) or full (whole blocks)");
   a.flag("data", "synthetic", "synthetic | FILE.txt (bytes) | 'GLOB.bin' (llm.c token shards)");
   a.toggle("shuffle", "draw rows at seeded random positions instead of reading sequentially");
-  a.flag("batch-size", "32", "global batch: sequences per optimizer step");
+  a.flag("batch-size", "0", "global batch: sequences per optimizer step (0 = 32; 128 one-problem rows on the synthetic task)");
   a.flag("micro-batch-size", "0", "sequences per forward/backward (0 = the whole batch); must divide --batch-size");
   a.flag("steps", "1000", "optimizer steps");
   a.flag("lr", "1e-2", "peak learning rate");
@@ -191,8 +191,9 @@ void Trainer::setup() {
   dtype_ = parse_dtype(a.str("dtype"));
   SG_CHECK(dtype_ == DType::f32 || dtype_ == DType::bf16 || dtype_ == DType::f16, "train: --dtype must be fp32, bf16 or fp16");
   seed_ = uint64_t(a.i64("seed"));
-  B_ = positive(a, "batch-size");
-  micro_ = a.i64("micro-batch-size") ? positive(a, "micro-batch-size") : B_;
+  const bool synthetic = a.str("data").rfind("synthetic", 0) == 0;
+  B_ = a.i64("batch-size") ? positive(a, "batch-size") : (synthetic ? 128 : 32);
+  micro_ = a.i64("micro-batch-size") ? positive(a, "micro-batch-size") : B_ / std::max(1, world_size_);
   SG_CHECK(B_ % world_size_ == 0, "train: --batch-size ", B_, " is not divisible by ", world_size_,
            " data-parallel ranks");
   SG_CHECK((B_ / world_size_) % micro_ == 0, "train: --micro-batch-size ", micro_, " does not divide ",
@@ -234,6 +235,9 @@ void Trainer::setup() {
   SG_CHECK(cfg_.vocab_size >= train_->vocab_size(), "train: the model's vocabulary ", cfg_.vocab_size,
            " is smaller than the data's ", train_->vocab_size());
   T_ = a.i64("seq-len") ? positive(a, "seq-len") : cfg_.block_size;
+  // The task is evaluated with each prompt at position 0: rows of exactly one problem train that.
+  if (auto* task = dynamic_cast<const io::SyntheticDataset*>(train_.get()); task && !a.i64("seq-len"))
+    T_ = std::min(cfg_.block_size, task->task().problem_length());
   SG_CHECK(T_ <= cfg_.block_size, "train: --seq-len ", T_, " exceeds the model's block size ", cfg_.block_size);
 
   model_ = std::make_unique<nn::GPT>(cfg_, dtype_, device_);
@@ -387,6 +391,7 @@ json Trainer::evaluate() {
   if (auto* task = dynamic_cast<const io::SyntheticDataset*>(val_.get())) {
     auto logits_fn = [this](const Tensor& idx) { return to(model_->forward(to(idx, device_)), Device::cpu()); };
     out["accuracy"] = io::synthetic_accuracy(task->task(), logits_fn, args_.i64("eval-problems"), cfg_.block_size, seed_ + 1);
+    out["examples"] = io::synthetic_examples(task->task(), logits_fn, 4, cfg_.block_size, seed_ + 2);
   }
   return out;
 }
@@ -454,6 +459,8 @@ int Trainer::run() {
       std::printf("eval  step %lld | val loss %.4f", (long long)step + 1, ev["val_loss"].get<double>());
       if (ev.contains("accuracy")) std::printf(" | task accuracy %.1f%%", 100.0 * ev["accuracy"].get<double>());
       std::printf("\n");
+      if (last && ev.contains("examples"))
+        for (const auto& line : ev["examples"]) std::printf("  %s\n", line.get<std::string>().c_str());
       std::fflush(stdout);
       rec["eval"] = ev;
     }

@@ -83,14 +83,14 @@ class FileDataset : public Dataset {
   }
 
   std::vector<int64_t> encode(const std::string& text) const override {
-    SG_CHECK(vocab_ == 256, "data ", spec_, ": GPT-2 token shards have no tokenizer in shardgrad (encode the prompt elsewhere)");
+    SG_CHECK(vocab_ == 256, "data ", spec_, ": GPT-2 token shards have no tokenizer in shardgrad (encode elsewhere)");
     std::vector<int64_t> out;
     for (unsigned char c : text) out.push_back(c);
     return out;
   }
 
   std::string decode(const std::vector<int64_t>& tokens) const override {
-    SG_CHECK(vocab_ == 256, "data ", spec_, ": GPT-2 token shards have no tokenizer in shardgrad (decode the tokens elsewhere)");
+    SG_CHECK(vocab_ == 256, "data ", spec_, ": GPT-2 token shards have no tokenizer in shardgrad (decode elsewhere)");
     std::string out;
     for (int64_t t : tokens) out.push_back(t >= 0 && t < 256 ? char(t) : '?');
     return out;
@@ -109,8 +109,10 @@ class FileDataset : public Dataset {
       raw.resize(size_t(take * r.elem_bytes));
       files_[i]->read_at(raw.data(), raw.size(), r.data_offset + (r.first + first) * r.elem_bytes);
       for (int64_t k = 0; k < take; ++k) {
-        int64_t t = r.elem_bytes == 1 ? raw[size_t(k)] : int64_t(raw[size_t(2 * k)]) | int64_t(raw[size_t(2 * k + 1)]) << 8;
-        SG_CHECK(t < vocab_, "data ", r.path, ": token ", t, " at index ", r.first + first + k, " is outside the vocabulary of ", vocab_);
+        const int64_t t = r.elem_bytes == 1 ? int64_t(raw[size_t(k)])
+                                            : int64_t(raw[size_t(2 * k)]) | int64_t(raw[size_t(2 * k + 1)]) << 8;
+        SG_CHECK(t < vocab_, "data ", r.path, ": token ", t, " at index ", r.first + first + k,
+                 " is outside the vocabulary of ", vocab_);
         out[k] = t;
       }
       out += take;
@@ -149,7 +151,8 @@ std::unique_ptr<Dataset> open_dataset(const DataOptions& opt) {
 
   if (is_shard_spec(spec)) {
     ShardSplit s = split_token_shards(expand_glob(spec), opt.val_fraction);
-    return std::make_unique<FileDataset>(spec, "token shards", kGpt2Vocab, opt.split == Split::train ? s.train : s.val, opt);
+    auto& ranges = opt.split == Split::train ? s.train : s.val;
+    return std::make_unique<FileDataset>(spec, "token shards", kGpt2Vocab, ranges, opt);
   }
 
   int64_t bytes = 0;

@@ -28,8 +28,8 @@ class ReadFile {
   int64_t size_ = 0;
 };
 
-// Calls write(fd-writer) on PATH.tmp-<pid> in the same folder, fsyncs it, renames it over path and
-// fsyncs the folder, so a crash leaves either the old file or the new one, never a torn one. The
+// Lets `write` fill PATH.tmp-<pid> (same folder) through a ByteSink, fsyncs it, renames it over path
+// and fsyncs the folder, so a crash leaves either the old file or the new one, never a torn one. The
 // temporary file is removed when anything throws.
 using ByteSink = std::function<void(const void* data, size_t n)>;
 void write_file_atomic(const std::string& path, const std::string& what,

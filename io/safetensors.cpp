@@ -73,7 +73,9 @@ void save_safetensors(const std::string& path, const NamedTensors& tensors,
     SG_CHECK(name != kMetadataKey, "safetensors ", path, ": '", name, "' is reserved and cannot name a tensor");
     SG_CHECK(seen.insert(name).second, "safetensors ", path, ": tensor '", name, "' is listed twice");
     const int64_t nbytes = int64_t(t.nbytes());
-    header[name] = {{"dtype", safetensors_dtype(t.dtype())}, {"shape", t.shape()}, {"data_offsets", {offset, offset + nbytes}}};
+    header[name] = {{"dtype", safetensors_dtype(t.dtype())},
+                    {"shape", t.shape()},
+                    {"data_offsets", {offset, offset + nbytes}}};
     offset += nbytes;
   }
   std::string text = header.dump();

@@ -125,14 +125,20 @@ std::vector<int64_t> SyntheticTask::encode(const std::string& text) const {
     else if (c == '+') out.push_back(kPlus);
     else if (c == '=') out.push_back(kEquals);
     else if (c == '\n') out.push_back(kNewline);
-    else throw Error(str("synthetic: character '", char(c), "' (byte ", int(c), ") is not in the task's vocabulary (0-9 + = newline)"));
+    else throw Error(str("synthetic: character '", char(c), "' (byte ", int(c), ") is not in the vocabulary 0-9 + = \\n"));
   }
   return out;
 }
 
 std::string SyntheticTask::decode(const std::vector<int64_t>& tokens) const {
   std::string out;
-  for (int64_t t : tokens) out.push_back(t >= 0 && t <= 9 ? char('0' + t) : t == kPlus ? '+' : t == kEquals ? '=' : t == kNewline ? '\n' : '?');
+  for (int64_t t : tokens) {
+    out.push_back(t >= 0 && t <= 9 ? char('0' + t)
+                  : t == kPlus     ? '+'
+                  : t == kEquals   ? '='
+                  : t == kNewline  ? '\n'
+                                   : '?');
+  }
   return out;
 }
 
@@ -180,8 +186,8 @@ void SyntheticDataset::set_position(int64_t p) {
 }
 
 std::string SyntheticDataset::describe() const {
-  return str("synthetic addition (", task_.digits, "-digit operands, sum reversed, vocab ", task_.vocab_size(), ", ",
-             split_ == Split::train ? "train" : "val", " split)");
+  return str("synthetic addition (", task_.digits, "-digit operands, digits least-significant first, vocab ",
+             task_.vocab_size(), ", ", split_ == Split::train ? "train" : "val", " split)");
 }
 
 double synthetic_accuracy(const SyntheticTask& task, const LogitsFn& logits_fn, int64_t num_problems, int64_t T,

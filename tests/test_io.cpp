@@ -203,18 +203,22 @@ TEST_CASE("safetensors refuses malformed headers, naming the file and the tensor
   // Offsets: out of range, reversed, wrong size, overlapping, leaving a hole or a tail.
   refuses(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 4, "'a': data_offsets [0, 8] do not lie within");
   refuses(R"({"a":{"dtype":"F32","shape":[0],"data_offsets":[8,0]}})", 8, "do not lie within");
-  refuses(R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", 8, "'a': data_offsets [0, 8] hold 8 bytes but F32 [3] needs 12");
+  refuses(R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", 8,
+          "'a': data_offsets [0, 8] hold 8 bytes but F32 [3] needs 12");
   refuses(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
           12, "'b' bytes [4, 12) overlap tensor 'a'");
   refuses(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[12,20]}})",
           20, "hole before tensor 'b'");
   refuses(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})", 12, "hole before tensor 'a'");
-  refuses(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 12, "last 4 bytes of the data section belong to no tensor");
+  refuses(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 12,
+          "last 4 bytes of the data section belong to no tensor");
   refuses(R"({"__metadata__":{"k":1}})", 0, "'k' is not a string");
   refuses(R"({"__metadata__":[1]})", 0, "__metadata__ is not an object");
 
   // Out-of-order offsets are fine as long as the bytes are covered exactly; so is an empty file body.
-  write_raw_safetensors(p, R"({"b":{"dtype":"F32","shape":[2],"data_offsets":[8,16]},"a":{"dtype":"I32","shape":[2],"data_offsets":[0,8]}})", 16);
+  write_raw_safetensors(
+      p, R"({"b":{"dtype":"F32","shape":[2],"data_offsets":[8,16]},"a":{"dtype":"I32","shape":[2],"data_offsets":[0,8]}})",
+      16);
   CHECK(load_safetensors(p).order == std::vector<std::string>{"b", "a"});
   write_raw_safetensors(p, "{}", 0);
   CHECK(load_safetensors(p).tensors.empty());
@@ -414,6 +418,17 @@ TEST_CASE("synthetic task: token format, encode/decode and the spec", "[io]") {
   CHECK(parse_synthetic_spec("synthetic:2").digits == 2);
   REQUIRE_THROWS_WITH(parse_synthetic_spec("synthetic:x"), Contains("synthetic:x"));
   REQUIRE_THROWS_WITH(parse_synthetic_spec("synthetic:19"), Contains("19 digits"));
+  // A held-out pair is held out in both orders, so val never shows a commuted train problem.
+  int64_t asymmetric = 0, held = 0;
+  for (uint64_t a = 0; a < 1000; a += 7) {
+    for (uint64_t b = 0; b < 1000; b += 13) {
+      asymmetric += task.held_out({a, b}) != task.held_out({b, a});
+      held += task.held_out({a, b});
+    }
+  }
+  CHECK(asymmetric == 0);
+  CHECK(held > 0.07 * 143 * 77);  // about a tenth
+  CHECK(held < 0.13 * 143 * 77);
   // Even one-digit problems leave both splits non-empty.
   SyntheticTask one{1};
   CHECK(one.held_out(one.problem(Split::val, 0, 0)));
