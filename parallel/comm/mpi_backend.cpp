@@ -257,7 +257,7 @@ std::shared_ptr<Work> MpiProcessGroup::enqueue(const char* op, std::function<voi
 }
 
 // Turns an MPI error code into an Error naming the op and this rank.
-#define SG_MPI(op, call)                                                                     \
+#define SG_MPI_CHECK(op, call)                                                                     \
   do {                                                                                       \
     int rc_ = (call);                                                                        \
     SG_CHECK(rc_ == MPI_SUCCESS, op, ": MPI error: ", mpi_error(rc_), at());                 \
@@ -267,7 +267,7 @@ std::shared_ptr<Work> MpiProcessGroup::do_all_reduce(const Tensor& t, ReduceOp o
   int n = mpi_count("all_reduce", t.numel());
   return enqueue("all_reduce", [=, this] {
     HostView buf(t, true);
-    SG_MPI("all_reduce", MPI_Allreduce(MPI_IN_PLACE, buf.ptr(), n, mpi_type(t.dtype()), mpi_op(op, t.dtype()), comm_));
+    SG_MPI_CHECK("all_reduce", MPI_Allreduce(MPI_IN_PLACE, buf.ptr(), n, mpi_type(t.dtype()), mpi_op(op, t.dtype()), comm_));
     if (op == ReduceOp::avg) divide(buf.ptr(), n, t.dtype(), size());
     buf.copy_out();
   });
@@ -277,7 +277,7 @@ std::shared_ptr<Work> MpiProcessGroup::do_reduce_scatter(const Tensor& out, cons
   int n = mpi_count("reduce_scatter", out.numel());
   return enqueue("reduce_scatter", [=, this] {
     HostView src(in, true), dst(out, false);
-    SG_MPI("reduce_scatter", MPI_Reduce_scatter_block(src.ptr(), dst.ptr(), n, mpi_type(in.dtype()),
+    SG_MPI_CHECK("reduce_scatter", MPI_Reduce_scatter_block(src.ptr(), dst.ptr(), n, mpi_type(in.dtype()),
                                                       mpi_op(op, in.dtype()), comm_));
     if (op == ReduceOp::avg) divide(dst.ptr(), n, out.dtype(), size());
     dst.copy_out();
@@ -293,10 +293,10 @@ std::shared_ptr<Work> MpiProcessGroup::do_all_gather(const Tensor& out, const Te
     MPI_Datatype type = mpi_type(in.dtype());
     HostView dst(out, in_place);  // in place: this rank's chunk already sits in the output
     if (in_place) {
-      SG_MPI("all_gather", MPI_Allgather(MPI_IN_PLACE, 0, type, dst.ptr(), n, type, comm_));
+      SG_MPI_CHECK("all_gather", MPI_Allgather(MPI_IN_PLACE, 0, type, dst.ptr(), n, type, comm_));
     } else {
       HostView src(in, true);
-      SG_MPI("all_gather", MPI_Allgather(src.ptr(), n, type, dst.ptr(), n, type, comm_));
+      SG_MPI_CHECK("all_gather", MPI_Allgather(src.ptr(), n, type, dst.ptr(), n, type, comm_));
     }
     dst.copy_out();
   });
@@ -306,7 +306,7 @@ std::shared_ptr<Work> MpiProcessGroup::do_broadcast(const Tensor& t, int root) {
   int n = mpi_count("broadcast", t.numel());
   return enqueue("broadcast", [=, this] {
     HostView buf(t, rank() == root);
-    SG_MPI("broadcast", MPI_Bcast(buf.ptr(), n, mpi_type(t.dtype()), root, comm_));
+    SG_MPI_CHECK("broadcast", MPI_Bcast(buf.ptr(), n, mpi_type(t.dtype()), root, comm_));
     buf.copy_out();
   });
 }
@@ -316,7 +316,7 @@ std::shared_ptr<Work> MpiProcessGroup::do_reduce(const Tensor& t, int root, Redu
   return enqueue("reduce", [=, this] {
     HostView buf(t, true);
     bool is_root = rank() == root;
-    SG_MPI("reduce", MPI_Reduce(is_root ? MPI_IN_PLACE : buf.ptr(), is_root ? buf.ptr() : nullptr, n,
+    SG_MPI_CHECK("reduce", MPI_Reduce(is_root ? MPI_IN_PLACE : buf.ptr(), is_root ? buf.ptr() : nullptr, n,
                                 mpi_type(t.dtype()), mpi_op(op, t.dtype()), root, comm_));
     if (!is_root) return;
     if (op == ReduceOp::avg) divide(buf.ptr(), n, t.dtype(), size());
@@ -325,14 +325,14 @@ std::shared_ptr<Work> MpiProcessGroup::do_reduce(const Tensor& t, int root, Redu
 }
 
 std::shared_ptr<Work> MpiProcessGroup::do_barrier() {
-  return enqueue("barrier", [this] { SG_MPI("barrier", MPI_Barrier(comm_)); });
+  return enqueue("barrier", [this] { SG_MPI_CHECK("barrier", MPI_Barrier(comm_)); });
 }
 
 std::shared_ptr<Work> MpiProcessGroup::do_send(const Tensor& t, int dst, int tag) {
   SG_CHECK(comm_ != MPI_COMM_NULL, "send: the process group was shut down (comm::finalize)", at());
   HostView buf(t, true);
   MPI_Request req;
-  SG_MPI("send", MPI_Isend(buf.ptr(), mpi_count("send", t.numel()), mpi_type(t.dtype()), dst, tag, comm_, &req));
+  SG_MPI_CHECK("send", MPI_Isend(buf.ptr(), mpi_count("send", t.numel()), mpi_type(t.dtype()), dst, tag, comm_, &req));
   return std::make_shared<RequestWork>(str("send to ", dst, ", tag ", tag), at(), req, std::move(buf), false);
 }
 
@@ -340,14 +340,14 @@ std::shared_ptr<Work> MpiProcessGroup::do_recv(const Tensor& t, int src, int tag
   SG_CHECK(comm_ != MPI_COMM_NULL, "recv: the process group was shut down (comm::finalize)", at());
   HostView buf(t, false);
   MPI_Request req;
-  SG_MPI("recv", MPI_Irecv(buf.ptr(), mpi_count("recv", t.numel()), mpi_type(t.dtype()), src, tag, comm_, &req));
+  SG_MPI_CHECK("recv", MPI_Irecv(buf.ptr(), mpi_count("recv", t.numel()), mpi_type(t.dtype()), src, tag, comm_, &req));
   return std::make_shared<RequestWork>(str("recv from ", src, ", tag ", tag), at(), req, std::move(buf), true);
 }
 
 std::shared_ptr<ProcessGroup> MpiProcessGroup::do_split(int color, int key) {
   MPI_Comm sub = MPI_COMM_NULL;
   // On the queue, like any collective over this communicator, so it stays in issue order.
-  enqueue("split", [&, this] { SG_MPI("split", MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &sub)); })
+  enqueue("split", [&, this] { SG_MPI_CHECK("split", MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &sub)); })
       ->wait();
   if (sub == MPI_COMM_NULL) return nullptr;
   return std::make_shared<MpiProcessGroup>(sub);
