@@ -1,6 +1,9 @@
 #include "kernels/ops.h"
 
 #include "core/error.h"
+#ifdef SG_WITH_CUDA
+#include "kernels/cuda/runtime.h"
+#endif
 
 namespace sg::kernels {
 
@@ -14,6 +17,9 @@ const OpTable*& slot(DeviceType t) {
 void register_table(DeviceType t, const OpTable* table) { slot(t) = table; }
 
 const OpTable& table(Device d) {
+#ifdef SG_WITH_CUDA
+  if (d.is_cuda() && !slot(d.type)) cuda::ensure_registered();
+#endif
   const OpTable* t = slot(d.type);
   if (!t && d.is_cpu()) {
     extern const OpTable* cpu_table();

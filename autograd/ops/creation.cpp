@@ -7,7 +7,10 @@ namespace sg {
 
 using detail::TensorList;
 
-Tensor empty(const Shape& shape, DType dtype, Device device) { return Tensor::empty(shape, dtype, device); }
+Tensor empty(const Shape& shape, DType dtype, Device device) {
+  kernels::table(device);  // a device's backend registers its allocator on first use
+  return Tensor::empty(shape, dtype, device);
+}
 
 Tensor full(const Shape& shape, double value, DType dtype, Device device) {
   Tensor t = empty(shape, dtype, device);
