@@ -1,0 +1,135 @@
+#include "parallel/pp/schedule.h"
+
+#include <algorithm>
+#include <map>
+
+#include "core/error.h"
+
+namespace sg::parallel::pp {
+
+static void check(int ranks, int m, int v) {
+  SG_CHECK(ranks >= 1, "pipeline: --pp must be >= 1, got ", ranks);
+  SG_CHECK(m >= 1, "pipeline: needs at least one micro-batch, got ", m);
+  SG_CHECK(v >= 1, "pipeline: --virtual-stages must be >= 1, got ", v);
+}
+
+Schedule gpipe(int p, int m) {
+  check(p, m, 1);
+  Schedule s{"gpipe", p, m, 1, std::vector<std::vector<Action>>(static_cast<size_t>(p))};
+  for (int r = 0; r < p; ++r) {
+    for (int i = 0; i < m; ++i) s.per_rank[size_t(r)].push_back({r, i, Phase::forward});
+    for (int i = 0; i < m; ++i) s.per_rank[size_t(r)].push_back({r, i, Phase::backward});
+  }
+  return s;
+}
+
+Schedule one_f_one_b(int p, int m) {
+  check(p, m, 1);
+  Schedule s{"1f1b", p, m, 1, std::vector<std::vector<Action>>(static_cast<size_t>(p))};
+  for (int r = 0; r < p; ++r) {
+    auto& a = s.per_rank[size_t(r)];
+    const int warmup = std::min(p - r - 1, m);
+    int f = 0, b = 0;
+    for (; f < warmup; ++f) a.push_back({r, f, Phase::forward});
+    while (f < m) {  // steady state: one forward, one backward
+      a.push_back({r, f++, Phase::forward});
+      a.push_back({r, b++, Phase::backward});
+    }
+    while (b < m) a.push_back({r, b++, Phase::backward});  // cool-down
+  }
+  return s;
+}
+
+Schedule interleaved(int p, int m, int v) {
+  check(p, m, v);
+  SG_CHECK(m % p == 0, "pipeline: the interleaved schedule needs the micro-batches (", m,
+           ") to be a multiple of the pipeline stages (", p, ")");
+  Schedule s{"interleaved", p, m, v, std::vector<std::vector<Action>>(static_cast<size_t>(p))};
+  const int total = m * v;  // actions of each kind per rank
+  // The k-th forward of a rank runs chunk (k / p) % v on micro-batch (k / (p v)) p + k % p;
+  // backwards walk the chunks in reverse.
+  auto fwd = [&](int r, int k) { return Action{((k / p) % v) * p + r, (k / (p * v)) * p + k % p, Phase::forward}; };
+  auto bwd = [&](int r, int k) { return Action{(v - 1 - (k / p) % v) * p + r, (k / (p * v)) * p + k % p, Phase::backward}; };
+  for (int r = 0; r < p; ++r) {
+    auto& a = s.per_rank[size_t(r)];
+    const int warmup = m == p ? total : std::min(total, (p - r - 1) * 2 + (v - 1) * p);
+    int f = 0, b = 0;
+    for (; f < warmup; ++f) a.push_back(fwd(r, f));
+    while (f < total) {
+      a.push_back(fwd(r, f++));
+      a.push_back(bwd(r, b++));
+    }
+    while (b < total) a.push_back(bwd(r, b++));
+  }
+  return s;
+}
+
+Schedule make_schedule(const std::string& kind, int ranks, int m, int chunks) {
+  if (kind == "gpipe") return gpipe(ranks, m);
+  if (kind == "1f1b") return one_f_one_b(ranks, m);
+  if (kind == "interleaved") return interleaved(ranks, m, chunks);
+  throw Error(str("--pp-schedule: unknown schedule '", kind, "' (expected gpipe, 1f1b or interleaved)"));
+}
+
+Timeline simulate(const Schedule& s, double tf, double tb) {
+  const int p = s.ranks, S = s.stages();
+  Timeline t;
+  t.per_rank.resize(size_t(p));
+  std::map<std::tuple<int, int, int>, double> done;  // (stage, micro, phase) -> end time
+  std::vector<size_t> next(size_t(p), 0);
+  std::vector<double> free_at(size_t(p), 0.0);
+  size_t remaining = 0;
+  for (auto& a : s.per_rank) remaining += a.size();
+  while (remaining > 0) {
+    bool progressed = false;
+    for (int r = 0; r < p; ++r) {
+      while (next[size_t(r)] < s.per_rank[size_t(r)].size()) {
+        const Action& a = s.per_rank[size_t(r)][next[size_t(r)]];
+        SG_CHECK(s.rank_of(a.stage) == r, "pipeline: stage ", a.stage, " scheduled on rank ", r);
+        // Which action's output this one consumes.
+        std::tuple<int, int, int> dep{-1, -1, -1};
+        if (a.phase == Phase::forward && a.stage > 0) dep = {a.stage - 1, a.micro, 0};
+        if (a.phase == Phase::backward) dep = a.stage == S - 1 ? std::tuple{a.stage, a.micro, 0} : std::tuple{a.stage + 1, a.micro, 1};
+        double ready = 0;
+        if (std::get<0>(dep) >= 0) {
+          auto it = done.find(dep);
+          if (it == done.end()) break;  // input not produced yet: this rank waits
+          ready = it->second;
+        }
+        const double start = std::max(free_at[size_t(r)], ready);
+        const double end = start + (a.phase == Phase::forward ? tf : tb);
+        done[{a.stage, a.micro, a.phase == Phase::forward ? 0 : 1}] = end;
+        free_at[size_t(r)] = end;
+        t.per_rank[size_t(r)].push_back({a, start, end});
+        ++next[size_t(r)];
+        --remaining;
+        progressed = true;
+      }
+    }
+    SG_CHECK(progressed, "pipeline: schedule '", s.name, "' deadlocks (every rank waits on another)");
+  }
+  for (double f : free_at) t.makespan = std::max(t.makespan, f);
+  return t;
+}
+
+double Timeline::bubble_fraction() const {
+  double idle = 0, busy = 0;
+  for (const auto& r : per_rank) {
+    double b = 0;
+    for (const auto& a : r) b += a.end - a.start;
+    busy += b;
+    idle += makespan - b;
+  }
+  return busy > 0 ? idle / busy : 0;
+}
+
+int Timeline::peak_in_flight(int rank) const {
+  int cur = 0, peak = 0;
+  for (const auto& a : per_rank[size_t(rank)]) {
+    cur += a.action.phase == Phase::forward ? 1 : -1;
+    peak = std::max(peak, cur);
+  }
+  return peak;
+}
+
+}  // namespace sg::parallel::pp

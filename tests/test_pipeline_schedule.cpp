@@ -1,0 +1,72 @@
+// Pipeline schedules: every rank's action list is complete and legal, and the simulated timeline
+// shows the textbook bubble and activation memory: (p-1)/m for GPipe and 1F1B, (p-1)/(v m)
+// interleaved; m micro-batches alive under GPipe, at most p under 1F1B.
+#include <catch2/catch.hpp>
+#include <set>
+
+#include "parallel/pp/schedule.h"
+
+using namespace sg::parallel::pp;
+
+namespace {
+// Every (stage, micro) forward and backward appears exactly once, on the stage's rank, and
+// each rank runs a micro-batch's backward of a stage after its forward.
+void check_complete(const Schedule& s) {
+  std::set<std::tuple<int, int, int>> seen;
+  for (int r = 0; r < s.ranks; ++r) {
+    std::set<std::pair<int, int>> forwarded;
+    for (const Action& a : s.per_rank[size_t(r)]) {
+      REQUIRE(s.rank_of(a.stage) == r);
+      REQUIRE(seen.insert({a.stage, a.micro, int(a.phase)}).second);
+      if (a.phase == Phase::forward) forwarded.insert({a.stage, a.micro});
+      else REQUIRE(forwarded.count({a.stage, a.micro}) == 1);
+    }
+  }
+  REQUIRE(seen.size() == size_t(2 * s.stages() * s.micro_batches));
+}
+}  // namespace
+
+TEST_CASE("gpipe and 1f1b: a bubble of (p-1)/m, measured from the simulated timeline", "[pp]") {
+  for (int p : {2, 4}) {
+    for (int m : {4, 8, 12}) {
+      for (const char* kind : {"gpipe", "1f1b"}) {
+        INFO(kind << " p=" << p << " m=" << m);
+        Schedule s = make_schedule(kind, p, m);
+        check_complete(s);
+        Timeline t = simulate(s, 1.0, 2.0);
+        REQUIRE(t.makespan == Approx((m + p - 1) * 3.0));
+        REQUIRE(t.bubble_fraction() == Approx(double(p - 1) / m));
+      }
+    }
+  }
+}
+
+TEST_CASE("activations in flight: m under gpipe, at most p under 1f1b", "[pp]") {
+  const int p = 4, m = 8;
+  Timeline g = simulate(gpipe(p, m), 1, 2), o = simulate(one_f_one_b(p, m), 1, 2);
+  for (int r = 0; r < p; ++r) {
+    REQUIRE(g.peak_in_flight(r) == m);
+    REQUIRE(o.peak_in_flight(r) == p - r);
+  }
+}
+
+TEST_CASE("interleaved 1f1b over v chunks: the bubble shrinks to (p-1)/(v m)", "[pp]") {
+  for (int v : {2, 3}) {
+    for (int m : {4, 8}) {
+      const int p = 4;
+      INFO("p=" << p << " m=" << m << " v=" << v);
+      Schedule s = interleaved(p, m, v);
+      check_complete(s);
+      // each chunk holds 1/v of a rank's layers, so its forward and backward take 1/v as long
+      Timeline t = simulate(s, 1.0 / v, 2.0 / v);
+      REQUIRE(t.bubble_fraction() == Approx(double(p - 1) / (v * m)));
+      REQUIRE(t.bubble_fraction() < simulate(one_f_one_b(p, m), 1, 2).bubble_fraction());
+    }
+  }
+}
+
+TEST_CASE("impossible pipelines are refused with the reason", "[pp]") {
+  REQUIRE_THROWS_WITH(interleaved(4, 6, 2), Catch::Contains("multiple of the pipeline stages (4)"));
+  REQUIRE_THROWS_WITH(make_schedule("zigzag", 2, 4), Catch::Contains("unknown schedule 'zigzag'"));
+  REQUIRE_THROWS_WITH(gpipe(2, 0), Catch::Contains("at least one micro-batch"));
+}
