@@ -1,0 +1,154 @@
+#include "parallel/pp/executor.h"
+
+#include <chrono>
+#include <map>
+
+#include "autograd/ops.h"
+#include "autograd/tape.h"
+
+namespace sg::parallel::pp {
+
+namespace {
+// Message tags: one per (stage boundary, micro-batch, direction), so out-of-order arrivals match.
+int tag(int stage, int micro, bool grad) { return (stage * 100000 + micro) * 2 + (grad ? 1 : 0); }
+
+bool starts_with(const std::string& s, const std::string& p) { return s.rfind(p, 0) == 0; }
+}  // namespace
+
+PipelineExecutor::PipelineExecutor(nn::GPT& model, Schedule schedule, std::shared_ptr<comm::ProcessGroup> pp_group)
+    : model_(model), schedule_(std::move(schedule)), group_(std::move(pp_group)) {
+  SG_CHECK(group_->size() == schedule_.ranks, "pipeline: the schedule has ", schedule_.ranks, " ranks, the group ",
+           group_->size());
+  const int S = schedule_.stages();
+  SG_CHECK(model_.config.n_layer % S == 0, "--pp: ", model_.config.n_layer, " layers cannot be split into ", S,
+           " stages evenly");
+  const int L = blocks_per_stage();
+  auto owner_of = [&](const std::string& name) -> std::vector<int> {  // stages using a parameter
+    if (name == "wte.weight") return {0, S - 1};
+    if (starts_with(name, "wpe.")) return {0};
+    if (starts_with(name, "ln_f.")) return {S - 1};
+    int layer = std::stoi(name.substr(2, name.find('.', 2) - 2));  // "h.<i>."
+    return {layer / L};
+  };
+  for (auto& [name, p] : model_.named_parameters()) {
+    bool mine = false;
+    for (int s : owner_of(name)) mine = mine || holds_stage(s);
+    if (mine) {
+      owned_.emplace_back(name, p);
+    } else {
+      // Not ours: drop the storage so the ledger holds only this rank's share; any use fails loudly.
+      p.impl()->storage = std::make_shared<Storage>(0, p.device(), MemCategory::param);
+      p.impl()->layout = Layout{{0}, {1}, 0};
+    }
+  }
+}
+
+int PipelineExecutor::blocks_per_stage() const { return int(model_.config.n_layer) / schedule_.stages(); }
+
+Tensor PipelineExecutor::stage_forward(int s, const Tensor& input, const Tensor& targets, double scale) {
+  const int L = blocks_per_stage(), S = schedule_.stages();
+  Tensor x = input;
+  if (s == 0) {
+    Tensor pos = arange(input.size(1), DType::i64, input.device());
+    x = add(model_.wte->forward(input), model_.wpe->forward(pos));
+  }
+  for (int b = s * L; b < (s + 1) * L; ++b) x = model_.h[size_t(b)]->forward(x, model_.recompute);
+  if (s != S - 1) return x;
+  x = model_.ln_f->forward(x);
+  Tensor logits = matmul(x, transpose(model_.wte->weight, 0, 1));
+  CrossEntropyOptions o;
+  o.vocab = model_.config.vocab_size;
+  o.sum = true;
+  o.scale = scale;
+  return cross_entropy(logits, targets, o);
+}
+
+double PipelineExecutor::run(const Tensor& idx, const Tensor& targets, double scale) {
+  const int m = schedule_.micro_batches, S = schedule_.stages(), rank = group_->rank();
+  SG_CHECK(idx.size(0) % m == 0, "pipeline: ", idx.size(0), " rows do not split into ", m, " micro-batches");
+  const int64_t rows = idx.size(0) / m, T = idx.size(1), C = model_.config.n_embd;
+  struct InFlight {
+    std::unique_ptr<autograd::Tape> tape;
+    Tensor input, output;
+  };
+  std::map<std::pair<int, int>, InFlight> live;  // (stage, micro)
+  // Sends in flight, with the tensors they read (kept alive until the send completes).
+  std::vector<std::pair<std::shared_ptr<comm::Work>, Tensor>> sends;
+  double loss = 0;
+  timeline_ = Timeline{};
+  timeline_.per_rank.resize(size_t(schedule_.ranks));
+  const auto t0 = std::chrono::steady_clock::now();
+  auto now = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
+  for (const Action& a : schedule_.per_rank[size_t(rank)]) {
+    const double start = now();
+    Tensor mi = narrow(idx, 0, a.micro * rows, rows), mt = narrow(targets, 0, a.micro * rows, rows);
+    if (a.phase == Phase::forward) {
+      InFlight f;
+      f.tape = std::make_unique<autograd::Tape>();
+      if (a.stage == 0) {
+        f.input = mi;
+      } else {
+        f.input = empty({rows, T, C}, model_.wte->weight.dtype(), idx.device());
+        group_->recv(f.input, schedule_.rank_of(a.stage - 1), tag(a.stage, a.micro, false))->wait();
+        f.input.set_requires_grad(true);  // a leaf: its .grad is what goes back upstream
+      }
+      {
+        autograd::TapeScope scope(*f.tape);
+        f.output = stage_forward(a.stage, f.input, mt, scale);
+      }
+      if (a.stage == S - 1) loss += item(f.output);
+      else sends.emplace_back(group_->send(f.output, schedule_.rank_of(a.stage + 1), tag(a.stage + 1, a.micro, false)), f.output);
+      live[{a.stage, a.micro}] = std::move(f);
+    } else {
+      auto it = live.find({a.stage, a.micro});
+      SG_CHECK(it != live.end(), "pipeline: backward of stage ", a.stage, " micro-batch ", a.micro, " before its forward");
+      InFlight& f = it->second;
+      if (a.stage == S - 1) {
+        f.tape->backward(f.output);
+      } else {
+        Tensor g = empty(f.output.shape(), f.output.dtype(), f.output.device());
+        group_->recv(g, schedule_.rank_of(a.stage + 1), tag(a.stage + 1, a.micro, true))->wait();
+        f.tape->backward({f.output}, {g});
+      }
+      if (a.stage > 0)
+        sends.emplace_back(group_->send(f.input.grad(), schedule_.rank_of(a.stage - 1), tag(a.stage, a.micro, true)), f.input.grad());
+      live.erase(it);  // the stage's activations for this micro-batch go now
+    }
+    timeline_.per_rank[size_t(rank)].push_back({a, start, now()});
+  }
+  for (auto& [w, t] : sends) w->wait();
+  timeline_.makespan = now();
+  // Every rank reports the pipeline's loss (only the last stage computed it).
+  Tensor l = from_vector<double>({loss}, {1});
+  group_->all_reduce(l, comm::ReduceOp::sum)->wait();
+  return item(l);
+}
+
+void PipelineExecutor::reduce_tied_embedding() {
+  const int first = schedule_.rank_of(0), last = schedule_.rank_of(schedule_.stages() - 1);
+  if (first == last) return;  // both uses on one rank: already one gradient
+  const int rank = group_->rank();
+  if (rank != first && rank != last) return;
+  Tensor g = model_.wte->weight.grad();
+  if (!g.defined()) g = zeros_like(model_.wte->weight);
+  Tensor other = empty(g.shape(), g.dtype(), g.device());
+  const int peer = rank == first ? last : first;
+  const int tied_tag = 1 << 28;  // above every activation tag
+  auto s = group_->send(g, peer, tied_tag);
+  group_->recv(other, peer, tied_tag)->wait();
+  s->wait();
+  Tensor sum = add(g, other);
+  model_.wte->weight.set_grad(sum);
+}
+
+double PipelineExecutor::grad_sum_squares() const {
+  double ss = 0;
+  const bool first = holds_stage(0);
+  for (const auto& [name, p] : owned_) {
+    if (name == "wte.weight" && !first) continue;  // counted once, on the first stage
+    if (p.grad().defined()) ss += sum_squares(p.grad());
+  }
+  return ss;
+}
+
+}  // namespace sg::parallel::pp

@@ -1,0 +1,54 @@
+// The pipeline executor: runs one rank's action list (schedule.h) for one training step.
+//
+// Virtual stage s holds blocks [s L/S, (s+1) L/S) of the GPT; stage 0 also the token and position
+// embeddings, the last stage also ln_f, the tied head and the loss. A forward action takes its
+// input (tokens, or the activation received from the previous stage), records the stage on its
+// own tape (one per micro-batch and stage in flight) and sends the output on; a backward action
+// receives the output's gradient (or starts from the loss), runs that tape backward and sends the
+// input's gradient back. Parameters accumulate gradients over the micro-batches.
+//
+// The tied embedding lives on the first and the last stage: both copies start equal (same seed)
+// and stay equal because their gradients are summed between the two ranks before the step.
+// Each action's start and end are recorded, so the bubble is measured, not assumed.
+#pragma once
+#include <memory>
+#include <vector>
+
+#include "models/gpt.h"
+#include "parallel/comm/process_group.h"
+#include "parallel/pp/schedule.h"
+
+namespace sg::parallel::pp {
+
+class PipelineExecutor {
+ public:
+  using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
+  // model: a full GPT built from the same seed on every rank; the parameters of stages this rank
+  // does not hold are released (the ledger then shows only this rank's share).
+  PipelineExecutor(nn::GPT& model, Schedule schedule, std::shared_ptr<comm::ProcessGroup> pp_group);
+
+  // One step over this rank's rows [m * micro, T]: returns the mean loss of those rows (summed
+  // loss * scale, the same on every rank of the pipeline). Gradients are left in the parameters.
+  double run(const Tensor& idx, const Tensor& targets, double scale);
+  // Sums the two copies of the tied embedding's gradient (first and last stage).
+  void reduce_tied_embedding();
+  // This rank's parameters (those of its stages); the tied embedding appears on both its holders.
+  const NamedTensors& parameters() const { return owned_; }
+  // Sum of squared gradients of this rank's parameters, the tied embedding counted only on the
+  // first stage: all-reduce it over the pipeline for the global norm.
+  double grad_sum_squares() const;
+  const Timeline& last_timeline() const { return timeline_; }
+  bool holds_stage(int s) const { return schedule_.rank_of(s) == group_->rank(); }
+
+ private:
+  Tensor stage_forward(int s, const Tensor& input, const Tensor& targets, double scale);
+  int blocks_per_stage() const;
+
+  nn::GPT& model_;
+  Schedule schedule_;
+  std::shared_ptr<comm::ProcessGroup> group_;
+  NamedTensors owned_;
+  Timeline timeline_;
+};
+
+}  // namespace sg::parallel::pp
