@@ -1,6 +1,8 @@
 // shardgrad train: the single-process training loop (strategies wrap the same steps).
 // One step: the loader's global batch -> micro-batches (gradient accumulation) -> forward/backward
 // on a tape each -> global-norm clipping -> AdamW on f32 master weights -> progress line.
+// ddp averages gradients over ranks; zero1/zero2 shard the optimizer state (and gradients) instead,
+// and run AdamW on this rank's shard only (parallel/zero.h).
 #include <omp.h>
 
 #include <Eigen/Core>
@@ -25,6 +27,7 @@
 #include "parallel/ddp.h"
 #include "parallel/dp.h"
 #include "parallel/watchdog.h"
+#include "parallel/zero.h"
 
 namespace sg::cli {
 
@@ -68,9 +71,9 @@ void declare_flags(Args& a) {
   a.flag("eval-problems", "200", "synthetic task: problems for the accuracy figure");
   a.flag("log-json", "", "write one JSON object per step to this file");
   a.flag("threads", "0", "CPU threads (0 = all cores)");
-  a.flag("strategy", "single", "single | dp (one process, --devices) | ddp (launch with mpirun -np N)");
+  a.flag("strategy", "single", "single | dp (one process, --devices) | ddp | zero1 | zero2 (these three: launch with mpirun -np N)");
   a.flag("devices", "cpu:0,cpu:1", "dp: the devices to replicate over; the first one holds the model");
-  a.flag("bucket-mb", "25", "ddp: gradient bucket size in MiB");
+  a.flag("bucket-mb", "25", "ddp: gradient bucket size in MiB; zero1/zero2: one stripe's reduce-scatter input in MiB");
   a.flag("comm-timeout", "300", "seconds without progress before the watchdog aborts the job, naming the stuck rank");
   a.flag("inject-fault", "", "testing: rank=R,step=S,kind=exit|throw|abort|kill|hang");
   a.toggle("find-unused-parameters", "ddp: allow parameters that get no gradient (their gradient counts as zero)");
@@ -156,7 +159,10 @@ class Trainer {
   std::unique_ptr<parallel::DataParallel> dp_;
   int rank_ = 0, world_size_ = 1;
   parallel::Fault fault_;
+  std::unique_ptr<parallel::ZeroOptimizer> zero_;
   bool lead() const { return rank_ == 0; }
+  bool distributed() const { return strategy_ == "ddp" || zero_stage() > 0; }
+  int zero_stage() const { return strategy_ == "zero1" ? 1 : strategy_ == "zero2" ? 2 : 0; }
 };
 
 void Trainer::setup() {
@@ -168,9 +174,11 @@ void Trainer::setup() {
   Eigen::setNbThreads(nt);
 
   strategy_ = a.str("strategy");
-  SG_CHECK(strategy_ == "single" || strategy_ == "dp" || strategy_ == "ddp", "train: --strategy '", strategy_,
-           "' is not available (expected single, dp or ddp)");
-  if (strategy_ == "ddp") {
+  SG_CHECK(strategy_ == "single" || strategy_ == "dp" || strategy_ == "ddp" || zero_stage() > 0, "train: --strategy '",
+           strategy_, "' is not available (expected single, dp, ddp, zero1 or zero2)");
+  SG_CHECK(!zero_stage() || (a.str("save").empty() && a.str("resume").empty()), "train: --save/--resume are not available with --strategy ",
+           strategy_, " yet: its optimizer state is sharded over the ranks and checkpoints hold the whole state");
+  if (distributed()) {
     comm::init();
     world_ = comm::MpiProcessGroup::world();
     metrics_ = world_->split(0, world_->rank());  // losses and barriers: kept out of the gradient counters
@@ -249,7 +257,7 @@ void Trainer::setup() {
   } else {
     model_->init_weights(seed_);
   }
-  if (dtype_ == DType::f32) {
+  if (dtype_ == DType::f32 || zero_stage()) {  // zero keeps f32 masters for its own shard only
     master_ = model_->named_parameters();
   } else {
     MemScope scope(MemCategory::optim_state);  // f32 master weights are optimizer state (ZeRO's K)
@@ -263,7 +271,17 @@ void Trainer::setup() {
   SG_CHECK(oc.beta1 >= 0 && oc.beta1 < 1 && oc.beta2 >= 0 && oc.beta2 < 1, "train: --beta1/--beta2 must be in [0, 1)");
   SG_CHECK(oc.eps > 0 && oc.weight_decay >= 0, "train: --eps must be > 0 and --weight-decay >= 0");
   SG_CHECK(a.f64("clip") >= 0, "train: --clip must be >= 0");
-  opt_ = std::make_unique<optim::AdamW>(master_, oc);
+  if (zero_stage()) {
+    parallel::ZeroOptions z;
+    z.stage = zero_stage();
+    SG_CHECK(a.f64("bucket-mb") > 0, "train: --bucket-mb must be > 0");
+    z.bucket_bytes = int64_t(a.f64("bucket-mb") * double(1 << 20));
+    zero_ = std::make_unique<parallel::ZeroOptimizer>(model_->named_parameters(), world_, oc, z);
+    parallel::watchdog::Waiting w("the parameter broadcast");
+    zero_->broadcast_parameters();
+  } else {
+    opt_ = std::make_unique<optim::AdamW>(master_, oc);
+  }
   if (strategy_ == "ddp") {
     parallel::DdpOptions d;
     SG_CHECK(a.f64("bucket-mb") > 0, "train: --bucket-mb must be > 0");
@@ -324,6 +342,7 @@ double Trainer::train_step(int64_t step, double lr, double& grad_norm, bool& app
   for (int64_t m = 0; m < n_micro; ++m) {
     Tensor mi = narrow(idx, 0, m * micro_, micro_), mt = narrow(tgt, 0, m * micro_, micro_);
     if (ddp_) ddp_->set_sync(m == n_micro - 1);  // no_sync for all but the last micro-batch
+    if (zero_) zero_->set_sync(m == n_micro - 1);
     if (dp_) {
       loss_sum += dp_->forward_backward(mi, mt, loss_scale / double(counted)) / loss_scale;
       continue;
@@ -342,9 +361,27 @@ double Trainer::train_step(int64_t step, double lr, double& grad_norm, bool& app
   if (ddp_) {
     parallel::watchdog::Waiting w("the gradient all-reduce");
     ddp_->finish_gradients();
+  }
+  if (distributed()) {
     Tensor l = from_vector<double>({loss_sum}, {1});
     metrics_->all_reduce(l, comm::ReduceOp::sum)->wait();
     loss_sum = item(l);
+  }
+  if (zero_) {
+    {
+      parallel::watchdog::Waiting w("the gradient reduce-scatter");
+      zero_->finish_gradients();
+      grad_norm = zero_->grad_norm() / loss_scale;  // partial sums of squares all-reduced over the shards
+    }
+    applied = std::isfinite(grad_norm);
+    if (dtype_ == DType::f16) applied = scaler_.update(!applied);
+    SG_CHECK(applied || dtype_ == DType::f16, "train: non-finite gradient norm at step ", step, " (loss ", loss_sum, ")");
+    if (applied) {
+      parallel::watchdog::Waiting w("the parameter all-gather");
+      zero_->step(lr, optim::clip_coefficient(grad_norm, args_.f64("clip")) / loss_scale);
+    }
+    zero_->zero_grad();
+    return loss_sum;
   }
   std::vector<Tensor> grads_of;
   if (dtype_ != DType::f32) {
@@ -492,7 +529,8 @@ int train_main(int argc, char** argv) {
     rc = t.run();
   }
   parallel::watchdog::disarm();
-  if (a.str("strategy") == "ddp") comm::finalize();
+  const std::string s = a.str("strategy");
+  if (s == "ddp" || s == "zero1" || s == "zero2") comm::finalize();
   return rc;
 }
 

@@ -1,5 +1,6 @@
 #include "models/gpt.h"
 
+#include <algorithm>
 #include <cmath>
 #include <set>
 
@@ -7,6 +8,9 @@
 #include "autograd/recompute.h"
 #include "autograd/tape.h"
 #include "core/philox.h"
+#include "parallel/comm/process_group.h"
+#include "parallel/functional.h"
+#include "parallel/tp/layers.h"
 
 namespace sg::nn {
 
@@ -28,6 +32,9 @@ void GPTConfig::validate() const {
   SG_CHECK(padded_vocab == 0 || padded_vocab >= vocab_size, "model: padded vocabulary ", padded_vocab,
            " is smaller than the vocabulary ", vocab_size);
   SG_CHECK(dropout >= 0 && dropout < 1, "model: dropout ", dropout, " outside [0, 1)");
+  SG_CHECK(tp >= 1, "--tp must be >= 1, got ", tp);
+  SG_CHECK(n_head % tp == 0, "--tp ", tp, ": ", n_head, " heads cannot be split ", tp, " ways");
+  SG_CHECK(vocab_rows() % tp == 0, "--tp ", tp, ": ", vocab_rows(), " vocabulary rows cannot be split ", tp, " ways");
 }
 
 int64_t GPTConfig::num_params() const {
@@ -61,15 +68,18 @@ CausalSelfAttention::CausalSelfAttention(const GPTConfig& c, DType dtype, Device
   c_proj = register_module("c_proj", std::make_shared<Linear>(c.n_embd, c.n_embd, true, dtype, device));
 }
 
-Tensor CausalSelfAttention::forward(const Tensor& x, bool recompute_core) const {
-  const int64_t B = x.size(0), T = x.size(1), C = x.size(2), H = n_head, D = C / H;
-  Tensor qkv = c_attn->forward(x);  // [B, T, 3C]: q, k, v side by side
+Tensor causal_attention(const Tensor& qkv, int64_t n_head, bool recompute_core) {
+  const int64_t B = qkv.size(0), T = qkv.size(1), C = qkv.size(2) / 3, H = n_head, D = C / H;
   auto heads = [&](int64_t part) { return permute(reshape(narrow(qkv, 2, part * C, C), {B, T, H, D}), {0, 2, 1, 3}); };
   auto core = [](const autograd::TensorList& in) { return autograd::TensorList{attention(in[0], in[1], in[2], true)}; };
   autograd::TensorList qkv_heads{heads(0), heads(1), heads(2)};
   // selective recompute: only the attention core is re-run in backward (its saved q, k, v, out go)
   Tensor y = recompute_core ? autograd::recompute(core, qkv_heads, {})[0] : core(qkv_heads)[0];
-  y = reshape(permute(y, {0, 2, 1, 3}), {B, T, C});
+  return reshape(permute(y, {0, 2, 1, 3}), {B, T, C});
+}
+
+Tensor CausalSelfAttention::forward(const Tensor& x, bool recompute_core) const {
+  Tensor y = causal_attention(c_attn->forward(x), n_head, recompute_core);  // c_attn: [B, T, 3C]
   return dropout > 0 ? sg::dropout(c_proj->forward(y), dropout) : c_proj->forward(y);
 }
 
@@ -80,28 +90,37 @@ MLP::MLP(const GPTConfig& c, DType dtype, Device device) {
 
 Tensor MLP::forward(const Tensor& x) const { return c_proj->forward(gelu(c_fc->forward(x))); }
 
-Block::Block(const GPTConfig& c, DType dtype, Device device) : dropout(c.dropout) {
+Block::Block(const GPTConfig& c, DType dtype, Device device, std::shared_ptr<comm::ProcessGroup> tp_group)
+    : dropout(c.dropout) {
   ln_1 = register_module("ln_1", std::make_shared<LayerNorm>(c.n_embd, c.ln_eps, dtype, device));
-  attn = register_module("attn", std::make_shared<CausalSelfAttention>(c, dtype, device));
+  if (c.tp > 1) tp_attn = register_module("attn", std::make_shared<parallel::tp::ParallelAttention>(c, tp_group, dtype, device));
+  else attn = register_module("attn", std::make_shared<CausalSelfAttention>(c, dtype, device));
   ln_2 = register_module("ln_2", std::make_shared<LayerNorm>(c.n_embd, c.ln_eps, dtype, device));
-  mlp = register_module("mlp", std::make_shared<MLP>(c, dtype, device));
+  if (c.tp > 1) tp_mlp = register_module("mlp", std::make_shared<parallel::tp::ParallelMLP>(c, tp_group, dtype, device));
+  else mlp = register_module("mlp", std::make_shared<MLP>(c, dtype, device));
 }
 
 Tensor Block::forward(const Tensor& x, Recompute rc) const {
   auto body = [this, rc](const autograd::TensorList& in) {
-    Tensor h = add(in[0], attn->forward(ln_1->forward(in[0]), rc == Recompute::selective));
-    Tensor m = mlp->forward(ln_2->forward(h));
+    const bool sel = rc == Recompute::selective;
+    Tensor a = attn ? attn->forward(ln_1->forward(in[0]), sel) : tp_attn->forward(ln_1->forward(in[0]), sel);
+    Tensor h = add(in[0], a);
+    Tensor m = mlp ? mlp->forward(ln_2->forward(h)) : tp_mlp->forward(ln_2->forward(h));
     return autograd::TensorList{add(h, dropout > 0 ? sg::dropout(m, dropout) : m)};
   };
   if (rc == Recompute::full) return autograd::recompute(body, {x}, parameters())[0];
   return body({x})[0];
 }
 
-GPT::GPT(const GPTConfig& c, DType dtype, Device device) : config(c) {
+GPT::GPT(const GPTConfig& c, DType dtype, Device device, std::shared_ptr<comm::ProcessGroup> tp)
+    : config(c), tp_group(c.tp > 1 ? std::move(tp) : nullptr) {
   c.validate();
-  wte = register_module("wte", std::make_shared<Embedding>(c.vocab_rows(), c.n_embd, dtype, device));
+  SG_CHECK(c.tp == 1 || (tp_group && tp_group->size() == c.tp), "GPT: --tp ", c.tp, " needs a tensor-parallel group of ",
+           c.tp, " ranks, got ", tp_group ? std::to_string(tp_group->size()) : std::string("none"));
+  if (c.tp > 1) tp_wte = register_module("wte", std::make_shared<parallel::tp::VocabParallelEmbedding>(c.vocab_rows(), c.n_embd, tp_group, dtype, device));
+  else wte = register_module("wte", std::make_shared<Embedding>(c.vocab_rows(), c.n_embd, dtype, device));
   wpe = register_module("wpe", std::make_shared<Embedding>(c.block_size, c.n_embd, dtype, device));
-  for (int64_t i = 0; i < c.n_layer; ++i) h.push_back(register_module("h." + std::to_string(i), std::make_shared<Block>(c, dtype, device)));
+  for (int64_t i = 0; i < c.n_layer; ++i) h.push_back(register_module("h." + std::to_string(i), std::make_shared<Block>(c, dtype, device, tp_group)));
   ln_f = register_module("ln_f", std::make_shared<LayerNorm>(c.n_embd, c.ln_eps, dtype, device));
 }
 
@@ -117,13 +136,22 @@ void GPT::init_weights(uint64_t seed) {
       zero_(p);
     } else {
       const bool resid = name.find("c_proj.weight") != std::string::npos;
-      Tensor r = randn(p.shape(), seed, rng_stream_from_name(name.c_str()), 0.0, resid ? std_resid : 0.02, p.dtype(), p.device());
-      copy_(p, r);
+      const parallel::tp::Split split = tp_group ? parallel::tp::gpt_param_split(name) : parallel::tp::Split{};
+      Shape full = p.shape();
+      if (!split.replicated()) full[size_t(split.dim)] *= config.tp;
+      Tensor r = randn(full, seed, rng_stream_from_name(name.c_str()), 0.0, resid ? std_resid : 0.02, p.dtype(), p.device());
+      copy_(p, tp_group ? parallel::tp::shard_of(r, split, tp_group->rank(), tp_group->size()) : r);
     }
   }
   // Padded vocabulary rows are never looked up and never predicted: keep them zero.
   const int64_t V = config.vocab_size, Vp = config.vocab_rows();
-  if (Vp > V) zero_(narrow(wte->weight, 0, V, Vp - V));
+  if (tp_wte) {
+    const int64_t rows = tp_wte->weight.size(0), start = tp_wte->vocab_start();
+    const int64_t first_pad = std::clamp<int64_t>(V - start, 0, rows);
+    if (first_pad < rows) zero_(narrow(tp_wte->weight, 0, first_pad, rows - first_pad));
+  } else if (Vp > V) {
+    zero_(narrow(wte->weight, 0, V, Vp - V));
+  }
 }
 
 Tensor GPT::forward(const Tensor& idx) const {
@@ -131,10 +159,12 @@ Tensor GPT::forward(const Tensor& idx) const {
   const int64_t T = idx.size(1);
   SG_CHECK(T <= config.block_size, "GPT: sequence length ", T, " exceeds block_size ", config.block_size);
   Tensor pos = arange(T, DType::i64, idx.device());
-  Tensor x = add(wte->forward(idx), wpe->forward(pos));  // [B,T,C] + [T,C]
+  Tensor x = add(wte ? wte->forward(idx) : tp_wte->forward(idx), wpe->forward(pos));  // [B,T,C] + [T,C]
   if (config.dropout > 0) x = dropout(x, config.dropout);
   for (const auto& block : h) x = block->forward(x, recompute);
   x = ln_f->forward(x);
+  if (tp_wte)  // column-parallel head: each rank's vocabulary rows; dx is all-reduced in backward
+    return matmul(parallel::copy_to_region(x, *tp_group), transpose(tp_wte->weight, 0, 1));
   return matmul(x, transpose(wte->weight, 0, 1));  // tied head: logits = x wte^T
 }
 
@@ -145,6 +175,7 @@ Tensor GPT::loss(const Tensor& idx, const Tensor& targets, bool sum, double scal
   o.ignore_index = -1;
   o.sum = sum;
   o.scale = scale;
+  if (tp_wte) return parallel::tp::vocab_parallel_cross_entropy(logits, targets, tp_wte->vocab_start(), *tp_group, o);
   return cross_entropy(logits, targets, o);
 }
 
@@ -161,6 +192,7 @@ bool is_conv1d(const std::string& name) {
 }  // namespace
 
 io::NamedTensors hf_state_dict(const GPT& model) {
+  SG_CHECK(model.config.tp == 1, "hf_state_dict: the model is split --tp ", model.config.tp, " ways (use a sharded checkpoint)");
   autograd::NoGradGuard ng;
   io::NamedTensors out;
   for (auto& [name, p] : model.named_parameters()) {
@@ -177,6 +209,7 @@ static std::string strip_prefix(const std::string& n) {
 }
 
 void load_hf_state(GPT& model, const io::SafetensorsFile& file) {
+  SG_CHECK(model.config.tp == 1, file.path, ": load_hf_state needs an unsplit model, this one is split --tp ", model.config.tp, " ways");
   autograd::NoGradGuard ng;
   std::map<std::string, Tensor> by_name;
   for (auto& [n, t] : file.tensors) by_name[strip_prefix(n)] = t;

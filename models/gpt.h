@@ -8,6 +8,15 @@
 #include "io/safetensors.h"
 #include "models/module.h"
 
+namespace sg::comm {
+class ProcessGroup;
+}
+namespace sg::parallel::tp {
+class ParallelAttention;
+class ParallelMLP;
+class VocabParallelEmbedding;
+}  // namespace sg::parallel::tp
+
 namespace sg::nn {
 
 enum class Recompute { none, selective, full };
@@ -21,6 +30,9 @@ struct GPTConfig {
   int64_t padded_vocab = 0;    // rows of wte; 0 = vocab rounded up to a multiple of 64
   double dropout = 0.0;
   double ln_eps = 1e-5;
+  // Tensor-parallel degree: > 1 builds the blocks, the embedding and the head from parallel/tp
+  // over the group given to GPT (heads and vocabulary rows split tp ways).
+  int64_t tp = 1;
   int64_t vocab_rows() const;
   int64_t head_dim() const { return n_embd / n_head; }
   void validate() const;  // throws naming the field
@@ -30,6 +42,11 @@ struct GPTConfig {
 
 // tiny (tests), gpt2 (124M), gpt2-medium, gpt2-large, gpt2-xl. Throws for an unknown name.
 GPTConfig gpt_preset(const std::string& name);
+
+// The attention core on qkv [B, T, 3C] (q, k, v side by side, n_head heads each): causal
+// attention per head, heads merged back to [B, T, C]. With recompute_core, only this core is
+// re-run in backward (selective recompute: its saved q, k, v, out are not kept).
+Tensor causal_attention(const Tensor& qkv, int64_t n_head, bool recompute_core);
 
 class CausalSelfAttention : public Module {
  public:
@@ -51,27 +68,37 @@ class MLP : public Module {
 
 class Block : public Module {
  public:
-  Block(const GPTConfig& c, DType dtype, Device device);
+  // With c.tp > 1: tp_attn and tp_mlp over tp_group (registered as "attn" and "mlp"), attn
+  // and mlp null.
+  Block(const GPTConfig& c, DType dtype, Device device, std::shared_ptr<comm::ProcessGroup> tp_group = nullptr);
   Tensor forward(const Tensor& x, Recompute rc) const;
   const char* type_name() const override { return "Block"; }
   std::shared_ptr<LayerNorm> ln_1, ln_2;
   std::shared_ptr<CausalSelfAttention> attn;
   std::shared_ptr<MLP> mlp;
+  std::shared_ptr<parallel::tp::ParallelAttention> tp_attn;
+  std::shared_ptr<parallel::tp::ParallelMLP> tp_mlp;
   double dropout;
 };
 
 class GPT : public Module {
  public:
-  explicit GPT(const GPTConfig& c, DType dtype = DType::f32, Device device = Device::cpu());
+  // c.tp > 1 needs tp_group, of size c.tp: this rank then holds its slice of every split
+  // parameter (parallel/tp/layers.h: gpt_param_split) and wte is null (tp_wte instead).
+  explicit GPT(const GPTConfig& c, DType dtype = DType::f32, Device device = Device::cpu(),
+               std::shared_ptr<comm::ProcessGroup> tp_group = nullptr);
   const char* type_name() const override { return "GPT"; }
   // GPT-2 init from a seed: N(0, 0.02), residual projections N(0, 0.02/sqrt(2 n_layer)), zero
   // biases, unit LayerNorm gains; padded vocabulary rows zero. Each parameter draws from its own
-  // Philox stream (named by the parameter), so the values do not depend on any sharding.
+  // Philox stream (named by the parameter), so the values do not depend on any sharding (under
+  // tp, each rank keeps its slice of the full draw).
   void init_weights(uint64_t seed);
-  // idx [B, T] -> logits [B, T, vocab_rows]
+  // idx [B, T] -> logits [B, T, vocab_rows]; under tp, this rank's vocabulary slice
+  // [B, T, vocab_rows / tp] (columns [rank * vocab_rows / tp, ...)).
   Tensor forward(const Tensor& idx) const;
   // Mean cross-entropy over the targets that are not -1 (the padded columns never count).
-  // With sum=true: the sum, times scale (for averaging over a global batch).
+  // With sum=true: the sum, times scale (for averaging over a global batch). Under tp, the
+  // vocabulary-parallel cross-entropy (full logits are never gathered); the same on every rank.
   Tensor loss(const Tensor& idx, const Tensor& targets, bool sum = false, double scale = 1.0) const;
 
   GPTConfig config;
@@ -79,10 +106,12 @@ class GPT : public Module {
   std::shared_ptr<Embedding> wte, wpe;
   std::vector<std::shared_ptr<Block>> h;
   std::shared_ptr<LayerNorm> ln_f;
+  std::shared_ptr<parallel::tp::VocabParallelEmbedding> tp_wte;
+  std::shared_ptr<comm::ProcessGroup> tp_group;
 };
 
 // Hugging Face GPT-2 names and layouts: Conv1D weights are [in, out] there and [out, in] here;
-// wte has vocab_size rows there and vocab_rows here.
+// wte has vocab_size rows there and vocab_rows here. Unsharded models only (tp == 1).
 io::NamedTensors hf_state_dict(const GPT& model);
 // Loads a Hugging Face-named state into the model (a "transformer." prefix and attn.bias /
 // attn.masked_bias buffers accepted; lm_head.weight accepted when it equals wte). Every

@@ -176,3 +176,27 @@ TEST_CASE("the default run (tiny GPT, synthetic 3-digit addition) learns to >= 9
   REQUIRE(acc >= 0.9);
   REQUIRE(log.back()["loss"].get<double>() < log.front()["loss"].get<double>() / 2);
 }
+
+TEST_CASE("zero1 and zero2 through the CLI on 2 ranks give the single-process losses", "[cli][mpi]") {
+  TempDir d;
+  // two micro-batches per rank: accumulation, clipping (--clip 1.0 by default) and several stripes
+  const std::string args = " train " + kSmall + " --dropout 0 --micro-batch-size 2 --steps 4 --log-json ";
+  Run one = shardgrad(args + (d.path / "one.jsonl").string());
+  REQUIRE(one.code == 0);
+  auto a = read_log(d.path / "one.jsonl");
+  REQUIRE(a.size() == 4);
+  for (const char* strategy : {"zero1", "zero2"}) {
+    INFO(strategy);
+    const fs::path log = d.path / (std::string(strategy) + ".jsonl");
+    Run two = run_command(mpirun(2) + args + log.string() + " --strategy " + strategy + " --bucket-mb 0.01");
+    INFO(two.output);
+    REQUIRE(two.code == 0);
+    auto b = read_log(log);
+    REQUIRE(b.size() == 4);
+    for (size_t i = 0; i < 4; ++i) REQUIRE(std::abs(b[i]["loss"].get<double>() - a[i]["loss"].get<double>()) <= 1e-5 * a[i]["loss"].get<double>());
+  }
+  Run refused = shardgrad(args + (d.path / "x.jsonl").string() + " --strategy zero2 --save " + (d.path / "run").string());
+  INFO(refused.output);
+  REQUIRE(refused.code != 0);
+  REQUIRE(refused.output.find("optimizer state is sharded") != std::string::npos);
+}

@@ -69,7 +69,8 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, const CrossEnt
     SG_KERNEL(X.device(), cross_entropy)(X.dtype(), tg.dtype(), per_row.data_ptr(), lse.data_ptr(), X.data_ptr(),
                                          tg.data_ptr(), rows, Vp, V, opt.ignore_index);
     loss = mul(sum(per_row), factor);
-    loss = detail::narrow_result(loss, logits.dtype());
+    // The loss stays in the compute dtype (f32 for bf16/f16 logits), as under autocast: a scaled
+    // f16 loss would overflow at 65504.
   }
   if (needs_grad({logits})) {
     Tensor kx = detach(X);

@@ -1,0 +1,83 @@
+// Vocabulary-parallel cross-entropy (Megatron's _VocabParallelCrossEntropy): every quantity that
+// needs the whole vocabulary is a per-row scalar, so three all-reduces of [rows] replace a
+// gather of [rows, V] logits.
+#include <limits>
+
+#include "autograd/tape.h"
+#include "kernels/ops.h"
+#include "parallel/tp/layers.h"
+
+namespace sg::parallel::tp {
+
+Tensor vocab_parallel_cross_entropy(const Tensor& logits, const Tensor& targets, int64_t vocab_start,
+                                    comm::ProcessGroup& group, const CrossEntropyOptions& opt) {
+  SG_CHECK(is_floating(logits.dtype()), "vocab_parallel_cross_entropy: expected floating logits, got ",
+           logits.describe());
+  SG_CHECK(targets.dtype() == DType::i32 || targets.dtype() == DType::i64,
+           "vocab_parallel_cross_entropy: targets must be i32/i64, got ", targets.describe());
+  const int64_t Vl = logits.size(-1), rows = logits.numel() / std::max<int64_t>(Vl, 1);
+  SG_CHECK(targets.numel() == rows, "vocab_parallel_cross_entropy: logits ", shape_str(logits.shape()), " give ", rows,
+           " rows but targets ", shape_str(targets.shape()), " has ", targets.numel());
+  const int64_t V = opt.vocab < 0 ? Vl * group.size() : opt.vocab;
+  // This rank's columns that are real vocabulary (the padded tail never counts).
+  const int64_t valid = std::clamp<int64_t>(V - vocab_start, 0, Vl);
+
+  // Per row: where its target sits in this slice (flat index into [rows * Vl]), if it does.
+  std::vector<int64_t> tg = to_vector<int64_t>(targets), flat(size_t(rows), 0);
+  std::vector<double> here(size_t(rows), 0.0), counted(size_t(rows), 0.0);
+  int64_t n_counted = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = tg[size_t(r)];
+    if (t == opt.ignore_index) continue;
+    SG_CHECK(t >= 0 && t < V, "vocab_parallel_cross_entropy: target ", t, " outside the vocabulary [0, ", V, ")");
+    counted[size_t(r)] = 1.0;
+    ++n_counted;
+    if (t >= vocab_start && t < vocab_start + valid) {
+      flat[size_t(r)] = r * Vl + (t - vocab_start);
+      here[size_t(r)] = 1.0;
+    }
+  }
+  const double factor = opt.sum ? opt.scale : (n_counted > 0 ? opt.scale / double(n_counted) : 0.0);
+
+  Tensor X, m, S, loss, flat_t, here_t;
+  {
+    autograd::NoGradGuard ng;
+    X = contiguous(reshape(logits, {rows, Vl}));
+    if (is_half(X.dtype())) X = to(X, DType::f32);
+    const DType dt = X.dtype();
+    const Device dev = X.device();
+    Tensor Xv = narrow(X, 1, 0, valid);
+    m = valid > 0 ? contiguous(amax(Xv, 1)) : full({rows}, std::numeric_limits<float>::lowest(), dt, dev);
+    group.all_reduce(m, comm::ReduceOp::max)->wait();
+    S = valid > 0 ? contiguous(sum(exp(sub(Xv, unsqueeze(m, 1))), {1})) : zeros({rows}, dt, dev);
+    group.all_reduce(S, comm::ReduceOp::sum)->wait();
+    flat_t = from_vector(flat, {rows}, dev);
+    here_t = to(from_vector(here, {rows}, dev), dt);
+    Tensor xt = contiguous(mul(reshape(embedding(reshape(X, {rows * Vl, 1}), flat_t), {rows}), here_t));
+    group.all_reduce(xt, comm::ReduceOp::sum)->wait();
+    Tensor counted_t = to(from_vector(counted, {rows}, dev), dt);
+    Tensor per_row = mul(sub(add(log(S), m), xt), counted_t);
+    loss = to(mul(sum(per_row), factor), logits.dtype());
+  }
+  if (autograd::needs_grad({logits})) {
+    Tensor kx = autograd::detach(X);
+    Tensor counted_t = from_vector(counted, {rows}, X.device());
+    Shape shape = logits.shape();
+    DType want = logits.dtype();
+    autograd::record("vocab_parallel_cross_entropy", {logits}, {loss},
+                     [kx, m, S, flat_t, here_t, counted_t, rows, Vl, valid, factor, shape, want](const autograd::TensorList& g) {
+      // dloss_row = upstream * factor for counted rows; dx = (softmax - onehot) * dloss_row.
+      Tensor d = mul(to(counted_t, kx.dtype()), item(g[0]) * factor);
+      Tensor dx = contiguous(mul(div(exp(sub(kx, unsqueeze(m, 1))), unsqueeze(S, 1)), unsqueeze(d, 1)));
+      if (valid < Vl) zero_(narrow(dx, 1, valid, Vl - valid));
+      Tensor minus_d = contiguous(unsqueeze(neg(mul(d, here_t)), 1));  // [rows, 1]
+      // dx[r, t_r] -= dloss_row: a scatter-add of one value per row (+= into dx)
+      SG_KERNEL(dx.device(), embedding_backward)(dx.dtype(), flat_t.dtype(), dx.data_ptr(), minus_d.data_ptr(),
+                                                flat_t.data_ptr(), rows, 1);
+      return autograd::TensorList{to(reshape(dx, shape), want)};
+    });
+  }
+  return loss;
+}
+
+}  // namespace sg::parallel::tp

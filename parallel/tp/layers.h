@@ -1,0 +1,113 @@
+// Tensor-parallel layers (Megatron-LM): each is a rank-local GEMM plus one mirrored collective
+// from parallel/functional.h. p = tp group size, i = this rank.
+//
+//   ColumnParallelLinear  A = [A_1; ...; A_p] split by output rows (W is [out, in]):
+//                         Y_i = X A_i^T + b_i; optionally Y = [Y_1 | ... | Y_p] (gather_output).
+//                         X enters through copy_to_region, so dX is all-reduced in backward.
+//   RowParallelLinear     A = [A_1 | ... | A_p] split by input columns; X = [X_1 | ... | X_p]
+//                         arrives split: Y = sum_i X_i A_i^T (reduce_from_region) + b, b once.
+//   VocabParallelEmbedding rows [i V/p, (i+1) V/p) of the table; ids outside give 0; all-reduce.
+//   ParallelAttention     c_attn column-parallel with q, k, v each split, so rank i holds heads
+//                         [i H/p, (i+1) H/p); c_proj row-parallel.
+//   ParallelMLP           c_fc column-parallel, GELU on the local slice, c_proj row-parallel.
+// A block is then 2 all-reduces forward (the two row-parallel outputs) and 2 backward (the two
+// copy_to_region inputs).
+//
+// Every layer can copy its slice out of the unsharded layer (load_full) so that tests compare a
+// sharded layer with the single-process one built from the same weights.
+#pragma once
+#include <memory>
+#include <string>
+
+#include "autograd/ops.h"
+#include "models/gpt.h"
+#include "models/module.h"
+#include "parallel/comm/process_group.h"
+
+namespace sg::parallel::tp {
+
+using GroupPtr = std::shared_ptr<comm::ProcessGroup>;
+
+// How a tensor is split over the tp group: along dim (-1: replicated), the dim first cut into
+// `parts` equal blocks (q, k, v: 3), each block then split p ways; rank i keeps its piece of each.
+struct Split {
+  int64_t dim = -1;
+  int64_t parts = 1;
+  bool replicated() const { return dim < 0; }
+};
+// Rank `rank`'s piece of the full tensor (a copy; replicated tensors come back as they are).
+Tensor shard_of(const Tensor& full, Split s, int rank, int size);
+// The full tensor from every rank's piece (an all-gather over the group; not recorded).
+Tensor unshard(const Tensor& local, Split s, comm::ProcessGroup& group);
+// How GPT's parameters are split under tensor parallelism, by name ("h.0.attn.c_attn.weight").
+Split gpt_param_split(const std::string& name);
+
+class ColumnParallelLinear : public nn::Module {
+ public:
+  // parts: the output dim is `parts` blocks each split p ways (c_attn's q, k, v: 3).
+  ColumnParallelLinear(int64_t in, int64_t out, bool bias, GroupPtr group, bool gather_output = false,
+                       int64_t parts = 1, DType dtype = DType::f32, Device device = Device::cpu());
+  Tensor forward(const Tensor& x) const;
+  void load_full(const nn::Linear& full);
+  const char* type_name() const override { return "ColumnParallelLinear"; }
+  Tensor weight, bias;  // [out/p, in], [out/p]
+  GroupPtr group;
+  bool gather_output;
+  int64_t parts;
+};
+
+class RowParallelLinear : public nn::Module {
+ public:
+  RowParallelLinear(int64_t in, int64_t out, bool bias, GroupPtr group, DType dtype = DType::f32,
+                    Device device = Device::cpu());
+  // x: this rank's [..., in/p] slice (the output of a column-parallel layer).
+  Tensor forward(const Tensor& x) const;
+  void load_full(const nn::Linear& full);
+  const char* type_name() const override { return "RowParallelLinear"; }
+  Tensor weight, bias;  // [out, in/p], [out] (replicated)
+  GroupPtr group;
+};
+
+class VocabParallelEmbedding : public nn::Module {
+ public:
+  VocabParallelEmbedding(int64_t num, int64_t dim, GroupPtr group, DType dtype = DType::f32,
+                         Device device = Device::cpu());
+  Tensor forward(const Tensor& idx) const;  // idx [...] -> [..., dim], replicated
+  void load_full(const nn::Embedding& full);
+  const char* type_name() const override { return "VocabParallelEmbedding"; }
+  int64_t vocab_start() const { return group->rank() * weight.size(0); }
+  Tensor weight;  // [num/p, dim]: rows [vocab_start, vocab_start + num/p)
+  GroupPtr group;
+};
+
+// Cross-entropy over logits split along the vocabulary: this rank holds columns
+// [vocab_start, vocab_start + Vl) of the padded vocabulary. Full logits are never gathered:
+//   m = max_all(x), S = sum_all(exp(x - m)), x_t = sum_all(target logit if local) (3 all-reduces
+//   of [rows]); loss_row = log S + m - x_t. Columns >= opt.vocab never count; targets equal to
+//   opt.ignore_index contribute nothing. Backward, local: dx = (softmax(x) - onehot(t)) * dloss_row.
+Tensor vocab_parallel_cross_entropy(const Tensor& logits, const Tensor& targets, int64_t vocab_start,
+                                    comm::ProcessGroup& group, const CrossEntropyOptions& opt = {});
+
+class ParallelAttention : public nn::Module {
+ public:
+  ParallelAttention(const nn::GPTConfig& c, GroupPtr group, DType dtype = DType::f32, Device device = Device::cpu());
+  Tensor forward(const Tensor& x, bool recompute_core) const;
+  void load_full(const nn::CausalSelfAttention& full);
+  const char* type_name() const override { return "ParallelAttention"; }
+  std::shared_ptr<ColumnParallelLinear> c_attn;
+  std::shared_ptr<RowParallelLinear> c_proj;
+  int64_t local_heads;
+  double dropout;
+};
+
+class ParallelMLP : public nn::Module {
+ public:
+  ParallelMLP(const nn::GPTConfig& c, GroupPtr group, DType dtype = DType::f32, Device device = Device::cpu());
+  Tensor forward(const Tensor& x) const;
+  void load_full(const nn::MLP& full);
+  const char* type_name() const override { return "ParallelMLP"; }
+  std::shared_ptr<ColumnParallelLinear> c_fc;
+  std::shared_ptr<RowParallelLinear> c_proj;
+};
+
+}  // namespace sg::parallel::tp

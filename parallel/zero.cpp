@@ -1,0 +1,277 @@
+#include "parallel/zero.h"
+
+#include <algorithm>
+#include <cmath>
+#include <set>
+
+#include "autograd/ops.h"
+#include "autograd/tape.h"
+#include "kernels/ops.h"
+
+namespace sg::parallel {
+
+ZeroOptimizer::ZeroOptimizer(NamedTensors params, std::shared_ptr<comm::ProcessGroup> group, optim::AdamWConfig adam,
+                             ZeroOptions opt)
+    : params_(std::move(params)), group_(std::move(group)), adam_(adam), opt_(opt), alive_(std::make_shared<bool>(true)) {
+  SG_CHECK(group_, "zero: no process group");
+  SG_CHECK(opt_.stage == 1 || opt_.stage == 2, "zero: stage ", opt_.stage, " is not available (expected 1 or 2)");
+  SG_CHECK(opt_.bucket_bytes > 0, "zero: --bucket-mb must be > 0");
+  SG_CHECK(!params_.empty(), "zero: no parameters");
+  dtype_ = params_[0].second.dtype();
+  const Device dev = params_[0].second.device();
+  SG_CHECK(dtype_ == DType::f32 || dtype_ == DType::bf16 || dtype_ == DType::f16, "zero: parameters are ",
+           dtype_name(dtype_), " (expected f32, bf16 or f16)");
+  for (auto& [n, p] : params_) {
+    SG_CHECK(p.dtype() == dtype_ && p.device() == dev, "zero: parameter '", n, "' is ", p.describe(), ", but '",
+             params_[0].first, "' is ", params_[0].second.describe(), ": one flat vector needs one dtype and device");
+    SG_CHECK(p.is_contiguous(), "zero: parameter '", n, "' is not contiguous");
+    offsets_.push_back(psi_);
+    psi_ += p.numel();
+  }
+  const int N = group_->size(), r = group_->rank();
+  shard_ = (psi_ + N - 1) / N;  // Ψp = N·S: at most N-1 zero padding elements at the end
+  psi_p_ = shard_ * N;
+  for_pieces(r * shard_, (r + 1) * shard_, [&](size_t p, int64_t lo, int64_t len, int64_t pos) {
+    segments_.push_back(Segment{p, lo, len, pos - r * shard_});
+  });
+
+  const int64_t elem = int64_t(dtype_size(dtype_));
+  const int64_t c = std::clamp<int64_t>(opt_.bucket_bytes / (N * elem), 1, shard_);
+  stripes_of_.resize(params_.size());
+  for (int64_t begin = 0; begin < shard_; begin += c) {
+    Stripe s;
+    s.begin = begin;
+    s.len = std::min(c, shard_ - begin);
+    std::set<size_t> touched;
+    for (int q = 0; q < N; ++q)
+      for_pieces(q * shard_ + begin, q * shard_ + begin + s.len, [&](size_t p, int64_t, int64_t, int64_t) { touched.insert(p); });
+    s.params.assign(touched.begin(), touched.end());
+    s.pending = int(s.params.size());
+    for (size_t p : s.params) stripes_of_[p].push_back(stripes_.size());
+    stripes_.push_back(std::move(s));
+  }
+  unlaunched_.resize(params_.size());
+  for (size_t p = 0; p < params_.size(); ++p) unlaunched_[p] = int(stripes_of_[p].size());
+  marked_.assign(params_.size(), 0);
+
+  {
+    MemScope scope(MemCategory::optim_state);  // ZeRO's K·Ψ/N: m, v (and f32 masters) for the shard only
+    m_ = zeros({shard_}, DType::f32, dev);
+    v_ = zeros({shard_}, DType::f32, dev);
+    if (dtype_ != DType::f32) master_ = zeros({shard_}, DType::f32, dev);
+  }
+  if (master_.defined()) {
+    autograd::NoGradGuard ng;
+    for (const Segment& s : segments_) copy_(narrow(master_, 0, s.at, s.len), piece(params_[s.param].second, s.lo, s.len));
+  }
+  if (opt_.stage == 2) {
+    MemScope scope(MemCategory::grad);  // the partitioned gradient: 4Ψp/N bytes in f32
+    grad_shard_ = zeros({shard_}, dtype_, dev);
+    std::weak_ptr<bool> alive = alive_;
+    for (size_t i = 0; i < params_.size(); ++i)
+      params_[i].second.add_grad_ready_hook([this, i, alive](const Tensor&) {
+        if (alive.lock()) on_grad_ready(i);
+      });
+  }
+}
+
+ZeroOptimizer::~ZeroOptimizer() {
+  for (size_t k : in_flight_)
+    if (stripes_[k].work) stripes_[k].work->wait();
+  *alive_ = false;
+}
+
+template <class Fn>
+void ZeroOptimizer::for_pieces(int64_t begin, int64_t end, Fn fn) const {
+  size_t i = size_t(std::upper_bound(offsets_.begin(), offsets_.end(), begin) - offsets_.begin());
+  i = i ? i - 1 : 0;
+  for (; i < params_.size() && offsets_[i] < end; ++i) {
+    const int64_t off = offsets_[i], n = params_[i].second.numel();
+    const int64_t lo = std::max(begin, off), hi = std::min(end, off + n);
+    if (hi > lo) fn(i, lo - off, hi - lo, lo);
+  }
+}
+
+Tensor ZeroOptimizer::piece(const Tensor& t, int64_t lo, int64_t len) const {
+  return narrow(reshape(t, {t.numel()}), 0, lo, len);
+}
+
+void ZeroOptimizer::broadcast_parameters() {
+  autograd::NoGradGuard ng;
+  for (auto& [n, p] : params_) group_->broadcast(p, 0)->wait();
+  if (master_.defined())
+    for (const Segment& s : segments_) copy_(narrow(master_, 0, s.at, s.len), piece(params_[s.param].second, s.lo, s.len));
+}
+
+void ZeroOptimizer::on_grad_ready(size_t i) {
+  if (!sync_ || marked_[i]) return;
+  marked_[i] = 1;
+  for (size_t k : stripes_of_[i])
+    if (--stripes_[k].pending == 0) launch(k);
+}
+
+// Copies the stripe's gradient pieces from every rank's window into a fresh buffer and
+// reduce-scatters it: stage 2 straight into the shard gradient, stage 1 into the buffer's tail.
+void ZeroOptimizer::launch(size_t k) {
+  autograd::NoGradGuard ng;
+  reap();
+  Stripe& s = stripes_[k];
+  s.launched = true;
+  const int N = group_->size();
+  {
+    MemScope scope(MemCategory::comm_buffer);
+    s.buffer = empty({N * s.len + (opt_.stage == 1 ? s.len : 0)}, dtype_, m_.device());
+  }
+  Tensor in = narrow(s.buffer, 0, 0, N * s.len);
+  zero_(in);  // padding, and parameters that got no gradient
+  for (int q = 0; q < N; ++q) {
+    const int64_t window = q * shard_ + s.begin;
+    for_pieces(window, window + s.len, [&](size_t p, int64_t lo, int64_t len, int64_t pos) {
+      Tensor g = params_[p].second.grad();
+      if (g.defined()) copy_(narrow(in, 0, q * s.len + pos - window, len), piece(g, lo, len));
+    });
+  }
+  Tensor out = opt_.stage == 2 ? narrow(grad_shard_, 0, s.begin, s.len) : narrow(s.buffer, 0, N * s.len, s.len);
+  s.work = group_->reduce_scatter(out, in, comm::ReduceOp::avg);
+  in_flight_.push_back(k);
+  if (opt_.stage == 2)  // a full gradient is dead once every stripe touching it has been copied
+    for (size_t p : s.params)
+      if (--unlaunched_[p] == 0) params_[p].second.set_grad(Tensor());
+}
+
+// Waits for a stripe; stage 1 writes this rank's averaged window back into its own .grad pieces.
+void ZeroOptimizer::complete(Stripe& s) {
+  s.work->wait();
+  if (opt_.stage == 1) {
+    const int N = group_->size();
+    const int64_t window = group_->rank() * shard_ + s.begin;
+    for_pieces(window, window + s.len, [&](size_t p, int64_t lo, int64_t len, int64_t pos) {
+      const Tensor& param = params_[p].second;
+      if (!param.grad().defined()) {
+        MemScope scope(MemCategory::grad);
+        param.set_grad(zeros(param.shape(), dtype_, param.device()));
+      }
+      SG_CHECK(param.grad().is_contiguous(), "zero: the gradient of '", params_[p].first, "' is not contiguous");
+      copy_(piece(param.grad(), lo, len), narrow(s.buffer, 0, N * s.len + pos - window, len));
+    });
+  }
+  s.work.reset();
+  s.buffer = Tensor();
+}
+
+// Frees the buffers of stripes whose reduce-scatter has completed (in launch order).
+void ZeroOptimizer::reap() {
+  while (!in_flight_.empty() && stripes_[in_flight_.front()].work->test()) {
+    complete(stripes_[in_flight_.front()]);
+    in_flight_.erase(in_flight_.begin());
+  }
+}
+
+void ZeroOptimizer::finish_gradients() {
+  if (!sync_) return;
+  autograd::NoGradGuard ng;
+  // Stage 1 issues every stripe here; stage 2 only the ones whose parameters did not all get a
+  // gradient. Stripe order, so every rank issues the same sequence. At most two buffers in flight.
+  for (size_t k = 0; k < stripes_.size(); ++k) {
+    if (stripes_[k].launched) continue;
+    launch(k);
+    while (in_flight_.size() > 2) {
+      complete(stripes_[in_flight_.front()]);
+      in_flight_.erase(in_flight_.begin());
+    }
+  }
+  for (size_t k : in_flight_) complete(stripes_[k]);
+  in_flight_.clear();
+  for (auto& s : stripes_) {
+    s.launched = false;
+    s.pending = int(s.params.size());
+  }
+  for (size_t p = 0; p < params_.size(); ++p) unlaunched_[p] = int(stripes_of_[p].size());
+  std::fill(marked_.begin(), marked_.end(), 0);
+}
+
+double ZeroOptimizer::grad_norm() {
+  autograd::NoGradGuard ng;
+  double ss = 0;
+  if (opt_.stage == 2) {
+    ss = sum_squares(grad_shard_);  // padding is zero
+  } else {
+    for (const Segment& s : segments_) {
+      Tensor g = params_[s.param].second.grad();
+      if (g.defined()) ss += sum_squares(piece(g, s.lo, s.len));
+    }
+  }
+  Tensor t = from_vector<double>({ss}, {1});
+  group_->all_reduce(t, comm::ReduceOp::sum)->wait();
+  return std::sqrt(item(t));
+}
+
+void ZeroOptimizer::step(double lr, double grad_scale) {
+  autograd::NoGradGuard ng;
+  ++step_;
+  for (const Segment& s : segments_) {
+    const Tensor& p = params_[s.param].second;
+    Tensor g = opt_.stage == 2 ? narrow(grad_shard_, 0, s.at, s.len)
+                               : (p.grad().defined() ? piece(p.grad(), s.lo, s.len) : Tensor());
+    if (!g.defined()) continue;
+    if (g.dtype() != DType::f32) g = to(g, DType::f32);
+    g = contiguous(g);
+    Tensor target = master_.defined() ? narrow(master_, 0, s.at, s.len) : piece(p, s.lo, s.len);
+    kernels::AdamWArgs a;
+    a.dtype = DType::f32;
+    a.n = s.len;
+    a.param = target.data_ptr();
+    a.grad = g.data_ptr();
+    a.m = m_.data<float>() + s.at;
+    a.v = v_.data<float>() + s.at;
+    a.lr = lr;
+    a.beta1 = adam_.beta1;
+    a.beta2 = adam_.beta2;
+    a.eps = adam_.eps;
+    a.weight_decay = optim::AdamW::decays(p) ? adam_.weight_decay : 0.0;  // the per-segment mask
+    a.grad_scale = grad_scale;
+    a.step = step_;
+    SG_KERNEL(p.device(), adamw)(a);
+  }
+  // All-gather the updated shards, stripe by stripe, one stripe in flight while the previous one
+  // is scattered into the parameters.
+  const int N = group_->size(), r = group_->rank();
+  auto issue = [&](Stripe& s) {
+    MemScope scope(MemCategory::comm_buffer);
+    s.buffer = empty({N * s.len}, dtype_, m_.device());
+    Tensor own = narrow(s.buffer, 0, r * s.len, s.len);
+    const int64_t window = r * shard_ + s.begin;
+    if (master_.defined()) {
+      copy_(own, narrow(master_, 0, s.begin, s.len));  // rounds the f32 masters to the parameters' dtype
+    } else {
+      zero_(own);
+      for_pieces(window, window + s.len, [&](size_t p, int64_t lo, int64_t len, int64_t pos) {
+        copy_(narrow(own, 0, pos - window, len), piece(params_[p].second, lo, len));
+      });
+    }
+    s.work = group_->all_gather(s.buffer, own);
+  };
+  auto scatter = [&](Stripe& s) {
+    s.work->wait();
+    for (int q = 0; q < N; ++q) {
+      const int64_t window = q * shard_ + s.begin;
+      for_pieces(window, window + s.len, [&](size_t p, int64_t lo, int64_t len, int64_t pos) {
+        copy_(piece(params_[p].second, lo, len), narrow(s.buffer, 0, q * s.len + pos - window, len));
+      });
+    }
+    s.work.reset();
+    s.buffer = Tensor();
+  };
+  for (size_t k = 0; k < stripes_.size(); ++k) {
+    issue(stripes_[k]);
+    if (k > 0) scatter(stripes_[k - 1]);
+  }
+  scatter(stripes_.back());
+}
+
+void ZeroOptimizer::zero_grad() {
+  for (auto& [n, p] : params_) p.set_grad(Tensor());
+  if (grad_shard_.defined()) zero_(grad_shard_);
+}
+
+}  // namespace sg::parallel

@@ -1,0 +1,127 @@
+// ZeRO stages 1 and 2 (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
+// Parameter Models"): data parallelism whose optimizer state — and, at stage 2, gradients — are
+// partitioned over the group instead of replicated.
+//
+// Layout. The parameters, in registration order, form one logical flat vector of Ψ elements,
+// padded with zeros to Ψp = ceil(Ψ/N)·N (at most N-1 padding elements). Rank r owns the contiguous
+// range [r·S, (r+1)·S), S = Ψp/N. Ownership is kept per segment (a parameter's piece inside the
+// shard), which is also where the weight-decay mask lives: a segment decays iff its parameter is
+// >= 2-D.
+//
+// Buckets are stripes. A reduce-scatter needs N equal chunks, chunk r landing on rank r, so a
+// bucket is the same c-element window [k·c, k·c + c) of every rank's shard: its N·c-element buffer
+// is chunk r = flat[r·S + k·c, r·S + k·c + c). Summed over stripes, the reduce-scatters cover Ψp
+// exactly once: (N-1)/N·Ψp·dtype bytes per step, and the all-gather of the updated shards the same
+// — together DDP's 2Ψ. Trade-off of the contiguous ownership: a stripe is complete only when
+// shard 0's window (the first parameters, which backward finishes last) is, so at stage 2 the
+// stripes launch during roughly the last 1/N of backward rather than all along it.
+//
+// Memory per rank, f32 parameters with AdamW (K = 8 bytes per element for m and v; no master copy):
+//   stage 1: param 4Ψ, grad 4Ψ,           optim_state 8Ψp/N
+//   stage 2: param 4Ψ, grad 4Ψp/N (after finish_gradients), optim_state 8Ψp/N
+// With bf16/f16 parameters the f32 master weights are partitioned too (optim_state 12Ψp/N) and
+// gradients travel and are kept in the parameters' dtype.
+//
+// Stage 1: full gradients stay on every rank; finish_gradients() reduce-scatters (avg) the stripes
+// after backward and writes this rank's averaged elements back into its own .grad pieces.
+// Stage 2: each parameter's grad-ready hook counts down the stripes it touches; a stripe whose
+// parameters are all ready is copied into an in-flight buffer (comm_buffer, freed on completion)
+// and reduce-scattered straight into the persistent shard gradient (grad, S elements); a
+// parameter's full .grad is freed as soon as every stripe touching it has been copied.
+// Gradient accumulation (set_sync(false), PyTorch's no_sync): the full .grad tensors accumulate
+// locally until the last micro-batch, which alone communicates — the bytes per step stay those
+// above, at the cost of holding the full 4Ψ gradient during accumulation (the alternative,
+// reduce-scattering every micro-batch into the shard, would multiply the traffic by the number of
+// micro-batches).
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "optim/optim.h"
+#include "parallel/comm/process_group.h"
+
+namespace sg::parallel {
+
+struct ZeroOptions {
+  int stage = 1;                      // 1: optimizer state partitioned; 2: gradients too
+  int64_t bucket_bytes = 25ll << 20;  // --bucket-mb: bytes of one stripe's reduce-scatter input
+};
+
+class ZeroOptimizer {
+ public:
+  using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
+  ZeroOptimizer(NamedTensors params, std::shared_ptr<comm::ProcessGroup> group, optim::AdamWConfig adam,
+                ZeroOptions opt);
+  ~ZeroOptimizer();
+  ZeroOptimizer(const ZeroOptimizer&) = delete;
+  ZeroOptimizer& operator=(const ZeroOptimizer&) = delete;
+
+  // Makes every rank start from rank 0's parameters (and re-seeds the f32 master shard).
+  void broadcast_parameters();
+  // false: backward only accumulates locally into the full .grad tensors; true: the next backward
+  // reduces (stage 2 from the grad-ready hooks).
+  void set_sync(bool sync) { sync_ = sync; }
+  // Waits for (stage 1: issues, then waits for) every stripe's reduce-scatter: this rank's shard
+  // then holds the gradient averaged over the group. Parameters without a gradient count zero.
+  void finish_gradients();
+  // sqrt(Σ over ranks of this shard's sum of squares): one 8-byte f64 all_reduce. Call after
+  // finish_gradients(); the norm is of the gradients as stored (before any grad_scale).
+  double grad_norm();
+  // AdamW on the owned shard (gradients multiplied by grad_scale first), then the updated shards
+  // are all-gathered into every rank's full parameters.
+  void step(double lr, double grad_scale = 1.0);
+  // Drops the full .grad tensors and zeroes the shard gradient (stage 2 keeps its allocation).
+  void zero_grad();
+
+  int stage() const { return opt_.stage; }
+  int64_t numel() const { return psi_; }           // Ψ
+  int64_t padded_numel() const { return psi_p_; }  // Ψp
+  int64_t shard_numel() const { return shard_; }   // S = Ψp / N
+  int num_stripes() const { return int(stripes_.size()); }
+  int64_t steps() const { return step_; }
+  comm::ProcessGroup& group() { return *group_; }
+
+ private:
+  struct Segment {  // parameter `param`'s elements [lo, lo + len) at shard position `at`
+    size_t param;
+    int64_t lo, len, at;
+  };
+  struct Stripe {
+    int64_t begin = 0, len = 0;  // window [begin, begin + len) of every rank's shard
+    std::vector<size_t> params;  // every parameter with an element in some rank's window
+    int pending = 0;             // stage 2: of those, how many still lack their gradient
+    bool launched = false;
+    Tensor buffer;               // in flight: N·len input elements, then len output (stage 1)
+    std::shared_ptr<comm::Work> work;
+  };
+  // Calls fn(param, lo, len, pos) for every parameter piece inside flat range [begin, end).
+  template <class Fn>
+  void for_pieces(int64_t begin, int64_t end, Fn fn) const;
+  Tensor piece(const Tensor& t, int64_t lo, int64_t len) const;
+  void on_grad_ready(size_t param);
+  void launch(size_t stripe);
+  void complete(Stripe& s);
+  void reap();
+
+  NamedTensors params_;
+  std::shared_ptr<comm::ProcessGroup> group_;
+  optim::AdamWConfig adam_;
+  ZeroOptions opt_;
+  DType dtype_;
+  int64_t psi_ = 0, psi_p_ = 0, shard_ = 0;
+  std::vector<int64_t> offsets_;  // flat offset of each parameter
+  std::vector<Segment> segments_;  // this rank's shard, in order
+  std::vector<Stripe> stripes_;
+  std::vector<std::vector<size_t>> stripes_of_;  // per parameter
+  std::vector<int> unlaunched_;                  // per parameter: stripes touching it not yet copied
+  std::vector<char> marked_;
+  std::vector<size_t> in_flight_;
+  Tensor grad_shard_;           // stage 2: S elements, the parameters' dtype (grad)
+  Tensor master_, m_, v_;       // S elements each, f32 (optim_state); master_ only for bf16/f16
+  bool sync_ = true;
+  int64_t step_ = 0;
+  std::shared_ptr<bool> alive_;  // hooks outlive us on the parameters: they check this first
+};
+
+}  // namespace sg::parallel

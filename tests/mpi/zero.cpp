@@ -1,0 +1,178 @@
+// ZeRO stages 1 and 2 under mpirun: the same losses as one process with the same global batch
+// (gradient accumulation and clipping on), the ledger's bytes per rank against the ZeRO paper's
+// formulas, and the reduce-scatter + all-gather volume per step.
+#include <catch2/catch.hpp>
+#include <cmath>
+
+#include "autograd/ops.h"
+#include "autograd/tape.h"
+#include "core/ledger.h"
+#include "models/gpt.h"
+#include "optim/optim.h"
+#include "parallel/comm/mpi_backend.h"
+#include "parallel/zero.h"
+#include "tests/support.h"
+
+using namespace sg;
+
+namespace {
+
+nn::GPTConfig tiny() { return testing::tiny_gpt(); }
+
+constexpr int64_t kB = 8, kT = 8;
+constexpr double kClip = 0.6;  // the tiny model's norms run 0.5-1.0: some steps clip, some do not
+
+// Batch `step` of a fixed token stream: every rank sees the same global batch.
+void batch(int64_t step, Tensor& idx, Tensor& tgt) {
+  Tensor r = rand({kB, kT + 1}, 2024, uint64_t(step), 0, 23);
+  std::vector<int64_t> tok;
+  for (float v : to_vector<float>(r)) tok.push_back(int64_t(v));
+  std::vector<int64_t> x, y;
+  for (int64_t b = 0; b < kB; ++b)
+    for (int64_t t = 0; t < kT; ++t) {
+      x.push_back(tok[size_t(b * (kT + 1) + t)]);
+      int64_t next = tok[size_t(b * (kT + 1) + t + 1)];
+      y.push_back((b * 7 + t * 3) % 11 == 0 ? -1 : next);
+    }
+  idx = from_vector(x, {kB, kT});
+  tgt = from_vector(y, {kB, kT});
+}
+
+// What the last step of a ZeRO run measured: the ledger right after the optimizer step (before
+// zero_grad) and the group's counters over that step's gradient reduction and step.
+struct Probe {
+  MemStats mem;
+  comm::CommCounters comm;
+  int64_t reduce_scatters_in_backward = 0;  // issued before finish_gradients(): the hooks' work
+  int stripes = 0;
+  int64_t psi = 0, psi_p = 0;
+  int clipped_steps = 0;
+};
+
+// Trains for `steps`; with a group, this rank takes its rows and ZeRO at `stage` shards the rest.
+std::vector<double> train(int steps, int64_t micro, int stage, std::shared_ptr<comm::ProcessGroup> group,
+                          Probe* probe = nullptr) {
+  nn::GPT model(tiny());
+  model.init_weights(5);
+  optim::AdamWConfig oc;
+  oc.weight_decay = 0.1;
+  const int world = group ? group->size() : 1, rank = group ? group->rank() : 0;
+  std::unique_ptr<optim::AdamW> opt;
+  std::unique_ptr<parallel::ZeroOptimizer> zero;
+  if (group) {
+    parallel::ZeroOptions zo;
+    zo.stage = stage;
+    zo.bucket_bytes = 4096;  // several stripes even for this model
+    zero = std::make_unique<parallel::ZeroOptimizer>(model.named_parameters(), group, oc, zo);
+    zero->broadcast_parameters();
+  } else {
+    opt = std::make_unique<optim::AdamW>(model.named_parameters(), oc);
+  }
+  std::vector<double> losses;
+  for (int s = 0; s < steps; ++s) {
+    Tensor idx, tgt;
+    batch(s, idx, tgt);
+    const double counted = double(count_targets(tgt, -1));
+    const int64_t local = kB / world, n_micro = local / micro;
+    Tensor li = narrow(idx, 0, rank * local, local), lt = narrow(tgt, 0, rank * local, local);
+    if (group) group->reset_counters();
+    double loss = 0;
+    for (int64_t m = 0; m < n_micro; ++m) {
+      if (zero) zero->set_sync(m == n_micro - 1);
+      autograd::Tape tape;
+      Tensor l;
+      {
+        autograd::TapeScope sc(tape);
+        l = model.loss(narrow(li, 0, m * micro, micro), narrow(lt, 0, m * micro, micro), true, world / counted);
+      }
+      loss += item(l) / world;
+      tape.backward(l);
+    }
+    double norm = 0;
+    if (zero) {
+      if (probe) probe->reduce_scatters_in_backward = group->counters()[comm::CommKind::reduce_scatter].calls;
+      zero->finish_gradients();
+      norm = zero->grad_norm();
+      zero->step(1e-2, optim::clip_coefficient(norm, kClip));
+      if (probe) {
+        probe->mem = Ledger::global().stats(Device::cpu());
+        probe->comm = group->counters();
+        probe->psi = zero->numel();
+        probe->psi_p = zero->padded_numel();
+        probe->stripes = zero->num_stripes();
+        probe->clipped_steps += norm > kClip;
+      }
+      zero->zero_grad();
+      Tensor t = from_vector<double>({loss}, {1});
+      group->all_reduce(t)->wait();
+      loss = item(t);
+    } else {
+      norm = optim::global_grad_norm(model.parameters());
+      opt->step(1e-2, optim::clip_coefficient(norm, kClip));
+      model.zero_grad();
+    }
+    losses.push_back(loss);
+  }
+  return losses;
+}
+
+std::shared_ptr<comm::ProcessGroup> world() {
+  static std::shared_ptr<comm::ProcessGroup> w = comm::MpiProcessGroup::world();
+  return w;
+}
+
+}  // namespace
+
+TEST_CASE("zero1 and zero2 reproduce the single-process losses for 20 steps, with accumulation and clipping", "[zero]") {
+  auto w = world();
+  const std::vector<double> reference = train(20, kB, 0, nullptr);
+  for (int stage : {1, 2})
+    for (int64_t micro : {kB / w->size(), int64_t(1)}) {
+      INFO("zero" << stage << ", micro-batch " << micro << " on " << w->size() << " ranks");
+      Probe probe;
+      std::vector<double> got = train(20, micro, stage, w, &probe);
+      REQUIRE(probe.clipped_steps > 0);  // clipping really engaged (and not on every step)
+      REQUIRE(probe.clipped_steps < 20);
+      for (size_t i = 0; i < reference.size(); ++i) {
+        INFO("step " << i);
+        REQUIRE(std::abs(got[i] - reference[i]) <= 1e-5 * std::abs(reference[i]));
+      }
+    }
+}
+
+TEST_CASE("ledger bytes on every rank equal ZeRO's formulas (f32, AdamW K = 8, no master copy)", "[zero]") {
+  auto w = world();
+  const int n = w->size();
+  for (int stage : {1, 2}) {
+    INFO("zero" << stage << ", rank " << w->rank() << " of " << n);
+    Probe probe;
+    train(2, 1, stage, w, &probe);
+    const int64_t psi = probe.psi, psi_p = probe.psi_p;
+    REQUIRE(psi == tiny().num_params());
+    REQUIRE(psi_p % n == 0);
+    REQUIRE(psi_p - psi < n);  // the only padding: up to N-1 elements so the shards are equal
+    REQUIRE(probe.mem.cur(MemCategory::param) == 4 * psi);
+    REQUIRE(probe.mem.cur(MemCategory::grad) == (stage == 1 ? 4 * psi : 4 * psi_p / n));
+    REQUIRE(probe.mem.cur(MemCategory::optim_state) == 8 * psi_p / n);
+    REQUIRE(probe.mem.cur(MemCategory::comm_buffer) == 0);  // bucket buffers live only in flight
+  }
+}
+
+TEST_CASE("zero1/zero2 move (n-1)/n * 4 Psi_p bytes in reduce-scatters and the same in all-gathers per step", "[zero]") {
+  auto w = world();
+  const int n = w->size();
+  for (int stage : {1, 2}) {
+    INFO("zero" << stage);
+    Probe probe;
+    train(1, 1, stage, w, &probe);  // accumulation over micro-batches: still one reduction per stripe
+    const int64_t expect = int64_t(n - 1) * probe.psi_p * 4 / n;
+    REQUIRE(probe.comm[comm::CommKind::reduce_scatter].bytes == expect);
+    REQUIRE(probe.comm[comm::CommKind::all_gather].bytes == expect);
+    REQUIRE(probe.comm[comm::CommKind::all_reduce].calls == 1);  // the norm's partial sums of squares
+    REQUIRE(probe.comm[comm::CommKind::all_reduce].bytes == comm::all_reduce_bytes(8, n));
+    REQUIRE(probe.stripes > 1);
+    // zero2 reduce-scatters every stripe from the grad-ready hooks during the last micro-batch's
+    // backward; zero1 only after backward
+    REQUIRE(probe.reduce_scatters_in_backward == (stage == 2 ? probe.stripes : 0));
+  }
+}
