@@ -12,7 +12,8 @@ static void usage() {
       "usage: shardgrad <command> [flags]\n\n"
       "commands:\n"
       "  train      train a GPT-2-family model (default: tiny model on the built-in synthetic task, CPU)\n"
-      "  generate   sample text from a trained model\n\n"
+      "  generate   sample text from a trained model\n"
+      "  export     write a checkpoint's weights as one Hugging Face GPT-2 .safetensors file\n\n"
       "run 'shardgrad <command> --help' for the flags of a command.\n");
 }
 
@@ -24,6 +25,7 @@ int main(int argc, char** argv) {
   try {
     if (!std::strcmp(argv[1], "train")) return sg::cli::train_main(argc - 2, argv + 2);
     if (!std::strcmp(argv[1], "generate")) return sg::cli::generate_main(argc - 2, argv + 2);
+    if (!std::strcmp(argv[1], "export")) return sg::cli::export_main(argc - 2, argv + 2);
     std::fprintf(stderr, "shardgrad: unknown command '%s'\n", argv[1]);
     usage();
     return 2;
