@@ -5,4 +5,5 @@ namespace sg::cli {
 int train_main(int argc, char** argv);
 int generate_main(int argc, char** argv);
 int export_main(int argc, char** argv);
+int plan_main(int argc, char** argv);
 }  // namespace sg::cli

@@ -13,6 +13,7 @@ static void usage() {
       "commands:\n"
       "  train      train a GPT-2-family model (default: tiny model on the built-in synthetic task, CPU)\n"
       "  generate   sample text from a trained model\n"
+      "  plan       simulate a pipeline schedule: bubble, activations, an SVG timeline\n"
       "  export     write a checkpoint's weights as one Hugging Face GPT-2 .safetensors file\n\n"
       "run 'shardgrad <command> --help' for the flags of a command.\n");
 }
@@ -26,6 +27,7 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[1], "train")) return sg::cli::train_main(argc - 2, argv + 2);
     if (!std::strcmp(argv[1], "generate")) return sg::cli::generate_main(argc - 2, argv + 2);
     if (!std::strcmp(argv[1], "export")) return sg::cli::export_main(argc - 2, argv + 2);
+    if (!std::strcmp(argv[1], "plan")) return sg::cli::plan_main(argc - 2, argv + 2);
     std::fprintf(stderr, "shardgrad: unknown command '%s'\n", argv[1]);
     usage();
     return 2;

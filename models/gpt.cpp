@@ -34,6 +34,7 @@ void GPTConfig::validate() const {
   SG_CHECK(dropout >= 0 && dropout < 1, "model: dropout ", dropout, " outside [0, 1)");
   SG_CHECK(tp >= 1, "--tp must be >= 1, got ", tp);
   SG_CHECK(n_head % tp == 0, "--tp ", tp, ": ", n_head, " heads cannot be split ", tp, " ways");
+  SG_CHECK(!sequence_parallel || tp > 1, "--sequence-parallel needs --tp > 1");
   SG_CHECK(vocab_rows() % tp == 0, "--tp ", tp, ": ", vocab_rows(), " vocabulary rows cannot be split ", tp, " ways");
 }
 
@@ -117,7 +118,10 @@ GPT::GPT(const GPTConfig& c, DType dtype, Device device, std::shared_ptr<comm::P
   c.validate();
   SG_CHECK(c.tp == 1 || (tp_group && tp_group->size() == c.tp), "GPT: --tp ", c.tp, " needs a tensor-parallel group of ",
            c.tp, " ranks, got ", tp_group ? std::to_string(tp_group->size()) : std::string("none"));
-  if (c.tp > 1) tp_wte = register_module("wte", std::make_shared<parallel::tp::VocabParallelEmbedding>(c.vocab_rows(), c.n_embd, tp_group, dtype, device));
+  if (c.tp > 1) {
+    tp_wte = register_module("wte", std::make_shared<parallel::tp::VocabParallelEmbedding>(c.vocab_rows(), c.n_embd, tp_group, dtype, device));
+    tp_wte->sequence_parallel = c.sequence_parallel;
+  }
   else wte = register_module("wte", std::make_shared<Embedding>(c.vocab_rows(), c.n_embd, dtype, device));
   wpe = register_module("wpe", std::make_shared<Embedding>(c.block_size, c.n_embd, dtype, device));
   for (int64_t i = 0; i < c.n_layer; ++i) h.push_back(register_module("h." + std::to_string(i), std::make_shared<Block>(c, dtype, device, tp_group)));
@@ -159,12 +163,18 @@ Tensor GPT::forward(const Tensor& idx) const {
   const int64_t T = idx.size(1);
   SG_CHECK(T <= config.block_size, "GPT: sequence length ", T, " exceeds block_size ", config.block_size);
   Tensor pos = arange(T, DType::i64, idx.device());
+  if (config.sequence_parallel) {  // this rank's positions: the embedding is reduce-scattered along T
+    SG_CHECK(T % config.tp == 0, "GPT: sequence parallelism needs the sequence length ", T, " to divide by --tp ", config.tp);
+    pos = narrow(pos, 0, tp_group->rank() * (T / config.tp), T / config.tp);
+  }
   Tensor x = add(wte ? wte->forward(idx) : tp_wte->forward(idx), wpe->forward(pos));  // [B,T,C] + [T,C]
   if (config.dropout > 0) x = dropout(x, config.dropout);
   for (const auto& block : h) x = block->forward(x, recompute);
   x = ln_f->forward(x);
-  if (tp_wte)  // column-parallel head: each rank's vocabulary rows; dx is all-reduced in backward
-    return matmul(parallel::copy_to_region(x, *tp_group), transpose(tp_wte->weight, 0, 1));
+  if (tp_wte) {  // column-parallel head over this rank's vocabulary rows, the whole sequence
+    x = config.sequence_parallel ? parallel::all_gather_seq(x, *tp_group) : parallel::copy_to_region(x, *tp_group);
+    return matmul(x, transpose(tp_wte->weight, 0, 1));
+  }
   return matmul(x, transpose(wte->weight, 0, 1));  // tied head: logits = x wte^T
 }
 

@@ -33,6 +33,10 @@ struct GPTConfig {
   // Tensor-parallel degree: > 1 builds the blocks, the embedding and the head from parallel/tp
   // over the group given to GPT (heads and vocabulary rows split tp ways).
   int64_t tp = 1;
+  // With tp > 1: activations outside the tensor-parallel regions are split along the sequence
+  // (parallel/tp/layers.h); gradients of replicated parameters then need
+  // parallel::tp::sync_sequence_parallel_grads after backward. Dropout masks are drawn per rank.
+  bool sequence_parallel = false;
   int64_t vocab_rows() const;
   int64_t head_dim() const { return n_embd / n_head; }
   void validate() const;  // throws naming the field
@@ -94,7 +98,8 @@ class GPT : public Module {
   // tp, each rank keeps its slice of the full draw).
   void init_weights(uint64_t seed);
   // idx [B, T] -> logits [B, T, vocab_rows]; under tp, this rank's vocabulary slice
-  // [B, T, vocab_rows / tp] (columns [rank * vocab_rows / tp, ...)).
+  // [B, T, vocab_rows / tp] (columns [rank * vocab_rows / tp, ...)), for the whole sequence
+  // also under sequence parallelism (T must then divide by tp).
   Tensor forward(const Tensor& idx) const;
   // Mean cross-entropy over the targets that are not -1 (the padded columns never count).
   // With sum=true: the sum, times scale (for averaging over a global batch). Under tp, the

@@ -10,6 +10,12 @@
 
 namespace sg::parallel {
 
+namespace {
+// Elements [lo, lo + len) of a contiguous tensor, as a 1-D view (a copy only if t is strided,
+// which is fine for reading).
+Tensor piece(const Tensor& t, int64_t lo, int64_t len) { return narrow(reshape(t, {t.numel()}), 0, lo, len); }
+}  // namespace
+
 ZeroOptimizer::ZeroOptimizer(NamedTensors params, std::shared_ptr<comm::ProcessGroup> group, optim::AdamWConfig adam,
                              ZeroOptions opt)
     : params_(std::move(params)), group_(std::move(group)), adam_(adam), opt_(opt), alive_(std::make_shared<bool>(true)) {
@@ -90,10 +96,6 @@ void ZeroOptimizer::for_pieces(int64_t begin, int64_t end, Fn fn) const {
     const int64_t lo = std::max(begin, off), hi = std::min(end, off + n);
     if (hi > lo) fn(i, lo - off, hi - lo, lo);
   }
-}
-
-Tensor ZeroOptimizer::piece(const Tensor& t, int64_t lo, int64_t len) const {
-  return narrow(reshape(t, {t.numel()}), 0, lo, len);
 }
 
 void ZeroOptimizer::broadcast_parameters() {

@@ -98,7 +98,6 @@ class ZeroOptimizer {
   // Calls fn(param, lo, len, pos) for every parameter piece inside flat range [begin, end).
   template <class Fn>
   void for_pieces(int64_t begin, int64_t end, Fn fn) const;
-  Tensor piece(const Tensor& t, int64_t lo, int64_t len) const;
   void on_grad_ready(size_t param);
   void launch(size_t stripe);
   void complete(Stripe& s);

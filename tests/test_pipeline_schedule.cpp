@@ -70,3 +70,15 @@ TEST_CASE("impossible pipelines are refused with the reason", "[pp]") {
   REQUIRE_THROWS_WITH(make_schedule("zigzag", 2, 4), Catch::Contains("unknown schedule 'zigzag'"));
   REQUIRE_THROWS_WITH(gpipe(2, 0), Catch::Contains("at least one micro-batch"));
 }
+
+#include "bench/report/timeline_svg.h"
+
+TEST_CASE("the timeline picture has one box per action and states the measured bubble", "[pp][report]") {
+  Timeline t = simulate(one_f_one_b(2, 4), 1, 2);
+  std::string svg = sg::report::timeline_svg(t, "1f1b");
+  size_t boxes = 0;
+  for (size_t p = svg.find("<title>"); p != std::string::npos; p = svg.find("<title>", p + 1)) ++boxes;
+  REQUIRE(boxes == 2 * 2 * 4);
+  REQUIRE(svg.find("bubble 25.0%") != std::string::npos);  // (p-1)/m = 1/4
+  REQUIRE(svg.rfind("</svg>") != std::string::npos);
+}

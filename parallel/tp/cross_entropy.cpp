@@ -1,6 +1,7 @@
 // Vocabulary-parallel cross-entropy (Megatron's _VocabParallelCrossEntropy): every quantity that
 // needs the whole vocabulary is a per-row scalar, so three all-reduces of [rows] replace a
 // gather of [rows, V] logits.
+#include <algorithm>
 #include <limits>
 
 #include "autograd/tape.h"
@@ -57,7 +58,7 @@ Tensor vocab_parallel_cross_entropy(const Tensor& logits, const Tensor& targets,
     group.all_reduce(xt, comm::ReduceOp::sum)->wait();
     Tensor counted_t = to(from_vector(counted, {rows}, dev), dt);
     Tensor per_row = mul(sub(add(log(S), m), xt), counted_t);
-    loss = to(mul(sum(per_row), factor), logits.dtype());
+    loss = mul(sum(per_row), factor);  // in the compute dtype (f32 for half logits), as cross_entropy
   }
   if (autograd::needs_grad({logits})) {
     Tensor kx = autograd::detach(X);
@@ -69,7 +70,11 @@ Tensor vocab_parallel_cross_entropy(const Tensor& logits, const Tensor& targets,
       // dloss_row = upstream * factor for counted rows; dx = (softmax - onehot) * dloss_row.
       Tensor d = mul(to(counted_t, kx.dtype()), item(g[0]) * factor);
       Tensor dx = contiguous(mul(div(exp(sub(kx, unsqueeze(m, 1))), unsqueeze(S, 1)), unsqueeze(d, 1)));
-      if (valid < Vl) zero_(narrow(dx, 1, valid, Vl - valid));
+      if (valid < Vl) {  // padded columns: no probability, no gradient
+        std::vector<double> real(size_t(Vl), 0.0);
+        std::fill(real.begin(), real.begin() + valid, 1.0);
+        dx = contiguous(mul(dx, to(from_vector(real, {1, Vl}, dx.device()), dx.dtype())));
+      }
       Tensor minus_d = contiguous(unsqueeze(neg(mul(d, here_t)), 1));  // [rows, 1]
       // dx[r, t_r] -= dloss_row: a scatter-add of one value per row (+= into dx)
       SG_KERNEL(dx.device(), embedding_backward)(dx.dtype(), flat_t.dtype(), dx.data_ptr(), minus_d.data_ptr(),

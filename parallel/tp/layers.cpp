@@ -46,6 +46,13 @@ Split gpt_param_split(const std::string& name) {
   return {};  // LayerNorms, wpe, row-parallel biases: replicated
 }
 
+void sync_sequence_parallel_grads(const nn::Module& gpt, comm::ProcessGroup& group) {
+  for (auto& [name, prm] : gpt.named_parameters()) {
+    if (!gpt_param_split(name).replicated() || !prm.grad().defined()) continue;
+    group.all_reduce(prm.grad(), comm::ReduceOp::sum)->wait();
+  }
+}
+
 // ---- linears ----
 
 ColumnParallelLinear::ColumnParallelLinear(int64_t in, int64_t out, bool has_bias, GroupPtr g, bool gather,
@@ -60,7 +67,7 @@ ColumnParallelLinear::ColumnParallelLinear(int64_t in, int64_t out, bool has_bia
 }
 
 Tensor ColumnParallelLinear::forward(const Tensor& x) const {
-  Tensor y = linear(copy_to_region(x, *group), weight, bias);
+  Tensor y = linear(sequence_parallel ? all_gather_seq(x, *group) : copy_to_region(x, *group), weight, bias);
   return gather_output ? gather_from_region(y, *group) : y;
 }
 
@@ -79,7 +86,8 @@ RowParallelLinear::RowParallelLinear(int64_t in, int64_t out, bool has_bias, Gro
 
 Tensor RowParallelLinear::forward(const Tensor& x) const {
   // The bias joins after the sum: added on every rank before it, it would count p times.
-  Tensor y = reduce_from_region(linear(x, weight, Tensor()), *group);
+  Tensor partial = linear(x, weight, Tensor());
+  Tensor y = sequence_parallel ? reduce_scatter_seq(partial, *group) : reduce_from_region(partial, *group);
   return bias.defined() ? add(y, bias) : y;
 }
 
@@ -114,7 +122,7 @@ Tensor VocabParallelEmbedding::forward(const Tensor& idx) const {
   mask_shape.push_back(1);
   Tensor mask = to(from_vector(keep, mask_shape, idx.device()), weight.dtype());
   Tensor part = mul(embedding(weight, from_vector(local, idx.shape(), idx.device())), mask);
-  return reduce_from_region(part, *group);
+  return sequence_parallel ? reduce_scatter_seq(part, *group) : reduce_from_region(part, *group);
 }
 
 void VocabParallelEmbedding::load_full(const nn::Embedding& full) {
@@ -129,6 +137,7 @@ ParallelAttention::ParallelAttention(const nn::GPTConfig& c, GroupPtr group, DTy
   c_attn = register_module("c_attn", std::make_shared<ColumnParallelLinear>(c.n_embd, 3 * c.n_embd, true, group,
                                                                             false, 3, dtype, device));
   c_proj = register_module("c_proj", std::make_shared<RowParallelLinear>(c.n_embd, c.n_embd, true, group, dtype, device));
+  c_attn->sequence_parallel = c_proj->sequence_parallel = c.sequence_parallel;
 }
 
 Tensor ParallelAttention::forward(const Tensor& x, bool recompute_core) const {
@@ -145,6 +154,7 @@ ParallelMLP::ParallelMLP(const nn::GPTConfig& c, GroupPtr group, DType dtype, De
   c_fc = register_module("c_fc", std::make_shared<ColumnParallelLinear>(c.n_embd, 4 * c.n_embd, true, group, false,
                                                                         1, dtype, device));
   c_proj = register_module("c_proj", std::make_shared<RowParallelLinear>(4 * c.n_embd, c.n_embd, true, group, dtype, device));
+  c_fc->sequence_parallel = c_proj->sequence_parallel = c.sequence_parallel;
 }
 
 Tensor ParallelMLP::forward(const Tensor& x) const { return c_proj->forward(gelu(c_fc->forward(x))); }

@@ -13,6 +13,14 @@
 // A block is then 2 all-reduces forward (the two row-parallel outputs) and 2 backward (the two
 // copy_to_region inputs).
 //
+// Sequence parallelism (Korthikanti et al.): outside the tensor-parallel regions (LayerNorms,
+// residual adds, dropout) activations are split along the sequence, [B, T/p, C]. The column-
+// parallel input then enters through all_gather_seq instead of copy_to_region and the row-
+// parallel output leaves through reduce_scatter_seq instead of reduce_from_region: an all-reduce
+// is a reduce-scatter plus an all-gather, so the bytes are the same and the activations p times
+// smaller. Replicated parameters (LayerNorms, row-parallel biases, wpe) then see only their
+// rank's tokens: sync_sequence_parallel_grads sums their gradients over the group.
+//
 // Every layer can copy its slice out of the unsharded layer (load_full) so that tests compare a
 // sharded layer with the single-process one built from the same weights.
 #pragma once
@@ -41,6 +49,9 @@ Tensor shard_of(const Tensor& full, Split s, int rank, int size);
 Tensor unshard(const Tensor& local, Split s, comm::ProcessGroup& group);
 // How GPT's parameters are split under tensor parallelism, by name ("h.0.attn.c_attn.weight").
 Split gpt_param_split(const std::string& name);
+// Under sequence parallelism, after backward: every replicated parameter's gradient (a partial
+// sum over this rank's tokens) becomes the sum over the group. One all-reduce per parameter.
+void sync_sequence_parallel_grads(const nn::Module& gpt, comm::ProcessGroup& group);
 
 class ColumnParallelLinear : public nn::Module {
  public:
@@ -54,6 +65,7 @@ class ColumnParallelLinear : public nn::Module {
   GroupPtr group;
   bool gather_output;
   int64_t parts;
+  bool sequence_parallel = false;  // x arrives as [B, T/p, in]: all-gathered along T
 };
 
 class RowParallelLinear : public nn::Module {
@@ -66,6 +78,7 @@ class RowParallelLinear : public nn::Module {
   const char* type_name() const override { return "RowParallelLinear"; }
   Tensor weight, bias;  // [out, in/p], [out] (replicated)
   GroupPtr group;
+  bool sequence_parallel = false;  // the sum leaves as [B, T/p, out]: reduce-scattered along T
 };
 
 class VocabParallelEmbedding : public nn::Module {
@@ -78,6 +91,7 @@ class VocabParallelEmbedding : public nn::Module {
   int64_t vocab_start() const { return group->rank() * weight.size(0); }
   Tensor weight;  // [num/p, dim]: rows [vocab_start, vocab_start + num/p)
   GroupPtr group;
+  bool sequence_parallel = false;  // idx [B, T] -> [B, T/p, dim]: reduce-scattered along T
 };
 
 // Cross-entropy over logits split along the vocabulary: this rank holds columns

@@ -42,6 +42,8 @@ double max_abs(const Tensor& a, const Tensor& b) {
 Tensor of_rank(const Shape& s, int r) { return randn(s, 7, 100 + uint64_t(r)); }
 Tensor shared(const Shape& s, uint64_t stream) { return randn(s, 7, stream); }
 
+Tensor split_seq(const Tensor& t, comm::ProcessGroup& g) { return contiguous(parallel::split_along(t, 1, g)); }
+
 Tensor leaf(const Tensor& t) {
   Tensor c = clone(t);
   c.set_requires_grad(true);
@@ -127,14 +129,14 @@ TEST_CASE("ColumnParallelLinear and RowParallelLinear equal nn::Linear, forward 
     Tensor x0 = shared({2, 3, in}, 5), probe = shared({2, 3, out}, 6), probe_row = shared({2, 3, in}, 7);
 
     // references
-    Tensor xr = leaf(x0), yr, xr2 = leaf(x0), yr2;
+    Tensor xr = leaf(x0), yr, yr2, loss_ref;
     autograd::Tape tr;
     {
       autograd::TapeScope s(tr);
       yr = full.forward(xr);
       yr2 = full_row.forward(yr);
+      loss_ref = add(dot(yr, probe), dot(yr2, probe_row));
     }
-    Tensor loss_ref = add(dot(yr, probe), dot(yr2, probe_row));
     tr.backward(loss_ref);
 
     for (bool gather : {false, true}) {
@@ -268,18 +270,20 @@ TEST_CASE("ParallelAttention and ParallelMLP equal the unsharded attention and M
       ref.zero_grad();
       attn.zero_grad();
       mlp.zero_grad();
-      Tensor xr = leaf(x0), x = leaf(x0), yr, y;
+      Tensor xr = leaf(x0), x = leaf(x0), yr, y, lr, l;
       autograd::Tape tr, t;
       {
         autograd::TapeScope s(tr);
         yr = blk.mlp->forward(blk.attn->forward(xr, selective));
+        lr = dot(yr, probe);
       }
-      tr.backward(dot(yr, probe));
+      tr.backward(lr);
       {
         autograd::TapeScope s(t);
         y = mlp.forward(attn.forward(x, selective));
+        l = dot(y, probe);
       }
-      t.backward(dot(y, probe));
+      t.backward(l);
       REQUIRE(max_abs(y, yr) < 1e-5);
       REQUIRE(max_abs(x.grad(), xr.grad()) < 1e-5);
       auto mine = attn.named_parameters(), theirs = blk.attn->named_parameters();
@@ -305,21 +309,22 @@ TEST_CASE("a GPT block under tp does 2 all-reduces forward and 2 backward, nothi
     nn::GPTConfig c = small_config(p);
     nn::Block blk(c, DType::f32, Device::cpu(), g);
     for (auto& prm : blk.parameters()) copy_(prm, mul(shared(prm.shape(), 1), 0.1));
-    const int64_t B = 2, T = 5;
-    Tensor x = leaf(shared({B, T, c.n_embd}, 2)), y;
+    const int64_t B = 2, T = 4;
+    Tensor x = leaf(shared({B, T, c.n_embd}, 2)), y, l;
     const int64_t act_bytes = B * T * c.n_embd * 4;
     autograd::Tape t;
     g->reset_counters();
     {
       autograd::TapeScope s(t);
       y = blk.forward(x, nn::Recompute::none);
+      l = dot(y, shared({B, T, c.n_embd}, 3));
     }
     comm::CommCounters fwd = g->counters();
     REQUIRE(fwd[comm::CommKind::all_reduce].calls == 2);
     REQUIRE(fwd[comm::CommKind::all_reduce].bytes == 2 * comm::all_reduce_bytes(act_bytes, p));
     REQUIRE(fwd.sent_bytes() == fwd[comm::CommKind::all_reduce].bytes);
     g->reset_counters();
-    t.backward(dot(y, shared({B, T, c.n_embd}, 3)));
+    t.backward(l);
     comm::CommCounters bwd = g->counters();
     REQUIRE(bwd[comm::CommKind::all_reduce].calls == 2);
     REQUIRE(bwd[comm::CommKind::all_reduce].bytes == 2 * comm::all_reduce_bytes(act_bytes, p));
@@ -327,11 +332,53 @@ TEST_CASE("a GPT block under tp does 2 all-reduces forward and 2 backward, nothi
   }
 }
 
-TEST_CASE("a whole GPT under tp gives the single-process logits, loss and gradients", "[tp]") {
+TEST_CASE("under sequence parallelism a block's all-reduces become all-gather + reduce-scatter, same bytes", "[tp]") {
   for (auto g : tp_groups()) {
     const int p = g->size();
     INFO("tp " << p);
-    nn::GPT ref(small_config(1)), model(small_config(p), DType::f32, Device::cpu(), g);
+    nn::GPTConfig c = small_config(p);
+    c.sequence_parallel = true;
+    nn::Block blk(c, DType::f32, Device::cpu(), g);
+    for (auto& prm : blk.parameters()) copy_(prm, mul(shared(prm.shape(), 1), 0.1));
+    const int64_t B = 2, T = 4;
+    Tensor x = leaf(split_seq(shared({B, T, c.n_embd}, 2), *g)), y, l;
+    const int64_t act_bytes = B * T * c.n_embd * 4;  // the full sequence
+    for (bool backward : {false, true}) {
+      INFO((backward ? "backward" : "forward"));
+      autograd::Tape t;
+      g->reset_counters();
+      if (!backward) {
+        autograd::TapeScope s(t);
+        y = blk.forward(x, nn::Recompute::none);
+        l = dot(y, split_seq(shared({B, T, c.n_embd}, 3), *g));
+        REQUIRE(y.shape() == Shape{B, T / p, c.n_embd});
+      } else {
+        autograd::TapeScope s(t);
+        l = dot(blk.forward(x, nn::Recompute::none), split_seq(shared({B, T, c.n_embd}, 3), *g));
+        g->reset_counters();
+        t.backward(l);
+      }
+      comm::CommCounters n = g->counters();
+      REQUIRE(n[comm::CommKind::all_reduce].calls == 0);
+      REQUIRE(n[comm::CommKind::all_gather].calls == 2);
+      REQUIRE(n[comm::CommKind::reduce_scatter].calls == 2);
+      REQUIRE(n[comm::CommKind::all_gather].bytes == 2 * comm::all_gather_bytes(act_bytes, p));
+      REQUIRE(n[comm::CommKind::reduce_scatter].bytes == 2 * comm::reduce_scatter_bytes(act_bytes, p));
+      REQUIRE(n.sent_bytes() == 2 * comm::all_reduce_bytes(act_bytes, p));
+    }
+  }
+}
+
+TEST_CASE("a whole GPT under tp gives the single-process logits, loss and gradients", "[tp]") {
+  std::vector<std::pair<std::shared_ptr<comm::ProcessGroup>, bool>> layouts;
+  for (auto g : tp_groups())
+    for (bool sp : {false, true}) layouts.emplace_back(g, sp);
+  for (auto [g, sp] : layouts) {
+    const int p = g->size();
+    INFO("tp " << p << " sequence parallel " << sp);
+    nn::GPTConfig c = small_config(p);
+    c.sequence_parallel = sp;
+    nn::GPT ref(small_config(1)), model(c, DType::f32, Device::cpu(), g);
     ref.init_weights(11);
     model.init_weights(11);  // each rank keeps its slice of the same draws
     REQUIRE(ref.named_parameters().size() == model.named_parameters().size());
@@ -358,6 +405,7 @@ TEST_CASE("a whole GPT under tp gives the single-process logits, loss and gradie
         l = model.loss(idx, targets);
       }
       t.backward(l);
+      if (sp) parallel::tp::sync_sequence_parallel_grads(model, *g);
       {
         autograd::NoGradGuard ng;
         logits_ref = ref.forward(idx);
