@@ -121,8 +121,9 @@ GPT::GPT(const GPTConfig& c, DType dtype, Device device, std::shared_ptr<comm::P
   if (c.tp > 1) {
     tp_wte = register_module("wte", std::make_shared<parallel::tp::VocabParallelEmbedding>(c.vocab_rows(), c.n_embd, tp_group, dtype, device));
     tp_wte->sequence_parallel = c.sequence_parallel;
+  } else {
+    wte = register_module("wte", std::make_shared<Embedding>(c.vocab_rows(), c.n_embd, dtype, device));
   }
-  else wte = register_module("wte", std::make_shared<Embedding>(c.vocab_rows(), c.n_embd, dtype, device));
   wpe = register_module("wpe", std::make_shared<Embedding>(c.block_size, c.n_embd, dtype, device));
   for (int64_t i = 0; i < c.n_layer; ++i) h.push_back(register_module("h." + std::to_string(i), std::make_shared<Block>(c, dtype, device, tp_group)));
   ln_f = register_module("ln_f", std::make_shared<LayerNorm>(c.n_embd, c.ln_eps, dtype, device));

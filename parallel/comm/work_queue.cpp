@@ -13,13 +13,15 @@ namespace {
 constexpr auto kWaitSpin = std::chrono::microseconds(50);
 
 std::function<void()> completing(const std::shared_ptr<QueuedWork>& work, std::function<void()> op) {
-  return [work, op = std::move(op)] {
+  return [work, op = std::move(op)]() mutable {
+    std::exception_ptr err;
     try {
       op();
-      work->finish(nullptr);
     } catch (...) {
-      work->finish(std::current_exception());
+      err = std::current_exception();
     }
+    op = nullptr;  // release the tensors the operation captured before anyone can see it done
+    work->finish(err);
   };
 }
 }  // namespace
