@@ -24,7 +24,10 @@
 #include "optim/optim.h"
 #include "parallel/checkpoint.h"
 #include "parallel/comm/mpi_backend.h"
+#include "bench/report/timeline_svg.h"
+#include "parallel/comm/mesh.h"
 #include "parallel/ddp.h"
+#include "parallel/pp/executor.h"
 #include "parallel/dp.h"
 #include "parallel/watchdog.h"
 #include "parallel/zero.h"
@@ -72,6 +75,12 @@ void declare_flags(Args& a) {
   a.flag("log-json", "", "write one JSON object per step to this file");
   a.flag("threads", "0", "CPU threads (0 = all cores)");
   a.flag("strategy", "single", "single | dp (one process, --devices) | ddp | zero1 | zero2 (these three: launch with mpirun -np N)");
+  a.flag("tp", "1", "tensor-parallel ranks (validated; training with --tp > 1 is not wired yet)");
+  a.flag("pp", "1", "pipeline stages (launch with mpirun -np PP)");
+  a.flag("pp-schedule", "1f1b", "pipeline schedule: gpipe | 1f1b | interleaved");
+  a.flag("virtual-stages", "1", "interleaved: model chunks per pipeline rank");
+  a.flag("timeline", "", "pipeline: write the last step's measured timeline as an SVG picture");
+  a.flag("keep", "0", "keep only the newest N checkpoints (0 = all)");
   a.flag("devices", "cpu:0,cpu:1", "dp: the devices to replicate over; the first one holds the model");
   a.flag("bucket-mb", "25", "ddp: gradient bucket size in MiB; zero1/zero2: one stripe's reduce-scatter input in MiB");
   a.flag("comm-timeout", "300", "seconds without progress before the watchdog aborts the job, naming the stuck rank");
@@ -160,8 +169,12 @@ class Trainer {
   int rank_ = 0, world_size_ = 1;
   parallel::Fault fault_;
   std::unique_ptr<parallel::ZeroOptimizer> zero_;
+  std::unique_ptr<parallel::pp::PipelineExecutor> pipe_;
+  int tp_ = 1, pp_ = 1, dp_size_ = 1, dp_rank_ = 0;  // the mesh: rows are split over dp only
   bool lead() const { return rank_ == 0; }
-  bool distributed() const { return strategy_ == "ddp" || zero_stage() > 0; }
+  bool distributed() const { return strategy_ == "ddp" || zero_stage() > 0 || tp_ > 1 || pp_ > 1; }
+  void write_timeline();
+  double pipeline_step(const Tensor& idx, const Tensor& tgt, int64_t counted, double lr, double& grad_norm, bool& applied);
   int zero_stage() const { return strategy_ == "zero1" ? 1 : strategy_ == "zero2" ? 2 : 0; }
 };
 
@@ -178,12 +191,16 @@ void Trainer::setup() {
            strategy_, "' is not available (expected single, dp, ddp, zero1 or zero2)");
   SG_CHECK(!zero_stage() || (a.str("save").empty() && a.str("resume").empty()), "train: --save/--resume are not available with --strategy ",
            strategy_, " yet: its optimizer state is sharded over the ranks and checkpoints hold the whole state");
+  tp_ = int(positive(a, "tp"));
+  pp_ = int(positive(a, "pp"));
   if (distributed()) {
     comm::init();
     world_ = comm::MpiProcessGroup::world();
     metrics_ = world_->split(0, world_->rank());  // losses and barriers: kept out of the gradient counters
     rank_ = world_->rank();
     world_size_ = world_->size();
+    dp_size_ = world_size_ / std::max(1, tp_ * pp_);
+    dp_rank_ = rank_ / (tp_ * pp_);
     SG_CHECK(a.f64("comm-timeout") > 0, "train: --comm-timeout must be > 0");
     parallel::watchdog::arm(a.f64("comm-timeout"), rank_);
   }
@@ -201,11 +218,11 @@ void Trainer::setup() {
   seed_ = uint64_t(a.i64("seed"));
   const bool synthetic = a.str("data").rfind("synthetic", 0) == 0;
   B_ = a.i64("batch-size") ? positive(a, "batch-size") : (synthetic ? 128 : 32);
-  micro_ = a.i64("micro-batch-size") ? positive(a, "micro-batch-size") : B_ / std::max(1, world_size_);
-  SG_CHECK(B_ % world_size_ == 0, "train: --batch-size ", B_, " is not divisible by ", world_size_,
+  micro_ = a.i64("micro-batch-size") ? positive(a, "micro-batch-size") : B_ / std::max(1, dp_size_);
+  SG_CHECK(B_ % dp_size_ == 0, "train: --batch-size ", B_, " is not divisible by ", dp_size_,
            " data-parallel ranks");
-  SG_CHECK((B_ / world_size_) % micro_ == 0, "train: --micro-batch-size ", micro_, " does not divide ",
-           world_size_ > 1 ? str("the per-rank batch ", B_ / world_size_, " (--batch-size ", B_, " over ", world_size_, " ranks)")
+  SG_CHECK((B_ / dp_size_) % micro_ == 0, "train: --micro-batch-size ", micro_, " does not divide ",
+           dp_size_ > 1 ? str("the per-rank batch ", B_ / dp_size_, " (--batch-size ", B_, " over ", dp_size_, " ranks)")
                            : str("--batch-size ", B_));
   steps_ = positive(a, "steps");
   positive(a, "eval-batches");
@@ -220,7 +237,13 @@ void Trainer::setup() {
   val_ = io::open_dataset(vo);
 
   std::optional<ckpt::LoadedCheckpoint> ck;
-  if (!a.str("resume").empty()) ck = ckpt::load_checkpoint(a.str("resume"));
+  // --resume auto: the newest complete checkpoint of the --save directory.
+  if (a.str("resume") == "auto") {
+    SG_CHECK(!a.str("save").empty(), "train: --resume auto needs --save (the run directory to look in)");
+    if (std::filesystem::exists(a.str("save"))) ck = ckpt::load_checkpoint("auto:" + a.str("save"));
+  } else if (!a.str("resume").empty()) {
+    ck = ckpt::load_checkpoint(a.str("resume"));
+  }
   if (ck) {
     cfg_ = nn::config_from_hf(ck->model);
     for (const char* f : {"n-layer", "n-head", "n-embd", "block-size", "vocab-size"}) {
@@ -247,6 +270,19 @@ void Trainer::setup() {
   if (auto* task = dynamic_cast<const io::SyntheticDataset*>(train_.get()); task && !a.i64("seq-len"))
     T_ = std::min(cfg_.block_size, task->task().problem_length());
   SG_CHECK(T_ <= cfg_.block_size, "train: --seq-len ", T_, " exceeds the model's block size ", cfg_.block_size);
+  // The mesh, refused before any work when it does not fit the model and the batch.
+  comm::MeshPlan mesh = comm::validate_mesh(world_size_, tp_, pp_, cfg_.n_head, cfg_.n_layer, cfg_.vocab_rows(), B_, micro_);
+  SG_CHECK(tp_ == 1, "train: --tp ", tp_, " is a valid layout, but tensor-parallel training is not wired into train yet");
+  const int v = int(positive(a, "virtual-stages"));
+  if (pp_ > 1) {
+    SG_CHECK(mesh.mesh.dp() == 1, "train: --pp ", pp_, " on ", world_size_, " ranks would add data parallelism (dp ",
+             mesh.mesh.dp(), "), which the pipeline does not compose with yet: launch exactly ", pp_, " ranks");
+    SG_CHECK(strategy_ == "single", "train: --pp runs the pipeline alone; --strategy ", strategy_, " does not compose with it yet");
+    SG_CHECK(dtype_ == DType::f32, "train: --pp supports --dtype fp32 only for now");
+    SG_CHECK(a.str("save").empty() && a.str("resume").empty(), "train: --save/--resume are not available with --pp yet");
+    SG_CHECK(cfg_.n_layer % (pp_ * v) == 0, "train: --pp ", pp_, " x --virtual-stages ", v, ": ", cfg_.n_layer,
+             " layers do not split evenly into ", pp_ * v, " stages");
+  }
 
   model_ = std::make_unique<nn::GPT>(cfg_, dtype_, device_);
   model_->recompute = nn::parse_recompute(a.str("recompute"));
@@ -257,7 +293,11 @@ void Trainer::setup() {
   } else {
     model_->init_weights(seed_);
   }
-  if (dtype_ == DType::f32 || zero_stage()) {  // zero keeps f32 masters for its own shard only
+  if (pp_ > 1) {
+    auto sched = parallel::pp::make_schedule(a.str("pp-schedule"), pp_, int((B_ / dp_size_) / micro_), v);
+    pipe_ = std::make_unique<parallel::pp::PipelineExecutor>(*model_, sched, world_);
+    master_ = pipe_->parameters();  // this rank's stages only
+  } else if (dtype_ == DType::f32 || zero_stage()) {  // zero keeps f32 masters for its own shard only
     master_ = model_->named_parameters();
   } else {
     MemScope scope(MemCategory::optim_state);  // f32 master weights are optimizer state (ZeRO's K)
@@ -320,6 +360,7 @@ void Trainer::setup() {
     }
   }
   save_dir_ = a.str("save");
+  SG_CHECK(a.i64("keep") >= 0, "train: --keep must be >= 0");
   if (!save_dir_.empty() && std::filesystem::exists(save_dir_) && save_dir_ != a.str("resume") &&
       std::filesystem::exists(std::filesystem::path(save_dir_) / "latest") && !ck) {
     throw Error(str("train: --save ", save_dir_, " already holds a run; choose another directory or --resume it"));
@@ -332,12 +373,13 @@ double Trainer::train_step(int64_t step, double lr, double& grad_norm, bool& app
   SG_CHECK(counted > 0, "train: step ", step, " has no targets to predict");
   const double loss_scale = dtype_ == DType::f16 ? scaler_.scale : 1.0;
   // This rank's rows of the global batch (all of it without data parallelism).
-  const int64_t local = B_ / world_size_, n_micro = local / micro_;
-  Tensor idx = to(narrow(b.inputs, 0, rank_ * local, local), device_);
-  Tensor tgt = to(narrow(b.targets, 0, rank_ * local, local), device_);
+  const int64_t local = B_ / dp_size_, n_micro = local / micro_;
+  Tensor idx = to(narrow(b.inputs, 0, dp_rank_ * local, local), device_);
+  Tensor tgt = to(narrow(b.targets, 0, dp_rank_ * local, local), device_);
+  if (pipe_) return pipeline_step(idx, tgt, counted, lr, grad_norm, applied);
   // With ddp the gradients are averaged over ranks, so each rank's loss is scaled by the world
   // size: the average of the ranks' gradients is then the gradient of the global batch's mean.
-  const double rank_scale = double(world_size_);
+  const double rank_scale = double(dp_size_);
   double loss_sum = 0;
   for (int64_t m = 0; m < n_micro; ++m) {
     Tensor mi = narrow(idx, 0, m * micro_, micro_), mt = narrow(tgt, 0, m * micro_, micro_);
@@ -414,6 +456,56 @@ double Trainer::train_step(int64_t step, double lr, double& grad_norm, bool& app
   return loss_sum;
 }
 
+// One pipeline step: the executor runs this rank's actions over the micro-batches; the tied
+// embedding's two gradients are summed; the global norm sums every rank's share.
+double Trainer::pipeline_step(const Tensor& idx, const Tensor& tgt, int64_t counted, double lr, double& grad_norm,
+                              bool& applied) {
+  if (!args_.str("timeline").empty()) metrics_->barrier()->wait();  // a common time origin
+  double loss;
+  {
+    parallel::watchdog::Waiting w("the pipeline's sends and receives");
+    loss = pipe_->run(idx, tgt, 1.0 / double(counted));
+    pipe_->reduce_tied_embedding();
+  }
+  Tensor ss = from_vector<double>({pipe_->grad_sum_squares()}, {1});
+  metrics_->all_reduce(ss, comm::ReduceOp::sum)->wait();
+  grad_norm = std::sqrt(item(ss));
+  applied = std::isfinite(grad_norm);
+  SG_CHECK(applied, "train: non-finite gradient norm (loss ", loss, ")");
+  opt_->step(lr, optim::clip_coefficient(grad_norm, args_.f64("clip")));
+  for (auto& [n, p] : master_) p.set_grad(Tensor());
+  return loss;
+}
+
+// Gathers every rank's recorded (start, end) times of the last step and draws them (rank 0).
+void Trainer::write_timeline() {
+  const auto& mine = pipe_->last_timeline().per_rank[size_t(rank_)];
+  std::vector<double> times;
+  for (const auto& a : mine) times.insert(times.end(), {a.start, a.end});
+  Tensor local = from_vector(times, {int64_t(times.size())});
+  Tensor all = empty({int64_t(times.size()) * world_size_}, DType::f64);
+  metrics_->all_gather(all, local)->wait();
+  if (!lead()) return;
+  auto sched = parallel::pp::make_schedule(args_.str("pp-schedule"), pp_, int((B_ / dp_size_) / micro_),
+                                           int(args_.i64("virtual-stages")));
+  parallel::pp::Timeline t;
+  t.per_rank.resize(size_t(pp_));
+  std::vector<double> v = to_vector<double>(all);
+  for (int r = 0; r < pp_; ++r)
+    for (size_t k = 0; k < sched.per_rank[size_t(r)].size(); ++k) {
+      const double start = v[size_t(r) * times.size() + 2 * k], end = v[size_t(r) * times.size() + 2 * k + 1];
+      t.per_rank[size_t(r)].push_back({sched.per_rank[size_t(r)][k], start, end});
+      t.makespan = std::max(t.makespan, end);
+    }
+  std::ofstream f(args_.str("timeline"));
+  SG_CHECK(f.good(), "train: cannot write --timeline ", args_.str("timeline"));
+  f << report::timeline_svg(t, sched.name + " pipeline, measured: p=" + std::to_string(pp_) + ", m=" +
+                                   std::to_string(sched.micro_batches));
+  std::printf("timeline: measured bubble %.1f%% of busy time (formula (p-1)/(v m) = %.1f%%), written to %s\n",
+              100.0 * t.bubble_fraction(), 100.0 * double(pp_ - 1) / double(sched.chunks * sched.micro_batches),
+              args_.str("timeline").c_str());
+}
+
 json Trainer::evaluate() {
   autograd::NoGradGuard ng;
   json out;
@@ -450,7 +542,8 @@ void Trainer::save(int64_t next_step) {
   if (dtype_ != DType::f32)
     for (auto& [n, m] : master_) optim_state.emplace_back(n + ".master", m);
   std::string where = ckpt::save_checkpoint(save_dir_, next_step, nn::hf_state_dict(*model_),
-                                            config_metadata(cfg_, data_opt_.spec), optim_state, s);
+                                            config_metadata(cfg_, data_opt_.spec), optim_state, s,
+                                            int(args_.i64("keep")));
   std::printf("saved checkpoint %s\n", where.c_str());
 }
 
@@ -491,7 +584,9 @@ int Trainer::run() {
     json rec = {{"step", step + 1}, {"loss", loss}, {"lr", lr}, {"grad_norm", norm}, {"step_ms", ms},
                 {"tokens_per_s", tps}, {"mem", ledger_json(device_)}, {"skipped", !applied}};
     const bool last = step + 1 == steps_;
-    if (((eval_every && (step + 1) % eval_every == 0) || last) && lead()) {
+    if (last && pipe_ && !args_.str("timeline").empty()) write_timeline();
+    // Evaluation runs the whole model on rank 0; under --pp no rank holds it (not yet available).
+    if (((eval_every && (step + 1) % eval_every == 0) || last) && lead() && !pipe_) {
       json ev = evaluate();
       std::printf("eval  step %lld | val loss %.4f", (long long)step + 1, ev["val_loss"].get<double>());
       if (ev.contains("accuracy")) std::printf(" | task accuracy %.1f%%", 100.0 * ev["accuracy"].get<double>());
