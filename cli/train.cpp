@@ -28,6 +28,7 @@
 #include "parallel/comm/mesh.h"
 #include "parallel/ddp.h"
 #include "parallel/pp/executor.h"
+#include "parallel/tp/layers.h"
 #include "parallel/dp.h"
 #include "parallel/watchdog.h"
 #include "parallel/zero.h"
@@ -75,7 +76,8 @@ void declare_flags(Args& a) {
   a.flag("log-json", "", "write one JSON object per step to this file");
   a.flag("threads", "0", "CPU threads (0 = all cores)");
   a.flag("strategy", "single", "single | dp (one process, --devices) | ddp | zero1 | zero2 (these three: launch with mpirun -np N)");
-  a.flag("tp", "1", "tensor-parallel ranks (validated; training with --tp > 1 is not wired yet)");
+  a.flag("tp", "1", "tensor-parallel ranks: heads, MLP and vocabulary split (launch with mpirun -np TP)");
+  a.toggle("sequence-parallel", "with --tp: LayerNorm/dropout regions split along the sequence");
   a.flag("pp", "1", "pipeline stages (launch with mpirun -np PP)");
   a.flag("pp-schedule", "1f1b", "pipeline schedule: gpipe | 1f1b | interleaved");
   a.flag("virtual-stages", "1", "interleaved: model chunks per pipeline rank");
@@ -199,7 +201,9 @@ void Trainer::setup() {
     metrics_ = world_->split(0, world_->rank());  // losses and barriers: kept out of the gradient counters
     rank_ = world_->rank();
     world_size_ = world_->size();
-    dp_size_ = world_size_ / std::max(1, tp_ * pp_);
+    SG_CHECK(world_size_ % (tp_ * pp_) == 0, "train: --tp ", tp_, " x --pp ", pp_, " = ", tp_ * pp_,
+             " ranks per model replica does not divide the ", world_size_, " ranks launched");
+    dp_size_ = world_size_ / (tp_ * pp_);
     dp_rank_ = rank_ / (tp_ * pp_);
     SG_CHECK(a.f64("comm-timeout") > 0, "train: --comm-timeout must be > 0");
     parallel::watchdog::arm(a.f64("comm-timeout"), rank_);
@@ -272,7 +276,22 @@ void Trainer::setup() {
   SG_CHECK(T_ <= cfg_.block_size, "train: --seq-len ", T_, " exceeds the model's block size ", cfg_.block_size);
   // The mesh, refused before any work when it does not fit the model and the batch.
   comm::MeshPlan mesh = comm::validate_mesh(world_size_, tp_, pp_, cfg_.n_head, cfg_.n_layer, cfg_.vocab_rows(), B_, micro_);
-  SG_CHECK(tp_ == 1, "train: --tp ", tp_, " is a valid layout, but tensor-parallel training is not wired into train yet");
+  if (tp_ > 1) {
+    SG_CHECK(mesh.mesh.dp() == 1 && pp_ == 1, "train: --tp ", tp_, " on ", world_size_,
+             " ranks would compose with data or pipeline parallelism, which train does not do yet: launch exactly ",
+             tp_, " ranks");
+    SG_CHECK(strategy_ == "single", "train: --tp runs tensor parallelism alone; --strategy ", strategy_,
+             " does not compose with it yet");
+    SG_CHECK(dtype_ == DType::f32, "train: --tp supports --dtype fp32 only for now");
+    SG_CHECK(a.str("save").empty() && a.str("resume").empty() && a.str("init-from").empty(),
+             "train: --save/--resume/--init-from are not available with --tp yet (checkpoints hold whole tensors)");
+    cfg_.tp = tp_;
+    cfg_.sequence_parallel = a.on("sequence-parallel");
+    SG_CHECK(!cfg_.sequence_parallel || T_ % tp_ == 0, "train: --sequence-parallel: --seq-len ", T_,
+             " does not split over --tp ", tp_);
+    cfg_.validate();
+  }
+  SG_CHECK(!a.on("sequence-parallel") || tp_ > 1, "train: --sequence-parallel needs --tp > 1");
   const int v = int(positive(a, "virtual-stages"));
   if (pp_ > 1) {
     SG_CHECK(mesh.mesh.dp() == 1, "train: --pp ", pp_, " on ", world_size_, " ranks would add data parallelism (dp ",
@@ -284,7 +303,7 @@ void Trainer::setup() {
              " layers do not split evenly into ", pp_ * v, " stages");
   }
 
-  model_ = std::make_unique<nn::GPT>(cfg_, dtype_, device_);
+  model_ = std::make_unique<nn::GPT>(cfg_, dtype_, device_, tp_ > 1 ? world_ : nullptr);
   model_->recompute = nn::parse_recompute(a.str("recompute"));
   if (ck) {
     load_hf_state(*model_, ck->model);
@@ -404,7 +423,8 @@ double Trainer::train_step(int64_t step, double lr, double& grad_norm, bool& app
     parallel::watchdog::Waiting w("the gradient all-reduce");
     ddp_->finish_gradients();
   }
-  if (distributed()) {
+  if (cfg_.sequence_parallel) parallel::tp::sync_sequence_parallel_grads(*model_, *world_);
+  if (dp_size_ > 1) {  // each data-parallel rank summed its own rows (tp ranks all hold the whole loss)
     Tensor l = from_vector<double>({loss_sum}, {1});
     metrics_->all_reduce(l, comm::ReduceOp::sum)->wait();
     loss_sum = item(l);
@@ -437,9 +457,20 @@ double Trainer::train_step(int64_t step, double lr, double& grad_norm, bool& app
       }
     }
   }
-  std::vector<Tensor> ps;
-  for (auto& [n, p] : master_) ps.push_back(p);
-  grad_norm = optim::global_grad_norm(ps);
+  if (tp_ > 1) {
+    // Split parameters: each rank holds a piece, so their squares sum over the group; replicated
+    // ones are the same everywhere and count once.
+    double split = 0, replicated = 0;
+    for (auto& [n, p] : master_)
+      if (p.grad().defined()) (parallel::tp::gpt_param_split(n).replicated() ? replicated : split) += sum_squares(p.grad());
+    Tensor ss = from_vector<double>({split}, {1});
+    metrics_->all_reduce(ss, comm::ReduceOp::sum)->wait();
+    grad_norm = std::sqrt(item(ss) + replicated);
+  } else {
+    std::vector<Tensor> ps;
+    for (auto& [n, p] : master_) ps.push_back(p);
+    grad_norm = optim::global_grad_norm(ps);
+  }
   applied = std::isfinite(grad_norm);
   if (dtype_ == DType::f16) applied = scaler_.update(!applied);
   SG_CHECK(applied || dtype_ == DType::f16, "train: non-finite gradient norm at step ", step, " (loss ", loss_sum, ")");
@@ -585,8 +616,8 @@ int Trainer::run() {
                 {"tokens_per_s", tps}, {"mem", ledger_json(device_)}, {"skipped", !applied}};
     const bool last = step + 1 == steps_;
     if (last && pipe_ && !args_.str("timeline").empty()) write_timeline();
-    // Evaluation runs the whole model on rank 0; under --pp no rank holds it (not yet available).
-    if (((eval_every && (step + 1) % eval_every == 0) || last) && lead() && !pipe_) {
+    // Evaluation runs the whole model on rank 0; under --pp/--tp no rank holds it (not yet available).
+    if (((eval_every && (step + 1) % eval_every == 0) || last) && lead() && !pipe_ && tp_ == 1) {
       json ev = evaluate();
       std::printf("eval  step %lld | val loss %.4f", (long long)step + 1, ev["val_loss"].get<double>());
       if (ev.contains("accuracy")) std::printf(" | task accuracy %.1f%%", 100.0 * ev["accuracy"].get<double>());
@@ -624,8 +655,7 @@ int train_main(int argc, char** argv) {
     rc = t.run();
   }
   parallel::watchdog::disarm();
-  const std::string s = a.str("strategy");
-  if (s == "ddp" || s == "zero1" || s == "zero2") comm::finalize();
+  comm::finalize();  // a no-op unless this run initialised MPI
   return rc;
 }
 

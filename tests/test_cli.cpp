@@ -200,3 +200,46 @@ TEST_CASE("zero1 and zero2 through the CLI on 2 ranks give the single-process lo
   REQUIRE(refused.code != 0);
   REQUIRE(refused.output.find("optimizer state is sharded") != std::string::npos);
 }
+
+TEST_CASE("pipeline (every schedule) and tensor parallelism (with and without sequence parallelism) give the single-process losses", "[cli][mpi]") {
+  TempDir d;
+  // 2 layers over 2 stages; micro-batches of 2 rows: 4 per step for the pipeline
+  const std::string args = " train " + kSmall + " --dropout 0 --n-layer 2 --n-head 2 --seq-len 26 --micro-batch-size 2 --steps 3 --log-json ";
+  Run one = shardgrad(args + (d.path / "one.jsonl").string());
+  REQUIRE(one.code == 0);
+  auto a = read_log(d.path / "one.jsonl");
+  REQUIRE(a.size() == 3);
+  const std::vector<std::string> layouts = {"--pp 2 --pp-schedule gpipe", "--pp 2 --pp-schedule 1f1b",
+                                            "--pp 2 --pp-schedule interleaved --virtual-stages 1",
+                                            "--tp 2", "--tp 2 --sequence-parallel"};
+  for (size_t k = 0; k < layouts.size(); ++k) {
+    INFO(layouts[k]);
+    const fs::path log = d.path / ("l" + std::to_string(k) + ".jsonl");
+    Run two = run_command(mpirun(2) + args + log.string() + " " + layouts[k]);
+    INFO(two.output);
+    REQUIRE(two.code == 0);
+    auto b = read_log(log);
+    REQUIRE(b.size() == 3);
+    for (size_t i = 0; i < 3; ++i) REQUIRE(std::abs(b[i]["loss"].get<double>() - a[i]["loss"].get<double>()) <= 1e-5 * a[i]["loss"].get<double>());
+  }
+  // the measured pipeline timeline
+  Run t = run_command(mpirun(2) + args + (d.path / "t.jsonl").string() + " --pp 2 --timeline " + (d.path / "t.svg").string());
+  INFO(t.output);
+  REQUIRE(t.code == 0);
+  REQUIRE(t.output.find("measured bubble") != std::string::npos);
+  REQUIRE(fs::file_size(d.path / "t.svg") > 1000);
+}
+
+TEST_CASE("impossible layouts are refused before any work, with the reason", "[cli][mpi]") {
+  auto refuses = [](const std::string& cmd, const std::string& text) {
+    Run r = run_command(cmd);
+    INFO(cmd << "\n" << r.output);
+    REQUIRE(r.code != 0);
+    REQUIRE(r.output.find(text) != std::string::npos);
+  };
+  refuses(mpirun(2) + " train " + kSmall + " --tp 3", "--tp 3 x --pp 1 = 3 ranks per model replica does not divide the 2 ranks");
+  refuses(mpirun(2) + " train " + kSmall + " --tp 2 --pp 2", "does not divide the 2 ranks launched");
+  refuses(mpirun(2) + " train " + kSmall + " --n-head 3 --n-embd 48 --tp 2", "--tp 2: 3 heads cannot be split 2 ways");
+  refuses(mpirun(2) + " train " + kSmall + " --n-layer 3 --pp 2", "--pp 2: 3 layers cannot be split evenly into 2 stages");
+  refuses(mpirun(2) + " train " + kSmall + " --pp 2 --pp-schedule zigzag", "unknown schedule 'zigzag'");
+}
