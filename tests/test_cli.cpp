@@ -241,5 +241,5 @@ TEST_CASE("impossible layouts are refused before any work, with the reason", "[c
   refuses(mpirun(2) + " train " + kSmall + " --tp 2 --pp 2", "does not divide the 2 ranks launched");
   refuses(mpirun(2) + " train " + kSmall + " --n-head 3 --n-embd 48 --tp 2", "--tp 2: 3 heads cannot be split 2 ways");
   refuses(mpirun(2) + " train " + kSmall + " --n-layer 3 --pp 2", "--pp 2: 3 layers cannot be split evenly into 2 stages");
-  refuses(mpirun(2) + " train " + kSmall + " --pp 2 --pp-schedule zigzag", "unknown schedule 'zigzag'");
+  refuses(mpirun(2) + " train " + kSmall + " --n-layer 2 --pp 2 --pp-schedule zigzag", "unknown schedule 'zigzag'");
 }
