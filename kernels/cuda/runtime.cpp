@@ -34,6 +34,9 @@ class CachingAllocator : public Allocator {
       pool.pop_back();
       return p;
     }
+    const int visible = device_count();
+    SG_CHECK(d.index < visible, "cuda allocator: ", d.str(), " is not available (", visible,
+             " CUDA devices visible to this process)");
     SG_CUDA_CHECK(cudaSetDevice(d.index));
     void* p = nullptr;
     cudaError_t err = cudaMalloc(&p, size);
