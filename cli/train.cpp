@@ -2,7 +2,8 @@
 // One step: the loader's global batch -> micro-batches (gradient accumulation) -> forward/backward
 // on a tape each -> global-norm clipping -> AdamW on f32 master weights -> progress line.
 // ddp averages gradients over ranks; zero1/zero2 shard the optimizer state (and gradients) instead,
-// and run AdamW on this rank's shard only (parallel/zero.h).
+// and run AdamW on this rank's shard only (parallel/zero.h); zero3 shards the parameters too,
+// gathering one unit (a block, or the root: embeddings and ln_f) at a time (parallel/fsdp.h).
 #include <omp.h>
 
 #include <Eigen/Core>
@@ -31,6 +32,7 @@
 #include "parallel/tp/layers.h"
 #include "parallel/dp.h"
 #include "parallel/watchdog.h"
+#include "parallel/fsdp.h"
 #include "parallel/zero.h"
 
 namespace sg::cli {
@@ -75,7 +77,7 @@ void declare_flags(Args& a) {
   a.flag("eval-problems", "200", "synthetic task: problems for the accuracy figure");
   a.flag("log-json", "", "write one JSON object per step to this file");
   a.flag("threads", "0", "CPU threads (0 = all cores)");
-  a.flag("strategy", "single", "single | dp (one process, --devices) | ddp | zero1 | zero2 (these three: launch with mpirun -np N)");
+  a.flag("strategy", "single", "single | dp (one process, --devices) | ddp | zero1 | zero2 | zero3 (these four: launch with mpirun -np N)");
   a.flag("tp", "1", "tensor-parallel ranks: heads, MLP and vocabulary split (launch with mpirun -np TP)");
   a.toggle("sequence-parallel", "with --tp: LayerNorm/dropout regions split along the sequence");
   a.flag("pp", "1", "pipeline stages (launch with mpirun -np PP)");
@@ -171,13 +173,14 @@ class Trainer {
   int rank_ = 0, world_size_ = 1;
   parallel::Fault fault_;
   std::unique_ptr<parallel::ZeroOptimizer> zero_;
+  std::unique_ptr<parallel::FullyShardedDataParallel> fsdp_;  // zero3
   std::unique_ptr<parallel::pp::PipelineExecutor> pipe_;
   int tp_ = 1, pp_ = 1, dp_size_ = 1, dp_rank_ = 0;  // the mesh: rows are split over dp only
   bool lead() const { return rank_ == 0; }
   bool distributed() const { return strategy_ == "ddp" || zero_stage() > 0 || tp_ > 1 || pp_ > 1; }
   void write_timeline();
   double pipeline_step(const Tensor& idx, const Tensor& tgt, int64_t counted, double lr, double& grad_norm, bool& applied);
-  int zero_stage() const { return strategy_ == "zero1" ? 1 : strategy_ == "zero2" ? 2 : 0; }
+  int zero_stage() const { return strategy_ == "zero1" ? 1 : strategy_ == "zero2" ? 2 : strategy_ == "zero3" ? 3 : 0; }
 };
 
 void Trainer::setup() {
@@ -190,7 +193,7 @@ void Trainer::setup() {
 
   strategy_ = a.str("strategy");
   SG_CHECK(strategy_ == "single" || strategy_ == "dp" || strategy_ == "ddp" || zero_stage() > 0, "train: --strategy '",
-           strategy_, "' is not available (expected single, dp, ddp, zero1 or zero2)");
+           strategy_, "' is not available (expected single, dp, ddp, zero1, zero2 or zero3)");
   SG_CHECK(!zero_stage() || (a.str("save").empty() && a.str("resume").empty()), "train: --save/--resume are not available with --strategy ",
            strategy_, " yet: its optimizer state is sharded over the ranks and checkpoints hold the whole state");
   tp_ = int(positive(a, "tp"));
@@ -219,6 +222,7 @@ void Trainer::setup() {
   }
   dtype_ = parse_dtype(a.str("dtype"));
   SG_CHECK(dtype_ == DType::f32 || dtype_ == DType::bf16 || dtype_ == DType::f16, "train: --dtype must be fp32, bf16 or fp16");
+  SG_CHECK(zero_stage() != 3 || dtype_ == DType::f32, "train: --strategy zero3 supports --dtype fp32 only for now");
   seed_ = uint64_t(a.i64("seed"));
   const bool synthetic = a.str("data").rfind("synthetic", 0) == 0;
   B_ = a.i64("batch-size") ? positive(a, "batch-size") : (synthetic ? 128 : 32);
@@ -330,7 +334,10 @@ void Trainer::setup() {
   SG_CHECK(oc.beta1 >= 0 && oc.beta1 < 1 && oc.beta2 >= 0 && oc.beta2 < 1, "train: --beta1/--beta2 must be in [0, 1)");
   SG_CHECK(oc.eps > 0 && oc.weight_decay >= 0, "train: --eps must be > 0 and --weight-decay >= 0");
   SG_CHECK(a.f64("clip") >= 0, "train: --clip must be >= 0");
-  if (zero_stage()) {
+  if (zero_stage() == 3) {
+    parallel::watchdog::Waiting w("the parameter broadcast");
+    fsdp_ = std::make_unique<parallel::FullyShardedDataParallel>(*model_, world_, oc);
+  } else if (zero_stage()) {
     parallel::ZeroOptions z;
     z.stage = zero_stage();
     SG_CHECK(a.f64("bucket-mb") > 0, "train: --bucket-mb must be > 0");
@@ -428,6 +435,18 @@ double Trainer::train_step(int64_t step, double lr, double& grad_norm, bool& app
     Tensor l = from_vector<double>({loss_sum}, {1});
     metrics_->all_reduce(l, comm::ReduceOp::sum)->wait();
     loss_sum = item(l);
+  }
+  if (fsdp_) {  // the units were reduce-scattered during backward, micro-batch by micro-batch
+    {
+      parallel::watchdog::Waiting w("the gradient reduce-scatter");
+      fsdp_->finish_gradients();
+      grad_norm = fsdp_->grad_norm();
+    }
+    applied = std::isfinite(grad_norm);
+    SG_CHECK(applied, "train: non-finite gradient norm at step ", step, " (loss ", loss_sum, ")");
+    fsdp_->step(lr, optim::clip_coefficient(grad_norm, args_.f64("clip")));
+    fsdp_->zero_grad();
+    return loss_sum;
   }
   if (zero_) {
     {
@@ -617,14 +636,17 @@ int Trainer::run() {
     const bool last = step + 1 == steps_;
     if (last && pipe_ && !args_.str("timeline").empty()) write_timeline();
     // Evaluation runs the whole model on rank 0; under --pp/--tp no rank holds it (not yet available).
-    if (((eval_every && (step + 1) % eval_every == 0) || last) && lead() && !pipe_ && tp_ == 1) {
+    // zero3 evaluates on every rank (each unit's forward gathers it collectively); rank 0 reports.
+    if (((eval_every && (step + 1) % eval_every == 0) || last) && (lead() || fsdp_) && !pipe_ && tp_ == 1) {
       json ev = evaluate();
-      std::printf("eval  step %lld | val loss %.4f", (long long)step + 1, ev["val_loss"].get<double>());
-      if (ev.contains("accuracy")) std::printf(" | task accuracy %.1f%%", 100.0 * ev["accuracy"].get<double>());
-      std::printf("\n");
-      if (last && ev.contains("examples"))
-        for (const auto& line : ev["examples"]) std::printf("  %s\n", line.get<std::string>().c_str());
-      std::fflush(stdout);
+      if (lead()) {
+        std::printf("eval  step %lld | val loss %.4f", (long long)step + 1, ev["val_loss"].get<double>());
+        if (ev.contains("accuracy")) std::printf(" | task accuracy %.1f%%", 100.0 * ev["accuracy"].get<double>());
+        std::printf("\n");
+        if (last && ev.contains("examples"))
+          for (const auto& line : ev["examples"]) std::printf("  %s\n", line.get<std::string>().c_str());
+        std::fflush(stdout);
+      }
       rec["eval"] = ev;
     }
     if (log) {

@@ -42,7 +42,7 @@ Storage::Storage(void* external, size_t nbytes, Device d)
     : data_(external), nbytes_(nbytes), device_(d), category_(MemCategory::workspace), owned_(false) {}
 
 Storage::~Storage() {
-  if (!owned_) return;
+  if (!owned_ || !data_) return;
   allocator_for(device_.type)->deallocate(data_, nbytes_, device_);
   Ledger::global().on_free(device_, category_, int64_t(nbytes_));
 }
@@ -52,6 +52,23 @@ void Storage::recategorize(MemCategory c) {
   Ledger::global().on_free(device_, category_, int64_t(nbytes_));
   category_ = c;
   Ledger::global().on_alloc(device_, c, int64_t(nbytes_));
+}
+
+void Storage::release() {
+  SG_CHECK(owned_, "Storage::release: the storage wraps external memory");
+  if (!data_) return;
+  allocator_for(device_.type)->deallocate(data_, nbytes_, device_);
+  Ledger::global().on_free(device_, category_, int64_t(nbytes_));
+  data_ = nullptr;
+  nbytes_ = 0;
+}
+
+void Storage::reallocate(size_t nbytes) {
+  SG_CHECK(owned_, "Storage::reallocate: the storage wraps external memory");
+  release();
+  data_ = allocator_for(device_.type)->allocate(nbytes, device_);
+  nbytes_ = nbytes;
+  Ledger::global().on_alloc(device_, category_, int64_t(nbytes));
 }
 
 }  // namespace sg

@@ -33,6 +33,12 @@ class Storage {
   MemCategory category() const { return category_; }
   // Moves the bytes to another ledger category (a gathered buffer becoming a parameter, ...).
   void recategorize(MemCategory c);
+  // Frees the bytes (data() null, nbytes() 0) while the Storage object lives on, so every handle
+  // sharing it — parameters, views, tensors a tape saved — sees the bytes reallocate() brings back
+  // (FSDP/ZeRO-3 releases a unit's gathered parameters between uses). Owned storage only.
+  void release();
+  // Allocates nbytes again, charged to the same category; the contents are uninitialised.
+  void reallocate(size_t nbytes);
 
  private:
   void* data_ = nullptr;

@@ -109,8 +109,9 @@ Tensor Block::forward(const Tensor& x, Recompute rc) const {
     Tensor m = mlp ? mlp->forward(ln_2->forward(h)) : tp_mlp->forward(ln_2->forward(h));
     return autograd::TensorList{add(h, dropout > 0 ? sg::dropout(m, dropout) : m)};
   };
-  if (rc == Recompute::full) return autograd::recompute(body, {x}, parameters())[0];
-  return body({x})[0];
+  if (pre_forward) pre_forward();
+  Tensor y = rc == Recompute::full ? autograd::recompute(body, {x}, parameters())[0] : body({x})[0];
+  return post_forward ? post_forward(y) : y;
 }
 
 GPT::GPT(const GPTConfig& c, DType dtype, Device device, std::shared_ptr<comm::ProcessGroup> tp)
@@ -163,6 +164,7 @@ Tensor GPT::forward(const Tensor& idx) const {
   SG_CHECK(idx.dim() == 2, "GPT: idx must be [B, T], got ", shape_str(idx.shape()));
   const int64_t T = idx.size(1);
   SG_CHECK(T <= config.block_size, "GPT: sequence length ", T, " exceeds block_size ", config.block_size);
+  if (pre_forward) pre_forward();
   Tensor pos = arange(T, DType::i64, idx.device());
   if (config.sequence_parallel) {  // this rank's positions: the embedding is reduce-scattered along T
     SG_CHECK(T % config.tp == 0, "GPT: sequence parallelism needs the sequence length ", T, " to divide by --tp ", config.tp);
@@ -172,11 +174,14 @@ Tensor GPT::forward(const Tensor& idx) const {
   if (config.dropout > 0) x = dropout(x, config.dropout);
   for (const auto& block : h) x = block->forward(x, recompute);
   x = ln_f->forward(x);
+  Tensor logits;
   if (tp_wte) {  // column-parallel head over this rank's vocabulary rows, the whole sequence
     x = config.sequence_parallel ? parallel::all_gather_seq(x, *tp_group) : parallel::copy_to_region(x, *tp_group);
-    return matmul(x, transpose(tp_wte->weight, 0, 1));
+    logits = matmul(x, transpose(tp_wte->weight, 0, 1));
+  } else {
+    logits = matmul(x, transpose(wte->weight, 0, 1));  // tied head: logits = x wte^T
   }
-  return matmul(x, transpose(wte->weight, 0, 1));  // tied head: logits = x wte^T
+  return post_forward ? post_forward(logits) : logits;
 }
 
 Tensor GPT::loss(const Tensor& idx, const Tensor& targets, bool sum, double scale) const {

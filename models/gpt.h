@@ -75,6 +75,7 @@ class Block : public Module {
   // With c.tp > 1: tp_attn and tp_mlp over tp_group (registered as "attn" and "mlp"), attn
   // and mlp null.
   Block(const GPTConfig& c, DType dtype, Device device, std::shared_ptr<comm::ProcessGroup> tp_group = nullptr);
+  // Calls pre_forward first and returns post_forward(output) when they are set.
   Tensor forward(const Tensor& x, Recompute rc) const;
   const char* type_name() const override { return "Block"; }
   std::shared_ptr<LayerNorm> ln_1, ln_2;
@@ -99,7 +100,8 @@ class GPT : public Module {
   void init_weights(uint64_t seed);
   // idx [B, T] -> logits [B, T, vocab_rows]; under tp, this rank's vocabulary slice
   // [B, T, vocab_rows / tp] (columns [rank * vocab_rows / tp, ...)), for the whole sequence
-  // also under sequence parallelism (T must then divide by tp).
+  // also under sequence parallelism (T must then divide by tp). GPT's own pre_forward runs before
+  // the embeddings, post_forward on the logits (FSDP's root unit: wte, wpe, ln_f).
   Tensor forward(const Tensor& idx) const;
   // Mean cross-entropy over the targets that are not -1 (the padded columns never count).
   // With sum=true: the sum, times scale (for averaging over a global batch). Under tp, the

@@ -2,6 +2,7 @@
 // Parameters are tensor handles: a strategy that shards or gathers a parameter swaps the
 // storage behind the same handle, and the module's forward never notices.
 #pragma once
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -24,6 +25,13 @@ class Module {
   void zero_grad();  // drops every parameter's .grad
   // Type name for wrap policies ("Block", "Linear", ...).
   virtual const char* type_name() const { return "Module"; }
+
+  // Forward hooks for sharding strategies (parallel/fsdp.h gathers a unit's parameters before its
+  // forward and releases them after). Empty by default; the modules that call them say so (Block,
+  // GPT). post_forward gets the forward's output and returns what the forward hands on: the output
+  // itself, or the output wrapped in an autograd node.
+  std::function<void()> pre_forward;
+  std::function<Tensor(const Tensor&)> post_forward;
 
  protected:
   // Allocates under the param ledger category; the name is this module's local name ("weight").

@@ -177,7 +177,7 @@ TEST_CASE("the default run (tiny GPT, synthetic 3-digit addition) learns to >= 9
   REQUIRE(log.back()["loss"].get<double>() < log.front()["loss"].get<double>() / 2);
 }
 
-TEST_CASE("zero1 and zero2 through the CLI on 2 ranks give the single-process losses", "[cli][mpi]") {
+TEST_CASE("zero1, zero2 and zero3 through the CLI on 2 ranks give the single-process losses", "[cli][mpi]") {
   TempDir d;
   // two micro-batches per rank: accumulation, clipping (--clip 1.0 by default) and several stripes
   const std::string args = " train " + kSmall + " --dropout 0 --micro-batch-size 2 --steps 4 --log-json ";
@@ -185,7 +185,7 @@ TEST_CASE("zero1 and zero2 through the CLI on 2 ranks give the single-process lo
   REQUIRE(one.code == 0);
   auto a = read_log(d.path / "one.jsonl");
   REQUIRE(a.size() == 4);
-  for (const char* strategy : {"zero1", "zero2"}) {
+  for (const char* strategy : {"zero1", "zero2", "zero3"}) {
     INFO(strategy);
     const fs::path log = d.path / (std::string(strategy) + ".jsonl");
     Run two = run_command(mpirun(2) + args + log.string() + " --strategy " + strategy + " --bucket-mb 0.01");
@@ -199,6 +199,10 @@ TEST_CASE("zero1 and zero2 through the CLI on 2 ranks give the single-process lo
   INFO(refused.output);
   REQUIRE(refused.code != 0);
   REQUIRE(refused.output.find("optimizer state is sharded") != std::string::npos);
+  Run refused3 = shardgrad(args + (d.path / "y.jsonl").string() + " --strategy zero3 --resume " + (d.path / "run").string());
+  INFO(refused3.output);
+  REQUIRE(refused3.code != 0);
+  REQUIRE(refused3.output.find("optimizer state is sharded") != std::string::npos);
 }
 
 TEST_CASE("pipeline (every schedule) and tensor parallelism (with and without sequence parallelism) give the single-process losses", "[cli][mpi]") {

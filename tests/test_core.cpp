@@ -271,6 +271,36 @@ TEST_CASE("the ledger charges each allocation to its MemScope's category, with c
   CHECK(L.stats(dev).total_peak == base.total_current);
 }
 
+TEST_CASE("Storage::release frees the bytes and reallocate brings them back to every sharing handle", "[core]") {
+  Ledger& L = Ledger::global();
+  const Device dev = Device::cpu();
+  const int64_t base = L.stats(dev).cur(MemCategory::param);
+  Tensor p;
+  {
+    MemScope scope(MemCategory::param);
+    p = iota({2, 3});
+  }
+  Tensor view = narrow(p, 1, 1, 2);  // shares the storage, as a tape's saved handle would
+  REQUIRE(L.stats(dev).cur(MemCategory::param) - base == 24);
+  p.storage()->release();
+  CHECK(p.storage()->data() == nullptr);
+  CHECK(p.storage()->nbytes() == 0);
+  CHECK(L.stats(dev).cur(MemCategory::param) == base);
+  p.storage()->release();  // twice: a no-op
+  CHECK(L.stats(dev).cur(MemCategory::param) == base);
+  p.storage()->reallocate(24);
+  CHECK(p.storage()->category() == MemCategory::param);
+  CHECK(L.stats(dev).cur(MemCategory::param) - base == 24);
+  for (int i = 0; i < 6; ++i) p.data<float>()[i] = float(10 * i);
+  CHECK(to_vector<float>(contiguous(view)) == std::vector<float>{10, 20, 40, 50});  // the view sees the new bytes
+  p.storage()->reallocate(24);  // reallocating live bytes frees the old ones first
+  CHECK(L.stats(dev).cur(MemCategory::param) - base == 24);
+  p.storage()->release();
+  p = Tensor();
+  view = Tensor();  // destroying a released storage frees nothing twice
+  CHECK(L.stats(dev).cur(MemCategory::param) == base);
+}
+
 // ---- dtypes and devices ----
 
 TEST_CASE("f32 <-> bf16: exact values, round to nearest even, inf and nan", "[core]") {
