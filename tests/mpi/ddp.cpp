@@ -19,22 +19,7 @@ nn::GPTConfig tiny() { return testing::tiny_gpt(); }
 
 constexpr int64_t kB = 8, kT = 8;
 
-// Batch `step` of a fixed token stream: every rank sees the same global batch.
-void batch(int64_t step, Tensor& idx, Tensor& tgt) {
-  Tensor r = rand({kB, kT + 1}, 2024, uint64_t(step), 0, 23);
-  std::vector<int64_t> tok;
-  for (float v : to_vector<float>(r)) tok.push_back(int64_t(v));
-  std::vector<int64_t> x, y;
-  for (int64_t b = 0; b < kB; ++b)
-    for (int64_t t = 0; t < kT; ++t) {
-      x.push_back(tok[size_t(b * (kT + 1) + t)]);
-      // some ignored targets, unevenly spread over the rows
-      int64_t next = tok[size_t(b * (kT + 1) + t + 1)];
-      y.push_back((b * 7 + t * 3) % 11 == 0 ? -1 : next);
-    }
-  idx = from_vector(x, {kB, kT});
-  tgt = from_vector(y, {kB, kT});
-}
+void batch(int64_t step, Tensor& idx, Tensor& tgt) { testing::token_batch(step, kB, kT, idx, tgt); }
 
 // Trains for `steps`; with a group, this rank takes its rows and DDP averages gradients.
 std::vector<double> train(int steps, int64_t micro, std::shared_ptr<comm::ProcessGroup> group, int64_t* bytes_per_step = nullptr) {
@@ -55,22 +40,8 @@ std::vector<double> train(int steps, int64_t micro, std::shared_ptr<comm::Proces
   for (int s = 0; s < steps; ++s) {
     Tensor idx, tgt;
     batch(s, idx, tgt);
-    const double counted = double(count_targets(tgt, -1));
-    const int64_t local = kB / world, n_micro = local / micro;
-    Tensor li = narrow(idx, 0, rank * local, local), lt = narrow(tgt, 0, rank * local, local);
     if (group) group->reset_counters();
-    double loss = 0;
-    for (int64_t m = 0; m < n_micro; ++m) {
-      if (ddp) ddp->set_sync(m == n_micro - 1);
-      autograd::Tape tape;
-      Tensor l;
-      {
-        autograd::TapeScope sc(tape);
-        l = model.loss(narrow(li, 0, m * micro, micro), narrow(lt, 0, m * micro, micro), true, world / counted);
-      }
-      loss += item(l) / world;
-      tape.backward(l);
-    }
+    double loss = testing::backward_rank_rows(model, idx, tgt, rank, world, micro, [&](int64_t, bool last) { if (ddp) ddp->set_sync(last); });
     if (ddp) {
       ddp->finish_gradients();
       if (bytes_per_step) *bytes_per_step = group->counters()[comm::CommKind::all_reduce].bytes;
