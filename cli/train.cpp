@@ -627,8 +627,9 @@ int Trainer::run() {
     const double tps = double(B_ * T_) / (ms / 1000.0);
     const MemStats mem = Ledger::global().stats(device_);
     if (lead())
-      std::printf("step %5lld/%lld | loss %.4f | lr %.2e | norm %.3f | %7.1f ms | %8.0f tok/s | peak %s%s\n",
-                (long long)step + 1, (long long)steps_, loss, lr, norm, ms, tps, human_bytes(mem.total_peak).c_str(),
+      std::printf("step %5lld/%lld | loss %.4f | lr %.2e | norm %.3f | %7.1f ms | %8.0f tok/s | peak%s %s%s\n",
+                (long long)step + 1, (long long)steps_, loss, lr, norm, ms, tps, world_size_ > 1 ? "/rank" : "",
+                human_bytes(mem.total_peak).c_str(),
                 applied ? "" : " | skipped (overflow)");
     std::fflush(stdout);
     json rec = {{"step", step + 1}, {"loss", loss}, {"lr", lr}, {"grad_norm", norm}, {"step_ms", ms},
