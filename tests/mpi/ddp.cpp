@@ -6,6 +6,7 @@
 #include "autograd/ops.h"
 #include "autograd/tape.h"
 #include "models/gpt.h"
+#include "tests/mpi/mpi_support.h"
 #include "tests/support.h"
 #include "optim/optim.h"
 #include "parallel/comm/mpi_backend.h"
@@ -45,9 +46,7 @@ std::vector<double> train(int steps, int64_t micro, std::shared_ptr<comm::Proces
     if (ddp) {
       ddp->finish_gradients();
       if (bytes_per_step) *bytes_per_step = group->counters()[comm::CommKind::all_reduce].bytes;
-      Tensor t = from_vector<double>({loss}, {1});
-      group->all_reduce(t)->wait();
-      loss = item(t);
+      loss = testing::sum_over(*group, loss);
     }
     double norm = optim::global_grad_norm(model.parameters());
     opt.step(1e-2, optim::clip_coefficient(norm, 1.0));
@@ -57,10 +56,7 @@ std::vector<double> train(int steps, int64_t micro, std::shared_ptr<comm::Proces
   return losses;
 }
 
-std::shared_ptr<comm::ProcessGroup> world() {
-  static std::shared_ptr<comm::ProcessGroup> w = comm::MpiProcessGroup::world();
-  return w;
-}
+using testing::world;
 
 }  // namespace
 
@@ -70,10 +66,7 @@ TEST_CASE("ddp reproduces the single-process losses for 20 steps, with and witho
   for (int64_t micro : {kB / w->size(), int64_t(1)}) {
     INFO("micro-batch " << micro << " on " << w->size() << " ranks");
     std::vector<double> got = train(20, micro, w);
-    for (size_t i = 0; i < reference.size(); ++i) {
-      INFO("step " << i);
-      REQUIRE(std::abs(got[i] - reference[i]) <= 1e-5 * std::abs(reference[i]));
-    }
+    testing::require_same_losses(got, reference);
   }
 }
 

@@ -12,6 +12,7 @@
 #include "optim/optim.h"
 #include "parallel/comm/mpi_backend.h"
 #include "parallel/fsdp.h"
+#include "tests/mpi/mpi_support.h"
 #include "tests/support.h"
 
 using namespace sg;
@@ -78,9 +79,7 @@ std::vector<double> train(int steps, int64_t micro, std::shared_ptr<comm::Proces
         probe->clipped_steps += norm > kClip;
       }
       fsdp->zero_grad();
-      Tensor t = from_vector<double>({loss}, {1});
-      group->all_reduce(t)->wait();
-      loss = item(t);
+      loss = testing::sum_over(*group, loss);
     } else {
       const double norm = optim::global_grad_norm(model.parameters());
       opt->step(1e-2, optim::clip_coefficient(norm, kClip));
@@ -91,10 +90,7 @@ std::vector<double> train(int steps, int64_t micro, std::shared_ptr<comm::Proces
   return losses;
 }
 
-std::shared_ptr<comm::ProcessGroup> world() {
-  static std::shared_ptr<comm::ProcessGroup> w = comm::MpiProcessGroup::world();
-  return w;
-}
+using testing::world;
 
 }  // namespace
 
@@ -119,7 +115,7 @@ TEST_CASE("zero3 reproduces the single-process losses for 20 steps, with clippin
   // recompute re-runs a block's forward inside its backward, after the unit was gathered again
   for (nn::Recompute rc : {nn::Recompute::selective, nn::Recompute::full}) {
     std::vector<double> got = train(5, 1, w, nullptr, rc);
-    for (size_t i = 0; i < got.size(); ++i) REQUIRE(std::abs(got[i] - reference[i]) <= 1e-5 * std::abs(reference[i]));
+    testing::require_same_losses(got, reference);
   }
 }
 

@@ -11,6 +11,7 @@
 #include "optim/optim.h"
 #include "parallel/comm/mpi_backend.h"
 #include "parallel/zero.h"
+#include "tests/mpi/mpi_support.h"
 #include "tests/support.h"
 
 using namespace sg;
@@ -75,9 +76,7 @@ std::vector<double> train(int steps, int64_t micro, int stage, std::shared_ptr<c
         probe->clipped_steps += norm > kClip;
       }
       zero->zero_grad();
-      Tensor t = from_vector<double>({loss}, {1});
-      group->all_reduce(t)->wait();
-      loss = item(t);
+      loss = testing::sum_over(*group, loss);
     } else {
       norm = optim::global_grad_norm(model.parameters());
       opt->step(1e-2, optim::clip_coefficient(norm, kClip));
@@ -88,10 +87,7 @@ std::vector<double> train(int steps, int64_t micro, int stage, std::shared_ptr<c
   return losses;
 }
 
-std::shared_ptr<comm::ProcessGroup> world() {
-  static std::shared_ptr<comm::ProcessGroup> w = comm::MpiProcessGroup::world();
-  return w;
-}
+using testing::world;
 
 }  // namespace
 
