@@ -1,0 +1,134 @@
+// What every hand-written kernel in kernels/cuda/ includes: the CUDA dialect (real under nvcc,
+// emulated on CPU threads by kernels/emu otherwise), the one launch helper, the storage types
+// and their f32 conversions, 128-bit packs, and warp/block reductions.
+//
+// Rules that keep one source valid in both worlds:
+//   - launch every kernel with sg::cuda::launch(kernel, grid, block, shmem, stream, args...);
+//   - declare shared memory with SG_SHARED(type, name, count) / SG_DYNAMIC_SHARED(type, name);
+//   - blockDim.x a multiple of 32 wherever warp shuffles or block reductions are used;
+//   - every thread of a block reaches every __syncthreads (no early return before one).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/ops.h"
+
+#ifdef __CUDACC__
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/runtime.h"
+#define SG_DEVICE __device__ __forceinline__
+#define SG_HOST_DEVICE __host__ __device__ __forceinline__
+#define SG_SHARED(T, name, count) __shared__ T name[count]
+#define SG_DYNAMIC_SHARED(T, name)                  \
+  extern __shared__ __align__(16) unsigned char sg_dynamic_smem_[]; \
+  T* name = reinterpret_cast<T*>(sg_dynamic_smem_)
+#else
+#include "kernels/emu/emu.h"
+#define SG_DEVICE inline
+#define SG_HOST_DEVICE inline
+#define SG_SHARED(T, name, count) T* name = ::sg::emu::shared_array<T>(count)
+#define SG_DYNAMIC_SHARED(T, name) T* name = ::sg::emu::dynamic_shared<T>()
+#endif
+
+namespace sg::cuda {
+
+#ifdef __CUDACC__
+using bf16 = __nv_bfloat16;
+using f16 = __half;
+using Stream = cudaStream_t;
+
+template <class... P, class... A>
+void launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t shmem, Stream stream, A... args) {
+  if (grid.x * grid.y * grid.z == 0) return;
+  kernel<<<grid, block, shmem, stream>>>(static_cast<P>(args)...);
+  SG_CUDA_CHECK(cudaGetLastError());
+}
+
+SG_HOST_DEVICE float to_f32(bf16 v) { return __bfloat162float(v); }
+SG_HOST_DEVICE float to_f32(f16 v) { return __half2float(v); }
+template <class T>
+SG_HOST_DEVICE T from_f32(float f) {
+  if constexpr (std::is_same_v<T, bf16>) return __float2bfloat16(f);
+  else if constexpr (std::is_same_v<T, f16>) return __float2half(f);
+  else return T(f);
+}
+#else
+using emu::bf16;
+using emu::f16;
+using emu::launch;
+using emu::Stream;
+using emu::to_f32;
+
+template <class T>
+inline T from_f32(float f) {
+  if constexpr (std::is_same_v<T, bf16>) return emu::bf16_from(f);
+  else if constexpr (std::is_same_v<T, f16>) return emu::f16_from(f);
+  else return T(f);
+}
+#endif
+
+SG_HOST_DEVICE float to_f32(float v) { return v; }
+
+constexpr unsigned kFullMask = 0xffffffffu;
+
+inline unsigned blocks_for(int64_t n, int threads) { return unsigned((n + threads - 1) / threads); }
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+// 16 bytes of T: one 128-bit load or store (ld.global.v4) on the device.
+template <class T>
+struct alignas(16) Pack {
+  static constexpr int N = int(16 / sizeof(T));
+  T v[N];
+};
+template <class T>
+SG_DEVICE Pack<T> load_pack(const T* p) {
+  return *reinterpret_cast<const Pack<T>*>(p);
+}
+template <class T>
+SG_DEVICE void store_pack(T* p, const Pack<T>& x) {
+  *reinterpret_cast<Pack<T>*>(p) = x;
+}
+
+SG_DEVICE float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
+  return v;
+}
+SG_DEVICE float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o));
+  return v;
+}
+
+// Sum (or max) over the whole block, returned to every thread. scratch: 32 floats of shared
+// memory. The summation tree is fixed by the block size, so results are run-to-run deterministic.
+template <bool kMax = false>
+SG_DEVICE float block_reduce(float v, float* scratch) {
+  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32, warps = int(blockDim.x) / 32;
+  v = kMax ? warp_max(v) : warp_sum(v);
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  const float neutral = kMax ? -INFINITY : 0.0f;
+  v = lane < warps ? scratch[lane] : neutral;
+  return kMax ? warp_max(v) : warp_sum(v);
+}
+
+// Runs body(T{}) for the storage types the kernels take: f32, bf16, f16 (f16 only where allowed).
+template <class Body>
+void dispatch_storage(DType dtype, const char* op, Body&& body, bool allow_f16 = true) {
+  switch (dtype) {
+    case DType::f32: body(float{}); break;
+    case DType::bf16: body(bf16{}); break;
+    case DType::f16:
+      if (!allow_f16) kernels::unsupported(op, dtype, "cuda");
+      body(f16{});
+      break;
+    default: kernels::unsupported(op, dtype, "cuda");
+  }
+}
+
+}  // namespace sg::cuda

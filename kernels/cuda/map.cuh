@@ -1,0 +1,49 @@
+// The elementwise map every pointwise op family uses: out[i] = f(a[i] [, b[i]]) in f32 over
+// storage type T, 128-bit packs where all pointers are 16-byte aligned, then a scalar tail.
+#pragma once
+#include "kernels/cuda/common.cuh"
+
+namespace sg::cuda {
+
+template <int Arity, class T, class F>
+SG_DEVICE T map_apply(const F& f, T a, T b) {
+  if constexpr (Arity == 1) return from_f32<T>(f(to_f32(a)));
+  else return from_f32<T>(f(to_f32(a), to_f32(b)));
+}
+
+template <int Arity, class T, class F>
+__global__ void map_kernel(F f, T* __restrict__ out, const T* __restrict__ a, const T* __restrict__ b, int64_t n,
+                           bool vectorised) {
+  constexpr int N = Pack<T>::N;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t packs = vectorised ? n / N : 0;
+  for (int64_t p = first; p < packs; p += stride) {
+    const Pack<T> pa = load_pack(a + p * N);
+    Pack<T> pb = pa;
+    if constexpr (Arity == 2) pb = load_pack(b + p * N);
+    Pack<T> po;
+    for (int k = 0; k < N; ++k) po.v[k] = map_apply<Arity>(f, pa.v[k], pb.v[k]);
+    store_pack(out + p * N, po);
+  }
+  for (int64_t i = packs * N + first; i < n; i += stride) out[i] = map_apply<Arity>(f, a[i], Arity == 2 ? b[i] : a[i]);
+}
+
+// Grid-stride launches: enough blocks to cover n once, at most kMaxBlocks (the loop does the rest).
+constexpr int kMapThreads = 256;
+constexpr int64_t kMaxBlocks = 2048;
+
+inline unsigned grid_for(int64_t work, int threads) {
+  const int64_t blocks = (work + threads - 1) / threads;
+  return unsigned(blocks < 1 ? 1 : (blocks > kMaxBlocks ? kMaxBlocks : blocks));
+}
+
+template <int Arity, class T, class F>
+void map(const F& f, T* out, const T* a, const T* b, int64_t n, Stream stream) {
+  if (n <= 0) return;
+  const bool vec = aligned16(out) && aligned16(a) && (Arity == 1 || aligned16(b));
+  launch(map_kernel<Arity, T, F>, dim3(grid_for(vec ? n / Pack<T>::N + 1 : n, kMapThreads)), dim3(kMapThreads), 0,
+         stream, f, out, a, b, n, vec);
+}
+
+}  // namespace sg::cuda

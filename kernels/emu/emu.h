@@ -1,0 +1,267 @@
+// CUDA emulation: runs the kernels of kernels/cuda/ on CPU threads, so CI (no GPU) executes the
+// same kernel source that nvcc compiles. Included by kernels/cuda/common.cuh when __CUDACC__ is
+// not defined; kernel code never includes it directly.
+//
+// Model: a launch creates one std::thread per thread of a block; the blocks of the grid run one
+// after another on those threads. Within a block the threads really run concurrently, so
+//   __syncthreads()           is a barrier among the block's threads,
+//   shared memory             is one buffer per launch, reused (and poisoned with NaNs) per block,
+//   warp shuffles and ballots exchange values among the warp's 32 lanes through a slot array
+//                             guarded by a warp barrier,
+//   atomics                   are std::atomic_ref operations.
+// Misuse that a GPU would turn into silent garbage aborts here with a message instead: a barrier
+// reached by some threads while others exited (or stand at a different kind of barrier), a
+// barrier that never completes (deadlock), a block of more than 1024 threads.
+#pragma once
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "core/dtype.h"
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+
+namespace sg::emu {
+
+struct dim3 {
+  unsigned x = 1, y = 1, z = 1;
+  constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+
+// Storage types of the half dtypes: the bits, converted through core/dtype.h (round to nearest even,
+// as __float2bfloat16 / __float2half do on the device).
+struct bf16 {
+  uint16_t bits;
+};
+struct f16 {
+  uint16_t bits;
+};
+
+using Stream = void*;  // launches run synchronously; the stream only keeps signatures identical
+
+[[noreturn]] inline void fail(const char* what) {
+  std::fprintf(stderr, "cuda emulation: %s\n", what);
+  std::abort();
+}
+
+// A reusable barrier for n threads. Every arrival names the kind of barrier it is ("__syncthreads",
+// "end of block", ...); arrivals of different kinds in one phase mean divergent control flow
+// around a barrier, which is undefined on a GPU, so it aborts here.
+class Barrier {
+ public:
+  explicit Barrier(int n) : n_(n) {}
+  void wait(const char* kind) {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (arrived_ == 0) {
+      kind_ = kind;
+    } else if (std::strcmp(kind_, kind) != 0) {
+      char msg[256];
+      std::snprintf(msg, sizeof msg, "divergent barrier: one thread at '%s' while another is at '%s'", kind, kind_);
+      fail(msg);
+    }
+    if (++arrived_ == n_) {
+      arrived_ = 0;
+      ++generation_;
+      cv_.notify_all();
+      return;
+    }
+    const uint64_t gen = generation_;
+    if (!cv_.wait_for(lock, std::chrono::seconds(30), [&] { return generation_ != gen; })) {
+      char msg[256];
+      std::snprintf(msg, sizeof msg, "deadlock: %d of %d threads waited 30 s at '%s'", arrived_, n_, kind);
+      fail(msg);
+    }
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  const int n_;
+  int arrived_ = 0;
+  uint64_t generation_ = 0;
+  const char* kind_ = "";
+};
+
+constexpr size_t kStaticShared = 48 * 1024;  // the default static shared-memory limit of a block
+
+// What the threads of one launch share.
+struct Grid {
+  dim3 grid, block;
+  int threads;
+  std::vector<unsigned char> static_shared, dynamic_shared;
+  Barrier block_barrier;
+  std::vector<std::unique_ptr<Barrier>> warp_barriers;  // one per warp, sized to its live lanes
+  std::vector<uint64_t> warp_slots;                     // 32 exchange slots per warp
+  Grid(dim3 g, dim3 b, size_t shmem)
+      : grid(g), block(b), threads(int(b.x * b.y * b.z)), static_shared(kStaticShared), dynamic_shared(shmem),
+        block_barrier(threads) {
+    const int warps = (threads + 31) / 32;
+    for (int w = 0; w < warps; ++w) warp_barriers.push_back(std::make_unique<Barrier>(std::min(32, threads - 32 * w)));
+    warp_slots.resize(size_t(warps) * 32);
+  }
+};
+
+// The calling thread's coordinates (each emulated CUDA thread is one std::thread).
+struct ThreadState {
+  dim3 thread_idx, block_idx, block_dim, grid_dim;
+  Grid* grid = nullptr;
+  int lane = 0, warp = 0;
+  size_t shared_offset = 0;  // next free byte of the block's static shared memory
+};
+inline thread_local ThreadState this_thread;
+
+// A block-shared array: every thread of the block declares the same arrays in the same order, so
+// each gets the same offset into the block's shared buffer.
+template <class T>
+T* shared_array(size_t count) {
+  ThreadState& t = this_thread;
+  const size_t align = alignof(T) < 16 ? 16 : alignof(T);
+  const size_t off = (t.shared_offset + align - 1) / align * align;
+  if (off + count * sizeof(T) > kStaticShared) fail("static shared memory over 48 KiB");
+  t.shared_offset = off + count * sizeof(T);
+  return reinterpret_cast<T*>(t.grid->static_shared.data() + off);
+}
+template <class T>
+T* dynamic_shared() {
+  return reinterpret_cast<T*>(this_thread.grid->dynamic_shared.data());
+}
+
+inline void warp_sync() { this_thread.grid->warp_barriers[size_t(this_thread.warp)]->wait("warp barrier"); }
+
+// Every lane publishes v; returns the value published by lane src (its own when src is not a
+// live lane). Two warp barriers: one so all values are written, one so none is overwritten early.
+template <class T>
+T warp_exchange(T v, int src) {
+  static_assert(sizeof(T) <= 8 && std::is_trivially_copyable_v<T>, "warp shuffles move at most 8 bytes");
+  ThreadState& t = this_thread;
+  uint64_t* slots = t.grid->warp_slots.data() + size_t(t.warp) * 32;
+  const int live = std::min(32, t.grid->threads - 32 * t.warp);
+  uint64_t bits = 0;
+  std::memcpy(&bits, &v, sizeof(T));
+  slots[t.lane] = bits;
+  warp_sync();
+  T out = v;
+  if (src >= 0 && src < live) std::memcpy(&out, &slots[src], sizeof(T));
+  warp_sync();
+  return out;
+}
+
+inline void run_grid(dim3 grid, dim3 block, size_t shmem, const std::function<void()>& body) {
+  const unsigned threads = block.x * block.y * block.z;
+  if (threads == 0 || threads > 1024) fail("a block needs 1 to 1024 threads");
+  if (grid.x * grid.y * grid.z == 0) return;
+  Grid g(grid, block, shmem);
+  auto thread_main = [&](int tid) {
+    ThreadState& t = this_thread;
+    t.grid = &g;
+    t.thread_idx = dim3(unsigned(tid) % block.x, unsigned(tid) / block.x % block.y, unsigned(tid) / (block.x * block.y));
+    t.block_dim = block;
+    t.grid_dim = grid;
+    t.lane = tid % 32;
+    t.warp = tid / 32;
+    for (unsigned z = 0; z < grid.z; ++z)
+      for (unsigned y = 0; y < grid.y; ++y)
+        for (unsigned x = 0; x < grid.x; ++x) {
+          t.block_idx = dim3(x, y, z);
+          t.shared_offset = 0;
+          if (tid == 0) {  // NaN-poison shared memory: a read before any write shows up in the results
+            std::memset(g.static_shared.data(), 0xff, g.static_shared.size());
+            std::memset(g.dynamic_shared.data(), 0xff, g.dynamic_shared.size());
+          }
+          g.block_barrier.wait("start of block");
+          body();
+          g.block_barrier.wait("end of block");
+        }
+  };
+  std::vector<std::thread> pool;
+  pool.reserve(threads);
+  for (unsigned i = 0; i < threads; ++i) pool.emplace_back(thread_main, int(i));
+  for (auto& th : pool) th.join();
+}
+
+// launch(kernel, grid, block, shmem, stream, args...): the kernel runs on every emulated thread
+// with its own copy of the arguments, as a __global__ function receives them.
+template <class... P, class... A>
+void launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t shmem, Stream, A... args) {
+  static_assert(sizeof...(P) == sizeof...(A), "launch: wrong number of kernel arguments");
+  run_grid(grid, block, shmem, [&] { kernel(static_cast<P>(args)...); });
+}
+
+inline float to_f32(bf16 v) { return bf16_to_f32(v.bits); }
+inline float to_f32(f16 v) { return f16_to_f32(v.bits); }
+inline bf16 bf16_from(float f) { return bf16{f32_to_bf16(f)}; }
+inline f16 f16_from(float f) { return f16{f32_to_f16(f)}; }
+
+}  // namespace sg::emu
+
+// ---- the CUDA built-ins, at global scope as nvcc has them ----
+
+using sg::emu::dim3;
+#define threadIdx (::sg::emu::this_thread.thread_idx)
+#define blockIdx (::sg::emu::this_thread.block_idx)
+#define blockDim (::sg::emu::this_thread.block_dim)
+#define gridDim (::sg::emu::this_thread.grid_dim)
+constexpr int warpSize = 32;
+
+inline void __syncthreads() { sg::emu::this_thread.grid->block_barrier.wait("__syncthreads"); }
+inline void __syncwarp(unsigned = 0xffffffffu) { sg::emu::warp_sync(); }
+
+// Shuffles over `width`-lane segments of the warp, with the CUDA rules for out-of-segment sources
+// (xor/down: the caller's own value). The mask is not checked: our kernels shuffle whole warps.
+template <class T>
+T __shfl_sync(unsigned, T v, int src_lane, int width = 32) {
+  const int lane = sg::emu::this_thread.lane;
+  return sg::emu::warp_exchange(v, (lane & ~(width - 1)) + (src_lane & (width - 1)));
+}
+template <class T>
+T __shfl_xor_sync(unsigned, T v, int lane_mask, int width = 32) {
+  const int lane = sg::emu::this_thread.lane, src = lane ^ lane_mask;
+  return sg::emu::warp_exchange(v, (src & ~(width - 1)) == (lane & ~(width - 1)) ? src : lane);
+}
+template <class T>
+T __shfl_down_sync(unsigned, T v, unsigned delta, int width = 32) {
+  const int lane = sg::emu::this_thread.lane, src = lane + int(delta);
+  return sg::emu::warp_exchange(v, (src & ~(width - 1)) == (lane & ~(width - 1)) ? src : lane);
+}
+inline unsigned __ballot_sync(unsigned, int predicate) {
+  sg::emu::ThreadState& t = sg::emu::this_thread;
+  uint64_t* slots = t.grid->warp_slots.data() + size_t(t.warp) * 32;
+  const int live = std::min(32, t.grid->threads - 32 * t.warp);
+  slots[t.lane] = predicate != 0;
+  sg::emu::warp_sync();
+  unsigned bits = 0;
+  for (int l = 0; l < live; ++l) bits |= unsigned(slots[l] != 0) << l;
+  sg::emu::warp_sync();
+  return bits;
+}
+
+template <class T>
+T atomicAdd(T* address, T v) {
+  return std::atomic_ref<T>(*address).fetch_add(v);
+}
+template <class T>
+T atomicMax(T* address, T v) {
+  static_assert(std::is_integral_v<T>, "atomicMax: integers only, as on the device");
+  std::atomic_ref<T> a(*address);
+  T old = a.load();
+  while (old < v && !a.compare_exchange_weak(old, v)) {
+  }
+  return old;
+}
+
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
