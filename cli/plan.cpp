@@ -1,9 +1,12 @@
-// shardgrad plan: what a layout will do before running it. Today: the pipeline schedule — each
-// rank's actions, the bubble measured on the simulated timeline against its formula, the
-// activations each rank holds, and the timeline as an SVG picture.
+// shardgrad plan: what a layout will cost before running it — memory per GPU by category,
+// communication per step per link class, the pipeline bubble, step time, MFU and whether it fits
+// (bench/report/planner.h) — or, with --search, every layout of the cluster that fits, fastest
+// first. With --pp > 1 it also simulates the pipeline schedule: each rank's actions, the bubble
+// measured on the simulated timeline against its formula, and the timeline as an SVG (--svg).
 #include <cstdio>
 #include <fstream>
 
+#include "bench/report/planner.h"
 #include "bench/report/timeline_svg.h"
 #include "cli/args.h"
 #include "cli/commands.h"
@@ -12,28 +15,20 @@
 
 namespace sg::cli {
 
-int plan_main(int argc, char** argv) {
-  Args a("plan", "Simulate a pipeline schedule: bubble, activations in flight, an SVG timeline.");
-  a.flag("pp", "4", "pipeline stages (ranks)");
-  a.flag("micro-batches", "8", "micro-batches per step");
-  a.flag("pp-schedule", "1f1b", "gpipe | 1f1b | interleaved");
-  a.flag("virtual-stages", "2", "interleaved: model chunks per rank");
-  a.flag("backward-ratio", "2", "backward time / forward time");
-  a.flag("svg", "", "write the timeline picture here");
-  if (!a.parse(argc, argv)) {
-    std::printf("%s", a.usage().c_str());
-    return 0;
-  }
-  const std::string kind = a.str("pp-schedule");
-  const int p = int(a.i64("pp")), m = int(a.i64("micro-batches"));
-  const int v = kind == "interleaved" ? int(a.i64("virtual-stages")) : 1;
+namespace {
+
+void simulate_schedule(const Args& a, const report::Plan& plan) {
+  const report::Layout& l = plan.input.layout;
+  const std::string kind = l.pp_schedule;
+  const int p = l.pp, m = a.i64("micro-batches") ? int(a.i64("micro-batches")) : int(plan.micro_batches);
+  const int v = kind == "interleaved" ? l.virtual_stages : 1;
   const double ratio = a.f64("backward-ratio");
   SG_CHECK(ratio > 0, "plan: --backward-ratio must be > 0");
   parallel::pp::Schedule s = parallel::pp::make_schedule(kind, p, m, v);
   // A chunk holds 1/v of a rank's layers: its actions take 1/v as long.
   parallel::pp::Timeline t = parallel::pp::simulate(s, 1.0 / v, ratio / v);
   const double formula = double(p - 1) / double(v * m);
-  std::printf("%s schedule, %d stages x %d chunk(s), %d micro-batches\n", kind.c_str(), p, v, m);
+  std::printf("\n%s schedule, %d stages x %d chunk(s), %d micro-batches\n", kind.c_str(), p, v, m);
   for (int r = 0; r < p; ++r) {
     std::printf("rank %d:", r);
     for (const auto& act : s.per_rank[size_t(r)])
@@ -49,6 +44,138 @@ int plan_main(int argc, char** argv) {
                                      (v > 1 ? ", v=" + std::to_string(v) : ""));
     std::printf("wrote %s\n", a.str("svg").c_str());
   }
+}
+
+}  // namespace
+
+int plan_main(int argc, char** argv) {
+  Args a("plan", "Predict memory per GPU, traffic, bubble, step time and MFU of a layout; --search ranks the layouts that fit.");
+  a.flag("model", "gpt2", "preset: tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl");
+  a.flag("n-layer", "0", "override the preset's layer count");
+  a.flag("n-head", "0", "override the preset's head count");
+  a.flag("n-embd", "0", "override the preset's width");
+  a.flag("block-size", "0", "override the preset's longest sequence (rows of wpe)");
+  a.flag("vocab-size", "0", "override the preset's vocabulary");
+  a.flag("seq-len", "0", "tokens per row (0 = the block size)");
+  a.flag("params", "0", "a raw parameter count instead of a model shape (model states and dp traffic only)");
+  a.flag("batch-size", "64", "global batch: sequences per optimizer step");
+  a.flag("micro-batch-size", "1", "sequences per forward/backward");
+  a.flag("dtype", "bf16", "fp32 | bf16 | fp16 (half types: f32 master weights in the optimizer state)");
+  a.flag("optimizer", "adamw", "adamw (m and v in f32)");
+  a.flag("cluster", "8xH100-NVLink-IB", "8xH100-NVLink-IB | 8xH200-NVLink-IB | 8xA100-NVLink-IB | cpu-local");
+  a.flag("gpus-per-node", "0", "override the preset's GPUs per node");
+  a.flag("nodes", "1", "nodes");
+  a.flag("gpu-memory", "0", "override: GB per GPU");
+  a.flag("intra-bandwidth", "0", "override: GB/s one GPU sends inside a node");
+  a.flag("inter-bandwidth", "0", "override: GB/s one GPU sends across nodes");
+  a.flag("peak-tflops", "0", "override: peak TFLOP/s per GPU in --dtype");
+  a.flag("efficiency", "0", "override: achieved fraction of the peak in the model's compute");
+  a.flag("dp", "0", "data-parallel degree (0 = every GPU of the cluster over tp x pp)");
+  a.flag("tp", "1", "tensor-parallel degree");
+  a.toggle("sequence-parallel", "with --tp: LayerNorm/dropout activations split along the sequence");
+  a.flag("pp", "1", "pipeline stages");
+  a.flag("strategy", "ddp", "ddp | zero1 | zero2 | zero3 | fsdp | fsdp-grad-op | hsdp");
+  a.flag("pp-schedule", "1f1b", "gpipe | 1f1b | interleaved");
+  a.flag("virtual-stages", "1", "interleaved: model chunks per pipeline rank");
+  a.flag("recompute", "none", "none | selective | full");
+  a.flag("offload", "none", "none | optimizer | params");
+  a.toggle("search", "enumerate the layouts of the cluster that fit and rank them by estimated throughput");
+  a.flag("top", "10", "--search: how many layouts to show");
+  a.toggle("json", "print machine-readable JSON instead of the text report");
+  a.flag("micro-batches", "0", "pipeline simulation: micro-batches (0 = those of the plan)");
+  a.flag("backward-ratio", "2", "pipeline simulation: backward time / forward time");
+  a.flag("svg", "", "pipeline simulation: write the timeline picture here");
+  if (!a.parse(argc, argv)) {
+    std::printf("%s", a.usage().c_str());
+    return 0;
+  }
+  report::PlanInput in;
+  if (a.i64("params")) {
+    SG_CHECK(a.i64("params") > 0, "plan: --params must be > 0");
+    in.model.params = a.i64("params");
+    in.model.name = std::to_string(a.i64("params")) + " params";
+  } else {
+    in.model = report::model_preset(a.str("model"));
+    auto set = [&](const char* f, int64_t& field) {
+      if (a.i64(f) < 0) throw Error(str("plan: --", f, " must be >= 0"));
+      if (a.i64(f)) field = a.i64(f);
+    };
+    set("n-layer", in.model.n_layer);
+    set("n-head", in.model.n_head);
+    set("n-embd", in.model.n_embd);
+    set("block-size", in.model.block_size);
+    set("vocab-size", in.model.vocab_size);
+    in.model.seq_len = a.i64("seq-len") ? a.i64("seq-len") : in.model.block_size;
+    SG_CHECK(in.model.n_embd % in.model.n_head == 0, "plan: --n-embd ", in.model.n_embd, " is not divisible by ",
+             in.model.n_head, " heads");
+    if (a.given("n-layer") || a.given("n-head") || a.given("n-embd") || a.given("vocab-size")) in.model.name += " (modified)";
+  }
+  SG_CHECK(a.str("optimizer") == "adamw", "plan: --optimizer '", a.str("optimizer"), "' (only adamw is modelled)");
+  in.cluster = report::cluster_preset(a.str("cluster"));
+  if (a.i64("gpus-per-node")) in.cluster.gpus_per_node = int(a.i64("gpus-per-node"));
+  in.cluster.nodes = int(a.i64("nodes"));
+  SG_CHECK(in.cluster.gpus_per_node >= 1 && in.cluster.nodes >= 1, "plan: --gpus-per-node and --nodes must be >= 1");
+  if (a.f64("gpu-memory") > 0) in.cluster.gpu_memory = a.f64("gpu-memory") * 1e9;
+  if (a.f64("intra-bandwidth") > 0) in.cluster.intra_bandwidth = a.f64("intra-bandwidth") * 1e9;
+  if (a.f64("inter-bandwidth") > 0) in.cluster.inter_bandwidth = a.f64("inter-bandwidth") * 1e9;
+  if (a.f64("peak-tflops") > 0) in.cluster.peak_flops = a.f64("peak-tflops") * 1e12;
+  if (a.f64("efficiency") > 0) in.cluster.efficiency = a.f64("efficiency");
+  SG_CHECK(in.cluster.efficiency <= 1, "plan: --efficiency must be in (0, 1]");
+  for (const char* f : {"gpus-per-node", "gpu-memory", "intra-bandwidth", "inter-bandwidth", "peak-tflops", "efficiency"})
+    if (a.given(f)) {
+      in.cluster.name += " (modified)";
+      break;
+    }
+  in.global_batch = a.i64("batch-size");
+  SG_CHECK(in.global_batch >= 1, "plan: --batch-size must be >= 1");
+  in.dtype = a.str("dtype");
+  report::Layout& l = in.layout;
+  l.tp = int(a.i64("tp"));
+  l.pp = int(a.i64("pp"));
+  SG_CHECK(l.tp >= 1 && l.pp >= 1, "plan: --tp and --pp must be >= 1");
+  const int world = in.cluster.gpus_per_node * in.cluster.nodes;
+  if (a.i64("dp")) {
+    l.dp = int(a.i64("dp"));
+  } else {
+    SG_CHECK(world % (l.tp * l.pp) == 0, "plan: --tp ", l.tp, " x --pp ", l.pp, " does not divide the cluster's ",
+             world, " GPUs (give --dp)");
+    l.dp = world / (l.tp * l.pp);
+  }
+  l.sequence_parallel = a.on("sequence-parallel");
+  l.strategy = a.str("strategy");
+  l.pp_schedule = a.str("pp-schedule");
+  l.virtual_stages = int(a.i64("virtual-stages"));
+  l.recompute = a.str("recompute");
+  l.offload = a.str("offload");
+  l.micro_batch_size = a.i64("micro-batch-size");
+
+  if (a.on("search")) {
+    std::vector<report::Plan> found = report::search_plans(in);
+    const size_t top = size_t(std::max<int64_t>(1, a.i64("top")));
+    if (a.on("json")) {
+      nlohmann::json j = nlohmann::json::array();
+      for (size_t i = 0; i < found.size() && i < top; ++i) j.push_back(found[i].to_json());
+      std::printf("%s\n", j.dump(2).c_str());
+      return 0;
+    }
+    std::printf("%zu layouts of %d GPUs fit %s (%s, global batch %lld); the fastest %zu:\n", found.size(), world,
+                in.model.name.c_str(), in.dtype.c_str(), (long long)in.global_batch, std::min(top, found.size()));
+    std::printf("%4s  %-52s %10s %8s %7s %10s %12s\n", "rank", "layout", "GiB/GPU", "bubble", "MFU", "step s", "tokens/s");
+    for (size_t i = 0; i < found.size() && i < top; ++i) {
+      const report::Plan& p = found[i];
+      std::printf("%4zu  %-52s %10.2f %7.1f%% %6.1f%% %10.4f %12.0f\n", i + 1, p.input.layout.label().c_str(),
+                  p.worst.total() / double(1ll << 30), 100 * p.bubble, 100 * p.mfu, p.step_s, p.tokens_per_s);
+    }
+    return found.empty() ? 1 : 0;
+  }
+  report::Plan plan = report::make_plan(in);
+  if (a.on("json")) {
+    std::printf("%s\n", plan.to_json().dump(2).c_str());
+  } else {
+    std::printf("%s", report::describe(plan).c_str());
+  }
+  if (l.pp > 1 && !a.on("json")) simulate_schedule(a, plan);
+  else if (!a.str("svg").empty()) throw Error("plan: --svg draws a pipeline schedule: give --pp > 1");
   return 0;
 }
 

@@ -26,6 +26,7 @@
 #include "parallel/checkpoint.h"
 #include "parallel/comm/mpi_backend.h"
 #include "bench/report/timeline_svg.h"
+#include "bench/report/step_metrics.h"
 #include "parallel/comm/mesh.h"
 #include "parallel/ddp.h"
 #include "parallel/pp/executor.h"
@@ -634,6 +635,7 @@ int Trainer::run() {
     std::fflush(stdout);
     json rec = {{"step", step + 1}, {"loss", loss}, {"lr", lr}, {"grad_norm", norm}, {"step_ms", ms},
                 {"tokens_per_s", tps}, {"mem", ledger_json(device_)}, {"skipped", !applied}};
+    rec["ranks"] = report::step_metrics(device_, {world_.get()}, metrics_.get(), pipe_ ? &pipe_->last_timeline() : nullptr)["ranks"];
     const bool last = step + 1 == steps_;
     if (last && pipe_ && !args_.str("timeline").empty()) write_timeline();
     // Evaluation runs the whole model on rank 0; under --pp/--tp no rank holds it (not yet available).

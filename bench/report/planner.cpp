@@ -1,0 +1,436 @@
+#include "bench/report/planner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <sstream>
+
+#include "core/error.h"
+#include "models/gpt.h"
+#include "parallel/comm/process_group.h"
+#include "parallel/pp/schedule.h"
+
+namespace sg::report {
+
+namespace {
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+int dtype_bytes(const std::string& d) {
+  if (d == "fp32") return 4;
+  if (d == "bf16" || d == "fp16") return 2;
+  throw Error(str("plan: --dtype must be fp32, bf16 or fp16, got '", d, "'"));
+}
+
+bool shards_params(const std::string& s) { return s == "zero3" || s == "fsdp" || s == "hsdp"; }
+bool shards_grads(const std::string& s) { return s == "zero2" || s == "fsdp-grad-op" || shards_params(s); }
+bool shards_optimizer(const std::string& s) { return s != "ddp"; }
+
+// What one pipeline rank holds of the model (elements, before data-parallel sharding): its units
+// (the root unit of embeddings/ln_f it holds, then one per block), as the engine builds them.
+std::vector<int64_t> stage_units(const ModelShape& m, int tp, int pp, int rank) {
+  if (!m.has_shape()) return {ceil_div(m.num_params(), int64_t(tp) * pp)};
+  const int64_t C = m.n_embd, wte = m.vocab_rows() * C / tp, wpe = m.block_size * C;
+  const int64_t block = tp > 1 ? (12 * C * C + 7 * C) / tp + 6 * C : 12 * C * C + 13 * C;
+  int64_t root = 0;
+  if (rank == 0) root += wte + wpe;
+  if (rank == pp - 1) root += 2 * C + (pp > 1 ? wte : 0);  // ln_f; the tied head's copy of wte
+  std::vector<int64_t> units{root};
+  for (int64_t b = 0; b < m.n_layer / pp; ++b) units.push_back(block);
+  return units;
+}
+
+// Korthikanti et al.: activation bytes of one layer for one micro-batch of b sequences (2-byte
+// activations, 1-byte dropout masks).
+double layer_activation_bytes(const ModelShape& m, const Layout& l, double b) {
+  const double s = double(m.seq_len), h = double(m.n_embd), a = double(m.n_head), t = double(l.tp);
+  const double sbh = s * b * h;
+  if (l.recompute == "full") return 2 * sbh / (l.sequence_parallel ? t : 1);
+  const double attn = l.recompute == "selective" ? 0 : 5 * a * s / h;  // the a·s² score matrices
+  if (l.sequence_parallel) return sbh / t * (34 + attn);
+  if (l.tp > 1) return sbh * (10 + 24 / t + attn / t);
+  return sbh * (34 + attn);
+}
+
+double link_bandwidth(const Cluster& c, bool intra) { return intra ? c.intra_bandwidth : c.inter_bandwidth; }
+
+}  // namespace
+
+int64_t ModelShape::num_params() const {
+  if (!has_shape()) return params;
+  nn::GPTConfig c;
+  c.n_layer = n_layer, c.n_head = n_head, c.n_embd = n_embd, c.block_size = block_size, c.vocab_size = vocab_size;
+  return c.num_params();
+}
+
+ModelShape model_preset(const std::string& name) {
+  nn::GPTConfig c = nn::gpt_preset(name);
+  ModelShape m;
+  m.name = name;
+  m.n_layer = c.n_layer, m.n_head = c.n_head, m.n_embd = c.n_embd, m.block_size = c.block_size;
+  m.seq_len = c.block_size, m.vocab_size = c.vocab_size;
+  return m;
+}
+
+Cluster cluster_preset(const std::string& name) {
+  Cluster c;
+  c.name = name;
+  if (name == "8xH100-NVLink-IB") {  // NVLink 4: 450 GB/s each way; one 400 Gb/s NIC per GPU
+    c.gpu_memory = 80e9, c.intra_bandwidth = 450e9, c.inter_bandwidth = 50e9, c.peak_flops = 989e12;
+  } else if (name == "8xH200-NVLink-IB") {
+    c.gpu_memory = 141e9, c.intra_bandwidth = 450e9, c.inter_bandwidth = 50e9, c.peak_flops = 989e12;
+  } else if (name == "8xA100-NVLink-IB") {  // NVLink 3: 300 GB/s each way; 200 Gb/s per GPU
+    c.gpu_memory = 80e9, c.intra_bandwidth = 300e9, c.inter_bandwidth = 25e9, c.peak_flops = 312e12;
+  } else if (name == "cpu-local") {  // this 2-core machine: one rank per core, MPI over shared memory
+    c.gpus_per_node = 2, c.gpu_memory = 8e9, c.intra_bandwidth = 4e9, c.inter_bandwidth = 1e9;
+    c.peak_flops = 150e9, c.host_bandwidth = 10e9, c.efficiency = 0.6;
+  } else {
+    throw Error(str("plan: --cluster: unknown preset '", name,
+                    "' (expected 8xH100-NVLink-IB, 8xH200-NVLink-IB, 8xA100-NVLink-IB or cpu-local)"));
+  }
+  return c;
+}
+
+std::string Layout::label() const {
+  std::string s = "dp" + std::to_string(dp) + " tp" + std::to_string(tp) + (sequence_parallel ? "+sp" : "") + " pp" +
+                  std::to_string(pp) + " " + strategy;
+  if (pp > 1) s += " " + pp_schedule + (virtual_stages > 1 ? "/v" + std::to_string(virtual_stages) : "");
+  s += " mb" + std::to_string(micro_batch_size);
+  if (recompute != "none") s += " rc:" + recompute;
+  if (offload != "none") s += " offload:" + offload;
+  return s;
+}
+
+Plan make_plan(const PlanInput& in) {
+  const ModelShape& m = in.model;
+  const Cluster& c = in.cluster;
+  const Layout& l = in.layout;
+  Plan p;
+  p.input = in;
+  const int d = dtype_bytes(in.dtype);
+  SG_CHECK(l.dp >= 1 && l.tp >= 1 && l.pp >= 1, "plan: --dp, --tp and --pp must be >= 1");
+  SG_CHECK(m.num_params() > 0, "plan: the model has no parameters (give --model, --n-layer/--n-embd/... or --params)");
+  SG_CHECK(l.strategy == "ddp" || l.strategy == "zero1" || l.strategy == "zero2" || l.strategy == "zero3" ||
+               l.strategy == "fsdp" || l.strategy == "fsdp-grad-op" || l.strategy == "hsdp",
+           "plan: --strategy '", l.strategy, "' (expected ddp, zero1, zero2, zero3, fsdp, fsdp-grad-op or hsdp)");
+  SG_CHECK(l.recompute == "none" || l.recompute == "selective" || l.recompute == "full", "plan: --recompute '",
+           l.recompute, "' (expected none, selective or full)");
+  SG_CHECK(l.offload == "none" || l.offload == "optimizer" || l.offload == "params", "plan: --offload '", l.offload,
+           "' (expected none, optimizer or params)");
+  SG_CHECK(l.offload != "params" || shards_params(l.strategy), "plan: --offload params needs a strategy that shards ",
+           "the parameters (zero3, fsdp, hsdp), not ", l.strategy);
+  SG_CHECK(!l.sequence_parallel || l.tp > 1, "plan: --sequence-parallel needs --tp > 1");
+  p.world = l.dp * l.tp * l.pp;
+  SG_CHECK(p.world <= c.gpus_per_node * c.nodes, "plan: dp ", l.dp, " x tp ", l.tp, " x pp ", l.pp, " = ", p.world,
+           " GPUs, the cluster has ", c.gpus_per_node * c.nodes, " (", c.nodes, " x ", c.gpus_per_node, ")");
+  p.nodes_used = int(ceil_div(p.world, c.gpus_per_node));
+  if (m.has_shape()) {
+    SG_CHECK(m.n_head % l.tp == 0, "plan: --tp ", l.tp, ": ", m.n_head, " heads cannot be split ", l.tp, " ways");
+    SG_CHECK(m.vocab_rows() % l.tp == 0, "plan: --tp ", l.tp, ": ", m.vocab_rows(), " vocabulary rows cannot be split");
+    SG_CHECK(m.n_layer % (l.pp * l.virtual_stages) == 0, "plan: --pp ", l.pp, " x --virtual-stages ", l.virtual_stages,
+             ": ", m.n_layer, " layers do not split evenly");
+    SG_CHECK(!l.sequence_parallel || m.seq_len % l.tp == 0, "plan: --sequence-parallel: --seq-len ", m.seq_len,
+             " does not split over --tp ", l.tp);
+    SG_CHECK(m.seq_len >= 1 && m.seq_len <= m.block_size, "plan: --seq-len ", m.seq_len, " outside [1, block size ",
+             m.block_size, "]");
+  }
+  SG_CHECK(in.global_batch % l.dp == 0, "plan: --batch-size ", in.global_batch, " does not split over dp ", l.dp);
+  SG_CHECK(l.micro_batch_size >= 1 && (in.global_batch / l.dp) % l.micro_batch_size == 0, "plan: --micro-batch-size ",
+           l.micro_batch_size, " does not divide the per-rank batch ", in.global_batch / l.dp);
+  p.micro_batches = in.global_batch / l.dp / l.micro_batch_size;
+  const int v = l.pp > 1 ? l.virtual_stages : 1;
+
+  // The schedule, simulated: its bubble and the activations each rank holds.
+  std::vector<int> in_flight(size_t(l.pp), 1);
+  if (l.pp > 1) {
+    auto sched = parallel::pp::make_schedule(l.pp_schedule, l.pp, int(p.micro_batches), v);
+    auto tl = parallel::pp::simulate(sched, 1.0 / v, 2.0 / v);
+    p.bubble = tl.bubble_fraction();
+    for (int r = 0; r < l.pp; ++r) in_flight[size_t(r)] = tl.peak_in_flight(r);
+  }
+
+  // Data-parallel sharding: N ranks share the sharded states (hsdp: the ranks of one node).
+  const int N = l.dp;
+  const int shard_n = l.strategy == "hsdp" ? std::max(1, std::min(N, c.gpus_per_node / (l.tp * l.pp))) : N;
+  SG_CHECK(l.strategy != "hsdp" || N % shard_n == 0, "plan: hsdp: dp ", N, " is not a multiple of the ", shard_n,
+           " ranks of a node's shard group");
+  const int replicas = N / shard_n;
+  const int optim_bytes = 8 + (d < 4 ? 4 : 0);  // AdamW m, v (+ f32 master weights)
+  const double b = double(l.micro_batch_size), sbhd = double(m.seq_len) * b * double(m.n_embd) * d;
+  const bool dp_intra = p.world <= c.gpus_per_node, tp_intra = l.tp <= c.gpus_per_node,
+             pp_intra = l.tp * l.pp <= c.gpus_per_node;
+  double busiest_intra = 0, busiest_inter = 0;
+  double dp_time = 0, other_time = 0;  // the slowest rank's data-parallel / tp + pp + host transfer seconds
+
+  for (int r = 0; r < l.pp; ++r) {
+    const std::vector<int64_t> units = stage_units(m, l.tp, l.pp, r);
+    int64_t E = 0, E_shard_units = 0, biggest_unit = 0;
+    for (int64_t u : units) {
+      E += u;
+      E_shard_units += ceil_div(u, shard_n);
+      biggest_unit = std::max(biggest_unit, u);
+    }
+    const int64_t E_shard_flat = ceil_div(E, N);  // zero1/2: one flat vector padded to a multiple of N
+    RankMemory mem;
+    const int64_t param_el = shards_params(l.strategy) ? E_shard_units : E;
+    const int64_t grad_el = shards_params(l.strategy) ? E_shard_units : shards_grads(l.strategy) ? E_shard_flat : E;
+    const int64_t optim_el = shards_params(l.strategy) ? E_shard_units : shards_optimizer(l.strategy) ? E_shard_flat : E;
+    mem.param = l.offload == "params" ? 0 : param_el * d;
+    mem.grad = grad_el * d;
+    mem.optim_state = l.offload == "none" ? optim_el * optim_bytes : 0;
+
+    // Activations: the micro-batch·chunk units in flight on this rank, L/(p·v) layers each.
+    if (m.has_shape()) {
+      const double layers_per_unit = double(m.n_layer) / double(l.pp * v);
+      mem.activation = double(in_flight[size_t(r)]) * layers_per_unit * layer_activation_bytes(m, l, b) * d / 2.0;
+      if (r == l.pp - 1)  // f32 logits and their softmax for the loss, vocabulary split over tp
+        mem.activation += 2.0 * 4.0 * double(m.seq_len) * b * double(m.vocab_rows()) / l.tp;
+    }
+    // Buffers: ddp's gradient buckets; zero's stripe; fsdp's gathered root + one block and a flat
+    // gradient of one unit.
+    if (N > 1) {
+      if (l.strategy == "ddp") mem.buffers = double(E) * d;
+      else if (l.strategy == "zero1" || l.strategy == "zero2") mem.buffers = std::min(double(in.bucket_bytes), double(E) * d);
+      else if (l.strategy == "fsdp-grad-op") mem.buffers = double(E - E_shard_flat) * d;  // params held unsharded
+      else mem.buffers = double(units.front() + biggest_unit) * d + double(biggest_unit) * d;
+    }
+    p.per_stage.push_back(mem);
+    if (mem.total() > p.worst.total()) p.worst = mem;
+
+    // Communication of this rank per step, as ProcessGroup counts it.
+    std::map<std::string, int64_t> k;
+    const int64_t mb = p.micro_batches;
+    double dp_bytes = 0, dp_inter = 0;  // hsdp's replica all-reduce crosses nodes
+    if (N > 1) {
+      if (l.strategy == "ddp") {
+        k["all_reduce"] += comm::all_reduce_bytes(E * d, N);
+      } else if (l.strategy == "zero1" || l.strategy == "zero2") {
+        k["reduce_scatter"] += comm::reduce_scatter_bytes(E_shard_flat * N * d, N);
+        k["all_gather"] += comm::all_gather_bytes(E_shard_flat * N * d, N);
+        k["all_reduce"] += comm::all_reduce_bytes(8, N);  // the gradient norm's partial sums (f64)
+      } else {
+        const int gathers = l.strategy == "fsdp-grad-op" ? 1 : 2;  // forward, and again in backward
+        for (int64_t u : units) {
+          const int64_t padded = ceil_div(u, shard_n) * shard_n * d;
+          k["all_gather"] += gathers * mb * comm::all_gather_bytes(padded, shard_n);
+          k["reduce_scatter"] += mb * comm::reduce_scatter_bytes(padded, shard_n);
+        }
+        if (replicas > 1) {
+          const int64_t ar = comm::all_reduce_bytes(E_shard_units * d, replicas);
+          k["all_reduce"] += ar;
+          dp_inter += double(ar);
+        }
+        k["all_reduce"] += comm::all_reduce_bytes(8, N);
+      }
+      for (const auto& [kind, bytes] : k) dp_bytes += double(bytes);
+      dp_bytes -= dp_inter;
+    }
+    double tp_bytes = 0, pp_bytes = 0;
+    if (l.tp > 1 && m.has_shape()) {
+      // Per micro-batch: 4 per layer (attention and MLP, forward and backward; 6 with full
+      // recompute, which repeats the forward's), one for the vocab-parallel embedding (forward) on
+      // the first stage, one for the tied head's input gradient on the last; the vocab-parallel
+      // cross-entropy all-reduces three f32 numbers per token (max, target logit, sum of exps).
+      const int64_t act = int64_t(sbhd);
+      const int64_t per_layer = l.recompute == "full" ? 6 : 4;
+      const int64_t big = mb * (m.n_layer / l.pp * per_layer + (r == 0 ? 1 : 0) + (r == l.pp - 1 ? 1 : 0));
+      if (l.sequence_parallel) {
+        k["all_gather"] += big * comm::all_gather_bytes(act, l.tp);
+        k["reduce_scatter"] += big * comm::reduce_scatter_bytes(act, l.tp);
+        tp_bytes += double(big * (comm::all_gather_bytes(act, l.tp) + comm::reduce_scatter_bytes(act, l.tp)));
+        // The replicated parameters' gradients are partial sums over this rank's tokens: one
+        // all-reduce each per step (LayerNorms and row-parallel biases, 6·C a block; wpe; ln_f).
+        std::vector<int64_t> replicated(size_t(m.n_layer / l.pp * 6), m.n_embd);
+        if (r == 0) replicated.push_back(m.block_size * m.n_embd);
+        if (r == l.pp - 1) replicated.insert(replicated.end(), {m.n_embd, m.n_embd});
+        for (int64_t e : replicated) {
+          k["all_reduce"] += comm::all_reduce_bytes(e * d, l.tp);
+          tp_bytes += double(comm::all_reduce_bytes(e * d, l.tp));
+        }
+      } else {
+        k["all_reduce"] += big * comm::all_reduce_bytes(act, l.tp);
+        tp_bytes += double(big * comm::all_reduce_bytes(act, l.tp));
+      }
+      if (r == l.pp - 1) {
+        const int64_t ce = 3 * mb * comm::all_reduce_bytes(int64_t(m.seq_len * l.micro_batch_size * 4), l.tp);
+        k["all_reduce"] += ce;
+        tp_bytes += double(ce);
+      }
+    }
+    if (l.pp > 1 && m.has_shape()) {
+      const int64_t act = int64_t(sbhd) / (l.sequence_parallel ? l.tp : 1);
+      const int stages = l.pp * v;
+      for (int chunk = 0; chunk < v; ++chunk) {
+        const int s = chunk * l.pp + r;
+        if (s < stages - 1) k["send"] += mb * act, k["recv"] += mb * act;  // activation out, its gradient in
+        if (s > 0) k["send"] += mb * act, k["recv"] += mb * act;           // gradient back, activation in
+      }
+      if (r == 0 || r == l.pp - 1) {  // the tied embedding's gradient, exchanged between its holders
+        const int64_t wte = m.vocab_rows() * m.n_embd / l.tp * d;
+        k["send"] += wte, k["recv"] += wte;
+      }
+      k["all_reduce"] += comm::all_reduce_bytes(8, l.pp);  // the step's loss, known to every stage
+      pp_bytes = double(k["send"]);
+    }
+    if (r == 0) p.comm = k;
+    const bool shard_intra = dp_intra || (l.strategy == "hsdp" && replicas > 1);  // hsdp's shard group is one node
+    const double intra = (shard_intra ? dp_bytes : 0) + (tp_intra ? tp_bytes : 0) + (pp_intra ? pp_bytes : 0);
+    const double inter = (shard_intra ? 0 : dp_bytes) + dp_inter + (tp_intra ? 0 : tp_bytes) + (pp_intra ? 0 : pp_bytes);
+    busiest_intra = std::max(busiest_intra, intra);
+    busiest_inter = std::max(busiest_inter, inter);
+
+    // Time of this rank's exposed communication (the compute below is the same on every rank).
+    const double t_dp = dp_bytes / link_bandwidth(c, shard_intra) + dp_inter / c.inter_bandwidth;
+    const double t_tp = tp_bytes / link_bandwidth(c, tp_intra), t_pp = pp_bytes / link_bandwidth(c, pp_intra);
+    double host = 0;
+    if (l.offload != "none") host += 2.0 * double(optim_el) * d / c.host_bandwidth;  // grads down, params up
+    if (l.offload == "params") host += 2.0 * double(mb) * double(E_shard_units) * d / c.host_bandwidth;
+    other_time = std::max(other_time, t_tp + t_pp + host);
+    dp_time = std::max(dp_time, t_dp);
+  }
+
+  // Compute: model FLOPs per token 6·(Ψ − wpe) + 12·L·s·h (the convention of bench/RESULTS.md),
+  // plus the recomputed forward (full: the whole forward; selective: the attention core's 4·s·h).
+  const double psi = double(m.num_params());
+  const double L = double(m.n_layer), s = double(m.seq_len), h = double(m.n_embd);
+  const double wpe = m.has_shape() ? double(m.block_size) * h : 0;
+  p.model_flops_per_token = 6 * (psi - wpe) + 12 * L * s * h;
+  double hw = p.model_flops_per_token;
+  if (l.recompute == "full") hw += 2 * (psi - wpe) + 4 * L * s * h;
+  if (l.recompute == "selective") hw += 4 * L * s * h;
+  const double tokens = double(in.global_batch) * std::max(1.0, s);
+  p.compute_s = tokens / l.dp * hw / double(l.tp * l.pp) / (c.peak_flops * c.efficiency);
+  const double t_dp = dp_time, backward = p.compute_s * 2.0 / 3.0;
+  double dp_exposed = 0;
+  if (l.strategy == "ddp") dp_exposed = std::max(0.0, t_dp - backward);         // buckets during backward
+  else if (l.strategy == "zero1") dp_exposed = t_dp;                               // after backward, then gather
+  else if (l.strategy == "zero2") dp_exposed = std::max(0.0, t_dp / 2 - backward) + t_dp / 2;
+  else dp_exposed = std::max(0.0, t_dp - p.compute_s);                             // prefetched gathers
+  p.comm_exposed_s = dp_exposed + other_time;
+  p.step_s = p.compute_s * (1 + p.bubble) + p.comm_exposed_s;
+  p.tokens_per_s = tokens / p.step_s;
+  p.mfu = p.tokens_per_s * p.model_flops_per_token / (double(p.world) * c.peak_flops);
+  p.intra_bytes = busiest_intra;
+  p.inter_bytes = busiest_inter;
+  p.fits = p.worst.total() <= c.gpu_memory;
+  if (!m.has_shape()) p.notes.push_back("raw parameter count: activations, tp and pp traffic not estimated");
+  if (d == 4) p.notes.push_back("fp32: Korthikanti's 2-byte activation formulas scaled by 2");
+  if (l.offload != "none") p.notes.push_back("offload: the optimizer state lives in host memory");
+  return p;
+}
+
+std::vector<Plan> search_plans(const PlanInput& base) {
+  const int world = base.cluster.gpus_per_node * base.cluster.nodes;
+  std::vector<Plan> out;
+  auto powers = [](int limit) {
+    std::vector<int> v;
+    for (int x = 1; x <= limit; x *= 2) v.push_back(x);
+    return v;
+  };
+  for (int tp : powers(base.cluster.gpus_per_node))
+    for (int pp = 1; pp <= world / tp; ++pp) {
+      if ((world / tp) % pp) continue;
+      const int dp = world / (tp * pp);
+      for (const char* strategy : {"ddp", "zero1", "zero2", "zero3", "hsdp"}) {
+        if (std::string(strategy) == "hsdp" && dp * tp * pp <= base.cluster.gpus_per_node) continue;
+        for (const char* schedule : {"1f1b", "interleaved"}) {
+          if (pp == 1 && std::string(schedule) != "1f1b") continue;
+          for (const char* rc : {"none", "selective", "full"})
+            for (int64_t mbs : {1, 2, 4, 8, 16}) {
+              PlanInput in = base;
+              in.layout = Layout{};
+              in.layout.dp = dp, in.layout.tp = tp, in.layout.pp = pp;
+              in.layout.sequence_parallel = tp > 1;
+              in.layout.strategy = strategy, in.layout.pp_schedule = schedule;
+              in.layout.virtual_stages = std::string(schedule) == "interleaved" ? 2 : 1;
+              in.layout.recompute = rc, in.layout.micro_batch_size = mbs;
+              try {
+                Plan p = make_plan(in);
+                if (p.fits) out.push_back(std::move(p));
+              } catch (const Error&) {
+                // an impossible combination (heads, layers, batch): not a candidate
+              }
+            }
+        }
+      }
+    }
+  // Fastest first; among equally fast layouts, the one with the most memory to spare.
+  std::stable_sort(out.begin(), out.end(), [](const Plan& a, const Plan& b) {
+    if (std::abs(a.tokens_per_s - b.tokens_per_s) > 1e-9 * std::max(a.tokens_per_s, b.tokens_per_s))
+      return a.tokens_per_s > b.tokens_per_s;
+    return a.worst.total() < b.worst.total();
+  });
+  return out;
+}
+
+nlohmann::json Plan::to_json() const {
+  auto mem_json = [](const RankMemory& r) {
+    return nlohmann::json{{"param", r.param},           {"grad", r.grad},       {"optim_state", r.optim_state},
+                          {"activation", r.activation}, {"buffers", r.buffers}, {"total", r.total()}};
+  };
+  nlohmann::json j;
+  const Layout& l = input.layout;
+  j["layout"] = {{"label", l.label()}, {"dp", l.dp}, {"tp", l.tp}, {"pp", l.pp},
+                 {"sequence_parallel", l.sequence_parallel}, {"strategy", l.strategy},
+                 {"pp_schedule", l.pp_schedule}, {"virtual_stages", l.virtual_stages}, {"recompute", l.recompute},
+                 {"offload", l.offload}, {"micro_batch_size", l.micro_batch_size}};
+  j["model"] = {{"name", input.model.name}, {"params", input.model.num_params()}, {"n_layer", input.model.n_layer},
+                {"n_head", input.model.n_head}, {"n_embd", input.model.n_embd}, {"seq_len", input.model.seq_len}};
+  j["cluster"] = {{"name", input.cluster.name}, {"gpus_per_node", input.cluster.gpus_per_node},
+                  {"nodes", input.cluster.nodes}, {"gpu_memory", input.cluster.gpu_memory},
+                  {"peak_flops", input.cluster.peak_flops}};
+  j["global_batch"] = input.global_batch;
+  j["dtype"] = input.dtype;
+  j["world"] = world;
+  j["micro_batches"] = micro_batches;
+  j["memory_per_gpu"] = mem_json(worst);
+  j["memory_per_stage"] = nlohmann::json::array();
+  for (const auto& r : per_stage) j["memory_per_stage"].push_back(mem_json(r));
+  j["comm_bytes_per_step"] = comm;
+  j["comm_bytes_by_link"] = {{"intra_node", intra_bytes}, {"inter_node", inter_bytes}};
+  j["bubble"] = bubble;
+  j["compute_s"] = compute_s;
+  j["comm_exposed_s"] = comm_exposed_s;
+  j["step_s"] = step_s;
+  j["tokens_per_s"] = tokens_per_s;
+  j["mfu"] = mfu;
+  j["fits"] = fits;
+  j["notes"] = notes;
+  return j;
+}
+
+std::string describe(const Plan& p) {
+  auto gib = [](double b) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.2f GiB", b / double(1ll << 30));
+    return std::string(buf);
+  };
+  std::ostringstream o;
+  const PlanInput& in = p.input;
+  o << "model " << in.model.name << ": " << double(in.model.num_params()) / 1e6 << "M params";
+  if (in.model.has_shape())
+    o << " (" << in.model.n_layer << " layers, width " << in.model.n_embd << ", " << in.model.n_head << " heads, seq "
+      << in.model.seq_len << ")";
+  o << " | " << in.dtype << " | global batch " << in.global_batch << "\n";
+  o << "cluster " << in.cluster.name << ": " << in.cluster.nodes << " x " << in.cluster.gpus_per_node << " GPUs, "
+    << gib(in.cluster.gpu_memory) << " each | layout " << in.layout.label() << " (" << p.world << " GPUs, "
+    << p.micro_batches << " micro-batches per step)\n";
+  o << "memory per GPU (busiest pipeline rank):\n";
+  const RankMemory& w = p.worst;
+  o << "  params " << gib(double(w.param)) << " | grads " << gib(double(w.grad)) << " | optimizer "
+    << gib(double(w.optim_state)) << " | activations " << gib(w.activation) << " | buffers " << gib(w.buffers)
+    << " | total " << gib(w.total()) << (p.fits ? "  -> fits\n" : "  -> does NOT fit\n");
+  o << "communication per step (pipeline rank 0, bytes sent):";
+  for (const auto& [k, b] : p.comm) o << " " << k << " " << gib(double(b));
+  o << "\n  busiest rank: intra-node " << gib(p.intra_bytes) << ", inter-node " << gib(p.inter_bytes) << "\n";
+  char buf[256];
+  std::snprintf(buf, sizeof buf,
+                "time: compute %.3f s, pipeline bubble %.1f%%, exposed communication %.3f s -> step %.3f s, "
+                "%.0f tokens/s, MFU %.1f%%\n",
+                p.compute_s, 100 * p.bubble, p.comm_exposed_s, p.step_s, p.tokens_per_s, 100 * p.mfu);
+  o << buf;
+  for (const auto& n : p.notes) o << "note: " << n << "\n";
+  return o.str();
+}
+
+}  // namespace sg::report

@@ -1,0 +1,294 @@
+// The planner against theory (ZeRO's model-state memory, Megatron's bubble, Korthikanti's
+// activations, the collectives' volumes) and against the engine itself: for small CPU layouts, the
+// predicted param/grad/optimizer bytes and bytes per collective kind equal what `shardgrad train`
+// measures in its ledger and counters.
+#include <catch2/catch.hpp>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "bench/report/planner.h"
+#include "core/error.h"
+
+namespace fs = std::filesystem;
+using namespace sg::report;
+
+namespace {
+
+PlanInput raw(int64_t psi, int n, const std::string& strategy, const std::string& dtype = "bf16") {
+  PlanInput in;
+  in.model.params = psi;
+  in.cluster = cluster_preset("8xH100-NVLink-IB");
+  in.cluster.nodes = 16;
+  in.layout.dp = n;
+  in.layout.strategy = strategy;
+  in.global_batch = n;
+  in.dtype = dtype;
+  return in;
+}
+
+int64_t model_states(const Plan& p) { return p.worst.param + p.worst.grad + p.worst.optim_state; }
+
+}  // namespace
+
+TEST_CASE("model states per GPU are ZeRO's 2Ψ + 2Ψ + 12Ψ in mixed precision, the stage's part divided by N") {
+  for (int64_t psi : {int64_t(1000), int64_t(123457), int64_t(7500000001)}) {
+    for (int n : {1, 2, 8, 64}) {
+      const int64_t part = (psi + n - 1) / n;  // the engine pads the flat vector to a multiple of N
+      INFO("Ψ = " << psi << ", N = " << n);
+      CHECK(model_states(make_plan(raw(psi, n, "ddp"))) == 16 * psi);
+      CHECK(model_states(make_plan(raw(psi, n, "zero1"))) == 2 * psi + 2 * psi + 12 * part);
+      CHECK(model_states(make_plan(raw(psi, n, "zero2"))) == 2 * psi + 14 * part);
+      CHECK(model_states(make_plan(raw(psi, n, "zero3"))) == 16 * part);
+      CHECK(model_states(make_plan(raw(psi, n, "fsdp"))) == 16 * part);
+    }
+  }
+}
+
+TEST_CASE("the ZeRO paper's 7.5B-parameter example on 64 GPUs: 120, 31.4, 16.6 and 1.9 GB") {
+  const int64_t psi = 7500000000;
+  CHECK(double(model_states(make_plan(raw(psi, 64, "ddp")))) / 1e9 == Approx(120.0).margin(0.05));
+  CHECK(double(model_states(make_plan(raw(psi, 64, "zero1")))) / 1e9 == Approx(31.4).margin(0.05));
+  CHECK(double(model_states(make_plan(raw(psi, 64, "zero2")))) / 1e9 == Approx(16.6).margin(0.05));
+  CHECK(double(model_states(make_plan(raw(psi, 64, "zero3")))) / 1e9 == Approx(1.875).margin(0.05));
+}
+
+TEST_CASE("fp32 training keeps no master copy: 4Ψ + 4Ψ + 8Ψ") {
+  CHECK(model_states(make_plan(raw(1000, 1, "ddp", "fp32"))) == 16 * 1000);
+  CHECK(make_plan(raw(1000, 4, "zero1", "fp32")).worst.optim_state == 8 * 250);
+  CHECK(make_plan(raw(1000, 4, "zero2", "fp32")).worst.param == 4 * 1000);
+  CHECK(make_plan(raw(1000, 4, "zero2", "fp32")).worst.grad == 4 * 250);
+}
+
+TEST_CASE("offloading the optimizer leaves no optimizer state on the GPU; offloading params needs sharded params") {
+  PlanInput in = raw(1000000, 8, "zero3");
+  in.layout.offload = "optimizer";
+  CHECK(make_plan(in).worst.optim_state == 0);
+  CHECK(make_plan(in).worst.param == 2 * 125000);
+  in.layout.offload = "params";
+  CHECK(make_plan(in).worst.param == 0);
+  in.layout.strategy = "ddp";
+  CHECK_THROWS_WITH(make_plan(in), Catch::Contains("shards") && Catch::Contains("ddp"));
+}
+
+TEST_CASE("data-parallel traffic per step: ddp 2(N-1)/N·Ψ, zero1/2 the same split in two, zero3 3Ψ") {
+  const int64_t psi = 1000000, bytes = 4 * psi;  // fp32
+  const Plan ddp = make_plan(raw(psi, 4, "ddp", "fp32"));
+  CHECK(ddp.comm.at("all_reduce") == 2 * 3 * bytes / 4);
+  const Plan z1 = make_plan(raw(psi, 4, "zero1", "fp32"));
+  CHECK(z1.comm.at("reduce_scatter") == 3 * bytes / 4);
+  CHECK(z1.comm.at("all_gather") == 3 * bytes / 4);
+  const Plan z3 = make_plan(raw(psi, 4, "zero3", "fp32"));
+  CHECK(z3.comm.at("all_gather") == 2 * 3 * bytes / 4);
+  CHECK(z3.comm.at("reduce_scatter") == 3 * bytes / 4);
+  // All inside one node of 8 GPUs; across two nodes the same bytes are inter-node.
+  CHECK(z3.inter_bytes == 0);
+  PlanInput wide = raw(psi, 16, "zero3", "fp32");
+  CHECK(make_plan(wide).inter_bytes > 0);
+  CHECK(make_plan(wide).intra_bytes == 0);
+}
+
+TEST_CASE("hsdp shards inside a node and all-reduces the shards across nodes") {
+  PlanInput in = raw(8000000, 16, "hsdp", "fp32");  // 2 nodes of 8
+  const Plan p = make_plan(in);
+  CHECK(p.worst.param == 4 * 8000000 / 8);
+  CHECK(p.comm.at("all_reduce") == 2 * 1 * (4 * 1000000) / 2 + 2 * 15 * 8 / 16);
+  CHECK(p.inter_bytes > 0);
+  CHECK(p.intra_bytes > 0);
+}
+
+TEST_CASE("the pipeline bubble is Megatron's (p-1)/m, and (p-1)/(v m) interleaved") {
+  PlanInput in;
+  in.model = model_preset("gpt2");
+  in.cluster = cluster_preset("8xH100-NVLink-IB");
+  in.global_batch = 16;
+  in.layout.pp = 4;
+  in.layout.micro_batch_size = 1;
+  for (const char* s : {"gpipe", "1f1b"}) {
+    in.layout.pp_schedule = s;
+    CHECK(make_plan(in).bubble == Approx(3.0 / 16));
+  }
+  in.layout.pp_schedule = "interleaved";
+  in.layout.virtual_stages = 3;
+  CHECK(make_plan(in).bubble == Approx(3.0 / (3 * 16)));
+}
+
+TEST_CASE("activations follow Korthikanti et al.: 34sbh + 5as²b per layer, /t with sequence parallelism") {
+  PlanInput in;
+  in.model.name = "hand";
+  in.model.n_layer = 2, in.model.n_head = 4, in.model.n_embd = 64, in.model.seq_len = 128, in.model.block_size = 128;
+  in.model.vocab_size = 64;
+  in.cluster = cluster_preset("8xH100-NVLink-IB");
+  in.global_batch = 1;
+  // Per layer 34·128·64 + 5·4·128²; two layers; plus f32 logits and their softmax: 2·4·128·64.
+  CHECK(make_plan(in).worst.activation == Approx(2 * (278528 + 327680) + 65536));
+  in.layout.recompute = "selective";
+  CHECK(make_plan(in).worst.activation == Approx(2 * 278528 + 65536));
+  in.layout.recompute = "full";
+  CHECK(make_plan(in).worst.activation == Approx(2 * (2 * 8192) + 65536));
+  in.layout.recompute = "none";
+  in.layout.tp = 2;
+  CHECK(make_plan(in).worst.activation == Approx(2 * (8192 * (10 + 12) + 327680 / 2) + 65536 / 2));
+  in.layout.sequence_parallel = true;
+  CHECK(make_plan(in).worst.activation == Approx(2 * (278528 + 327680) / 2 + 65536 / 2));
+  // GPipe holds every micro-batch of a step, 1F1B at most p on the first stage.
+  in.layout = Layout{};
+  in.layout.pp = 2;
+  in.global_batch = 8;
+  in.layout.pp_schedule = "gpipe";
+  const double gpipe = make_plan(in).per_stage[0].activation;
+  in.layout.pp_schedule = "1f1b";
+  const double one_f_one_b = make_plan(in).per_stage[0].activation;
+  CHECK(gpipe == Approx(8 * (278528 + 327680)));
+  CHECK(one_f_one_b == Approx(2 * (278528 + 327680)));
+}
+
+TEST_CASE("impossible layouts are refused with the reason") {
+  PlanInput in;
+  in.model = model_preset("gpt2");
+  in.cluster = cluster_preset("8xH100-NVLink-IB");
+  in.global_batch = 8;
+  in.layout.tp = 8;
+  in.layout.dp = 2;
+  CHECK_THROWS_WITH(make_plan(in), Catch::Contains("16 GPUs"));
+  in.layout.dp = 1;
+  in.model.n_head = 12;
+  in.layout.tp = 8;
+  CHECK_THROWS_WITH(make_plan(in), Catch::Contains("12 heads cannot be split 8 ways"));
+  in.layout.tp = 1;
+  in.layout.pp = 5;
+  CHECK_THROWS_WITH(make_plan(in), Catch::Contains("12 layers"));
+  in.layout.pp = 1;
+  in.layout.micro_batch_size = 3;
+  CHECK_THROWS_WITH(make_plan(in), Catch::Contains("--micro-batch-size 3"));
+  CHECK_THROWS_WITH(cluster_preset("8xB200"), Catch::Contains("8xH100-NVLink-IB"));
+}
+
+TEST_CASE("search finds only layouts that fit, fastest first, and a model too big for ddp fits sharded") {
+  PlanInput in;
+  in.model = model_preset("gpt2-xl");
+  in.cluster = cluster_preset("8xA100-NVLink-IB");
+  in.cluster.gpu_memory = 24e9;
+  in.global_batch = 64;
+  in.layout.dp = 8;
+  in.layout.micro_batch_size = 1;
+  in.layout.recompute = "full";
+  CHECK_FALSE(make_plan(in).fits);  // 1.56B params x 16 bytes = 25 GB of model states alone
+  in.layout.strategy = "zero3";
+  CHECK(make_plan(in).fits);
+  std::vector<Plan> found = search_plans(in);
+  REQUIRE(!found.empty());
+  for (size_t i = 0; i < found.size(); ++i) {
+    CHECK(found[i].fits);
+    CHECK(found[i].world == 8);
+    if (i) CHECK(found[i - 1].tokens_per_s >= found[i].tokens_per_s);
+  }
+  bool any_ddp = false;
+  for (const auto& p : found) any_ddp |= p.input.layout.strategy == "ddp" && p.input.layout.tp * p.input.layout.pp == 1;
+  CHECK_FALSE(any_ddp);
+}
+
+// ---- against the engine ----
+
+namespace {
+
+struct EngineRun {
+  std::vector<nlohmann::json> steps;
+  std::string output;
+  int code = 0;
+};
+
+// The tiny CPU model both sides describe: 2 layers, width 32, 2 heads, 16 tokens, vocabulary 64.
+const char* kTiny = "--n-layer 2 --n-embd 32 --n-head 2 --seq-len 16 --block-size 16 --vocab-size 64 --batch-size 8 "
+                    "--threads 1 --eval-every 0 --eval-batches 1 --eval-problems 8 --steps 3";
+
+EngineRun run_engine(int ranks, const std::string& flags) {
+  static int n = 0;
+  const fs::path dir = fs::temp_directory_path() / ("sg_planner_" + std::to_string(::getpid()) + "_" + std::to_string(n++));
+  fs::create_directories(dir);
+  std::string cmd = ranks > 1 ? std::string(SG_MPIEXEC) + " --oversubscribe --allow-run-as-root --bind-to none -x OMP_NUM_THREADS=1 -np " +
+                                    std::to_string(ranks) + " "
+                              : std::string();
+  cmd += std::string(SG_BINARY) + " train " + kTiny + " " + flags + " --log-json " + (dir / "log.jsonl").string() +
+         " > " + (dir / "out.txt").string() + " 2>&1";
+  EngineRun r;
+  const int status = std::system(cmd.c_str());
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  std::ifstream out(dir / "out.txt");
+  r.output.assign(std::istreambuf_iterator<char>(out), {});
+  std::ifstream log(dir / "log.jsonl");
+  for (std::string line; std::getline(log, line);)
+    if (!line.empty()) r.steps.push_back(nlohmann::json::parse(line));
+  fs::remove_all(dir);
+  return r;
+}
+
+PlanInput tiny_plan(const Layout& l) {
+  PlanInput in;
+  in.model.name = "tiny";
+  in.model.n_layer = 2, in.model.n_embd = 32, in.model.n_head = 2, in.model.seq_len = 16, in.model.block_size = 16;
+  in.model.vocab_size = 64;
+  in.cluster = cluster_preset("cpu-local");
+  in.global_batch = 8;
+  in.dtype = "fp32";
+  in.layout = l;
+  return in;
+}
+
+}  // namespace
+
+TEST_CASE("the planner's param, grad and optimizer bytes and bytes per collective equal the engine's ledger and counters", "[cli][mpi]") {
+  struct Case {
+    const char* flags;
+    Layout layout;
+    int ranks;
+    bool grad_is_shard;  // zero2/zero3 keep a shard gradient; the others hold full ones at the step
+  };
+  auto layout = [](int dp, int tp, int pp, const char* strategy, int64_t mbs) {
+    Layout l;
+    l.dp = dp, l.tp = tp, l.pp = pp, l.strategy = strategy, l.micro_batch_size = mbs;
+    return l;
+  };
+  const std::vector<Case> cases = {
+      {"", layout(1, 1, 1, "ddp", 8), 1, false},
+      {"--strategy ddp", layout(2, 1, 1, "ddp", 4), 2, false},
+      {"--strategy zero1", layout(2, 1, 1, "zero1", 4), 2, false},
+      {"--strategy zero2", layout(2, 1, 1, "zero2", 4), 2, true},
+      {"--strategy zero3", layout(2, 1, 1, "zero3", 4), 2, true},
+      {"--strategy zero3 --micro-batch-size 2", layout(2, 1, 1, "zero3", 2), 2, true},
+      {"--pp 2 --micro-batch-size 2 --pp-schedule 1f1b", layout(1, 1, 2, "ddp", 2), 2, false},
+      {"--pp 2 --micro-batch-size 2 --pp-schedule gpipe", layout(1, 1, 2, "ddp", 2), 2, false},
+      {"--tp 2", layout(1, 2, 1, "ddp", 8), 2, false},
+      {"--tp 2 --micro-batch-size 4", layout(1, 2, 1, "ddp", 4), 2, false},
+      {"--tp 2 --sequence-parallel", [&] { Layout l = layout(1, 2, 1, "ddp", 8); l.sequence_parallel = true; return l; }(), 2, false},
+  };
+  for (const Case& c : cases) {
+    INFO("train " << c.flags << " on " << c.ranks << " rank(s)");
+    const Plan plan = make_plan(tiny_plan(c.layout));
+    EngineRun run = run_engine(c.ranks, c.flags);
+    INFO(run.output);
+    REQUIRE(run.code == 0);
+    REQUIRE(run.steps.size() == 3);
+    const auto& last = run.steps[2]["ranks"];
+    const auto& prev = run.steps[1]["ranks"];
+    REQUIRE(int(last.size()) == c.ranks);
+    for (int r = 0; r < c.ranks; ++r) {
+      INFO("rank " << r);
+      const RankMemory& want = plan.per_stage[size_t(r % c.layout.pp)];
+      const auto& mem = last[size_t(r)]["mem"];
+      CHECK(mem["param"]["current"].get<int64_t>() == want.param);
+      CHECK(mem["optim_state"]["current"].get<int64_t>() == want.optim_state);
+      if (c.grad_is_shard) CHECK(mem["grad"]["current"].get<int64_t>() == want.grad);
+      else if (c.layout.pp == 1) CHECK(mem["grad"]["peak"].get<int64_t>() == want.grad);
+      if (r != 0) continue;  // plan.comm is pipeline rank 0's
+      for (const auto& [kind, counted] : last[0]["comm"].items()) {
+        const int64_t per_step = counted["bytes"].get<int64_t>() - prev[0]["comm"][kind]["bytes"].get<int64_t>();
+        const int64_t predicted = plan.comm.count(kind) ? plan.comm.at(kind) : 0;
+        INFO("collective " << kind);
+        CHECK(per_step == predicted);
+      }
+    }
+  }
+}
