@@ -169,6 +169,18 @@ class Trainer {
   // data parallelism: this rank's rows of the global batch, and the gradient averaging
   std::string strategy_ = "single";
   std::shared_ptr<comm::ProcessGroup> world_, metrics_;
+  comm::MeshGroups groups_;  // dp, pp, tp: this rank's groups (dp alone: the world)
+  std::shared_ptr<comm::ProcessGroup> dp_metrics_, mp_metrics_;  // losses over dp; norms over tp x pp
+  // The global gradient norm when the model is split over tp x pp: tp-split parameters sum over
+  // the tp group, replicated ones count once (tp rank 0), the tied embedding once (first stage).
+  double model_parallel_grad_norm();
+  // Sum over the data-parallel ranks of each one's share of the global batch's mean loss.
+  double dp_loss(double share);
+  // The groups whose byte counters hold this rank's training traffic.
+  std::vector<const comm::ProcessGroup*> traffic_groups() const {
+    if (groups_.tp || groups_.pp) return {groups_.dp.get(), groups_.pp.get(), groups_.tp.get()};
+    return {world_.get()};
+  }
   std::unique_ptr<parallel::DistributedDataParallel> ddp_;
   std::unique_ptr<parallel::DataParallel> dp_;
   int rank_ = 0, world_size_ = 1;
@@ -281,13 +293,16 @@ void Trainer::setup() {
   SG_CHECK(T_ <= cfg_.block_size, "train: --seq-len ", T_, " exceeds the model's block size ", cfg_.block_size);
   // The mesh, refused before any work when it does not fit the model and the batch.
   comm::MeshPlan mesh = comm::validate_mesh(world_size_, tp_, pp_, cfg_.n_head, cfg_.n_layer, cfg_.vocab_rows(), B_, micro_);
+  if (tp_ > 1 || pp_ > 1) {
+    // Model parallelism composes with data parallelism over the mesh's dp axis: the rows are split
+    // over dp, and DDP or ZeRO-1 reduce over the dp group only.
+    SG_CHECK(strategy_ == "single" || strategy_ == "ddp", "train: --strategy ", strategy_,
+             " does not compose with --tp/--pp yet (ddp does)");
+    SG_CHECK(mesh.mesh.dp() == 1 || strategy_ == "ddp", "train: --tp ", tp_, " x --pp ", pp_, " on ", world_size_,
+             " ranks leaves dp = ", mesh.mesh.dp(), ": the data-parallel replicas need --strategy ddp");
+    SG_CHECK(dtype_ == DType::f32, "train: --tp/--pp support --dtype fp32 only for now");
+  }
   if (tp_ > 1) {
-    SG_CHECK(mesh.mesh.dp() == 1 && pp_ == 1, "train: --tp ", tp_, " on ", world_size_,
-             " ranks would compose with data or pipeline parallelism, which train does not do yet: launch exactly ",
-             tp_, " ranks");
-    SG_CHECK(strategy_ == "single", "train: --tp runs tensor parallelism alone; --strategy ", strategy_,
-             " does not compose with it yet");
-    SG_CHECK(dtype_ == DType::f32, "train: --tp supports --dtype fp32 only for now");
     SG_CHECK(a.str("save").empty() && a.str("resume").empty() && a.str("init-from").empty(),
              "train: --save/--resume/--init-from are not available with --tp yet (checkpoints hold whole tensors)");
     cfg_.tp = tp_;
@@ -299,16 +314,23 @@ void Trainer::setup() {
   SG_CHECK(!a.on("sequence-parallel") || tp_ > 1, "train: --sequence-parallel needs --tp > 1");
   const int v = int(positive(a, "virtual-stages"));
   if (pp_ > 1) {
-    SG_CHECK(mesh.mesh.dp() == 1, "train: --pp ", pp_, " on ", world_size_, " ranks would add data parallelism (dp ",
-             mesh.mesh.dp(), "), which the pipeline does not compose with yet: launch exactly ", pp_, " ranks");
-    SG_CHECK(strategy_ == "single", "train: --pp runs the pipeline alone; --strategy ", strategy_, " does not compose with it yet");
-    SG_CHECK(dtype_ == DType::f32, "train: --pp supports --dtype fp32 only for now");
     SG_CHECK(a.str("save").empty() && a.str("resume").empty(), "train: --save/--resume are not available with --pp yet");
     SG_CHECK(cfg_.n_layer % (pp_ * v) == 0, "train: --pp ", pp_, " x --virtual-stages ", v, ": ", cfg_.n_layer,
              " layers do not split evenly into ", pp_ * v, " stages");
   }
 
-  model_ = std::make_unique<nn::GPT>(cfg_, dtype_, device_, tp_ > 1 ? world_ : nullptr);
+  if (tp_ > 1 || pp_ > 1) {
+    // dp x pp x tp, tp innermost; every group below is this rank's slice along one axis. Metrics
+    // (losses, norms) travel on their own groups so the byte counters show only training traffic.
+    groups_ = comm::create_mesh_groups(mesh.mesh, *world_);
+    const comm::MeshCoord c = groups_.coord;
+    dp_metrics_ = metrics_->split(c.pp * tp_ + c.tp, c.dp);
+    mp_metrics_ = metrics_->split(c.dp, c.pp * tp_ + c.tp);
+  } else if (world_) {
+    groups_.dp = world_;  // data parallelism alone: the world is the dp group
+    dp_metrics_ = metrics_;
+  }
+  model_ = std::make_unique<nn::GPT>(cfg_, dtype_, device_, tp_ > 1 ? groups_.tp : nullptr);
   model_->recompute = nn::parse_recompute(a.str("recompute"));
   if (ck) {
     load_hf_state(*model_, ck->model);
@@ -319,7 +341,7 @@ void Trainer::setup() {
   }
   if (pp_ > 1) {
     auto sched = parallel::pp::make_schedule(a.str("pp-schedule"), pp_, int((B_ / dp_size_) / micro_), v);
-    pipe_ = std::make_unique<parallel::pp::PipelineExecutor>(*model_, sched, world_);
+    pipe_ = std::make_unique<parallel::pp::PipelineExecutor>(*model_, sched, groups_.pp);
     master_ = pipe_->parameters();  // this rank's stages only
   } else if (dtype_ == DType::f32 || zero_stage()) {  // zero keeps f32 masters for its own shard only
     master_ = model_->named_parameters();
@@ -337,13 +359,13 @@ void Trainer::setup() {
   SG_CHECK(a.f64("clip") >= 0, "train: --clip must be >= 0");
   if (zero_stage() == 3) {
     parallel::watchdog::Waiting w("the parameter broadcast");
-    fsdp_ = std::make_unique<parallel::FullyShardedDataParallel>(*model_, world_, oc);
+    fsdp_ = std::make_unique<parallel::FullyShardedDataParallel>(*model_, groups_.dp, oc);
   } else if (zero_stage()) {
     parallel::ZeroOptions z;
     z.stage = zero_stage();
     SG_CHECK(a.f64("bucket-mb") > 0, "train: --bucket-mb must be > 0");
     z.bucket_bytes = int64_t(a.f64("bucket-mb") * double(1 << 20));
-    zero_ = std::make_unique<parallel::ZeroOptimizer>(model_->named_parameters(), world_, oc, z);
+    zero_ = std::make_unique<parallel::ZeroOptimizer>(master_, groups_.dp, oc, z);
     parallel::watchdog::Waiting w("the parameter broadcast");
     zero_->broadcast_parameters();
   } else {
@@ -354,7 +376,8 @@ void Trainer::setup() {
     SG_CHECK(a.f64("bucket-mb") > 0, "train: --bucket-mb must be > 0");
     d.bucket_bytes = int64_t(a.f64("bucket-mb") * double(1 << 20));
     d.find_unused_parameters = a.on("find-unused-parameters");
-    ddp_ = std::make_unique<parallel::DistributedDataParallel>(model_->named_parameters(), world_, d);
+    ddp_ = std::make_unique<parallel::DistributedDataParallel>(pipe_ ? pipe_->parameters() : model_->named_parameters(),
+                                                               groups_.dp, d);
     parallel::watchdog::Waiting w("the parameter broadcast");
     ddp_->broadcast_parameters();
   }
@@ -431,12 +454,8 @@ double Trainer::train_step(int64_t step, double lr, double& grad_norm, bool& app
     parallel::watchdog::Waiting w("the gradient all-reduce");
     ddp_->finish_gradients();
   }
-  if (cfg_.sequence_parallel) parallel::tp::sync_sequence_parallel_grads(*model_, *world_);
-  if (dp_size_ > 1) {  // each data-parallel rank summed its own rows (tp ranks all hold the whole loss)
-    Tensor l = from_vector<double>({loss_sum}, {1});
-    metrics_->all_reduce(l, comm::ReduceOp::sum)->wait();
-    loss_sum = item(l);
-  }
+  if (cfg_.sequence_parallel) parallel::tp::sync_sequence_parallel_grads(*model_, *groups_.tp);
+  loss_sum = dp_loss(loss_sum);
   if (fsdp_) {  // the units were reduce-scattered during backward, micro-batch by micro-batch
     {
       parallel::watchdog::Waiting w("the gradient reduce-scatter");
@@ -478,14 +497,7 @@ double Trainer::train_step(int64_t step, double lr, double& grad_norm, bool& app
     }
   }
   if (tp_ > 1) {
-    // Split parameters: each rank holds a piece, so their squares sum over the group; replicated
-    // ones are the same everywhere and count once.
-    double split = 0, replicated = 0;
-    for (auto& [n, p] : master_)
-      if (p.grad().defined()) (parallel::tp::gpt_param_split(n).replicated() ? replicated : split) += sum_squares(p.grad());
-    Tensor ss = from_vector<double>({split}, {1});
-    metrics_->all_reduce(ss, comm::ReduceOp::sum)->wait();
-    grad_norm = std::sqrt(item(ss) + replicated);
+    grad_norm = model_parallel_grad_norm();
   } else {
     std::vector<Tensor> ps;
     for (auto& [n, p] : master_) ps.push_back(p);
@@ -515,12 +527,18 @@ double Trainer::pipeline_step(const Tensor& idx, const Tensor& tgt, int64_t coun
   double loss;
   {
     parallel::watchdog::Waiting w("the pipeline's sends and receives");
-    loss = pipe_->run(idx, tgt, 1.0 / double(counted));
+    if (ddp_) ddp_->set_sync(false);  // micro-batch backwards interleave: reduce once at the end
+    // Scaled by dp like the plain path: the dp average of the ranks' gradients is the global mean's.
+    loss = pipe_->run(idx, tgt, double(dp_size_) / double(counted)) / double(dp_size_);
     pipe_->reduce_tied_embedding();
   }
-  Tensor ss = from_vector<double>({pipe_->grad_sum_squares()}, {1});
-  metrics_->all_reduce(ss, comm::ReduceOp::sum)->wait();
-  grad_norm = std::sqrt(item(ss));
+  if (cfg_.sequence_parallel) parallel::tp::sync_sequence_parallel_grads(*model_, *groups_.tp);
+  if (ddp_) {
+    parallel::watchdog::Waiting w("the gradient all-reduce");
+    ddp_->reduce_now();
+  }
+  loss = dp_loss(loss);
+  grad_norm = model_parallel_grad_norm();
   applied = std::isfinite(grad_norm);
   SG_CHECK(applied, "train: non-finite gradient norm (loss ", loss, ")");
   opt_->step(lr, optim::clip_coefficient(grad_norm, args_.f64("clip")));
@@ -528,9 +546,31 @@ double Trainer::pipeline_step(const Tensor& idx, const Tensor& tgt, int64_t coun
   return loss;
 }
 
+double Trainer::model_parallel_grad_norm() {
+  double ss = 0;
+  const bool first_stage = !pipe_ || pipe_->holds_stage(0);
+  for (auto& [n, p] : master_) {
+    if (!p.grad().defined()) continue;
+    if (n == "wte.weight" && !first_stage) continue;
+    if (tp_ > 1 && parallel::tp::gpt_param_split(n).replicated() && groups_.tp->rank() != 0) continue;
+    ss += sum_squares(p.grad());
+  }
+  Tensor t = from_vector<double>({ss}, {1});
+  mp_metrics_->all_reduce(t, comm::ReduceOp::sum)->wait();
+  return std::sqrt(item(t));
+}
+
+double Trainer::dp_loss(double share) {
+  if (dp_size_ == 1) return share;
+  Tensor l = from_vector<double>({share}, {1});
+  dp_metrics_->all_reduce(l, comm::ReduceOp::sum)->wait();
+  return item(l);
+}
+
 // Gathers every rank's recorded (start, end) times of the last step and draws them (rank 0).
 void Trainer::write_timeline() {
-  const auto& mine = pipe_->last_timeline().per_rank[size_t(rank_)];
+  const int pp_rank = groups_.pp->rank();
+  const auto& mine = pipe_->last_timeline().per_rank[size_t(pp_rank)];
   std::vector<double> times;
   for (const auto& a : mine) times.insert(times.end(), {a.start, a.end});
   Tensor local = from_vector(times, {int64_t(times.size())});
@@ -544,7 +584,9 @@ void Trainer::write_timeline() {
   std::vector<double> v = to_vector<double>(all);
   for (int r = 0; r < pp_; ++r)
     for (size_t k = 0; k < sched.per_rank[size_t(r)].size(); ++k) {
-      const double start = v[size_t(r) * times.size() + 2 * k], end = v[size_t(r) * times.size() + 2 * k + 1];
+      // pipeline rank r of the first replica (dp 0, tp 0) is world rank r * tp
+      const size_t at = size_t(r) * size_t(tp_) * times.size() + 2 * k;
+      const double start = v[at], end = v[at + 1];
       t.per_rank[size_t(r)].push_back({sched.per_rank[size_t(r)][k], start, end});
       t.makespan = std::max(t.makespan, end);
     }
@@ -635,7 +677,7 @@ int Trainer::run() {
     std::fflush(stdout);
     json rec = {{"step", step + 1}, {"loss", loss}, {"lr", lr}, {"grad_norm", norm}, {"step_ms", ms},
                 {"tokens_per_s", tps}, {"mem", ledger_json(device_)}, {"skipped", !applied}};
-    rec["ranks"] = report::step_metrics(device_, {world_.get()}, metrics_.get(), pipe_ ? &pipe_->last_timeline() : nullptr)["ranks"];
+    rec["ranks"] = report::step_metrics(device_, traffic_groups(), metrics_.get(), pipe_ ? &pipe_->last_timeline() : nullptr)["ranks"];
     const bool last = step + 1 == steps_;
     if (last && pipe_ && !args_.str("timeline").empty()) write_timeline();
     // Evaluation runs the whole model on rank 0; under --pp/--tp no rank holds it (not yet available).

@@ -160,11 +160,10 @@ void GPT::init_weights(uint64_t seed) {
   }
 }
 
-Tensor GPT::forward(const Tensor& idx) const {
+Tensor GPT::embed(const Tensor& idx) const {
   SG_CHECK(idx.dim() == 2, "GPT: idx must be [B, T], got ", shape_str(idx.shape()));
   const int64_t T = idx.size(1);
   SG_CHECK(T <= config.block_size, "GPT: sequence length ", T, " exceeds block_size ", config.block_size);
-  if (pre_forward) pre_forward();
   Tensor pos = arange(T, DType::i64, idx.device());
   if (config.sequence_parallel) {  // this rank's positions: the embedding is reduce-scattered along T
     SG_CHECK(T % config.tp == 0, "GPT: sequence parallelism needs the sequence length ", T, " to divide by --tp ", config.tp);
@@ -172,20 +171,27 @@ Tensor GPT::forward(const Tensor& idx) const {
   }
   Tensor x = add(wte ? wte->forward(idx) : tp_wte->forward(idx), wpe->forward(pos));  // [B,T,C] + [T,C]
   if (config.dropout > 0) x = dropout(x, config.dropout);
-  for (const auto& block : h) x = block->forward(x, recompute);
-  x = ln_f->forward(x);
-  Tensor logits;
+  return x;
+}
+
+Tensor GPT::head(const Tensor& h_out) const {
+  Tensor x = ln_f->forward(h_out);
   if (tp_wte) {  // column-parallel head over this rank's vocabulary rows, the whole sequence
     x = config.sequence_parallel ? parallel::all_gather_seq(x, *tp_group) : parallel::copy_to_region(x, *tp_group);
-    logits = matmul(x, transpose(tp_wte->weight, 0, 1));
-  } else {
-    logits = matmul(x, transpose(wte->weight, 0, 1));  // tied head: logits = x wte^T
+    return matmul(x, transpose(tp_wte->weight, 0, 1));
   }
+  return matmul(x, transpose(wte->weight, 0, 1));  // tied head: logits = x wte^T
+}
+
+Tensor GPT::forward(const Tensor& idx) const {
+  if (pre_forward) pre_forward();
+  Tensor x = embed(idx);
+  for (const auto& block : h) x = block->forward(x, recompute);
+  Tensor logits = head(x);
   return post_forward ? post_forward(logits) : logits;
 }
 
-Tensor GPT::loss(const Tensor& idx, const Tensor& targets, bool sum, double scale) const {
-  Tensor logits = forward(idx);
+Tensor GPT::loss_from_logits(const Tensor& logits, const Tensor& targets, bool sum, double scale) const {
   CrossEntropyOptions o;
   o.vocab = config.vocab_size;
   o.ignore_index = -1;
@@ -193,6 +199,10 @@ Tensor GPT::loss(const Tensor& idx, const Tensor& targets, bool sum, double scal
   o.scale = scale;
   if (tp_wte) return parallel::tp::vocab_parallel_cross_entropy(logits, targets, tp_wte->vocab_start(), *tp_group, o);
   return cross_entropy(logits, targets, o);
+}
+
+Tensor GPT::loss(const Tensor& idx, const Tensor& targets, bool sum, double scale) const {
+  return loss_from_logits(forward(idx), targets, sum, scale);
 }
 
 // ---- Hugging Face names ----

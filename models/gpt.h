@@ -107,6 +107,13 @@ class GPT : public Module {
   // With sum=true: the sum, times scale (for averaging over a global batch). Under tp, the
   // vocabulary-parallel cross-entropy (full logits are never gathered); the same on every rank.
   Tensor loss(const Tensor& idx, const Tensor& targets, bool sum = false, double scale = 1.0) const;
+  // The pieces of forward, which the pipeline's stages run separately (no pre/post_forward):
+  // token + position embeddings (+ dropout; under sequence parallelism this rank's positions),
+  // the head (ln_f, then the tied wte as the output projection) from the last block's output,
+  // and the loss from the head's logits.
+  Tensor embed(const Tensor& idx) const;
+  Tensor head(const Tensor& h_out) const;
+  Tensor loss_from_logits(const Tensor& logits, const Tensor& targets, bool sum, double scale) const;
 
   GPTConfig config;
   Recompute recompute = Recompute::none;

@@ -80,6 +80,12 @@ void DistributedDataParallel::launch(Bucket& b) {
   b.work = group_->all_reduce(b.buffer, comm::ReduceOp::avg);
 }
 
+void DistributedDataParallel::reduce_now() {
+  sync_ = true;
+  for (size_t i = 0; i < params_.size(); ++i) marked_[i] = params_[i].second.grad().defined();
+  finish_gradients();
+}
+
 void DistributedDataParallel::finish_gradients() {
   if (!sync_) return;
   // Buckets whose parameters did not all get a gradient never launched.

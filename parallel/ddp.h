@@ -36,6 +36,10 @@ class DistributedDataParallel {
   // Waits for every bucket's all-reduce and writes the averaged gradients back. Parameters that
   // got no gradient: an error naming them, or zeros with find_unused_parameters.
   void finish_gradients();
+  // After backward(s) run under no_sync: all-reduces every bucket now and writes the averages
+  // back. The pipeline uses this: its micro-batch backwards interleave, so gradients are complete
+  // only when the schedule ends.
+  void reduce_now();
 
   int num_buckets() const { return int(buckets_.size()); }
   // Parameter names in bucket b (in the order they were packed).

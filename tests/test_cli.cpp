@@ -247,3 +247,40 @@ TEST_CASE("impossible layouts are refused before any work, with the reason", "[c
   refuses(mpirun(2) + " train " + kSmall + " --n-layer 3 --pp 2", "--pp 2: 3 layers cannot be split evenly into 2 stages");
   refuses(mpirun(2) + " train " + kSmall + " --n-layer 2 --pp 2 --pp-schedule zigzag", "unknown schedule 'zigzag'");
 }
+
+TEST_CASE("3-D layouts (dp x tp x pp, ddp across dp) give the single-process losses and gradient norms", "[cli][mpi]") {
+  TempDir d;
+  const std::string args = " train --n-layer 4 --n-embd 32 --n-head 2 --seq-len 16 --batch-size 8 --micro-batch-size 2 "
+                           "--steps 3 --threads 1 --eval-every 0 --log-json ";
+  Run one = shardgrad(args + (d.path / "one.jsonl").string());
+  INFO(one.output);
+  REQUIRE(one.code == 0);
+  auto a = read_log(d.path / "one.jsonl");
+  REQUIRE(a.size() == 3);
+  const std::vector<std::pair<int, std::string>> layouts = {
+      {4, "--tp 2 --strategy ddp"},
+      {4, "--pp 2 --strategy ddp --pp-schedule interleaved --virtual-stages 2"},
+      {4, "--tp 2 --pp 2"},
+      {4, "--tp 2 --pp 2 --sequence-parallel"},
+      {8, "--tp 2 --pp 2 --strategy ddp"}};
+  for (size_t k = 0; k < layouts.size(); ++k) {
+    INFO(layouts[k].second);
+    const fs::path log = d.path / ("l" + std::to_string(k) + ".jsonl");
+    Run r = run_command(mpirun(layouts[k].first) + args + log.string() + " " + layouts[k].second);
+    INFO(r.output);
+    REQUIRE(r.code == 0);
+    auto b = read_log(log);
+    REQUIRE(b.size() == 3);
+    for (size_t i = 0; i < 3; ++i) {
+      REQUIRE(std::abs(b[i]["loss"].get<double>() - a[i]["loss"].get<double>()) <= 1e-5 * a[i]["loss"].get<double>());
+      REQUIRE(std::abs(b[i]["grad_norm"].get<double>() - a[i]["grad_norm"].get<double>()) <=
+              1e-5 * a[i]["grad_norm"].get<double>());
+    }
+  }
+  Run z = run_command(mpirun(4) + args + (d.path / "z.jsonl").string() + " --tp 2 --strategy zero2");
+  REQUIRE(z.code != 0);
+  REQUIRE(z.output.find("--strategy zero2 does not compose with --tp/--pp yet") != std::string::npos);
+  Run s = run_command(mpirun(4) + args + (d.path / "s.jsonl").string() + " --tp 2");
+  REQUIRE(s.code != 0);
+  REQUIRE(s.output.find("leaves dp = 2: the data-parallel replicas need --strategy ddp") != std::string::npos);
+}

@@ -5,6 +5,7 @@
 
 #include "autograd/ops.h"
 #include "autograd/tape.h"
+#include "parallel/tp/layers.h"
 
 namespace sg::parallel::pp {
 
@@ -47,26 +48,18 @@ int PipelineExecutor::blocks_per_stage() const { return int(model_.config.n_laye
 
 Tensor PipelineExecutor::stage_forward(int s, const Tensor& input, const Tensor& targets, double scale) {
   const int L = blocks_per_stage(), S = schedule_.stages();
-  Tensor x = input;
-  if (s == 0) {
-    Tensor pos = arange(input.size(1), DType::i64, input.device());
-    x = add(model_.wte->forward(input), model_.wpe->forward(pos));
-  }
+  Tensor x = s == 0 ? model_.embed(input) : input;
   for (int b = s * L; b < (s + 1) * L; ++b) x = model_.h[size_t(b)]->forward(x, model_.recompute);
   if (s != S - 1) return x;
-  x = model_.ln_f->forward(x);
-  Tensor logits = matmul(x, transpose(model_.wte->weight, 0, 1));
-  CrossEntropyOptions o;
-  o.vocab = model_.config.vocab_size;
-  o.sum = true;
-  o.scale = scale;
-  return cross_entropy(logits, targets, o);
+  return model_.loss_from_logits(model_.head(x), targets, true, scale);
 }
 
 double PipelineExecutor::run(const Tensor& idx, const Tensor& targets, double scale) {
   const int m = schedule_.micro_batches, S = schedule_.stages(), rank = group_->rank();
   SG_CHECK(idx.size(0) % m == 0, "pipeline: ", idx.size(0), " rows do not split into ", m, " micro-batches");
-  const int64_t rows = idx.size(0) / m, T = idx.size(1), C = model_.config.n_embd;
+  const int64_t rows = idx.size(0) / m, C = model_.config.n_embd;
+  // Under sequence parallelism the activations between stages are this tp rank's T/tp positions.
+  const int64_t T = model_.config.sequence_parallel ? idx.size(1) / model_.config.tp : idx.size(1);
   struct InFlight {
     std::unique_ptr<autograd::Tape> tape;
     Tensor input, output;
@@ -88,7 +81,7 @@ double PipelineExecutor::run(const Tensor& idx, const Tensor& targets, double sc
       if (a.stage == 0) {
         f.input = mi;
       } else {
-        f.input = empty({rows, T, C}, model_.wte->weight.dtype(), idx.device());
+        f.input = empty({rows, T, C}, model_.wpe->weight.dtype(), idx.device());
         group_->recv(f.input, schedule_.rank_of(a.stage - 1), tag(a.stage, a.micro, false))->wait();
         f.input.set_requires_grad(true);  // a leaf: its .grad is what goes back upstream
       }
@@ -129,8 +122,9 @@ void PipelineExecutor::reduce_tied_embedding() {
   if (first == last) return;  // both uses on one rank: already one gradient
   const int rank = group_->rank();
   if (rank != first && rank != last) return;
-  Tensor g = model_.wte->weight.grad();
-  if (!g.defined()) g = zeros_like(model_.wte->weight);
+  const Tensor& w = model_.wte ? model_.wte->weight : model_.tp_wte->weight;  // this tp rank's rows
+  Tensor g = w.grad();
+  if (!g.defined()) g = zeros_like(w);
   Tensor other = empty(g.shape(), g.dtype(), g.device());
   const int peer = rank == first ? last : first;
   const int tied_tag = 1 << 28;  // above every activation tag
@@ -138,7 +132,7 @@ void PipelineExecutor::reduce_tied_embedding() {
   group_->recv(other, peer, tied_tag)->wait();
   s->wait();
   Tensor sum = add(g, other);
-  model_.wte->weight.set_grad(sum);
+  w.set_grad(sum);
 }
 
 double PipelineExecutor::grad_sum_squares() const {
