@@ -10,62 +10,132 @@
 namespace sg::parallel {
 
 namespace {
-// A 1-D f32 handle on a whole storage: it reads storage->data() at each use, so it follows the
+// A 1-D handle on a whole storage: it reads storage->data() at each use, so it follows the
 // storage through release() and reallocate().
-Tensor over(const std::shared_ptr<Storage>& s, int64_t n) {
+Tensor over(const std::shared_ptr<Storage>& s, int64_t n, DType dtype) {
   auto impl = std::make_shared<TensorImpl>();
   impl->storage = s;
   impl->layout.shape = {n};
   impl->layout.strides = {1};
-  impl->dtype = DType::f32;
+  impl->dtype = dtype;
   return Tensor(impl);
 }
 Tensor flat_view(const Tensor& t) { return reshape(t, {t.numel()}); }
+bool half(DType t) { return t == DType::bf16 || t == DType::f16; }
+Tensor host(const Tensor& t) { return t.device() == Device::cpu() ? t : to(t, Device::cpu()); }
 }  // namespace
 
-FullyShardedDataParallel::FullyShardedDataParallel(nn::GPT& model, std::shared_ptr<comm::ProcessGroup> group,
-                                                   optim::AdamWConfig adam, bool broadcast_from_rank0)
-    : model_(model), group_(std::move(group)), adam_(adam), alive_(std::make_shared<bool>(true)) {
-  SG_CHECK(group_, "zero3: no process group");
-  SG_CHECK(model_.config.tp == 1 && model_.wte, "zero3: tensor-parallel models are not supported");
-  const int N = group_->size(), r = group_->rank();
+const char* fsdp_mode_name(FsdpMode m) {
+  switch (m) {
+    case FsdpMode::full_shard: return "full_shard";
+    case FsdpMode::shard_grad_op: return "shard_grad_op";
+    case FsdpMode::no_shard: return "no_shard";
+    case FsdpMode::hybrid: return "hybrid";
+  }
+  return "?";
+}
 
-  // Units: the root (wte, wpe, ln_f) first, then one per block.
-  units_.resize(1 + model_.h.size());
-  units_[0].name = "root";
-  units_[0].module = &model_;
-  for (auto* m : {static_cast<nn::Module*>(model_.wte.get()), static_cast<nn::Module*>(model_.wpe.get()),
-                  static_cast<nn::Module*>(model_.ln_f.get())})
-    for (auto& np : m->named_parameters()) units_[0].params.push_back(np);
+FullyShardedDataParallel::FullyShardedDataParallel(nn::GPT& model, std::shared_ptr<comm::ProcessGroup> group,
+                                                   optim::AdamWConfig adam, FsdpOptions opt)
+    : model_(model), world_(std::move(group)), adam_(adam), opt_(opt), alive_(std::make_shared<bool>(true)) {
+  const char* mode = fsdp_mode_name(opt_.mode);
+  SG_CHECK(world_, "fsdp: no process group");
+  SG_CHECK(model_.config.tp == 1 && model_.wte, "fsdp: tensor-parallel models are not supported");
+  const int N = world_->size();
+  SG_CHECK(opt_.mode == FsdpMode::hybrid || opt_.shard_group_size == 0, "fsdp: --shard-group-size applies to hybrid "
+           "sharding only, not ", mode);
+  SG_CHECK(opt_.limit_all_gathers >= 1, "fsdp: --limit-all-gathers must be >= 1, got ", opt_.limit_all_gathers);
+  SG_CHECK(opt_.wrap_min_params >= 0, "fsdp: --wrap-min-params must be >= 0");
+  switch (opt_.mode) {
+    case FsdpMode::full_shard:
+      SG_CHECK(opt_.reshard_after_forward.value_or(true), "fsdp: full_shard without resharding after forward is "
+               "shard_grad_op (--strategy fsdp-grad-op)");
+      shard_ = world_;
+      reshard_ = true;
+      break;
+    case FsdpMode::shard_grad_op:
+      SG_CHECK(!opt_.reshard_after_forward.value_or(false), "fsdp: shard_grad_op keeps units gathered until backward; "
+               "resharding after forward is full_shard (--strategy fsdp)");
+      shard_ = world_;
+      reshard_ = false;
+      break;
+    case FsdpMode::no_shard:
+      SG_CHECK(!opt_.reshard_after_forward.value_or(false), "fsdp: no_shard never reshards (full replicas)");
+      replicate_ = world_;
+      reshard_ = false;
+      break;
+    case FsdpMode::hybrid: {
+      const int ns = opt_.shard_group_size;
+      SG_CHECK(ns >= 1 && N % ns == 0, "fsdp: hybrid sharding needs --shard-group-size to divide the ", N,
+               " ranks, got ", ns);
+      const int r = world_->rank();
+      shard_ = world_->split(r / ns, r);      // consecutive ranks share the shards
+      replicate_ = world_->split(r % ns, r);  // the same shard in every group
+      reshard_ = opt_.reshard_after_forward.value_or(true);
+      break;
+    }
+  }
+  if (shard_ && shard_->size() == 1) shard_.reset();  // sharding over one rank: the full unit, persistent
+  if (replicate_ && replicate_->size() == 1) replicate_.reset();
+  if (!shard_) reshard_ = false;
+  const int Ns = shard_size(), r = shard_ ? shard_->rank() : 0;
+
+  // Units: the root (wte, wpe, ln_f) first, then runs of consecutive blocks.
+  Unit root;
+  root.name = "root";
+  root.first = root.last = &model_;
+  root.root = true;
+  // Parameters keep the model's names ("wte.weight", "h.0.attn.c_attn.weight"): the global
+  // tensors of the checkpoint state.
+  auto add = [](Unit& u, const std::string& prefix, const nn::Module& m) {
+    for (auto& [n, p] : m.named_parameters()) u.params.emplace_back(prefix + "." + n, p);
+  };
+  add(root, "wte", *model_.wte);
+  add(root, "wpe", *model_.wpe);
+  add(root, "ln_f", *model_.ln_f);
+  units_.push_back(std::move(root));
+  size_t begin = 0;
+  int64_t run = 0;
   for (size_t i = 0; i < model_.h.size(); ++i) {
-    units_[i + 1].name = "h." + std::to_string(i);
-    units_[i + 1].module = model_.h[i].get();
-    units_[i + 1].params = model_.h[i]->named_parameters();
+    run += model_.h[i]->num_parameters();
+    if (opt_.wrap_min_params > 0 && run < opt_.wrap_min_params && i + 1 < model_.h.size()) continue;
+    Unit u;
+    u.name = "h." + std::to_string(begin) + (i > begin ? "-" + std::to_string(i) : "");
+    u.first = model_.h[begin].get();
+    u.last = model_.h[i].get();
+    for (size_t j = begin; j <= i; ++j) add(u, "h." + std::to_string(j), *model_.h[j]);
+    units_.push_back(std::move(u));
+    begin = i + 1;
+    run = 0;
   }
   size_t covered = 0;
   for (auto& u : units_) covered += u.params.size();
-  SG_CHECK(covered == model_.parameters().size(), "zero3: the units cover ", covered, " of the model's ",
+  SG_CHECK(covered == model_.parameters().size(), "fsdp: the units cover ", covered, " of the model's ",
            model_.parameters().size(), " parameters");
+
+  dtype_ = units_[0].params[0].second.dtype();
+  SG_CHECK(dtype_ == DType::f32 || half(dtype_), "fsdp: parameters are ", dtype_name(dtype_),
+           " (expected f32, bf16 or f16)");
+  reduce_dtype_ = opt_.reduce_dtype.value_or(dtype_);
+  SG_CHECK(reduce_dtype_ == DType::f32 || half(reduce_dtype_), "fsdp: --reduce-dtype ", dtype_name(reduce_dtype_),
+           " is not available (expected f32, bf16 or f16)");
+  const size_t elem = dtype_size(dtype_);
 
   autograd::NoGradGuard ng;
   for (size_t k = 0; k < units_.size(); ++k) {
     Unit& u = units_[k];
     const Device dev = u.params[0].second.device();
     for (auto& [n, p] : u.params) {
-      SG_CHECK(p.dtype() == DType::f32, "zero3: parameter '", n, "' is ", p.describe(), " (f32 only for now)");
-      SG_CHECK(p.device() == dev, "zero3: parameters of unit ", u.name, " live on different devices");
-      SG_CHECK(p.is_contiguous() && p.offset() == 0, "zero3: parameter '", n, "' is not a whole contiguous tensor");
+      SG_CHECK(p.dtype() == dtype_ && p.device() == dev, "fsdp: parameter '", n, "' is ", p.describe(),
+               ": one flat vector per unit needs one dtype and device (", dtype_name(dtype_), ")");
+      SG_CHECK(p.is_contiguous() && p.offset() == 0, "fsdp: parameter '", n, "' is not a whole contiguous tensor");
       u.offsets.push_back(u.numel);
       u.numel += p.numel();
     }
-    u.shard = (u.numel + N - 1) / N;
-    const int64_t padded = u.shard * N;
-    {
-      MemScope scope(MemCategory::param);
-      u.flat = std::make_shared<Storage>(size_t(padded) * 4, dev, MemCategory::param);
-      u.shard_param = zeros({u.shard}, DType::f32, dev);
-    }
-    u.full = over(u.flat, padded);
+    u.shard = (u.numel + Ns - 1) / Ns;
+    const int64_t padded = u.shard * Ns;
+    u.flat = std::make_shared<Storage>(size_t(padded) * elem, dev, MemCategory::param);
+    u.full = over(u.flat, padded, dtype_);
     zero_(u.full);  // the padding
     // Move every parameter into the flat storage: same handle, new storage and offset.
     for (size_t i = 0; i < u.params.size(); ++i) {
@@ -74,47 +144,71 @@ FullyShardedDataParallel::FullyShardedDataParallel(nn::GPT& model, std::shared_p
       p.impl()->storage = u.flat;
       p.impl()->layout.offset = u.offsets[i];
     }
-    if (broadcast_from_rank0) group_->broadcast(u.full, 0)->wait();
-    copy_(u.shard_param, narrow(u.full, 0, r * u.shard, u.shard));
-    u.flat->release();
+    if (opt_.broadcast_from_rank0 && N > 1) world_->broadcast(u.full, 0)->wait();
+    if (shard_) {
+      {
+        MemScope scope(MemCategory::param);
+        u.shard_param = empty({u.shard}, dtype_, dev);
+      }
+      copy_(u.shard_param, narrow(u.full, 0, r * u.shard, u.shard));
+      u.flat->release();
+    } else {
+      u.shard_param = u.full;  // no_shard: the unit itself is the persistent copy
+      u.gathered = true;
+    }
     // This rank's segments: the parameter pieces inside [r·S, (r+1)·S).
-    const int64_t begin = r * u.shard, end = begin + u.shard;
+    const int64_t lo_s = r * u.shard, hi_s = lo_s + u.shard;
     for (size_t i = 0; i < u.params.size(); ++i) {
-      const int64_t lo = std::max(begin, u.offsets[i]), hi = std::min(end, u.offsets[i] + u.params[i].second.numel());
-      if (hi > lo) u.segments.push_back(Segment{i, lo - u.offsets[i], hi - lo, lo - begin});
+      const int64_t lo = std::max(lo_s, u.offsets[i]), hi = std::min(hi_s, u.offsets[i] + u.params[i].second.numel());
+      if (hi > lo) u.segments.push_back(Segment{i, lo - u.offsets[i], hi - lo, lo - lo_s});
     }
     {
-      MemScope scope(MemCategory::grad);  // the partitioned gradient: 4Ψu_p/N bytes
-      u.grad_shard = zeros({u.shard}, DType::f32, dev);
+      MemScope scope(MemCategory::grad);  // the partitioned gradient: e_r·Ψu_p/Ns bytes
+      u.grad_shard = zeros({u.shard}, reduce_dtype_, dev);
     }
     {
-      MemScope scope(MemCategory::optim_state);  // m and v for the shard only: 8Ψu_p/N bytes
+      MemScope scope(MemCategory::optim_state);  // m, v (and f32 masters) for the shard only
       u.m = zeros({u.shard}, DType::f32, dev);
       u.v = zeros({u.shard}, DType::f32, dev);
+      if (half(dtype_)) u.master = empty({u.shard}, DType::f32, dev);
     }
+    if (u.master.defined()) copy_(u.master, u.shard_param);
     u.marked.assign(u.params.size(), 0);
 
     std::weak_ptr<bool> alive = alive_;
-    u.module->pre_forward = [this, k, alive] {
-      if (alive.lock()) gather(units_[k]);
+    u.first->pre_forward = [this, k, alive] {
+      if (!alive.lock()) return;
+      wait_gather(units_[k]);
+      if (opt_.forward_prefetch) prefetch(k, false);
     };
-    u.module->post_forward = [this, k, alive](const Tensor& y) {
+    u.last->post_forward = [this, k, alive](const Tensor& y) {
       if (!alive.lock()) return y;
+      if (!autograd::needs_grad({y})) {  // evaluation: no backward will come for this unit
+        release(units_[k]);
+        return y;
+      }
+      if (!reshard_) return y;
       release(units_[k]);
-      return wrap(units_[k], y);
+      return wrap(k, y);
     };
     for (size_t i = 0; i < u.params.size(); ++i)
       u.params[i].second.add_grad_ready_hook([this, k, i, alive](const Tensor&) {
-        if (alive.lock()) on_grad_ready(units_[k], i);
+        if (alive.lock()) on_grad_ready(k, i);
       });
   }
 }
 
 FullyShardedDataParallel::~FullyShardedDataParallel() {
+  for (auto& r : reductions_) {
+    if (r.scatter) r.scatter->wait();
+    if (r.replicate) r.replicate->wait();
+  }
+  for (auto& u : units_)
+    if (u.gathering) u.gathering->wait();
   *alive_ = false;
   for (auto& u : units_) {
-    u.module->pre_forward = nullptr;
-    u.module->post_forward = nullptr;
+    u.first->pre_forward = nullptr;
+    u.last->post_forward = nullptr;
   }
 }
 
@@ -126,89 +220,175 @@ int64_t FullyShardedDataParallel::numel() const {
 
 int64_t FullyShardedDataParallel::padded_numel() const {
   int64_t n = 0;
-  for (auto& u : units_) n += u.shard * group_->size();
+  for (auto& u : units_) n += u.shard * shard_size();
   return n;
 }
 
-void FullyShardedDataParallel::gather(Unit& u) {
+void FullyShardedDataParallel::issue_gather(Unit& u) {
   if (u.gathered) return;
-  u.flat->reallocate(size_t(u.full.numel()) * 4);
-  group_->all_gather(u.full, u.shard_param)->wait();
+  u.flat->reallocate(size_t(u.full.numel()) * dtype_size(dtype_));
+  u.gathering = shard_->all_gather(u.full, u.shard_param);
   u.gathered = true;
 }
 
+void FullyShardedDataParallel::wait_gather(Unit& u) {
+  issue_gather(u);
+  if (u.gathering) {
+    u.gathering->wait();
+    u.gathering.reset();
+  }
+}
+
 void FullyShardedDataParallel::release(Unit& u) {
+  if (!shard_ || !u.gathered) return;  // no_shard units are the persistent copy
+  if (u.gathering) {  // a prefetch the unit never used: its bytes are being written
+    u.gathering->wait();
+    u.gathering.reset();
+  }
   u.flat->release();
   u.gathered = false;
 }
 
-Tensor FullyShardedDataParallel::wrap(Unit& u, const Tensor& y) {
-  if (!autograd::needs_grad({y})) return y;
+int FullyShardedDataParallel::gathered_blocks() const {
+  int n = 0;
+  for (auto& u : units_) n += !u.root && u.gathered;
+  return n;
+}
+
+// Issues the all-gathers of the units that run after unit k (forward: k+1, k+2, ...; backward:
+// from the root to the last block unit, then downwards), while fewer than limit_all_gathers block
+// units are gathered.
+void FullyShardedDataParallel::prefetch(size_t k, bool backward) {
+  if (!shard_) return;
+  const size_t n = units_.size();
+  for (size_t step = 1; step < n; ++step) {
+    size_t j;
+    if (!backward) {
+      j = k + step;
+      if (j >= n) return;
+    } else {
+      const size_t from = k == 0 ? n : k;  // backward order: root, n-1, n-2, ..., 1
+      if (from < step + 1) return;
+      j = from - step;
+    }
+    if (units_[j].gathered) continue;
+    if (gathered_blocks() >= opt_.limit_all_gathers) return;
+    issue_gather(units_[j]);
+  }
+}
+
+Tensor FullyShardedDataParallel::wrap(size_t k, const Tensor& y) {
   Tensor out = y.with_layout(y.layout());
   std::weak_ptr<bool> alive = alive_;
-  Unit* unit = &u;
-  autograd::record("fsdp_gather(" + u.name + ")", {y}, {out}, [this, unit, alive](const autograd::TensorList& g) {
-    if (alive.lock()) gather(*unit);
+  autograd::record("fsdp_gather(" + units_[k].name + ")", {y}, {out}, [this, k, alive](const autograd::TensorList& g) {
+    if (alive.lock()) {
+      wait_gather(units_[k]);
+      if (opt_.backward_prefetch) prefetch(k, true);
+    }
     return autograd::TensorList{g[0]};
   });
   return out;
 }
 
-void FullyShardedDataParallel::on_grad_ready(Unit& u, size_t i) {
+void FullyShardedDataParallel::on_grad_ready(size_t k, size_t i) {
+  Unit& u = units_[k];
   if (u.marked[i]) return;
   u.marked[i] = 1;
-  if (++u.ready == int(u.params.size())) reduce(u);
+  if (++u.ready == int(u.params.size())) reduce(k);
 }
 
-// Packs the unit's full gradients into one comm_buffer (zeros for padding and for parameters
-// without a gradient), reduce-scatters (avg) it into the shard gradient — accumulating over
-// micro-batches — then frees the full gradients and releases the gathered parameters.
-void FullyShardedDataParallel::reduce(Unit& u) {
+// Packs unit k's full gradients into one comm_buffer in the reduce dtype (zeros for padding and
+// for parameters without a gradient), frees them, releases the gathered parameters and issues the
+// reduction: reduce-scatter (avg) over the shard group, then — in advance() — all-reduce (avg) of
+// the shard over the replicas. Completed reductions are added to the shard gradient, so
+// micro-batches accumulate there.
+void FullyShardedDataParallel::reduce(size_t k) {
   autograd::NoGradGuard ng;
-  const int64_t S = u.shard;
+  reap(false);
+  Unit& u = units_[k];
   const Device dev = u.grad_shard.device();
-  Tensor in, out;
+  Reduction r;
+  r.unit = k;
   {
     MemScope scope(MemCategory::comm_buffer);
-    in = zeros({S * group_->size()}, DType::f32, dev);
-    out = empty({S}, DType::f32, dev);
+    r.in = zeros({u.shard * shard_size()}, reduce_dtype_, dev);
+    r.out = shard_ ? empty({u.shard}, reduce_dtype_, dev) : r.in;
   }
   for (size_t i = 0; i < u.params.size(); ++i) {
     const Tensor& p = u.params[i].second;
-    if (p.grad().defined()) copy_(narrow(in, 0, u.offsets[i], p.numel()), flat_view(p.grad()));
+    if (p.grad().defined()) copy_(narrow(r.in, 0, u.offsets[i], p.numel()), flat_view(p.grad()));
     p.set_grad(Tensor());
   }
-  group_->reduce_scatter(out, in, comm::ReduceOp::avg)->wait();
-  add_(u.grad_shard, out);
   release(u);
   u.ready = 0;
   std::fill(u.marked.begin(), u.marked.end(), 0);
+  if (shard_) r.scatter = shard_->reduce_scatter(r.out, r.in, comm::ReduceOp::avg);
+  else if (replicate_) r.replicate = replicate_->all_reduce(r.out, comm::ReduceOp::avg);
+  reductions_.push_back(std::move(r));
+}
+
+// Moves a reduction along (without blocking unless asked): once its reduce-scatter is done, the
+// replicas' all-reduce of the shard is issued; once that is done, the shard gradient takes it.
+// Only the oldest reduction advances, so every rank issues the replicas' all-reduces in the
+// same (unit) order.
+bool FullyShardedDataParallel::advance(Reduction& r, bool block) {
+  if (r.scatter) {
+    if (!block && !r.scatter->test()) return false;
+    r.scatter->wait();
+    r.scatter.reset();
+    r.in = Tensor();
+    if (replicate_) r.replicate = replicate_->all_reduce(r.out, comm::ReduceOp::avg);
+  }
+  if (r.replicate) {
+    if (!block && !r.replicate->test()) return false;
+    r.replicate->wait();
+    r.replicate.reset();
+  }
+  add_(units_[r.unit].grad_shard, r.out);
+  r.in = r.out = Tensor();
+  return true;
+}
+
+void FullyShardedDataParallel::reap(bool all) {
+  autograd::NoGradGuard ng;
+  size_t done = 0;
+  while (done < reductions_.size() && advance(reductions_[done], all)) ++done;
+  reductions_.erase(reductions_.begin(), reductions_.begin() + std::ptrdiff_t(done));
 }
 
 void FullyShardedDataParallel::finish_gradients() {
-  for (auto& u : units_)  // unit order: every rank issues the same sequence
-    if (u.ready > 0 || u.gathered) reduce(u);
+  for (size_t k = 0; k < units_.size(); ++k)  // unit order: every rank issues the same sequence
+    if (units_[k].ready > 0 || (shard_ && units_[k].gathered)) reduce(k);
+  reap(true);
 }
 
 double FullyShardedDataParallel::grad_norm() {
   autograd::NoGradGuard ng;
+  reap(true);
   double ss = 0;
   for (auto& u : units_) ss += sum_squares(u.grad_shard);  // padding is zero
-  Tensor t = from_vector<double>({ss}, {1});
-  group_->all_reduce(t, comm::ReduceOp::sum)->wait();
-  return std::sqrt(item(t));
+  if (shard_) {  // replicas hold the same shards: summing over one shard group covers every element once
+    Tensor t = from_vector<double>({ss}, {1});
+    shard_->all_reduce(t, comm::ReduceOp::sum)->wait();
+    ss = item(t);
+  }
+  return std::sqrt(ss);
 }
 
 void FullyShardedDataParallel::step(double lr, double grad_scale) {
   autograd::NoGradGuard ng;
+  reap(true);
   ++step_;
   for (auto& u : units_)
     for (const Segment& s : u.segments) {
+      Tensor g = narrow(u.grad_shard, 0, s.at, s.len);
+      if (g.dtype() != DType::f32) g = to(g, DType::f32);
+      Tensor target = u.master.defined() ? narrow(u.master, 0, s.at, s.len) : narrow(u.shard_param, 0, s.at, s.len);
       kernels::AdamWArgs a;
       a.dtype = DType::f32;
       a.n = s.len;
-      a.param = u.shard_param.data<float>() + s.at;
-      a.grad = u.grad_shard.data<float>() + s.at;
+      a.param = target.data_ptr();
+      a.grad = g.data_ptr();
       a.m = u.m.data<float>() + s.at;
       a.v = u.v.data<float>() + s.at;
       a.lr = lr;
@@ -218,12 +398,14 @@ void FullyShardedDataParallel::step(double lr, double grad_scale) {
       a.weight_decay = optim::AdamW::decays(u.params[s.param].second) ? adam_.weight_decay : 0.0;
       a.grad_scale = grad_scale;
       a.step = step_;
-      SG_KERNEL(u.shard_param.device(), adamw)(a);
+      SG_KERNEL(u.grad_shard.device(), adamw)(a);
+      if (u.master.defined()) copy_(narrow(u.shard_param, 0, s.at, s.len), target);  // round to the compute dtype
     }
 }
 
 void FullyShardedDataParallel::zero_grad() {
   autograd::NoGradGuard ng;
+  reap(true);
   for (auto& u : units_) {
     for (auto& [n, p] : u.params) p.set_grad(Tensor());
     zero_(u.grad_shard);
@@ -233,11 +415,83 @@ void FullyShardedDataParallel::zero_grad() {
 }
 
 void FullyShardedDataParallel::gather_all() {
-  for (auto& u : units_) gather(u);
+  for (auto& u : units_) wait_gather(u);
 }
 
 void FullyShardedDataParallel::release_all() {
   for (auto& u : units_) release(u);
+}
+
+// Calls fn(view, segment, shard tensor) for every state tensor of every segment of this rank:
+// the parameter, exp_avg, exp_avg_sq and (bf16/f16) master.
+template <class Fn>
+void FullyShardedDataParallel::for_state(Fn fn) const {
+  for (const Unit& u : units_)
+    for (const Segment& s : u.segments) {
+      const auto& [name, p] = u.params[s.param];
+      const ckpt::LocalView v = ckpt::gpt_param_view(name, p.shape(), model_.config.vocab_size);
+      fn(v, s, u.shard_param);
+      fn(ckpt::renamed(v, name + ".exp_avg"), s, u.m);
+      fn(ckpt::renamed(v, name + ".exp_avg_sq"), s, u.v);
+      if (u.master.defined()) fn(ckpt::renamed(v, name + ".master"), s, u.master);
+    }
+}
+
+std::vector<ckpt::Piece> FullyShardedDataParallel::state_pieces() const {
+  std::vector<ckpt::Piece> out;
+  if (replicate_ && replicate_->rank() != 0) return out;  // the first replica speaks for all
+  autograd::NoGradGuard ng;
+  for_state([&](const ckpt::LocalView& v, const Segment& s, const Tensor& t) {
+    for (auto& piece : ckpt::pieces_of(v, s.lo, host(narrow(t, 0, s.at, s.len)))) out.push_back(std::move(piece));
+  });
+  return out;
+}
+
+void FullyShardedDataParallel::load_state(const ckpt::PieceSource& src, int64_t optimizer_step) {
+  autograd::NoGradGuard ng;
+  release_all();  // a gathered copy would be stale
+  const std::string master = ".master";
+  for_state([&](const ckpt::LocalView& v, const Segment& s, const Tensor& t) {
+    const bool is_master = v.name.size() > master.size() && v.name.compare(v.name.size() - master.size(), master.size(), master) == 0;
+    const ckpt::LocalView from =  // no master in the source: the parameter, widened
+        is_master && !src.has(v.name) ? ckpt::renamed(v, v.name.substr(0, v.name.size() - master.size())) : v;
+    Tensor run = narrow(t, 0, s.at, s.len);
+    Tensor tmp = run.device() == Device::cpu() ? run : empty({s.len}, t.dtype(), Device::cpu());
+    ckpt::read_local(src, from, s.lo, tmp);
+    if (run.device() != Device::cpu()) copy_(run, tmp);
+  });
+  step_ = optimizer_step;
+}
+
+std::map<std::string, Tensor> FullyShardedDataParallel::full_state_dict(bool with_optimizer_state) {
+  autograd::NoGradGuard ng;
+  reap(true);
+  const bool speaks = !replicate_ || replicate_->rank() == 0;
+  std::map<std::string, Tensor> out;
+  for (const Unit& u : units_)
+    for (size_t i = 0; i < u.params.size(); ++i) {
+      const auto& [name, p] = u.params[i];
+      std::vector<std::pair<std::string, Tensor>> kinds{{"", u.shard_param}};
+      if (with_optimizer_state) {
+        kinds.emplace_back(".exp_avg", u.m);
+        kinds.emplace_back(".exp_avg_sq", u.v);
+        if (u.master.defined()) kinds.emplace_back(".master", u.master);
+      }
+      for (const auto& [suffix, shard] : kinds) {
+        // This rank's elements of the parameter's local tensor, zeros elsewhere, summed on rank 0.
+        Tensor local = zeros({p.numel()}, shard.dtype(), shard.device());
+        if (speaks)
+          for (const Segment& s : u.segments)
+            if (s.param == i) copy_(narrow(local, 0, s.lo, s.len), narrow(shard, 0, s.at, s.len));
+        if (world_->size() > 1) world_->reduce(local, 0, comm::ReduceOp::sum)->wait();
+        if (world_->rank() != 0) continue;
+        const ckpt::LocalView v =
+            ckpt::renamed(ckpt::gpt_param_view(name, p.shape(), model_.config.vocab_size), name + suffix);
+        auto whole = ckpt::assemble(ckpt::pieces_of(v, 0, host(local)));
+        out[name + suffix] = whole.at(name + suffix);
+      }
+    }
+  return out;
 }
 
 }  // namespace sg::parallel

@@ -1,62 +1,100 @@
-// ZeRO stage 3 / FSDP FULL_SHARD (Rajbhandari et al., "ZeRO"; Zhao et al., "PyTorch FSDP"):
-// parameters, gradients and optimizer state are all partitioned over the data-parallel group.
+// ZeRO stage 3 / FSDP (Rajbhandari et al., "ZeRO"; Zhao et al., "PyTorch FSDP"): parameters,
+// gradients and optimizer state partitioned over the data-parallel group, in four modes.
 //
-// Units. One unit per transformer Block, plus a root unit for wte, wpe and ln_f (the tied head
+// Units. A unit is a run of consecutive Blocks (one per Block, or — wrap_min_params — as many as
+// it takes to reach that many parameters), plus a root unit for wte, wpe and ln_f (the tied head
 // uses wte at the very end of forward and the embedding at the very end of backward, so the root
 // stays gathered through both). A unit's parameters point, at their offsets, into one flat
-// Storage of Ψu_p = S·N elements, S = ceil(Ψu/N) (at most N-1 zero padding elements per unit).
-// Between uses that storage is released (Storage::release): the only persistent copy of the
-// parameters is this rank's shard, elements [r·S, (r+1)·S) of the flat vector.
+// Storage of Ψu_p = S·Ns elements, S = ceil(Ψu/Ns), Ns the shard group's size (at most Ns-1 zero
+// padding elements per unit). While sharded, the storage is released between uses
+// (Storage::release): the only persistent copy of the parameters is this rank's shard, elements
+// [r·S, (r+1)·S) of the flat vector, r this rank's place in its shard group.
 //
-// One step, per unit u (Block units; the root the same around the whole model):
-//   forward   pre_forward: all_gather the shards into the reallocated flat storage; the block
-//             runs; post_forward: release it, and wrap the output in an identity node whose
-//             backward gathers the unit again (it runs before any node of the block in reverse).
-//   backward  the identity gathers; the block's nodes read the parameters through the handles
-//             the tape saved (same Storage, new bytes); when every parameter of the unit has its
-//             gradient (grad-ready hooks, counted per unit), the gradients are packed into a flat
-//             comm_buffer, reduce-scattered (avg) into the unit's persistent shard gradient, the
-//             full gradients are freed and the unit is released.
-//   step      AdamW on each shard (m, v: S elements each; weight decay per segment, >= 2-D
-//             parameters only); no all-gather afterwards: the next forward gathers.
-// Bytes per rank per step (Ψp = Σ Ψu_p, f32): all_gather 2·(N-1)/N·4Ψp (forward + backward),
-// reduce_scatter (N-1)/N·4Ψp: the 3Ψ of the ZeRO paper. Collectives are issued and waited in
-// order (no overlap with compute yet).
-// Memory per rank after the step: param 4Ψp/N (shards), grad 4Ψp/N, optim_state 8Ψp/N; at peak
-// the root unit and one Block unit are gathered on top of the shards.
-// Gradient accumulation: every micro-batch gathers twice and reduce-scatters once, accumulating
-// into the shard gradient, so traffic is multiplied by the number of micro-batches (the 3Ψ holds
-// per micro-batch); the full gradient is never held.
+// Modes (Ns ranks share a unit's shards; Nr = N/Ns replicas all-reduce the shard gradients):
+//   full_shard     Ns = N. Gather before forward, release after it (reshard_after_forward), gather
+//                  again before backward (an identity node on the unit's output), reduce-scatter
+//                  from grad-ready hooks, release. all_gather 2·(N-1)/N·eΨp + reduce_scatter
+//                  (N-1)/N·eΨp per micro-batch: the 3Ψ of the ZeRO paper.
+//   shard_grad_op  Ns = N; units stay gathered from forward through backward (no re-gather):
+//                  all_gather (N-1)/N·eΨp + reduce_scatter (N-1)/N·eΨp, ZeRO-2's 2Ψ, at the
+//                  cost of every unit being gathered at the end of forward.
+//   no_shard       Ns = 1, Nr = N: full replicas, each unit's gradients all-reduced (avg) once
+//                  ready — DDP with one bucket per unit: all_reduce 2·(N-1)/N·eΨ.
+//   hybrid (HSDP)  shards within groups of shard_group_size consecutive ranks (full_shard inside,
+//                  or shard_grad_op with reshard_after_forward = false); the reduce-scattered
+//                  shard gradient is then all-reduced across the Nr groups holding the same
+//                  shard: shard group 3·(Ns-1)/Ns·eΨp, replicate group 2·(Nr-1)/Nr·eΨp/Ns.
+// (e = bytes per element of the communicated dtype: the parameters' for gathers, reduce_dtype's
+// for gradient reductions.) The communicated bytes are per micro-batch: every micro-batch gathers
+// and reduces (the full gradient is never held).
 //
-// While this object lives the model's parameters hold no bytes outside forward/backward: read
-// them with gather_all()/release_all(). f32, tp == 1 only.
+// Memory per rank after the step (every unit released; Ψp = Σ Ψu_p; e_p = parameter dtype bytes,
+// e_r = reduce dtype bytes):
+//   param        e_p·Ψp/Ns   (the shards; no_shard: the full model, e_p·Ψ)
+//   grad         e_r·Ψp/Ns   (the persistent shard gradients, in the reduce dtype)
+//   optim_state  8Ψp/Ns with f32 parameters (AdamW m, v); 12Ψp/Ns with bf16/f16 parameters
+//                (m, v and the f32 master shard that AdamW updates; the parameter shard is its
+//                rounding)
+// At peak, full_shard holds the root unit and up to limit_all_gathers Block units gathered on
+// top; shard_grad_op every unit.
+//
+// Overlap. Collectives are asynchronous (Work handles): reductions run while backward continues
+// and are collected by finish_gradients(); with forward_prefetch a unit's pre-forward issues the
+// next units' all-gathers before its own compute, with backward_prefetch (full_shard) a unit's
+// re-gather issues the next-in-backward units' — at most limit_all_gathers Block units hold
+// gathered parameters at once (a unit about to run is always gathered).
+//
+// While this object lives the model's sharded parameters hold no bytes outside forward/backward:
+// read them with gather_all()/release_all() or full_state_dict(). tp == 1 only.
 #pragma once
+#include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "models/gpt.h"
 #include "optim/optim.h"
 #include "parallel/comm/process_group.h"
+#include "parallel/shard_state.h"
 
 namespace sg::parallel {
 
+enum class FsdpMode : uint8_t { full_shard, shard_grad_op, no_shard, hybrid };
+const char* fsdp_mode_name(FsdpMode m);
+
+struct FsdpOptions {
+  FsdpMode mode = FsdpMode::full_shard;
+  int shard_group_size = 0;      // hybrid only: ranks per shard group (consecutive), divides N
+  int64_t wrap_min_params = 0;   // 0: one unit per Block; else consecutive Blocks until >= this many
+  // Unset: the mode's (full_shard and hybrid: true; shard_grad_op: false). Only hybrid may set it
+  // either way (false = HSDP with ZeRO-2 inside the group).
+  std::optional<bool> reshard_after_forward;
+  bool forward_prefetch = false;
+  bool backward_prefetch = false;
+  int limit_all_gathers = 2;      // Block units gathered at once, counting prefetched ones (>= 1)
+  std::optional<DType> reduce_dtype;  // gradient reduction and shard gradient dtype; unset: parameters'
+  bool broadcast_from_rank0 = true;   // start every rank from rank 0's parameters
+};
+
 class FullyShardedDataParallel {
  public:
-  // Shards model's parameters into units (broadcasting rank 0's values first when asked) and
-  // installs the forward hooks on the blocks and the model and the grad-ready hooks.
+  // Shards model's parameters into units and installs the forward hooks and grad-ready hooks.
+  // The parameters' dtype (f32, bf16 or f16) is the compute dtype.
   FullyShardedDataParallel(nn::GPT& model, std::shared_ptr<comm::ProcessGroup> group, optim::AdamWConfig adam,
-                           bool broadcast_from_rank0 = true);
+                           FsdpOptions opt = {});
   ~FullyShardedDataParallel();
   FullyShardedDataParallel(const FullyShardedDataParallel&) = delete;
   FullyShardedDataParallel& operator=(const FullyShardedDataParallel&) = delete;
 
-  // Reduces every unit that backward left incomplete (parameters without a gradient count zero);
-  // afterwards every shard gradient holds the group's average and every unit is released.
+  // Reduces every unit that backward left incomplete (parameters without a gradient count zero)
+  // and waits for every reduction: every shard gradient then holds the group's average, and every
+  // sharded unit is released.
   void finish_gradients();
-  // sqrt(Σ over ranks and units of the shard gradients' sums of squares): one 8-byte all_reduce.
+  // sqrt(Σ over shards of the shard gradients' sums of squares): one 8-byte all_reduce over the
+  // shard group (none under no_shard). The norm of the gradients as stored (before grad_scale).
   double grad_norm();
-  // AdamW on every shard (gradients multiplied by grad_scale first).
+  // AdamW on every shard (gradients multiplied by grad_scale first; f32 masters under bf16/f16).
   void step(double lr, double grad_scale = 1.0);
   // Drops any full .grad and zeroes the shard gradients (they keep their allocation).
   void zero_grad();
@@ -64,11 +102,32 @@ class FullyShardedDataParallel {
   void gather_all();
   void release_all();
 
-  int num_units() const { return int(units_.size()); }  // root first, then h.0, h.1, ...
-  int64_t unit_numel(int u) const { return units_[size_t(u)].numel; }             // Ψu
-  int64_t unit_padded_numel(int u) const { return units_[size_t(u)].shard * group_->size(); }  // Ψu_p
+  // Checkpoint state as pieces of global tensors (parallel/shard_state.h): this rank's parameter
+  // shard "<param>", its "<param>.exp_avg", "<param>.exp_avg_sq" and, with bf16/f16 parameters,
+  // "<param>.master" (f32). Only the first replica group contributes (hybrid, no_shard), so over
+  // all ranks every element appears exactly once. Shares the shards' storage (no copy).
+  std::vector<ckpt::Piece> state_pieces() const;
+  // Fills this rank's shards (parameters, m, v, masters) from any layout's state; the master
+  // shard is read from "<param>.master" when the source has it, else from "<param>".
+  void load_state(const ckpt::PieceSource& src, int64_t optimizer_step);
+  // The global tensors of state_pieces() (or only the parameters), gathered tensor by tensor to
+  // rank 0 (a reduce of a zero-filled tensor to which each rank adds its pieces): rank 0 returns
+  // them, the other ranks an empty map and never hold more than one tensor at a time.
+  std::map<std::string, Tensor> full_state_dict(bool with_optimizer_state = true);
+
+  FsdpMode mode() const { return opt_.mode; }
+  int num_units() const { return int(units_.size()); }  // root first, then the Block runs in order
+  const std::string& unit_name(int u) const { return units_[size_t(u)].name; }  // "root", "h.0", "h.0-1", ...
+  int64_t unit_numel(int u) const { return units_[size_t(u)].numel; }           // Ψu
+  int64_t unit_padded_numel(int u) const { return units_[size_t(u)].shard * shard_size(); }  // Ψu_p
   int64_t numel() const;         // Ψ = Σ Ψu
   int64_t padded_numel() const;  // Ψp = Σ Ψu_p
+  int shard_size() const { return shard_ ? shard_->size() : 1; }          // Ns
+  int replica_count() const { return replicate_ ? replicate_->size() : 1; }  // Nr
+  // The groups the collectives run on (null when of size 1 by construction: no_shard has no shard
+  // group, full_shard/shard_grad_op no replicate group). Each counts its own bytes.
+  comm::ProcessGroup* shard_group() const { return shard_.get(); }
+  comm::ProcessGroup* replicate_group() const { return replicate_.get(); }
   int64_t steps() const { return step_; }
 
  private:
@@ -78,28 +137,49 @@ class FullyShardedDataParallel {
   };
   struct Unit {
     std::string name;
-    nn::Module* module = nullptr;
+    nn::Module* first = nullptr;  // pre_forward gathers
+    nn::Module* last = nullptr;   // post_forward releases and wraps
+    bool root = false;
     std::vector<std::pair<std::string, Tensor>> params;
     std::vector<int64_t> offsets;       // of each parameter in the flat vector
     int64_t numel = 0, shard = 0;       // Ψu, S
     std::shared_ptr<Storage> flat;      // Ψu_p elements while gathered, released otherwise
     Tensor full;                        // a 1-D handle on `flat`
-    Tensor shard_param, grad_shard, m, v;  // S elements each: param, grad, optim_state
+    Tensor shard_param;                 // S elements, the parameters' dtype (no_shard: == full)
+    Tensor grad_shard;                  // S elements, the reduce dtype
+    Tensor master, m, v;                // S elements each, f32 (master only for bf16/f16)
     std::vector<Segment> segments;      // this rank's shard, in order
     std::vector<char> marked;           // per parameter: gradient ready in this backward
     int ready = 0;
-    bool gathered = false;
+    bool gathered = false;              // bytes allocated (and, once `gathering` is done, valid)
+    std::shared_ptr<comm::Work> gathering;
   };
-  void gather(Unit& u);
+  struct Reduction {  // one unit's gradient reduction in flight
+    size_t unit;
+    Tensor in, out;   // comm_buffer: Ns·S packed gradients, S reduced
+    std::shared_ptr<comm::Work> scatter, replicate;
+  };
+  void issue_gather(Unit& u);
+  void wait_gather(Unit& u);
   void release(Unit& u);
-  Tensor wrap(Unit& u, const Tensor& y);  // identity node whose backward gathers u
-  void on_grad_ready(Unit& u, size_t param);
-  void reduce(Unit& u);
+  void prefetch(size_t k, bool backward);
+  int gathered_blocks() const;
+  Tensor wrap(size_t k, const Tensor& y);  // identity node whose backward gathers unit k
+  void on_grad_ready(size_t k, size_t param);
+  void reduce(size_t k);
+  bool advance(Reduction& r, bool block);  // true once r has been added to its shard gradient
+  void reap(bool all);
+  template <class Fn>
+  void for_state(Fn fn) const;
 
   nn::GPT& model_;
-  std::shared_ptr<comm::ProcessGroup> group_;
+  std::shared_ptr<comm::ProcessGroup> world_, shard_, replicate_;
   optim::AdamWConfig adam_;
+  FsdpOptions opt_;
+  bool reshard_ = true;  // release after forward (and re-gather for backward)
+  DType dtype_ = DType::f32, reduce_dtype_ = DType::f32;
   std::vector<Unit> units_;
+  std::vector<Reduction> reductions_;  // issue order
   int64_t step_ = 0;
   std::shared_ptr<bool> alive_;  // hooks and tape nodes may outlive us: they check this first
 };

@@ -276,4 +276,74 @@ void ZeroOptimizer::zero_grad() {
   if (grad_shard_.defined()) zero_(grad_shard_);
 }
 
+namespace {
+ckpt::LocalView view_with(const ZeroOptimizer::ViewOf& view, const std::string& name, const Tensor& p) {
+  return view ? view(name, p.shape()) : ckpt::whole_view(name, p.shape());
+}
+Tensor host(const Tensor& t) { return t.device() == Device::cpu() ? t : to(t, Device::cpu()); }
+}  // namespace
+
+// The optimizer state tensors of the shard, with the suffix of their global names.
+std::vector<std::pair<std::string, Tensor>> ZeroOptimizer::state_tensors() const {
+  std::vector<std::pair<std::string, Tensor>> out{{".exp_avg", m_}, {".exp_avg_sq", v_}};
+  if (master_.defined()) out.emplace_back(".master", master_);
+  return out;
+}
+
+std::vector<ckpt::Piece> ZeroOptimizer::state_pieces(const ViewOf& view) const {
+  autograd::NoGradGuard ng;
+  std::vector<ckpt::Piece> out;
+  for (const Segment& s : segments_) {
+    const auto& [name, p] = params_[s.param];
+    const ckpt::LocalView v = view_with(view, name, p);
+    for (const auto& [suffix, t] : state_tensors())
+      for (auto& piece : ckpt::pieces_of(ckpt::renamed(v, name + suffix), s.lo, host(narrow(t, 0, s.at, s.len))))
+        out.push_back(std::move(piece));
+  }
+  return out;
+}
+
+void ZeroOptimizer::load_state(const ckpt::PieceSource& src, int64_t optimizer_step, const ViewOf& view) {
+  autograd::NoGradGuard ng;
+  for (const Segment& s : segments_) {
+    const auto& [name, p] = params_[s.param];
+    const ckpt::LocalView v = view_with(view, name, p);
+    for (const auto& [suffix, t] : state_tensors()) {
+      Tensor run = narrow(t, 0, s.at, s.len);
+      if (suffix == ".master" && !src.has(name + suffix)) {
+        copy_(run, piece(p, s.lo, s.len));
+        continue;
+      }
+      const bool on_host = run.device() == Device::cpu();
+      Tensor tmp = on_host ? run : empty({s.len}, t.dtype(), Device::cpu());
+      ckpt::read_local(src, ckpt::renamed(v, name + suffix), s.lo, tmp);
+      if (!on_host) copy_(run, tmp);
+    }
+  }
+  step_ = optimizer_step;
+}
+
+std::map<std::string, Tensor> ZeroOptimizer::full_state_dict(const ViewOf& view) {
+  autograd::NoGradGuard ng;
+  std::map<std::string, Tensor> out;
+  const bool lead = group_->rank() == 0;
+  auto global = [&](const ckpt::LocalView& v, const Tensor& local) {
+    return ckpt::assemble(ckpt::pieces_of(v, 0, host(local))).at(v.name);
+  };
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& [name, p] = params_[i];
+    const ckpt::LocalView v = view_with(view, name, p);
+    if (lead) out[name] = global(v, contiguous(reshape(p, {p.numel()})));
+    for (const auto& [suffix, t] : state_tensors()) {
+      // This rank's runs of the parameter's local tensor, zeros elsewhere, summed on rank 0.
+      Tensor local = zeros({p.numel()}, t.dtype(), t.device());
+      for (const Segment& s : segments_)
+        if (s.param == i) copy_(narrow(local, 0, s.lo, s.len), narrow(t, 0, s.at, s.len));
+      if (group_->size() > 1) group_->reduce(local, 0, comm::ReduceOp::sum)->wait();
+      if (lead) out[name + suffix] = global(ckpt::renamed(v, name + suffix), local);
+    }
+  }
+  return out;
+}
+
 }  // namespace sg::parallel

@@ -33,13 +33,21 @@
 // above, at the cost of holding the full 4Ψ gradient during accumulation (the alternative,
 // reduce-scattering every micro-batch into the shard, would multiply the traffic by the number of
 // micro-batches).
+//
+// Checkpoints: state_pieces() are this rank's m, v (and masters) as pieces of global tensors
+// ("<param>.exp_avg", "<param>.exp_avg_sq", "<param>.master"; parallel/shard_state.h); the
+// parameters are replicated and not among them — the caller writes them once. load_state() reads
+// this rank's shard back from any layout's state.
 #pragma once
+#include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "optim/optim.h"
 #include "parallel/comm/process_group.h"
+#include "parallel/shard_state.h"
 
 namespace sg::parallel {
 
@@ -74,6 +82,22 @@ class ZeroOptimizer {
   // Drops the full .grad tensors and zeroes the shard gradient (stage 2 keeps its allocation).
   void zero_grad();
 
+  // How a parameter (its name and local shape) maps onto its global tensor; unset: the whole
+  // tensor under its own name (ckpt::whole_view). For a GPT: ckpt::gpt_param_view with the
+  // vocabulary size, which drops wte's padding rows.
+  using ViewOf = std::function<ckpt::LocalView(const std::string& name, const Shape& local_shape)>;
+  // This rank's "<param>.exp_avg", "<param>.exp_avg_sq" and, with bf16/f16 parameters,
+  // "<param>.master" (f32) runs, as pieces sharing the shard's storage (no copy). Over all ranks
+  // every element appears exactly once.
+  std::vector<ckpt::Piece> state_pieces(const ViewOf& view = {}) const;
+  // Fills this rank's shard of m, v (and masters: from "<param>.master" when the source has it,
+  // else from the parameters as they are, which the caller loads first) and the step counter.
+  void load_state(const ckpt::PieceSource& src, int64_t optimizer_step, const ViewOf& view = {});
+  // Every parameter (rank 0's copy) and the global tensors of state_pieces(), gathered to rank 0
+  // tensor by tensor (a reduce of a zero-filled tensor to which each rank adds its runs): rank 0
+  // returns them, the other ranks an empty map and never hold more than one tensor at a time.
+  std::map<std::string, Tensor> full_state_dict(const ViewOf& view = {});
+
   int stage() const { return opt_.stage; }
   int64_t numel() const { return psi_; }           // Ψ
   int64_t padded_numel() const { return psi_p_; }  // Ψp
@@ -102,6 +126,7 @@ class ZeroOptimizer {
   void launch(size_t stripe);
   void complete(Stripe& s);
   void reap();
+  std::vector<std::pair<std::string, Tensor>> state_tensors() const;  // (suffix, S-element shard)
 
   NamedTensors params_;
   std::shared_ptr<comm::ProcessGroup> group_;

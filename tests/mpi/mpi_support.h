@@ -2,12 +2,14 @@
 // contract check "same losses as the single-process run".
 #pragma once
 #include <catch2/catch.hpp>
+#include <algorithm>
 #include <cmath>
 #include <memory>
 #include <vector>
 
 #include "autograd/ops.h"
 #include "parallel/comm/mpi_backend.h"
+#include "parallel/shard_state.h"
 
 namespace sg::testing {
 
@@ -32,6 +34,69 @@ inline void require_same_losses(const std::vector<double>& got, const std::vecto
     INFO("step " << i);
     REQUIRE(std::abs(got[i] - reference[i]) <= 1e-5 * std::abs(reference[i]));
   }
+}
+
+// max |a - b| over the elements, relative to max |b| (state tensors, which cross zero).
+inline double max_rel_diff(const Tensor& a, const Tensor& b) {
+  std::vector<float> x = to_vector<float>(a), y = to_vector<float>(b);
+  REQUIRE(x.size() == y.size());
+  double d = 0, m = 1e-30;
+  for (size_t i = 0; i < x.size(); ++i) {
+    d = std::max(d, std::abs(double(x[i]) - double(y[i])));
+    m = std::max(m, std::abs(double(y[i])));
+  }
+  return d / m;
+}
+
+// The largest relative difference of a step's loss (half-precision runs against the f32 one).
+inline double worst_loss_diff(const std::vector<double>& got, const std::vector<double>& reference) {
+  REQUIRE(got.size() <= reference.size());
+  double worst = 0;
+  for (size_t i = 0; i < got.size(); ++i) worst = std::max(worst, std::abs(got[i] - reference[i]) / std::abs(reference[i]));
+  return worst;
+}
+
+// Broadcasts root's integers to every rank of the group (the count first).
+inline std::vector<int64_t> broadcast_ints(comm::ProcessGroup& group, const std::vector<int64_t>& v, int root) {
+  Tensor n = from_vector<int64_t>({int64_t(v.size())}, {1});
+  group.broadcast(n, root)->wait();
+  const int64_t len = to_vector<int64_t>(n)[0];
+  if (len == 0) return {};
+  Tensor t = group.rank() == root ? from_vector<int64_t>(v, {len}) : zeros({len}, DType::i64);
+  group.broadcast(t, root)->wait();
+  return to_vector<int64_t>(t);
+}
+
+// Every rank's checkpoint pieces on every rank, in rank order: the pieces a sharded checkpoint
+// would write, brought together so a test can ckpt::assemble them.
+inline std::vector<ckpt::Piece> all_pieces(comm::ProcessGroup& group, const std::vector<ckpt::Piece>& mine) {
+  std::vector<ckpt::Piece> out;
+  for (int q = 0; q < group.size(); ++q) {
+    const bool me = q == group.rank();
+    const int64_t count = broadcast_ints(group, {me ? int64_t(mine.size()) : 0}, q)[0];
+    for (int64_t i = 0; i < count; ++i) {
+      // header: dtype, ndim, flat_lo, numel, global shape, box offset, box shape, name bytes
+      std::vector<int64_t> h;
+      if (me) {
+        const ckpt::Piece& p = mine[size_t(i)];
+        h = {int64_t(p.data.dtype()), int64_t(p.global_shape.size()), p.flat_lo, p.data.numel()};
+        for (const Shape* s : {&p.global_shape, &p.box.offset, &p.box.shape}) h.insert(h.end(), s->begin(), s->end());
+        for (char c : p.name) h.push_back(c);
+      }
+      h = broadcast_ints(group, h, q);
+      ckpt::Piece p;
+      const size_t nd = size_t(h[1]);
+      auto shape_at = [&](size_t k) { return Shape(h.begin() + 4 + std::ptrdiff_t(k * nd), h.begin() + 4 + std::ptrdiff_t((k + 1) * nd)); };
+      p.global_shape = shape_at(0);
+      p.box = ckpt::Box{shape_at(1), shape_at(2)};
+      p.flat_lo = h[2];
+      for (size_t k = 4 + 3 * nd; k < h.size(); ++k) p.name.push_back(char(h[k]));
+      p.data = me ? contiguous(mine[size_t(i)].data) : empty({h[3]}, DType(h[0]));
+      group.broadcast(p.data, q)->wait();
+      out.push_back(std::move(p));
+    }
+  }
+  return out;
 }
 
 }  // namespace sg::testing
