@@ -136,6 +136,33 @@ TEST_CASE("activation recompute (selective and full) leaves loss and gradients u
   REQUIRE(max_rel_diff(grads[2], grads[0]) < 1e-5);
 }
 
+TEST_CASE("activation recompute holds fewer activation bytes after forward: full < selective < none (ledger)", "[models]") {
+  nn::GPTConfig c = small_config();
+  c.n_layer = 4;
+  std::vector<int64_t> ids;
+  for (int64_t i = 0; i < 4 * 16; ++i) ids.push_back((i * 7 + 3) % 61);
+  Tensor idx = from_vector(ids, {4, 16});
+  std::vector<double> held;
+  for (auto rc : {nn::Recompute::none, nn::Recompute::selective, nn::Recompute::full}) {
+    nn::GPT m(c);
+    m.init_weights(11);
+    m.recompute = rc;
+    const int64_t before = Ledger::global().stats(Device::cpu()).cur(MemCategory::activation);
+    autograd::Tape t;
+    Tensor l;
+    {
+      autograd::TapeScope s(t);
+      l = m.loss(idx, idx);
+    }
+    held.push_back(double(Ledger::global().stats(Device::cpu()).cur(MemCategory::activation) - before));
+    t.backward(l);
+  }
+  INFO("none " << held[0] << " selective " << held[1] << " full " << held[2]);
+  REQUIRE(held[1] < held[0]);  // the attention core's probabilities and its inputs are not kept
+  // full keeps only each block's input [B, T, C] (plus the embedding and head): well under half
+  REQUIRE(held[2] < 0.5 * held[1]);
+}
+
 TEST_CASE("Hugging Face state round trip, with 'transformer.' prefix and mask buffers accepted", "[models][io]") {
   nn::GPT a(small_config());
   a.init_weights(5);
