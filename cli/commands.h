@@ -6,4 +6,5 @@ int train_main(int argc, char** argv);
 int generate_main(int argc, char** argv);
 int export_main(int argc, char** argv);
 int plan_main(int argc, char** argv);
+int bench_main(int argc, char** argv);
 }  // namespace sg::cli

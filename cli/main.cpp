@@ -13,7 +13,8 @@ static void usage() {
       "commands:\n"
       "  train      train a GPT-2-family model (default: tiny model on the built-in synthetic task, CPU)\n"
       "  generate   sample text from a trained model\n"
-      "  plan       simulate a pipeline schedule: bubble, activations, an SVG timeline\n"
+      "  plan       predict a layout's memory per GPU, traffic, bubble, step time and MFU; --search ranks layouts\n"
+      "  bench      run a matrix of parallel layouts here and report them (JSON, CSV, HTML)\n"
       "  export     write a checkpoint's weights as one Hugging Face GPT-2 .safetensors file\n\n"
       "run 'shardgrad <command> --help' for the flags of a command.\n");
 }
@@ -28,6 +29,7 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[1], "generate")) return sg::cli::generate_main(argc - 2, argv + 2);
     if (!std::strcmp(argv[1], "export")) return sg::cli::export_main(argc - 2, argv + 2);
     if (!std::strcmp(argv[1], "plan")) return sg::cli::plan_main(argc - 2, argv + 2);
+    if (!std::strcmp(argv[1], "bench")) return sg::cli::bench_main(argc - 2, argv + 2);
     std::fprintf(stderr, "shardgrad: unknown command '%s'\n", argv[1]);
     usage();
     return 2;

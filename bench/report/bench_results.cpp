@@ -1,0 +1,151 @@
+#include "bench/report/bench_results.h"
+
+#include <algorithm>
+#include <iterator>
+#include <sstream>
+
+#include "bench/report/step_metrics.h"
+#include "core/error.h"
+
+namespace sg::report {
+
+namespace {
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// The value following `--flag` in a flag string ("" when absent; "1" for a bare toggle).
+std::string flag_value(const std::string& args, const std::string& flag) {
+  std::istringstream in(args);
+  std::vector<std::string> words{std::istream_iterator<std::string>(in), {}};
+  for (size_t i = 0; i < words.size(); ++i)
+    if (words[i] == "--" + flag) return i + 1 < words.size() && words[i + 1].rfind("--", 0) != 0 ? words[i + 1] : "1";
+  return "";
+}
+
+}  // namespace
+
+std::vector<BenchLayout> default_matrix(int n) {
+  const std::string N = std::to_string(n);
+  std::vector<BenchLayout> m = {
+      {"single", 1, ""},
+      {"dp", 1, "--strategy dp --devices cpu:0,cpu:1"},
+      {"ddp", n, "--strategy ddp"},
+      {"zero1", n, "--strategy zero1"},
+      {"zero2", n, "--strategy zero2"},
+      {"zero3", n, "--strategy zero3"},
+      {"fsdp-grad-op", n, "--strategy fsdp-grad-op"},
+      {"hsdp", n, "--strategy hsdp"},
+      {"tp", n, "--tp " + N},
+      {"tp+sp", n, "--tp " + N + " --sequence-parallel"},
+      {"pp-gpipe", n, "--pp " + N + " --pp-schedule gpipe"},
+      {"pp-1f1b", n, "--pp " + N + " --pp-schedule 1f1b"},
+      {"pp-interleaved", n, "--pp " + N + " --pp-schedule interleaved --virtual-stages 2"},
+      {"3d-dp2-tp2-pp2", 8, "--strategy zero1 --tp 2 --pp 2"},
+  };
+  return m;
+}
+
+std::vector<BenchLayout> matrix_from_json(const nlohmann::json& j) {
+  SG_CHECK(j.is_array(), "bench: --matrix: expected a JSON array of {name, ranks, args}");
+  std::vector<BenchLayout> m;
+  for (const auto& row : j) {
+    SG_CHECK(row.contains("name") && row["name"].is_string(), "bench: --matrix: every row needs a \"name\" string");
+    BenchLayout b;
+    b.name = row["name"].get<std::string>();
+    b.ranks = row.value("ranks", 1);
+    b.args = row.value("args", std::string());
+    SG_CHECK(b.ranks >= 1, "bench: --matrix: row ", b.name, ": ranks must be >= 1");
+    m.push_back(b);
+  }
+  return m;
+}
+
+nlohmann::json summarise_log(const std::vector<nlohmann::json>& steps, int warmup) {
+  nlohmann::json s;
+  const size_t first = std::min(steps.size(), size_t(std::max(0, warmup)));
+  std::vector<double> ms, tps, bubbles;
+  for (size_t i = first; i < steps.size(); ++i) {
+    ms.push_back(steps[i].at("step_ms").get<double>());
+    tps.push_back(steps[i].at("tokens_per_s").get<double>());
+    if (steps[i].contains("ranks")) {
+      const double b = measured_bubble(steps[i]["ranks"]);
+      if (b >= 0) bubbles.push_back(b);
+    }
+  }
+  s["steps"] = ms.size();
+  s["step_ms"] = median(ms);
+  s["tokens_per_s"] = median(tps);
+  if (!steps.empty()) s["loss_last"] = steps.back().at("loss");
+  if (!bubbles.empty()) s["bubble"] = median(bubbles);
+  if (ms.empty() || !steps.back().contains("ranks")) return s;
+  // Peaks: the largest per-step peak over the measured steps, per rank and category.
+  const auto& last = steps.back()["ranks"];
+  nlohmann::json mem = nlohmann::json::array(), comm = nlohmann::json::array();
+  for (size_t r = 0; r < last.size(); ++r) {
+    nlohmann::json pk = nlohmann::json::object();
+    for (size_t i = first; i < steps.size(); ++i)
+      for (const auto& [cat, v] : steps[i]["ranks"][r]["mem"].items())
+        pk[cat] = std::max(pk.value(cat, int64_t(0)), v["peak"].get<int64_t>());
+    mem.push_back(pk);
+    // The counters are cumulative: the measured steps' share is last minus the last warm-up step.
+    nlohmann::json c = nlohmann::json::object();
+    const nlohmann::json* before = first > 0 ? &steps[first - 1]["ranks"][r]["comm"] : nullptr;
+    for (const auto& [kind, v] : last[r]["comm"].items()) {
+      const int64_t b0 = before ? (*before)[kind]["bytes"].get<int64_t>() : 0;
+      c[kind] = double(v["bytes"].get<int64_t>() - b0) / double(ms.size());
+    }
+    comm.push_back(c);
+  }
+  s["mem_peak"] = mem;
+  s["comm_per_step"] = comm;
+  return s;
+}
+
+bool planner_layout(const BenchLayout& row, int64_t batch, Layout& out) {
+  const std::string strategy = flag_value(row.args, "strategy");
+  if (strategy == "dp") return false;
+  out = Layout{};
+  out.tp = flag_value(row.args, "tp").empty() ? 1 : std::stoi(flag_value(row.args, "tp"));
+  out.pp = flag_value(row.args, "pp").empty() ? 1 : std::stoi(flag_value(row.args, "pp"));
+  if (row.ranks % (out.tp * out.pp)) return false;
+  out.dp = row.ranks / (out.tp * out.pp);
+  out.strategy = strategy.empty() || strategy == "single" ? "ddp" : strategy;
+  out.sequence_parallel = !flag_value(row.args, "sequence-parallel").empty();
+  if (!flag_value(row.args, "pp-schedule").empty()) out.pp_schedule = flag_value(row.args, "pp-schedule");
+  if (!flag_value(row.args, "virtual-stages").empty()) out.virtual_stages = std::stoi(flag_value(row.args, "virtual-stages"));
+  if (!flag_value(row.args, "recompute").empty()) out.recompute = flag_value(row.args, "recompute");
+  const std::string mbs = flag_value(row.args, "micro-batch-size");
+  out.micro_batch_size = mbs.empty() || mbs == "0" ? batch / out.dp : std::stoll(mbs);
+  return true;
+}
+
+std::string results_csv(const nlohmann::json& results) {
+  static const char* cats[] = {"param", "grad", "optim_state", "activation", "comm_buffer", "workspace", "total"};
+  static const char* kinds[] = {"all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "send", "recv"};
+  std::ostringstream o;
+  o << "layout,ranks,status,step_ms,tokens_per_s,bubble";
+  for (const char* c : cats) o << ",rank0_peak_" << c;
+  for (const char* k : kinds) o << ",rank0_" << k << "_bytes_per_step";
+  o << ",reason\n";
+  for (const auto& r : results.at("layouts")) {
+    o << r["name"].get<std::string>() << "," << r["ranks"].get<int>() << "," << r["status"].get<std::string>();
+    const nlohmann::json m = r.value("measured", nlohmann::json::object());
+    auto num = [&](const char* k) { return m.contains(k) ? std::to_string(m[k].get<double>()) : std::string(); };
+    o << "," << num("step_ms") << "," << num("tokens_per_s") << "," << num("bubble");
+    for (const char* c : cats)
+      o << "," << (m.contains("mem_peak") && m["mem_peak"][0].contains(c) ? std::to_string(m["mem_peak"][0][c].get<int64_t>()) : "");
+    for (const char* k : kinds)
+      o << "," << (m.contains("comm_per_step") ? std::to_string(int64_t(m["comm_per_step"][0].value(k, 0.0))) : "");
+    std::string reason = r.value("reason", std::string());
+    std::replace(reason.begin(), reason.end(), '"', '\'');
+    o << ",\"" << reason << "\"\n";
+  }
+  return o.str();
+}
+
+}  // namespace sg::report

@@ -1,0 +1,44 @@
+// `shardgrad bench` results: one row per layout (its train flags, rank count, status), the figures
+// measured from `train --log-json` (median step time and tokens/s after warm-up, peak ledger bytes
+// per rank per category, bytes per collective kind per rank per step, measured bubble), the
+// planner's prediction for the same layout, and the files written from them (JSON, CSV, HTML).
+#pragma once
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "bench/report/planner.h"
+
+namespace sg::report {
+
+struct BenchLayout {
+  std::string name;  // "zero2", "pp-1f1b", ...
+  int ranks = 1;     // processes (mpirun -np); 1 runs without mpirun
+  std::string args;  // train flags of this layout ("--strategy zero2")
+};
+
+// The default matrix for `ranks` processes: single, dp, ddp, zero1-3, fsdp variants, tp, tp+sp,
+// every pipeline schedule, and a 3-D layout (those train refuses are reported as refused).
+std::vector<BenchLayout> default_matrix(int ranks);
+// [{"name": "...", "ranks": 2, "args": "--strategy ddp"}, ...]
+std::vector<BenchLayout> matrix_from_json(const nlohmann::json& j);
+
+// Summarises one layout's --log-json records (every step, rank 0's file), dropping the first
+// `warmup` steps: {"steps", "step_ms", "tokens_per_s", "loss_last", "mem_peak": [per rank {cat: bytes}],
+// "comm_per_step": [per rank {kind: bytes}], "bubble"?}.
+nlohmann::json summarise_log(const std::vector<nlohmann::json>& steps, int warmup);
+
+// The planner's layout for a bench row (its train flags read back), or false when the row's
+// strategy is not one the planner models (dp over devices of one process).
+bool planner_layout(const BenchLayout& row, int64_t batch, Layout& out);
+
+// One line per layout: name, ranks, status, medians, bubble, rank 0's peak per category and bytes
+// per collective kind.
+std::string results_csv(const nlohmann::json& results);
+
+// One self-contained HTML page: stacked memory per rank per layout, throughput, communication per
+// kind, each pipeline run's Gantt chart, and predicted against measured.
+std::string results_html(const nlohmann::json& results);
+
+}  // namespace sg::report

@@ -1,0 +1,161 @@
+// The bench report: one self-contained HTML page, every chart an inline SVG (no scripts, no
+// external files), so it opens anywhere and renders the same in a headless browser.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <sstream>
+
+#include "bench/report/bench_results.h"
+
+namespace sg::report {
+
+namespace {
+
+const char* kPalette[] = {"#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#9c755f"};
+
+std::string escape(const std::string& s) {
+  std::string o;
+  for (char c : s) {
+    if (c == '<') o += "&lt;";
+    else if (c == '>') o += "&gt;";
+    else if (c == '&') o += "&amp;";
+    else if (c == '\'') o += "&#39;";
+    else if (c == '"') o += "&quot;";
+    else o += c;
+  }
+  return o;
+}
+
+std::string human(double v, const std::string& unit) {
+  const char* prefix[] = {"", "K", "M", "G", "T"};
+  int i = 0;
+  const double base = unit == "B" ? 1024 : 1000;
+  while (std::abs(v) >= base && i < 4) v /= base, ++i;
+  char buf[48];
+  std::snprintf(buf, sizeof buf, "%.3g %s%s%s", v, prefix[i], unit == "B" && i ? "i" : "", unit.c_str());
+  return buf;
+}
+
+// Horizontal bars, one per row, each stacked from the series in order; a legend on top.
+std::string stacked_bars(const std::string& id, const std::string& title, const std::vector<std::string>& rows,
+                         const std::vector<std::string>& series, const std::vector<std::vector<double>>& values,
+                         const std::string& unit) {
+  const double label_w = 190, bar_w = 560, row_h = 22, top = 56;
+  double max_total = 0;
+  for (const auto& v : values) {
+    double t = 0;
+    for (double x : v) t += x;
+    max_total = std::max(max_total, t);
+  }
+  const double scale = max_total > 0 ? bar_w / max_total : 0;
+  std::ostringstream o;
+  o << "<svg id='" << id << "' xmlns='http://www.w3.org/2000/svg' width='" << label_w + bar_w + 120 << "' height='"
+    << top + row_h * double(rows.size()) + 20 << "' font-family='sans-serif' font-size='12'>\n";
+  o << "<text x='4' y='18' font-size='15' font-weight='bold'>" << escape(title) << "</text>\n";
+  double lx = 4;
+  for (size_t s = 0; s < series.size(); ++s) {
+    o << "<rect x='" << lx << "' y='28' width='12' height='12' fill='" << kPalette[s % 8] << "'/><text x='" << lx + 16
+      << "' y='39'>" << escape(series[s]) << "</text>\n";
+    lx += 24 + 7.0 * double(series[s].size());
+  }
+  for (size_t r = 0; r < rows.size(); ++r) {
+    const double y = top + row_h * double(r);
+    o << "<text x='" << label_w - 6 << "' y='" << y + 15 << "' text-anchor='end'>" << escape(rows[r]) << "</text>\n";
+    double x = label_w, total = 0;
+    for (size_t s = 0; s < series.size() && s < values[r].size(); ++s) {
+      const double w = values[r][s] * scale;
+      total += values[r][s];
+      if (w <= 0) continue;
+      o << "<rect x='" << x << "' y='" << y + 3 << "' width='" << w << "' height='" << row_h - 6 << "' fill='"
+        << kPalette[s % 8] << "'><title>" << escape(rows[r] + ": " + series[s] + " " + human(values[r][s], unit))
+        << "</title></rect>\n";
+      x += w;
+    }
+    o << "<text x='" << x + 6 << "' y='" << y + 15 << "' fill='#444'>" << human(total, unit) << "</text>\n";
+  }
+  o << "</svg>\n";
+  return o.str();
+}
+
+}  // namespace
+
+std::string results_html(const nlohmann::json& results) {
+  static const std::vector<std::string> cats = {"param", "grad", "optim_state", "activation", "comm_buffer", "workspace"};
+  static const std::vector<std::string> kinds = {"all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "send"};
+  std::vector<std::string> mem_rows, tput_rows, comm_rows;
+  std::vector<std::vector<double>> mem_vals, tput_vals, comm_vals;
+  std::ostringstream gantt, table, refused;
+  for (const auto& r : results.at("layouts")) {
+    const std::string name = r["name"].get<std::string>();
+    if (r["status"] != "ok") {
+      refused << "<tr><td>" << escape(name) << "</td><td>" << r["ranks"].get<int>() << "</td><td>"
+              << escape(r["status"].get<std::string>()) << "</td><td>" << escape(r.value("reason", std::string()))
+              << "</td></tr>\n";
+      continue;
+    }
+    const auto& m = r["measured"];
+    tput_rows.push_back(name);
+    tput_vals.push_back({m["tokens_per_s"].get<double>()});
+    if (m.contains("mem_peak"))
+      for (size_t k = 0; k < m["mem_peak"].size(); ++k) {
+        mem_rows.push_back(name + " / rank " + std::to_string(k));
+        std::vector<double> v;
+        for (const auto& c : cats) v.push_back(double(m["mem_peak"][k].value(c, int64_t(0))));
+        mem_vals.push_back(v);
+      }
+    if (m.contains("comm_per_step")) {
+      comm_rows.push_back(name);
+      std::vector<double> v;
+      for (const auto& k : kinds) v.push_back(m["comm_per_step"][0].value(k, 0.0));
+      comm_vals.push_back(v);
+    }
+    if (r.contains("timeline_svg"))
+      gantt << "<h3>" << escape(name) << "</h3>\n<div class='gantt'>" << r["timeline_svg"].get<std::string>() << "</div>\n";
+    table << "<tr><td>" << escape(name) << "</td><td>" << r["ranks"].get<int>() << "</td><td>"
+          << human(m["step_ms"].get<double>() / 1e3, "s") << "</td><td>" << human(m["tokens_per_s"].get<double>(), "tok/s")
+          << "</td><td>" << (m.contains("bubble") ? human(100 * m["bubble"].get<double>(), "%") : "") << "</td>";
+    if (r.contains("predicted") && r["predicted"].contains("param") && m.contains("mem_peak")) {
+      const auto& p = r["predicted"];
+      auto cell = [&](const char* what, double want, double got) {
+        table << "<td title='" << what << "'>" << human(want, "B") << " / " << human(got, "B");
+        if (got > 0) table << " (" << std::lround(100 * (want - got) / got) << "%)";
+        table << "</td>";
+      };
+      cell("param", p["param"].get<double>(), double(m["mem_peak"][0].value("param", int64_t(0))));
+      cell("optimizer", p["optim_state"].get<double>(), double(m["mem_peak"][0].value("optim_state", int64_t(0))));
+      cell("activation", p["activation"].get<double>(), double(m["mem_peak"][0].value("activation", int64_t(0))));
+      double sent = 0;
+      for (const auto& k : kinds) sent += m["comm_per_step"][0].value(k, 0.0);
+      cell("bytes sent per step", p["comm_bytes"].get<double>(), sent);
+    } else {
+      table << "<td colspan='4'>not modelled</td>";
+    }
+    table << "</tr>\n";
+  }
+  std::ostringstream o;
+  o << "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'><title>shardgrad bench</title>\n"
+    << "<style>body{font-family:sans-serif;margin:24px;max-width:1100px}table{border-collapse:collapse;font-size:13px}"
+       "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}td:first-child{text-align:left}"
+       "h2{margin-top:32px}.gantt svg{max-width:100%}</style></head><body>\n";
+  o << "<h1>shardgrad bench</h1>\n<p>" << escape(results.value("description", std::string())) << "</p>\n";
+  if (results.contains("command")) o << "<p><code>" << escape(results["command"].get<std::string>()) << "</code></p>\n";
+  o << "<h2>Peak memory per rank, by ledger category</h2>\n"
+    << stacked_bars("chart-memory", "peak bytes per rank (largest per-category peak over the measured steps)", mem_rows,
+                    cats, mem_vals, "B");
+  o << "<h2>Throughput</h2>\n"
+    << stacked_bars("chart-throughput", "median tokens/s after warm-up", tput_rows, {"tokens/s"}, tput_vals, "tok/s");
+  o << "<h2>Communication per step, by collective kind (rank 0, bytes sent)</h2>\n"
+    << stacked_bars("chart-comm", "bytes per step", comm_rows, kinds, comm_vals, "B");
+  o << "<h2>Pipeline timelines (last step, measured)</h2>\n" << gantt.str();
+  o << "<h2>Measured and predicted</h2>\n<p>Rank 0; cells are predicted / measured (error). The planner's "
+       "model states are exact; activations follow Korthikanti et al.'s formulas.</p>\n"
+    << "<table id='table-layouts'><tr><th>layout</th><th>ranks</th><th>step</th><th>throughput</th><th>bubble</th>"
+       "<th>param</th><th>optimizer</th><th>activation</th><th>bytes sent / step</th></tr>\n"
+    << table.str() << "</table>\n";
+  o << "<h2>Refused or failed layouts</h2>\n<table id='table-refused'><tr><th>layout</th><th>ranks</th><th>status</th>"
+       "<th>reason</th></tr>\n"
+    << refused.str() << "</table>\n</body></html>\n";
+  return o.str();
+}
+
+}  // namespace sg::report

@@ -1,0 +1,209 @@
+// shardgrad bench: runs a matrix of layouts (single, dp, ddp, zero1-3, fsdp variants, tp, tp+sp,
+// every pipeline schedule, a 3-D layout; or rows from a JSON file) for one model on this machine,
+// each as its own `mpirun ... shardgrad train --log-json` job, and collects per layout the median
+// step time and tokens/s after warm-up, peak ledger bytes per rank per category, bytes per
+// collective kind per step and the measured bubble, next to the planner's prediction. Layouts
+// train refuses are reported with its reason. Writes PREFIX.json and PREFIX.csv, and with
+// --report one HTML page (also from an earlier results file with --from).
+#include <unistd.h>
+
+#include <cstdio>
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "bench/report/bench_results.h"
+#include "bench/report/planner.h"
+#include "cli/args.h"
+#include "cli/commands.h"
+#include "core/error.h"
+
+namespace sg::cli {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+std::string read_text(const fs::path& p) {
+  std::ifstream f(p);
+  std::stringstream s;
+  s << f.rdbuf();
+  return s.str();
+}
+
+void write_text(const std::string& path, const std::string& text) {
+  std::ofstream f(path);
+  SG_CHECK(f.good(), "bench: cannot write ", path);
+  f << text;
+}
+
+// The reason train gave: the text after "error: " on its first error line.
+std::string failure_reason(const std::string& output, int code) {
+  std::istringstream in(output);
+  for (std::string line; std::getline(in, line);) {
+    const size_t at = line.find("error: ");
+    if (at != std::string::npos) return line.substr(at + 7);
+  }
+  if (code == 124) return "timed out";
+  return "exit status " + std::to_string(code) + (output.empty() ? "" : ": " + output.substr(output.size() > 300 ? output.size() - 300 : 0));
+}
+
+// The planner's figures for a row; `common` holds the flags every row shares (the micro-batch).
+json predicted(report::BenchLayout row, const std::string& common, const report::ModelShape& model, int64_t batch) {
+  row.args += " " + common;  // the row's own flags come first and win
+  report::PlanInput in;
+  in.model = model;
+  in.cluster = report::cluster_preset("cpu-local");
+  in.cluster.gpus_per_node = std::max(in.cluster.gpus_per_node, row.ranks);  // ranks share the cores
+  in.global_batch = batch;
+  in.dtype = "fp32";
+  if (!report::planner_layout(row, batch, in.layout)) return nullptr;
+  try {
+    report::Plan p = report::make_plan(in);
+    const report::RankMemory& r0 = p.per_stage[0];
+    double sent = 0;
+    for (const auto& [kind, bytes] : p.comm)
+      if (kind != "recv") sent += double(bytes);
+    return {{"param", r0.param},           {"grad", r0.grad},        {"optim_state", r0.optim_state},
+            {"activation", r0.activation}, {"buffers", r0.buffers},  {"comm", p.comm},
+            {"comm_bytes", sent},          {"bubble", p.bubble},     {"step_s", p.step_s}};
+  } catch (const Error& e) {
+    return {{"refused", e.what()}};
+  }
+}
+
+}  // namespace
+
+int bench_main(int argc, char** argv) {
+  Args a("bench", "Run a matrix of parallel layouts on this machine and compare them; write JSON, CSV and an HTML report.");
+  a.flag("model", "tiny", "preset: tiny, gpt2, ...");
+  a.flag("n-layer", "4", "layers (4: pipelines of 2 stages x 2 chunks)");
+  a.flag("n-head", "4", "heads");
+  a.flag("n-embd", "64", "width");
+  a.flag("seq-len", "32", "tokens per row (also the block size)");
+  a.flag("vocab-size", "64", "vocabulary (>= the synthetic task's)");
+  a.flag("batch-size", "16", "global batch");
+  a.flag("micro-batch-size", "4", "sequences per forward/backward in every layout");
+  a.flag("steps", "10", "steps per layout");
+  a.flag("warmup", "3", "first steps dropped from the medians");
+  a.flag("ranks", "2", "processes of the default matrix's distributed layouts");
+  a.flag("layouts", "", "comma-separated names from the default matrix (default: all)");
+  a.flag("matrix", "", "a JSON file: [{\"name\", \"ranks\", \"args\"}, ...] instead of the default matrix");
+  a.flag("threads", "1", "CPU threads per rank");
+  a.flag("mpirun", "mpirun --oversubscribe --allow-run-as-root --bind-to none", "the launcher, with its flags");
+  a.flag("timeout", "300", "seconds per layout");
+  a.flag("out", "bench_results", "write PREFIX.json and PREFIX.csv");
+  a.flag("report", "", "write the HTML report here");
+  a.flag("from", "", "make the report from this results file instead of running");
+  a.flag("work-dir", "", "where each layout's logs go (default: a temporary directory, removed)");
+  if (!a.parse(argc, argv)) {
+    std::printf("%s", a.usage().c_str());
+    return 0;
+  }
+  if (!a.str("from").empty()) {
+    SG_CHECK(!a.str("report").empty(), "bench: --from needs --report FILE.html");
+    const std::string text = read_text(a.str("from"));
+    SG_CHECK(!text.empty(), "bench: cannot read --from ", a.str("from"));
+    write_text(a.str("report"), report::results_html(json::parse(text)));
+    std::printf("wrote %s\n", a.str("report").c_str());
+    return 0;
+  }
+  const int ranks = int(a.i64("ranks"));
+  SG_CHECK(ranks >= 1, "bench: --ranks must be >= 1");
+  std::vector<report::BenchLayout> matrix =
+      a.str("matrix").empty() ? report::default_matrix(ranks) : report::matrix_from_json(json::parse(read_text(a.str("matrix"))));
+  if (!a.str("layouts").empty()) {
+    std::vector<report::BenchLayout> chosen;
+    std::stringstream names(a.str("layouts"));
+    for (std::string n; std::getline(names, n, ',');) {
+      auto it = std::find_if(matrix.begin(), matrix.end(), [&](const auto& l) { return l.name == n; });
+      SG_CHECK(it != matrix.end(), "bench: --layouts: no layout named '", n, "' in the matrix");
+      chosen.push_back(*it);
+    }
+    matrix = chosen;
+  }
+  const int64_t steps = a.i64("steps"), warmup = a.i64("warmup"), batch = a.i64("batch-size");
+  SG_CHECK(steps > warmup && warmup >= 0, "bench: --steps must exceed --warmup");
+  report::ModelShape model = report::model_preset(a.str("model"));
+  model.n_layer = a.i64("n-layer"), model.n_head = a.i64("n-head"), model.n_embd = a.i64("n-embd");
+  model.seq_len = model.block_size = a.i64("seq-len");
+  model.vocab_size = a.i64("vocab-size");
+  const std::string common = "--model " + a.str("model") + " --n-layer " + a.str("n-layer") + " --n-head " +
+                             a.str("n-head") + " --n-embd " + a.str("n-embd") + " --seq-len " + a.str("seq-len") +
+                             " --block-size " + a.str("seq-len") + " --vocab-size " + a.str("vocab-size") +
+                             " --batch-size " + a.str("batch-size") + " --micro-batch-size " + a.str("micro-batch-size") +
+                             " --steps " + a.str("steps") + " --threads " + a.str("threads") +
+                             " --eval-every 0 --eval-batches 1 --eval-problems 8";
+  const fs::path work = a.str("work-dir").empty()
+                            ? fs::temp_directory_path() / ("sg_bench_" + std::to_string(::getpid()))
+                            : fs::path(a.str("work-dir"));
+  fs::create_directories(work);
+  const std::string self = fs::read_symlink("/proc/self/exe").string();
+
+  json results;
+  results["description"] = "model " + a.str("model") + " (" + a.str("n-layer") + " layers, width " + a.str("n-embd") +
+                           ", " + a.str("n-head") + " heads, seq " + a.str("seq-len") + "), global batch " +
+                           a.str("batch-size") + ", micro-batch " + a.str("micro-batch-size") + ", " + a.str("steps") +
+                           " steps (" + a.str("warmup") + " warm-up) per layout, " +
+                           std::to_string(std::thread::hardware_concurrency()) + " CPU cores";
+  results["command"] = "shardgrad bench";
+  for (const auto& w : a.argv_copy) results["command"] = results["command"].get<std::string>() + " " + w;
+  results["common_args"] = common;
+  results["warmup"] = warmup;
+  results["layouts"] = json::array();
+  for (size_t i = 0; i < matrix.size(); ++i) {
+    const report::BenchLayout& row = matrix[i];
+    std::printf("[%zu/%zu] %-16s %d rank(s)  %s ... ", i + 1, matrix.size(), row.name.c_str(), row.ranks, row.args.c_str());
+    std::fflush(stdout);
+    const fs::path log = work / (row.name + ".jsonl"), out = work / (row.name + ".out"), svg = work / (row.name + ".svg");
+    fs::remove(log);
+    fs::remove(svg);
+    std::string cmd = "timeout " + a.str("timeout") + " ";
+    if (row.ranks > 1) cmd += a.str("mpirun") + " -x OMP_NUM_THREADS=" + a.str("threads") + " -np " + std::to_string(row.ranks) + " ";
+    cmd += "'" + self + "' train " + common + " " + row.args + " --log-json '" + log.string() + "'";
+    if (row.args.find("--pp ") != std::string::npos) cmd += " --timeline '" + svg.string() + "'";
+    cmd += " > '" + out.string() + "' 2>&1";
+    const int status = std::system(cmd.c_str());
+    const int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    std::vector<json> records;
+    {
+      std::ifstream f(log);
+      for (std::string line; std::getline(f, line);)
+        if (!line.empty()) records.push_back(json::parse(line));
+    }
+    json r = {{"name", row.name}, {"ranks", row.ranks}, {"args", row.args}};
+    if (code == 0 && !records.empty()) {
+      r["status"] = "ok";
+      r["measured"] = report::summarise_log(records, int(warmup));
+      if (fs::exists(svg)) r["timeline_svg"] = read_text(svg);
+      std::printf("%.2f ms/step, %.0f tok/s", r["measured"]["step_ms"].get<double>(),
+                  r["measured"]["tokens_per_s"].get<double>());
+      if (r["measured"].contains("bubble")) std::printf(", bubble %.1f%%", 100 * r["measured"]["bubble"].get<double>());
+      std::printf("\n");
+    } else {
+      r["status"] = records.empty() ? (code == 124 ? "timeout" : "refused") : "failed";
+      r["reason"] = failure_reason(read_text(out), code);
+      std::printf("%s: %s\n", r["status"].get<std::string>().c_str(), r["reason"].get<std::string>().c_str());
+    }
+    json p = predicted(row, common, model, batch);
+    if (!p.is_null()) r["predicted"] = p;
+    results["layouts"].push_back(r);
+    std::fflush(stdout);
+  }
+  if (a.str("work-dir").empty()) fs::remove_all(work);
+  const std::string prefix = a.str("out");
+  write_text(prefix + ".json", results.dump(1) + "\n");
+  write_text(prefix + ".csv", report::results_csv(results));
+  std::printf("wrote %s.json and %s.csv\n", prefix.c_str(), prefix.c_str());
+  if (!a.str("report").empty()) {
+    write_text(a.str("report"), report::results_html(results));
+    std::printf("wrote %s\n", a.str("report").c_str());
+  }
+  return 0;
+}
+
+}  // namespace sg::cli

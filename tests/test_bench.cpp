@@ -1,0 +1,144 @@
+// shardgrad bench: the log summary (medians after warm-up, per-step traffic from cumulative
+// counters, peaks), the HTML report on a small results file, and the command itself on a small
+// matrix, including a layout train refuses.
+#include <algorithm>
+#include <catch2/catch.hpp>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+
+#include "bench/report/bench_results.h"
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+// One --log-json record with two ranks: rank r's peaks are base·(r+1); the counters cumulative.
+json record(int step, double ms, int64_t mem_base, int64_t all_reduce_total) {
+  json ranks = json::array();
+  for (int r = 0; r < 2; ++r)
+    ranks.push_back({{"rank", r},
+                     {"mem", {{"param", {{"current", 1}, {"peak", mem_base * (r + 1)}}},
+                              {"activation", {{"current", 0}, {"peak", 3 * mem_base}}}}},
+                     {"comm", {{"all_reduce", {{"calls", step}, {"bytes", all_reduce_total * (r + 1)}}}}},
+                     {"busy_s", 1.0 + r},
+                     {"span_s", 2.0}});
+  return {{"step", step}, {"loss", 5.0 - step}, {"step_ms", ms}, {"tokens_per_s", 1000.0 / ms}, {"ranks", ranks}};
+}
+
+size_t count(const std::string& s, const std::string& what) {
+  size_t n = 0;
+  for (size_t at = s.find(what); at != std::string::npos; at = s.find(what, at + 1)) ++n;
+  return n;
+}
+
+std::string read_text(const fs::path& p) {
+  std::ifstream f(p);
+  std::stringstream s;
+  s << f.rdbuf();
+  return s.str();
+}
+
+}  // namespace
+
+TEST_CASE("a layout's summary drops warm-up steps: medians, largest peaks, bytes per measured step") {
+  // Warm-up steps are slow and move 100 bytes each; measured steps move 40 bytes each.
+  std::vector<json> log = {record(1, 90, 10, 100), record(2, 80, 10, 200), record(3, 4, 20, 240),
+                           record(4, 6, 50, 280), record(5, 5, 30, 320)};
+  json s = sg::report::summarise_log(log, 2);
+  CHECK(s["steps"] == 3);
+  CHECK(s["step_ms"].get<double>() == 5.0);
+  CHECK(s["tokens_per_s"].get<double>() == Approx(200.0));
+  CHECK(s["loss_last"].get<double>() == 0.0);
+  CHECK(s["mem_peak"][0]["param"] == 50);
+  CHECK(s["mem_peak"][1]["param"] == 100);
+  CHECK(s["mem_peak"][0]["activation"] == 150);
+  CHECK(s["comm_per_step"][0]["all_reduce"].get<double>() == 40.0);
+  CHECK(s["comm_per_step"][1]["all_reduce"].get<double>() == 80.0);
+  // Busy 1 s and 2 s in a 2 s step: idle (1 + 0) over busy (1 + 2).
+  CHECK(s["bubble"].get<double>() == Approx(1.0 / 3.0));
+}
+
+TEST_CASE("the report of a small results file is one HTML page with every chart, layout and refusal") {
+  json results;
+  results["description"] = "two layouts and a refused one";
+  json ok1 = {{"name", "ddp"}, {"ranks", 2}, {"status", "ok"}, {"args", "--strategy ddp"}};
+  ok1["measured"] = sg::report::summarise_log({record(1, 9, 10, 100), record(2, 8, 10, 200)}, 1);
+  ok1["predicted"] = {{"param", 10}, {"optim_state", 20}, {"activation", 30}, {"comm_bytes", 100}};
+  json ok2 = {{"name", "pp-1f1b"}, {"ranks", 2}, {"status", "ok"}, {"args", "--pp 2"}};
+  ok2["measured"] = ok1["measured"];
+  ok2["timeline_svg"] = "<svg xmlns='http://www.w3.org/2000/svg' id='the-gantt'><rect width='4' height='4'/></svg>";
+  json refused = {{"name", "tp3"}, {"ranks", 3}, {"status", "refused"}, {"args", "--tp 3"},
+                  {"reason", "--tp 3: 4 heads cannot be split 3 ways"}};
+  results["layouts"] = {ok1, ok2, refused};
+  const std::string html = sg::report::results_html(results);
+  CHECK(html.rfind("<!DOCTYPE html>", 0) == 0);
+  CHECK(html.find("</html>") != std::string::npos);
+  CHECK(count(html, "<svg") == count(html, "</svg>"));
+  CHECK(count(html, "<table") == count(html, "</table>"));
+  for (const char* id : {"chart-memory", "chart-throughput", "chart-comm", "table-layouts", "table-refused", "the-gantt"})
+    CHECK(html.find(std::string("id='") + id + "'") != std::string::npos);
+  CHECK(html.find("ddp / rank 1") != std::string::npos);
+  CHECK(html.find("pp-1f1b / rank 0") != std::string::npos);
+  CHECK(html.find("4 heads cannot be split 3 ways") != std::string::npos);
+  CHECK(html.find("<script") == std::string::npos);  // self-contained, static
+  const std::string csv = sg::report::results_csv(results);
+  CHECK(count(csv, "\n") == 4);
+  CHECK(csv.find("tp3,3,refused") != std::string::npos);
+}
+
+TEST_CASE("the default matrix has every strategy, tensor and pipeline layout, and a 3-D one") {
+  std::vector<std::string> names;
+  for (const auto& l : sg::report::default_matrix(2)) names.push_back(l.name);
+  for (const char* n : {"single", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp-grad-op", "hsdp", "tp", "tp+sp",
+                        "pp-gpipe", "pp-1f1b", "pp-interleaved", "3d-dp2-tp2-pp2"})
+    CHECK(std::find(names.begin(), names.end(), n) != names.end());
+}
+
+TEST_CASE("shardgrad bench runs a matrix file, measures every layout and reports the one train refuses", "[cli][mpi]") {
+  const fs::path dir = fs::temp_directory_path() / ("sg_bench_test_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  json matrix = json::array({{{"name", "single"}, {"ranks", 1}, {"args", ""}},
+                             {{"name", "zero2"}, {"ranks", 2}, {"args", "--strategy zero2"}},
+                             {{"name", "pp-1f1b"}, {"ranks", 2}, {"args", "--pp 2 --pp-schedule 1f1b"}},
+                             {{"name", "tp3"}, {"ranks", 3}, {"args", "--tp 3"}}});
+  std::ofstream(dir / "matrix.json") << matrix.dump();
+  const std::string mpirun = std::string(SG_MPIEXEC) + " --oversubscribe --allow-run-as-root --bind-to none";
+  const std::string cmd = std::string(SG_BINARY) + " bench --n-layer 2 --steps 4 --warmup 1 --matrix " +
+                          (dir / "matrix.json").string() + " --mpirun '" + mpirun + "' --out " +
+                          (dir / "res").string() + " --report " + (dir / "report.html").string() + " > " +
+                          (dir / "out.txt").string() + " 2>&1";
+  const int status = std::system(cmd.c_str());
+  INFO(read_text(dir / "out.txt"));
+  REQUIRE(WIFEXITED(status));
+  REQUIRE(WEXITSTATUS(status) == 0);
+  json res = json::parse(read_text(dir / "res.json"));
+  REQUIRE(res["layouts"].size() == 4);
+  for (int i = 0; i < 3; ++i) {
+    const json& r = res["layouts"][i];
+    INFO(r.dump());
+    CHECK(r["status"] == "ok");
+    CHECK(r["measured"]["steps"] == 3);
+    CHECK(r["measured"]["step_ms"].get<double>() > 0);
+    CHECK(r["measured"]["mem_peak"].size() == r["ranks"].get<size_t>());
+    // The planner's model states equal what the ledger held (fp32, rank 0).
+    CHECK(r["measured"]["mem_peak"][0]["param"] == r["predicted"]["param"]);
+    CHECK(r["measured"]["mem_peak"][0]["optim_state"] == r["predicted"]["optim_state"]);
+  }
+  const json& zero2 = res["layouts"][1];
+  CHECK(zero2["measured"]["comm_per_step"][0]["reduce_scatter"].get<double>() ==
+        zero2["predicted"]["comm"]["reduce_scatter"].get<double>());
+  CHECK(res["layouts"][2].contains("timeline_svg"));
+  CHECK(res["layouts"][2]["measured"].contains("bubble"));
+  CHECK(res["layouts"][3]["status"] == "refused");
+  CHECK(res["layouts"][3]["reason"].get<std::string>().find("heads") != std::string::npos);
+  CHECK(count(read_text(dir / "res.csv"), "\n") == 5);
+  const std::string html = read_text(dir / "report.html");
+  CHECK(html.find("chart-memory") != std::string::npos);
+  CHECK(html.find("1f1b pipeline, measured") != std::string::npos);
+  fs::remove_all(dir);
+}
