@@ -5,84 +5,24 @@
 // first, so the CPU reference sees exactly what the kernel sees; tolerances then cover the f32
 // math (f32) or the rounding of the output (half types).
 #include <catch2/catch.hpp>
-#include <cmath>
-#include <random>
-#include <vector>
+#include <tuple>
 
-#include "kernels/cpu/cpu.h"
+#include "kernels/cuda/adamw.cuh"
+#include "kernels/cuda/classifier.cuh"
+#include "kernels/cuda/dropout.cuh"
 #include "kernels/cuda/elementwise.cuh"
+#include "kernels/cuda/embedding.cuh"
+#include "kernels/cuda/global_norm.cuh"
+#include "kernels/cuda/layernorm.cuh"
+#include "kernels/cuda/reduce.cuh"
+#include "kernels/cuda/softmax.cuh"
+#include "tests/emu/support.h"
 
 using namespace sg;
-namespace cu = sg::cuda;
-namespace cpu = sg::kernels::cpu;
+using namespace sg::emu_testing;
 using kernels::Binary;
 using kernels::Dims;
 using kernels::Unary;
-
-namespace {
-
-std::vector<float> randn(size_t n, uint32_t seed, float scale = 1.0f, float shift = 0.0f) {
-  std::mt19937 gen(seed);
-  std::normal_distribution<float> d(shift, scale);
-  std::vector<float> v(n);
-  for (auto& x : v) x = d(gen);
-  return v;
-}
-
-template <class T>
-constexpr DType dtype_of() {
-  if constexpr (std::is_same_v<T, float>) return DType::f32;
-  else if constexpr (std::is_same_v<T, cu::bf16>) return DType::bf16;
-  else return DType::f16;
-}
-
-template <class T>
-std::vector<T> to_storage(const std::vector<float>& v) {
-  std::vector<T> out;
-  out.reserve(v.size());
-  for (float x : v) out.push_back(cu::from_f32<T>(x));
-  return out;
-}
-template <class T>
-std::vector<float> to_float(const std::vector<T>& v) {
-  std::vector<float> out;
-  out.reserve(v.size());
-  for (const T& x : v) out.push_back(cu::to_f32(x));
-  return out;
-}
-// The values a kernel of storage type T actually reads.
-template <class T>
-std::vector<float> rounded(const std::vector<float>& v) {
-  return to_float(to_storage<T>(v));
-}
-
-// Relative tolerance of results stored as T.
-template <class T>
-double tol() {
-  if constexpr (std::is_same_v<T, float>) return 2e-5;
-  else if constexpr (std::is_same_v<T, cu::bf16>) return 1.6e-2;
-  else return 2e-3;
-}
-
-// |got - want| <= atol + rtol |want| everywhere; reports the first element that is not.
-void check_close(const std::vector<float>& got, const std::vector<float>& want, double rtol, double atol) {
-  REQUIRE(got.size() == want.size());
-  size_t bad = 0, first = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    const bool ok = std::abs(double(got[i]) - double(want[i])) <= atol + rtol * std::abs(double(want[i])) ||
-                    (std::isnan(got[i]) && std::isnan(want[i]));
-    if (!ok && bad++ == 0) first = i;
-  }
-  INFO("mismatches: " << bad << " of " << got.size() << "; first at " << first << ": got "
-                      << (bad ? got[first] : 0.f) << ", want " << (bad ? want[first] : 0.f));
-  REQUIRE(bad == 0);
-}
-template <class T>
-void check_close(const std::vector<T>& got, const std::vector<float>& want, double scale = 1.0) {
-  check_close(to_float(got), want, tol<T>(), tol<T>() * scale);
-}
-
-}  // namespace
 
 // ---------------------------------------------------------------- elementwise, gelu
 
@@ -174,4 +114,310 @@ TEST_CASE("emu fill and strided copy convert like the CPU table", "[emu]") {
     cu::fill(got.data(), dt, 37, -2.75, nullptr);
     REQUIRE(got == want);
   }
+}
+
+// ---------------------------------------------------------------- reductions, softmax
+
+TEMPLATE_TEST_CASE("emu axis reductions match the CPU table", "[emu]", float, cu::bf16) {
+  using T = TestType;
+  const auto x = rounded<T>(randn(3 * 37 * 5, 10, 1.0f, 0.5f));
+  for (kernels::Reduce op : {kernels::Reduce::sum, kernels::Reduce::max, kernels::Reduce::sum_squares}) {
+    for (auto [outer, n, inner] : {std::tuple<int64_t, int64_t, int64_t>{3, 37, 5}, {15, 37, 1}, {1, 555, 1}}) {
+      INFO("op " << int(op) << " outer " << outer << " n " << n << " inner " << inner);
+      std::vector<float> want(static_cast<size_t>(outer * inner));
+      cpu::reduce(op, DType::f32, want.data(), x.data(), outer, n, inner);
+      const auto xs = to_storage<T>(x);
+      std::vector<T> got(static_cast<size_t>(outer * inner));
+      cu::reduce(op, dtype_of<T>(), got.data(), xs.data(), outer, n, inner, nullptr);
+      check_close(got, want, 10.0);
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("emu softmax and log-softmax forward and backward match the CPU table", "[emu]", float, cu::bf16) {
+  using T = TestType;
+  const int64_t rows = 3, cols = 300;  // more columns than threads: each thread strides
+  const auto x = rounded<T>(randn(rows * cols, 11, 3.0f)), dy = rounded<T>(randn(rows * cols, 12));
+  for (bool log : {false, true}) {
+    INFO("log " << log);
+    std::vector<float> y_ref(rows * cols), dx_ref(rows * cols);
+    cpu::softmax(DType::f32, y_ref.data(), x.data(), rows, cols, log);
+    const auto y_in = rounded<T>(y_ref);  // the backward reads y in storage precision
+    cpu::softmax_backward(DType::f32, dx_ref.data(), dy.data(), y_in.data(), rows, cols, log);
+    const auto xs = to_storage<T>(x), dys = to_storage<T>(dy), ys = to_storage<T>(y_in);
+    std::vector<T> y(rows * cols), dx(rows * cols);
+    cu::softmax(dtype_of<T>(), y.data(), xs.data(), rows, cols, log, nullptr);
+    cu::softmax_backward(dtype_of<T>(), dx.data(), dys.data(), ys.data(), rows, cols, log, nullptr);
+    check_close(y, y_ref, 0.1);
+    check_close(dx, dx_ref, 0.1);
+  }
+}
+
+// ---------------------------------------------------------------- classifier
+
+TEMPLATE_TEST_CASE("emu fused classifier matches cross_entropy and its backward on a padded vocabulary", "[emu]",
+                   float, cu::bf16) {
+  using T = TestType;
+  const int64_t rows = 5, V = 53, Vp = 64, ignore = -100;
+  auto logits = rounded<T>(randn(rows * Vp, 13, 2.0f));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = V; j < Vp; ++j) logits[size_t(r * Vp + j)] = 1e4f;  // padding must be ignored
+  const std::vector<int64_t> targets = {7, ignore, 52, 0, 31};
+  const std::vector<float> dloss = {0.25f, 0.5f, -1.0f, 2.0f, 0.125f};
+  std::vector<float> loss_ref(rows), lse_ref(rows), dl_ref(rows * Vp);
+  cpu::cross_entropy(DType::f32, DType::i64, loss_ref.data(), lse_ref.data(), logits.data(), targets.data(), rows, Vp,
+                     V, ignore);
+  cpu::cross_entropy_backward(DType::f32, DType::i64, dl_ref.data(), dloss.data(), logits.data(), lse_ref.data(),
+                              targets.data(), rows, Vp, V, ignore);
+  const auto xs = to_storage<T>(logits);
+  std::vector<float> loss(rows), lse(rows);
+  int bad = 0;
+  cu::cross_entropy(dtype_of<T>(), DType::i64, loss.data(), lse.data(), xs.data(), targets.data(), rows, Vp, V, ignore,
+                    &bad, nullptr);
+  check_close(loss, loss_ref, 1e-5, 1e-5);
+  check_close(lse, lse_ref, 1e-5, 1e-5);
+  CHECK(bad == 0);
+  std::vector<T> dl(rows * Vp);
+  cu::cross_entropy_backward(dtype_of<T>(), DType::i64, dl.data(), dloss.data(), xs.data(), lse.data(),
+                             targets.data(), rows, Vp, V, ignore, nullptr);
+  check_close(dl, dl_ref, 0.1);
+
+  // Fused forward+backward, in place over the logits, with i32 targets.
+  const std::vector<int32_t> t32(targets.begin(), targets.end());
+  auto inplace = xs;
+  std::vector<float> loss2(rows), lse2(rows);
+  cu::classifier_forward_backward(dtype_of<T>(), DType::i32, loss2.data(), lse2.data(), inplace.data(), inplace.data(),
+                                  t32.data(), dloss.data(), rows, Vp, V, ignore, &bad, nullptr);
+  check_close(loss2, loss_ref, 1e-5, 1e-5);
+  check_close(inplace, dl_ref, 0.1);
+  CHECK(bad == 0);
+}
+
+TEST_CASE("emu classifier counts targets out of range instead of reading past the row", "[emu]") {
+  const int64_t rows = 2, V = 5, Vp = 8;
+  const auto logits = randn(rows * Vp, 14);
+  const std::vector<int32_t> targets = {5, -1};
+  std::vector<float> loss(rows, 7.0f), lse(rows);
+  int bad = 0;
+  cu::cross_entropy(DType::f32, DType::i32, loss.data(), lse.data(), logits.data(), targets.data(), rows, Vp, V, -100,
+                    &bad, nullptr);
+  CHECK(bad == 2);
+  CHECK(loss[0] == 0.0f);
+  CHECK(loss[1] == 0.0f);
+}
+
+// ---------------------------------------------------------------- layernorm, rmsnorm
+
+TEMPLATE_TEST_CASE("emu layernorm forward and backward match the CPU table", "[emu]", float, cu::bf16) {
+  using T = TestType;
+  for (auto [rows, C] : {std::pair<int64_t, int64_t>{3, 37}, {70, 100}}) {  // 70 rows: three row chunks, a partial block
+    INFO("rows " << rows << " C " << C);
+    const auto x = rounded<T>(randn(rows * C, 15, 2.0f, 1.0f)), dy = rounded<T>(randn(rows * C, 16));
+    const auto w = rounded<T>(randn(C, 17, 0.5f, 1.0f)), b = rounded<T>(randn(C, 18));
+    std::vector<float> y_ref(rows * C), mean_ref(rows), rstd_ref(rows), dx_ref(rows * C), dw_ref(C), db_ref(C);
+    cpu::layernorm(DType::f32, y_ref.data(), mean_ref.data(), rstd_ref.data(), x.data(), w.data(), b.data(), rows, C,
+                   1e-5);
+    cpu::layernorm_backward(DType::f32, dx_ref.data(), dw_ref.data(), db_ref.data(), dy.data(), x.data(), w.data(),
+                            mean_ref.data(), rstd_ref.data(), rows, C);
+    const auto xs = to_storage<T>(x), dys = to_storage<T>(dy), ws = to_storage<T>(w), bs = to_storage<T>(b);
+    std::vector<T> y(rows * C), dx(rows * C), dw(C), db(C);
+    std::vector<float> mean(rows), rstd(rows), work(static_cast<size_t>(cu::norm_backward_workspace(rows, C)));
+    cu::layernorm_forward(y.data(), mean.data(), rstd.data(), xs.data(), ws.data(), bs.data(), rows, C, 1e-5, nullptr);
+    check_close(y, y_ref, 4.0);
+    check_close(mean, mean_ref, 1e-5, 1e-5);
+    check_close(rstd, rstd_ref, 1e-5, 1e-5);
+    cu::layernorm_backward(dx.data(), dw.data(), db.data(), dys.data(), xs.data(), ws.data(), mean.data(), rstd.data(),
+                           rows, C, work.data(), nullptr);
+    check_close(dx, dx_ref, 4.0);
+    check_close(dw, dw_ref, 8.0);
+    check_close(db, db_ref, 8.0);
+  }
+}
+
+TEMPLATE_TEST_CASE("emu residual layernorm equals the add then the CPU layernorm, and its backward accumulates",
+                   "[emu]", float, cu::bf16) {
+  using T = TestType;
+  const int64_t rows = 5, C = 70;
+  const auto x = rounded<T>(randn(rows * C, 19)), res = rounded<T>(randn(rows * C, 20, 1.0f, 0.5f));
+  const auto w = rounded<T>(randn(C, 21, 0.5f, 1.0f)), b = rounded<T>(randn(C, 22));
+  const auto dy = rounded<T>(randn(rows * C, 23)), dres0 = rounded<T>(randn(rows * C, 24));
+  std::vector<float> sum(rows * C);
+  for (size_t i = 0; i < sum.size(); ++i) sum[i] = x[i] + res[i];
+  sum = rounded<T>(sum);  // the kernel normalises the stored (rounded) residual
+  std::vector<float> y_ref(rows * C), mean_ref(rows), rstd_ref(rows), dx_ref(rows * C), dw_ref(C), db_ref(C);
+  cpu::layernorm(DType::f32, y_ref.data(), mean_ref.data(), rstd_ref.data(), sum.data(), w.data(), b.data(), rows, C,
+                 1e-5);
+  cpu::layernorm_backward(DType::f32, dx_ref.data(), dw_ref.data(), db_ref.data(), dy.data(), sum.data(), w.data(),
+                          mean_ref.data(), rstd_ref.data(), rows, C);
+  for (size_t i = 0; i < dx_ref.size(); ++i) dx_ref[i] += dres0[i];
+  const auto xs = to_storage<T>(x), rs = to_storage<T>(res), ws = to_storage<T>(w), bs = to_storage<T>(b);
+  const auto dys = to_storage<T>(dy);
+  std::vector<T> r(rows * C), y(rows * C), dw(C), db(C);
+  std::vector<float> mean(rows), rstd(rows), work(static_cast<size_t>(cu::norm_backward_workspace(rows, C)));
+  cu::residual_layernorm_forward(r.data(), y.data(), mean.data(), rstd.data(), xs.data(), rs.data(), ws.data(),
+                                 bs.data(), rows, C, 1e-5, nullptr);
+  check_close(r, sum);
+  check_close(y, y_ref, 4.0);
+  auto dres = to_storage<T>(dres0);
+  cu::residual_layernorm_backward(dres.data(), dw.data(), db.data(), dys.data(), r.data(), ws.data(), mean.data(),
+                                  rstd.data(), rows, C, work.data(), nullptr);
+  check_close(dres, dx_ref, 4.0);
+  check_close(dw, dw_ref, 8.0);
+  check_close(db, db_ref, 8.0);
+}
+
+TEMPLATE_TEST_CASE("emu rmsnorm forward and backward match the CPU table", "[emu]", float, cu::bf16) {
+  using T = TestType;
+  const int64_t rows = 37, C = 45;
+  const auto x = rounded<T>(randn(rows * C, 25, 2.0f)), dy = rounded<T>(randn(rows * C, 26));
+  const auto w = rounded<T>(randn(C, 27, 0.5f, 1.0f));
+  std::vector<float> y_ref(rows * C), rstd_ref(rows), dx_ref(rows * C), dw_ref(C);
+  cpu::rmsnorm(DType::f32, y_ref.data(), rstd_ref.data(), x.data(), w.data(), rows, C, 1e-6);
+  cpu::rmsnorm_backward(DType::f32, dx_ref.data(), dw_ref.data(), dy.data(), x.data(), w.data(), rstd_ref.data(), rows,
+                        C);
+  const auto xs = to_storage<T>(x), dys = to_storage<T>(dy), ws = to_storage<T>(w);
+  std::vector<T> y(rows * C), dx(rows * C), dw(C);
+  std::vector<float> rstd(rows), work(static_cast<size_t>(cu::norm_backward_workspace(rows, C)));
+  cu::rmsnorm_forward(y.data(), rstd.data(), xs.data(), ws.data(), rows, C, 1e-6, nullptr);
+  cu::rmsnorm_backward(dx.data(), dw.data(), dys.data(), xs.data(), ws.data(), rstd.data(), rows, C, work.data(),
+                       nullptr);
+  check_close(y, y_ref, 4.0);
+  check_close(rstd, rstd_ref, 1e-5, 1e-5);
+  check_close(dx, dx_ref, 4.0);
+  check_close(dw, dw_ref, 8.0);
+}
+
+// ---------------------------------------------------------------- embedding
+
+TEMPLATE_TEST_CASE("emu embedding gathers rows and its backward sums repeated rows like the CPU table", "[emu]", float,
+                   cu::bf16) {
+  using T = TestType;
+  const int64_t rows = 11, n = 9;
+  for (int64_t C : {int64_t(37), int64_t(64)}) {  // 64: 128-bit packs; 37: scalar rows
+    INFO("C " << C);
+    const auto w = rounded<T>(randn(rows * C, 28)), dout = rounded<T>(randn(n * C, 29));
+    const auto dw0 = rounded<T>(randn(rows * C, 30));
+    const std::vector<int64_t> idx = {3, 10, 3, 0, 7, 3, 10, 1, 3};  // repeats: the order of the sum matters
+    std::vector<float> out_ref(n * C), dw_ref = dw0;
+    cpu::embedding(DType::f32, DType::i64, out_ref.data(), idx.data(), w.data(), n, C, rows);
+    cpu::embedding_backward(DType::f32, DType::i64, dw_ref.data(), dout.data(), idx.data(), n, C);
+    const auto ws = to_storage<T>(w), douts = to_storage<T>(dout);
+    std::vector<T> out(n * C);
+    int bad = 0;
+    cu::embedding_forward(dtype_of<T>(), DType::i64, out.data(), idx.data(), ws.data(), n, C, rows, &bad, nullptr);
+    CHECK(bad == 0);
+    check_close(out, out_ref, 0.0);  // a gather: exact
+    auto dw = to_storage<T>(dw0);
+    cu::embedding_backward(dtype_of<T>(), DType::i64, dw.data(), douts.data(), idx.data(), n, C, nullptr);
+    if constexpr (std::is_same_v<T, float>) {
+      REQUIRE(to_float(dw) == dw_ref);  // the CPU's order: bit-identical
+    } else {
+      check_close(dw, dw_ref, 8.0);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- dropout, Philox fills
+
+TEMPLATE_TEST_CASE("emu dropout and Philox fills draw the CPU table's numbers", "[emu]", float, cu::bf16) {
+  using T = TestType;
+  const int64_t n = 1001;
+  const auto x = rounded<T>(randn(n, 31));
+  std::vector<float> want(n);
+  cpu::dropout(DType::f32, want.data(), x.data(), n, 0.3, 1234, 99);
+  const auto xs = to_storage<T>(x);
+  std::vector<T> got(n), back(n);
+  cu::dropout(dtype_of<T>(), got.data(), xs.data(), n, 0.3, 1234, 99, nullptr);
+  cu::dropout_backward(dtype_of<T>(), back.data(), xs.data(), n, 0.3, 1234, 99, nullptr);
+  int64_t dropped = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    REQUIRE((cu::to_f32(got[size_t(i)]) == 0.0f) == (want[size_t(i)] == 0.0f));  // the same mask
+    dropped += want[size_t(i)] == 0.0f;
+  }
+  CHECK(dropped > 250);
+  CHECK(dropped < 350);
+  if constexpr (std::is_same_v<T, float>) REQUIRE(to_float(got) == want);
+  check_close(got, want);
+  check_close(back, want);
+  for (bool normal : {false, true}) {
+    std::vector<float> ref(n);
+    cpu::random(DType::f32, ref.data(), n, normal, -0.5, 2.0, 77, 5, 1000);
+    std::vector<T> r(n);
+    cu::random(dtype_of<T>(), r.data(), n, normal, -0.5, 2.0, 77, 5, 1000, nullptr);
+    if constexpr (std::is_same_v<T, float>) REQUIRE(to_float(r) == ref);
+    check_close(r, ref);
+  }
+}
+
+// ---------------------------------------------------------------- AdamW, global norm
+
+TEST_CASE("emu multi-tensor AdamW matches the CPU table on every tensor", "[emu]") {
+  // 30 tensors (two launches), sizes with tails, one empty.
+  std::vector<std::vector<float>> p, g, m, v, p_ref, m_ref, v_ref;
+  std::vector<cu::AdamWTensor> list;
+  for (int t = 0; t < 30; ++t) {
+    const size_t n = t == 4 ? 0 : size_t(37 * t + 5 + (t == 7 ? 9000 : 0));
+    p.push_back(randn(n, 100 + t));
+    g.push_back(randn(n, 200 + t));
+    m.push_back(randn(n, 300 + t, 0.1f));
+    v.push_back(rounded<float>(randn(n, 400 + t, 0.1f)));
+    for (auto& x : v.back()) x = x * x;
+  }
+  p_ref = p, m_ref = m, v_ref = v;
+  const cu::AdamWHyper h{3e-3, 0.9, 0.95, 1e-8, 0.1, 0.5, 7};
+  for (size_t t = 0; t < p.size(); ++t) {
+    kernels::AdamWArgs a;
+    a.dtype = DType::f32;
+    a.n = int64_t(p[t].size());
+    a.param = p_ref[t].data(), a.grad = g[t].data(), a.m = m_ref[t].data(), a.v = v_ref[t].data();
+    a.lr = h.lr, a.beta1 = h.beta1, a.beta2 = h.beta2, a.eps = h.eps, a.weight_decay = h.weight_decay;
+    a.grad_scale = h.grad_scale, a.step = h.step;
+    cpu::adamw(a);
+    list.push_back({p[t].data(), g[t].data(), m[t].data(), v[t].data(), a.n});
+  }
+  cu::adamw_multi<float>(list, h, nullptr);
+  for (size_t t = 0; t < p.size(); ++t) {
+    INFO("tensor " << t);
+    check_close(p[t], p_ref[t], 1e-6, 1e-7);
+    check_close(m[t], m_ref[t], 1e-6, 1e-7);
+    check_close(v[t], v_ref[t], 1e-6, 1e-9);
+  }
+}
+
+TEST_CASE("emu AdamW on bf16 weights with f32 moments follows the f32 update", "[emu]") {
+  const int64_t n = 1003;
+  const auto p = rounded<cu::bf16>(randn(n, 40)), g = rounded<cu::bf16>(randn(n, 41));
+  std::vector<float> p_ref = p, m_ref(n, 0.0f), v_ref(n, 0.0f), m(n, 0.0f), v(n, 0.0f);
+  kernels::AdamWArgs a;
+  a.dtype = DType::f32, a.n = n, a.lr = 1e-2, a.weight_decay = 0.1, a.step = 1;
+  a.param = p_ref.data(), a.grad = g.data(), a.m = m_ref.data(), a.v = v_ref.data();
+  cpu::adamw(a);
+  auto pb = to_storage<cu::bf16>(p);
+  const auto gb = to_storage<cu::bf16>(g);
+  cu::adamw_multi<cu::bf16>({{pb.data(), gb.data(), m.data(), v.data(), n}}, {1e-2, 0.9, 0.999, 1e-8, 0.1, 1.0, 1},
+                            nullptr);
+  check_close(pb, p_ref);
+  check_close(m, m_ref, 1e-6, 1e-7);
+}
+
+TEMPLATE_TEST_CASE("emu global norm of many tensors is the CPU sum of squares, the same bits every run", "[emu]",
+                   float, cu::bf16) {
+  using T = TestType;
+  std::vector<std::vector<T>> data;
+  std::vector<cu::NormTensor> list;
+  double want = 0;
+  for (int t = 0; t < 27; ++t) {
+    const auto x = rounded<T>(randn(size_t(t == 3 ? 10000 : 13 * t + 1), 500 + t));
+    std::vector<float> partial(1);
+    cpu::reduce(kernels::Reduce::sum_squares, DType::f32, partial.data(), x.data(), 1, int64_t(x.size()), 1);
+    want += partial[0];
+    data.push_back(to_storage<T>(x));
+  }
+  for (auto& d : data) list.push_back({d.data(), int64_t(d.size())});
+  std::vector<float> work(static_cast<size_t>(cu::global_norm_workspace(list)));
+  float got = -1, again = -2;
+  cu::global_norm_squared<T>(&got, list, work.data(), nullptr);
+  cu::global_norm_squared<T>(&again, list, work.data(), nullptr);
+  CHECK(got == Approx(want).epsilon(1e-5));
+  CHECK(got == again);
 }

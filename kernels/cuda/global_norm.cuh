@@ -1,0 +1,67 @@
+// Global gradient norm on the device: the squared L2 norm of many tensors, in two deterministic
+// passes: (1) one block per kTensorChunk chunk writes its sum of squares to partial[chunk];
+// (2) one block adds the partials in a fixed order. Same bits on every run; the squared norm is
+// what shards all-reduce before the square root (clipping by global norm).
+#pragma once
+#include "kernels/cuda/multi_tensor.cuh"
+
+namespace sg::cuda {
+
+struct NormTensor {
+  const void* data = nullptr;
+  int64_t n = 0;
+};
+
+template <class T>
+struct NormList {
+  TensorChunks chunks;
+  const T* data[kMaxTensorsPerLaunch];
+};
+
+template <class T>
+__global__ void norm_partial_kernel(NormList<T> list, float* partial) {
+  SG_SHARED(float, scratch, 32);
+  int64_t begin, end;
+  const int t = block_chunk(list.chunks, begin, end);
+  float acc = 0.0f;
+  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+    const float x = to_f32(list.data[t][i]);
+    acc += x * x;
+  }
+  acc = block_reduce<false>(acc, scratch);
+  if (threadIdx.x == 0) partial[blockIdx.x] = acc;
+}
+
+static __global__ void sum_partials_kernel(float* out, const float* partial, int64_t n) {
+  SG_SHARED(float, scratch, 32);
+  float acc = 0.0f;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) acc += partial[i];
+  acc = block_reduce<false>(acc, scratch);
+  if (threadIdx.x == 0) *out = acc;
+}
+
+// Workspace (f32 elements) for these tensors.
+inline int64_t global_norm_workspace(const std::vector<NormTensor>& tensors) {
+  int64_t chunks = 0;
+  for (const auto& t : tensors) chunks += chunks_of(t.n);
+  return chunks;
+}
+
+// *out = sum over the tensors of sum x^2 ('='). T: the tensors' storage type.
+template <class T>
+void global_norm_squared(float* out, const std::vector<NormTensor>& tensors, float* workspace, Stream stream) {
+  int64_t written = 0;
+  for (size_t first = 0; first < tensors.size(); first += kMaxTensorsPerLaunch) {
+    NormList<T> list;
+    for (size_t i = first; i < tensors.size() && i < first + kMaxTensorsPerLaunch; ++i) {
+      list.data[list.chunks.count] = static_cast<const T*>(tensors[i].data);
+      list.chunks.add(tensors[i].n);
+    }
+    launch(norm_partial_kernel<T>, dim3(unsigned(list.chunks.chunks())), dim3(kTensorThreads), 0, stream, list,
+           workspace + written);
+    written += list.chunks.chunks();
+  }
+  launch(sum_partials_kernel, dim3(1), dim3(256), 0, stream, out, static_cast<const float*>(workspace), written);
+}
+
+}  // namespace sg::cuda

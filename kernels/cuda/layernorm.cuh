@@ -1,0 +1,176 @@
+// LayerNorm and RMSNorm on the device, forward and backward, optionally fused with the residual
+// add that precedes them in a transformer block. One warp per row (C in the hundreds to
+// thousands); statistics in f32; mean and rstd saved as f32 per row.
+//   forward:  r = x (+ residual);  xhat = (r - mean) rstd;  y = xhat w + b
+//             (RMSNorm: xhat = r rstd, rstd = 1/sqrt(mean(r^2) + eps), no mean, no bias)
+//   backward: dx (= or +=) rstd (dy w - mean(dy w) - xhat mean(dy w xhat))   (RMS: no mean(dy w))
+//             dw = sum_rows dy xhat, db = sum_rows dy  ('='), in a fixed order: per-chunk partial
+//             sums over kRowsPerChunk rows, then the chunks in order (no atomics)
+#pragma once
+#include "kernels/cuda/common.cuh"
+
+namespace sg::cuda {
+
+constexpr int kNormWarps = 4;  // rows per block
+constexpr int64_t kRowsPerChunk = 32;
+
+template <class T, bool kRms>
+__global__ void norm_forward_kernel(T* y, float* mean, float* rstd, T* residual_out, const T* x, const T* residual,
+                                    const T* w, const T* b, int64_t rows, int64_t C, float eps) {
+  const int lane = int(threadIdx.x) % 32;
+  const int64_t row = int64_t(blockIdx.x) * kNormWarps + int(threadIdx.x) / 32;
+  if (row >= rows) return;  // whole warps leave together; this kernel has no block barrier
+  const T* xr = x + row * C;
+  // With a residual, r = x + residual is stored first and the statistics use the stored (rounded)
+  // r, so forward and backward see the same values.
+  if (residual) {
+    T* rr = residual_out + row * C;
+    for (int64_t i = lane; i < C; i += 32) rr[i] = from_f32<T>(to_f32(xr[i]) + to_f32(residual[row * C + i]));
+    xr = rr;  // each lane reads back only what it wrote
+  }
+  float m = 0.0f;
+  if constexpr (!kRms) {
+    for (int64_t i = lane; i < C; i += 32) m += to_f32(xr[i]);
+    m = warp_sum(m) / float(C);
+  }
+  float v = 0.0f;
+  for (int64_t i = lane; i < C; i += 32) {
+    const float d = to_f32(xr[i]) - m;
+    v += d * d;
+  }
+  const float s = rsqrtf(warp_sum(v) / float(C) + eps);
+  T* yr = y + row * C;
+  for (int64_t i = lane; i < C; i += 32) {
+    const float o = (to_f32(xr[i]) - m) * s * to_f32(w[i]);
+    yr[i] = from_f32<T>(kRms || !b ? o : o + to_f32(b[i]));
+  }
+  if (lane == 0) {
+    if (mean) mean[row] = m;
+    rstd[row] = s;
+  }
+}
+
+template <class T, bool kRms>
+__global__ void norm_backward_dx_kernel(T* dx, const T* dy, const T* x, const T* w, const float* mean,
+                                        const float* rstd, int64_t rows, int64_t C, bool accumulate) {
+  const int lane = int(threadIdx.x) % 32;
+  const int64_t row = int64_t(blockIdx.x) * kNormWarps + int(threadIdx.x) / 32;
+  if (row >= rows) return;
+  const T *g = dy + row * C, *xr = x + row * C;
+  const float m = kRms ? 0.0f : mean[row], s = rstd[row];
+  float mean_g = 0.0f, mean_gx = 0.0f;
+  for (int64_t i = lane; i < C; i += 32) {
+    const float gw = to_f32(g[i]) * to_f32(w[i]);
+    mean_g += gw;
+    mean_gx += gw * (to_f32(xr[i]) - m) * s;
+  }
+  mean_g = kRms ? 0.0f : warp_sum(mean_g) / float(C);
+  mean_gx = warp_sum(mean_gx) / float(C);
+  T* o = dx + row * C;
+  for (int64_t i = lane; i < C; i += 32) {
+    const float xhat = (to_f32(xr[i]) - m) * s;
+    const float d = s * (to_f32(g[i]) * to_f32(w[i]) - mean_g - xhat * mean_gx);
+    o[i] = from_f32<T>(accumulate ? to_f32(o[i]) + d : d);
+  }
+}
+
+// partial[chunk][c] = sum over the chunk's rows of dy xhat; partial[chunks + chunk][c] of dy.
+template <class T, bool kRms>
+__global__ void norm_backward_partial_kernel(float* partial, const T* dy, const T* x, const float* mean,
+                                             const float* rstd, int64_t rows, int64_t C) {
+  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, chunk = blockIdx.y, chunks = gridDim.y;
+  if (c >= C) return;
+  float dw = 0.0f, db = 0.0f;
+  const int64_t end = (chunk + 1) * kRowsPerChunk < rows ? (chunk + 1) * kRowsPerChunk : rows;
+  for (int64_t r = chunk * kRowsPerChunk; r < end; ++r) {
+    const float g = to_f32(dy[r * C + c]);
+    dw += g * (to_f32(x[r * C + c]) - (kRms ? 0.0f : mean[r])) * rstd[r];
+    db += g;
+  }
+  partial[chunk * C + c] = dw;
+  partial[(chunks + chunk) * C + c] = db;
+}
+
+template <class T>
+__global__ void norm_backward_finish_kernel(T* dw, T* db, const float* partial, int64_t chunks, int64_t C) {
+  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  float sw = 0.0f, sb = 0.0f;
+  for (int64_t k = 0; k < chunks; ++k) {
+    sw += partial[k * C + c];
+    sb += partial[(chunks + k) * C + c];
+  }
+  dw[c] = from_f32<T>(sw);
+  if (db) db[c] = from_f32<T>(sb);
+}
+
+// Workspace (f32 elements) the backward launchers need for rows x C.
+inline int64_t norm_backward_workspace(int64_t rows, int64_t C) {
+  return 2 * C * ((rows + kRowsPerChunk - 1) / kRowsPerChunk);
+}
+
+template <class T, bool kRms>
+void norm_forward(T* y, float* mean, float* rstd, T* residual_out, const T* x, const T* residual, const T* w,
+                  const T* b, int64_t rows, int64_t C, double eps, Stream stream) {
+  launch(norm_forward_kernel<T, kRms>, dim3(blocks_for(rows, kNormWarps)), dim3(32 * kNormWarps), 0, stream, y, mean,
+         rstd, residual_out, x, residual, w, b, rows, C, float(eps));
+}
+
+template <class T, bool kRms>
+void norm_backward(T* dx, T* dw, T* db, const T* dy, const T* x, const T* w, const float* mean, const float* rstd,
+                   int64_t rows, int64_t C, bool accumulate, float* workspace, Stream stream) {
+  launch(norm_backward_dx_kernel<T, kRms>, dim3(blocks_for(rows, kNormWarps)), dim3(32 * kNormWarps), 0, stream, dx,
+         dy, x, w, mean, rstd, rows, C, accumulate);
+  const unsigned chunks = unsigned((rows + kRowsPerChunk - 1) / kRowsPerChunk);
+  launch(norm_backward_partial_kernel<T, kRms>, dim3(blocks_for(C, 128), chunks), dim3(128), 0, stream, workspace, dy,
+         x, mean, rstd, rows, C);
+  launch(norm_backward_finish_kernel<T>, dim3(blocks_for(C, 128)), dim3(128), 0, stream, dw, db,
+         static_cast<const float*>(workspace), int64_t(chunks), C);
+}
+
+// The op-table LayerNorm: y, mean, rstd ('='); b may be null.
+template <class T>
+void layernorm_forward(T* y, float* mean, float* rstd, const T* x, const T* w, const T* b, int64_t rows, int64_t C,
+                       double eps, Stream stream) {
+  norm_forward<T, false>(y, mean, rstd, static_cast<T*>(nullptr), x, static_cast<const T*>(nullptr), w, b, rows, C,
+                         eps, stream);
+}
+
+// residual_out = x + residual, then y = LayerNorm(residual_out): one pass instead of two.
+template <class T>
+void residual_layernorm_forward(T* residual_out, T* y, float* mean, float* rstd, const T* x, const T* residual,
+                                const T* w, const T* b, int64_t rows, int64_t C, double eps, Stream stream) {
+  norm_forward<T, false>(y, mean, rstd, residual_out, x, residual, w, b, rows, C, eps, stream);
+}
+
+// The op-table backward: dx, dw, db all '='. workspace: norm_backward_workspace(rows, C) floats.
+template <class T>
+void layernorm_backward(T* dx, T* dw, T* db, const T* dy, const T* x, const T* w, const float* mean,
+                        const float* rstd, int64_t rows, int64_t C, float* workspace, Stream stream) {
+  norm_backward<T, false>(dx, dw, db, dy, x, w, mean, rstd, rows, C, false, workspace, stream);
+}
+
+// Backward of residual_layernorm_forward: the residual stream's gradient dresidual already holds
+// the gradient from later blocks, and gets the LayerNorm's input gradient added ('+='); it is the
+// gradient of both x and residual. dw, db '='. x is the saved residual_out.
+template <class T>
+void residual_layernorm_backward(T* dresidual, T* dw, T* db, const T* dy, const T* x, const T* w, const float* mean,
+                                 const float* rstd, int64_t rows, int64_t C, float* workspace, Stream stream) {
+  norm_backward<T, false>(dresidual, dw, db, dy, x, w, mean, rstd, rows, C, true, workspace, stream);
+}
+
+template <class T>
+void rmsnorm_forward(T* y, float* rstd, const T* x, const T* w, int64_t rows, int64_t C, double eps, Stream stream) {
+  norm_forward<T, true>(y, static_cast<float*>(nullptr), rstd, static_cast<T*>(nullptr), x,
+                        static_cast<const T*>(nullptr), w, static_cast<const T*>(nullptr), rows, C, eps, stream);
+}
+
+// dx, dw '='.
+template <class T>
+void rmsnorm_backward(T* dx, T* dw, const T* dy, const T* x, const T* w, const float* rstd, int64_t rows, int64_t C,
+                      float* workspace, Stream stream) {
+  norm_backward<T, true>(dx, dw, static_cast<T*>(nullptr), dy, x, w, static_cast<const float*>(nullptr), rstd, rows, C,
+                         false, workspace, stream);
+}
+
+}  // namespace sg::cuda
