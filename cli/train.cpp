@@ -78,7 +78,13 @@ void declare_flags(Args& a) {
   a.flag("eval-problems", "200", "synthetic task: problems for the accuracy figure");
   a.flag("log-json", "", "write one JSON object per step to this file");
   a.flag("threads", "0", "CPU threads (0 = all cores)");
-  a.flag("strategy", "single", "single | dp (one process, --devices) | ddp | zero1 | zero2 | zero3 (these four: launch with mpirun -np N)");
+  a.flag("strategy", "single", "single | dp (one process, --devices) | ddp | zero1 | zero2 | zero3 | fsdp (= zero3) | fsdp-grad-op | hsdp | no-shard (all but single/dp: launch with mpirun -np N)");
+  a.flag("shard-group-size", "0", "hsdp: ranks per shard group (parameters sharded inside, replicated across groups)");
+  a.flag("wrap-min-params", "0", "fsdp family: one unit per block (0), or consecutive blocks until this many parameters");
+  a.flag("reshard-after-forward", "default", "fsdp family: default | true | false (free gathered units after forward)");
+  a.flag("prefetch", "none", "fsdp family: none | forward | backward | both (gather the next unit ahead)");
+  a.flag("limit-all-gathers", "2", "fsdp family: at most this many block units gathered at once");
+  a.flag("reduce-dtype", "param", "fsdp family: gradient reduction dtype: param | fp32 | bf16 | fp16");
   a.flag("tp", "1", "tensor-parallel ranks: heads, MLP and vocabulary split (launch with mpirun -np TP)");
   a.toggle("sequence-parallel", "with --tp: LayerNorm/dropout regions split along the sequence");
   a.flag("pp", "1", "pipeline stages (launch with mpirun -np PP)");
@@ -178,8 +184,13 @@ class Trainer {
   double dp_loss(double share);
   // The groups whose byte counters hold this rank's training traffic.
   std::vector<const comm::ProcessGroup*> traffic_groups() const {
-    if (groups_.tp || groups_.pp) return {groups_.dp.get(), groups_.pp.get(), groups_.tp.get()};
-    return {world_.get()};
+    std::vector<const comm::ProcessGroup*> g{world_.get()};
+    if (groups_.tp || groups_.pp) g = {groups_.dp.get(), groups_.pp.get(), groups_.tp.get()};
+    if (fsdp_) {  // its own shard/replicate groups (split from the dp group) unless it uses that one
+      for (const comm::ProcessGroup* x : {fsdp_->shard_group(), fsdp_->replicate_group()})
+        if (x && x != groups_.dp.get()) g.push_back(x);
+    }
+    return g;
   }
   std::unique_ptr<parallel::DistributedDataParallel> ddp_;
   std::unique_ptr<parallel::DataParallel> dp_;
@@ -193,7 +204,13 @@ class Trainer {
   bool distributed() const { return strategy_ == "ddp" || zero_stage() > 0 || tp_ > 1 || pp_ > 1; }
   void write_timeline();
   double pipeline_step(const Tensor& idx, const Tensor& tgt, int64_t counted, double lr, double& grad_norm, bool& applied);
-  int zero_stage() const { return strategy_ == "zero1" ? 1 : strategy_ == "zero2" ? 2 : strategy_ == "zero3" ? 3 : 0; }
+  // zero3 and the FSDP family all shard the parameters (stage 3's memory and more or less of its traffic).
+  bool fsdp_family() const {
+    return strategy_ == "zero3" || strategy_ == "fsdp" || strategy_ == "fsdp-grad-op" || strategy_ == "hsdp" ||
+           strategy_ == "no-shard";
+  }
+  int zero_stage() const { return strategy_ == "zero1" ? 1 : strategy_ == "zero2" ? 2 : fsdp_family() ? 3 : 0; }
+  parallel::FsdpOptions fsdp_options() const;
 };
 
 void Trainer::setup() {
@@ -206,7 +223,7 @@ void Trainer::setup() {
 
   strategy_ = a.str("strategy");
   SG_CHECK(strategy_ == "single" || strategy_ == "dp" || strategy_ == "ddp" || zero_stage() > 0, "train: --strategy '",
-           strategy_, "' is not available (expected single, dp, ddp, zero1, zero2 or zero3)");
+           strategy_, "' is not available (expected single, dp, ddp, zero1, zero2, zero3, fsdp, fsdp-grad-op, hsdp or no-shard)");
   SG_CHECK(!zero_stage() || (a.str("save").empty() && a.str("resume").empty()), "train: --save/--resume are not available with --strategy ",
            strategy_, " yet: its optimizer state is sharded over the ranks and checkpoints hold the whole state");
   tp_ = int(positive(a, "tp"));
@@ -235,7 +252,6 @@ void Trainer::setup() {
   }
   dtype_ = parse_dtype(a.str("dtype"));
   SG_CHECK(dtype_ == DType::f32 || dtype_ == DType::bf16 || dtype_ == DType::f16, "train: --dtype must be fp32, bf16 or fp16");
-  SG_CHECK(zero_stage() != 3 || dtype_ == DType::f32, "train: --strategy zero3 supports --dtype fp32 only for now");
   seed_ = uint64_t(a.i64("seed"));
   const bool synthetic = a.str("data").rfind("synthetic", 0) == 0;
   B_ = a.i64("batch-size") ? positive(a, "batch-size") : (synthetic ? 128 : 32);
@@ -359,7 +375,7 @@ void Trainer::setup() {
   SG_CHECK(a.f64("clip") >= 0, "train: --clip must be >= 0");
   if (zero_stage() == 3) {
     parallel::watchdog::Waiting w("the parameter broadcast");
-    fsdp_ = std::make_unique<parallel::FullyShardedDataParallel>(*model_, groups_.dp, oc);
+    fsdp_ = std::make_unique<parallel::FullyShardedDataParallel>(*model_, groups_.dp, oc, fsdp_options());
   } else if (zero_stage()) {
     parallel::ZeroOptions z;
     z.stage = zero_stage();
@@ -462,9 +478,11 @@ double Trainer::train_step(int64_t step, double lr, double& grad_norm, bool& app
       fsdp_->finish_gradients();
       grad_norm = fsdp_->grad_norm();
     }
+    grad_norm /= loss_scale;
     applied = std::isfinite(grad_norm);
-    SG_CHECK(applied, "train: non-finite gradient norm at step ", step, " (loss ", loss_sum, ")");
-    fsdp_->step(lr, optim::clip_coefficient(grad_norm, args_.f64("clip")));
+    if (dtype_ == DType::f16) applied = scaler_.update(!applied);
+    SG_CHECK(applied || dtype_ == DType::f16, "train: non-finite gradient norm at step ", step, " (loss ", loss_sum, ")");
+    if (applied) fsdp_->step(lr, optim::clip_coefficient(grad_norm, args_.f64("clip")) / loss_scale);
     fsdp_->zero_grad();
     return loss_sum;
   }
@@ -544,6 +562,40 @@ double Trainer::pipeline_step(const Tensor& idx, const Tensor& tgt, int64_t coun
   opt_->step(lr, optim::clip_coefficient(grad_norm, args_.f64("clip")));
   for (auto& [n, p] : master_) p.set_grad(Tensor());
   return loss;
+}
+
+parallel::FsdpOptions Trainer::fsdp_options() const {
+  const Args& a = args_;
+  parallel::FsdpOptions o;
+  o.mode = strategy_ == "fsdp-grad-op" ? parallel::FsdpMode::shard_grad_op
+           : strategy_ == "hsdp"       ? parallel::FsdpMode::hybrid
+           : strategy_ == "no-shard"   ? parallel::FsdpMode::no_shard
+                                       : parallel::FsdpMode::full_shard;
+  SG_CHECK(strategy_ == "hsdp" || !a.given("shard-group-size"), "train: --shard-group-size is for --strategy hsdp");
+  if (strategy_ == "hsdp") {
+    const int64_t g = a.i64("shard-group-size");
+    SG_CHECK(g >= 1 && dp_size_ % g == 0, "train: --strategy hsdp: --shard-group-size ", g, " must divide the ",
+             dp_size_, " data-parallel ranks");
+    o.shard_group_size = int(g);
+  }
+  SG_CHECK(a.i64("wrap-min-params") >= 0, "train: --wrap-min-params must be >= 0");
+  o.wrap_min_params = a.i64("wrap-min-params");
+  const std::string r = a.str("reshard-after-forward");
+  SG_CHECK(r == "default" || r == "true" || r == "false", "train: --reshard-after-forward must be default, true or false, got '", r, "'");
+  if (r != "default") o.reshard_after_forward = r == "true";
+  const std::string pf = a.str("prefetch");
+  SG_CHECK(pf == "none" || pf == "forward" || pf == "backward" || pf == "both", "train: --prefetch must be none, forward, backward or both, got '", pf, "'");
+  o.forward_prefetch = pf == "forward" || pf == "both";
+  o.backward_prefetch = pf == "backward" || pf == "both";
+  SG_CHECK(a.i64("limit-all-gathers") >= 1, "train: --limit-all-gathers must be >= 1");
+  o.limit_all_gathers = int(a.i64("limit-all-gathers"));
+  const std::string rd = a.str("reduce-dtype");
+  if (rd != "param") {
+    const DType d = parse_dtype(rd);
+    SG_CHECK(d == DType::f32 || d == DType::bf16 || d == DType::f16, "train: --reduce-dtype must be param, fp32, bf16 or fp16");
+    o.reduce_dtype = d;
+  }
+  return o;
 }
 
 double Trainer::model_parallel_grad_norm() {
