@@ -15,7 +15,8 @@ static void usage() {
       "  generate   sample text from a trained model\n"
       "  plan       predict a layout's memory per GPU, traffic, bubble, step time and MFU; --search ranks layouts\n"
       "  bench      run a matrix of parallel layouts here and report them (JSON, CSV, HTML)\n"
-      "  export     write a checkpoint's weights as one Hugging Face GPT-2 .safetensors file\n\n"
+      "  export     write a checkpoint's weights as one Hugging Face GPT-2 .safetensors file\n"
+      "  launch     run train under mpirun; restart it from its latest checkpoint when it fails\n\n"
       "run 'shardgrad <command> --help' for the flags of a command.\n");
 }
 
@@ -29,6 +30,7 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[1], "generate")) return sg::cli::generate_main(argc - 2, argv + 2);
     if (!std::strcmp(argv[1], "export")) return sg::cli::export_main(argc - 2, argv + 2);
     if (!std::strcmp(argv[1], "plan")) return sg::cli::plan_main(argc - 2, argv + 2);
+    if (!std::strcmp(argv[1], "launch")) return sg::cli::launch_main(argc - 2, argv + 2);
     if (!std::strcmp(argv[1], "bench")) return sg::cli::bench_main(argc - 2, argv + 2);
     std::fprintf(stderr, "shardgrad: unknown command '%s'\n", argv[1]);
     usage();

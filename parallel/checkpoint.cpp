@@ -11,6 +11,7 @@
 
 #include "autograd/ops.h"
 #include "core/error.h"
+#include "parallel/watchdog.h"
 
 namespace fs = std::filesystem;
 
@@ -22,41 +23,48 @@ std::string step_dir_name(int64_t step) {
   return buf;
 }
 
-static void fsync_path(const fs::path& p) {
+void fsync_path(const std::string& p) {
   int fd = ::open(p.c_str(), O_RDONLY);
   if (fd < 0) return;
   ::fsync(fd);
   ::close(fd);
 }
 
-static void write_text_durably(const fs::path& path, const std::string& text) {
-  fs::path tmp = path;
-  tmp += ".tmp-" + std::to_string(::getpid());
+void write_text_durably(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp-" + std::to_string(::getpid());
   {
     std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    SG_CHECK(f.good(), "checkpoint: cannot write ", tmp.string());
+    SG_CHECK(f.good(), "checkpoint: cannot write ", tmp);
     f << text;
     f.flush();
-    SG_CHECK(f.good(), "checkpoint: write to ", tmp.string(), " failed (disk full?)");
+    SG_CHECK(f.good(), "checkpoint: write to ", tmp, " failed (disk full?)");
   }
   fsync_path(tmp);
   fs::rename(tmp, path);
 }
 
-std::string tensor_checksum(const Tensor& t) {
-  Tensor h = contiguous(to(t, Device::cpu()));
-  const auto* p = static_cast<const unsigned char*>(h.data_ptr());
+std::string bytes_checksum(const void* data, size_t n) {
+  const auto* p = static_cast<const unsigned char*>(data);
   uint64_t x = 1469598103934665603ull;
-  for (size_t i = 0; i < h.nbytes(); ++i) x = (x ^ p[i]) * 1099511628211ull;
+  for (size_t i = 0; i < n; ++i) x = (x ^ p[i]) * 1099511628211ull;
   char buf[17];
   std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(x));
   return buf;
+}
+
+std::string tensor_checksum(const Tensor& t) {
+  Tensor h = contiguous(to(t, Device::cpu()));
+  return bytes_checksum(h.data_ptr(), h.nbytes());
 }
 
 static nlohmann::json checksums(const io::NamedTensors& ts) {
   nlohmann::json j = nlohmann::json::object();
   for (const auto& [n, t] : ts) j[n] = tensor_checksum(t);
   return j;
+}
+
+static bool has_manifest(const fs::path& step) {
+  return fs::exists(step / kFullManifest) || fs::exists(step / kShardedManifest);
 }
 
 // Step directories of a run, oldest first.
@@ -73,34 +81,49 @@ static std::vector<std::pair<int64_t, fs::path>> step_dirs(const fs::path& run) 
   return out;
 }
 
+std::string temp_step_dir(const std::string& run_dir, int64_t step, const std::string& suffix) {
+  return (fs::path(run_dir) / (".tmp-" + step_dir_name(step) + suffix)).string();
+}
+
+void check_step_is_new(const std::string& run_dir, int64_t step) {
+  const fs::path final_dir = fs::path(run_dir) / step_dir_name(step);
+  SG_CHECK(!fs::exists(final_dir), "checkpoint: ", final_dir.string(),
+           " already exists; refusing to overwrite it (use another --save directory)");
+}
+
+std::string commit_step_dir(const std::string& run_dir, const std::string& tmp, int64_t step, int keep) {
+  const fs::path run(run_dir), final_dir = run / step_dir_name(step);
+  check_step_is_new(run_dir, step);
+  fsync_path(tmp);
+  fs::rename(tmp, final_dir);
+  fsync_path(run.string());
+  write_text_durably((run / "latest").string(), step_dir_name(step) + "\n");
+  fsync_path(run.string());
+  if (keep > 0) {  // only after the new one is committed and pointed at
+    std::error_code ec;
+    auto dirs = step_dirs(run);
+    for (size_t i = 0; i + size_t(keep) < dirs.size(); ++i) fs::remove_all(dirs[i].second, ec);
+  }
+  return final_dir.string();
+}
+
 std::string save_checkpoint(const std::string& run_dir, int64_t step, const io::NamedTensors& model,
                             const std::map<std::string, std::string>& model_metadata, const io::NamedTensors& optim,
                             const nlohmann::json& state_in, int keep) {
   nlohmann::json state = state_in;
   state["checksums"] = {{"model.safetensors", checksums(model)}, {"optim.safetensors", checksums(optim)}};
-  fs::path run(run_dir);
   std::error_code ec;
-  fs::create_directories(run, ec);
-  SG_CHECK(!ec, "checkpoint: cannot create ", run.string(), ": ", ec.message());
-  const fs::path final_dir = run / step_dir_name(step);
-  SG_CHECK(!fs::exists(final_dir), "checkpoint: ", final_dir.string(),
-           " already exists; refusing to overwrite it (use another --save directory)");
-  const fs::path tmp = run / (".tmp-" + step_dir_name(step) + "-" + std::to_string(::getpid()));
+  fs::create_directories(run_dir, ec);
+  SG_CHECK(!ec, "checkpoint: cannot create ", run_dir, ": ", ec.message());
+  check_step_is_new(run_dir, step);
+  const fs::path tmp = temp_step_dir(run_dir, step, "-" + std::to_string(::getpid()));
   fs::remove_all(tmp, ec);
   fs::create_directories(tmp);
   io::save_safetensors((tmp / "model.safetensors").string(), model, model_metadata);
+  parallel::maybe_inject_in_save(step);  // testing: a fault with some files written, no manifest
   io::save_safetensors((tmp / "optim.safetensors").string(), optim);
-  write_text_durably(tmp / "state.json", state.dump(2));  // the manifest: written last
-  fsync_path(tmp);
-  fs::rename(tmp, final_dir);
-  fsync_path(run);
-  write_text_durably(run / "latest", step_dir_name(step) + "\n");
-  fsync_path(run);
-  if (keep > 0) {  // only after the new one is committed and pointed at
-    auto dirs = step_dirs(run);
-    for (size_t i = 0; i + size_t(keep) < dirs.size(); ++i) fs::remove_all(dirs[i].second, ec);
-  }
-  return final_dir.string();
+  write_text_durably((tmp / kFullManifest).string(), state.dump(2));  // the manifest: written last
+  return commit_step_dir(run_dir, tmp.string(), step, keep);
 }
 
 std::string resolve_checkpoint(const std::string& dir_in) {
@@ -109,29 +132,33 @@ std::string resolve_checkpoint(const std::string& dir_in) {
     SG_CHECK(fs::exists(run), "checkpoint: ", run.string(), " does not exist");
     auto dirs = step_dirs(run);
     for (auto it = dirs.rbegin(); it != dirs.rend(); ++it)
-      if (fs::exists(it->second / "state.json")) return it->second.string();
+      if (has_manifest(it->second)) return it->second.string();
     throw Error(str("checkpoint: ", run.string(), " holds no complete checkpoint"));
   }
   const std::string& dir = dir_in;
   fs::path p(dir);
   SG_CHECK(fs::exists(p), "checkpoint: ", dir, " does not exist");
-  if (fs::exists(p / "state.json")) return p.string();
-  SG_CHECK(fs::exists(p / "latest"), "checkpoint: ", dir, " has neither state.json nor a 'latest' pointer");
+  if (has_manifest(p)) return p.string();
+  SG_CHECK(fs::exists(p / "latest"), "checkpoint: ", dir, " has no manifest (state.json or index.json) and no 'latest' pointer");
   std::ifstream f(p / "latest");
   std::string name;
   std::getline(f, name);
   SG_CHECK(!name.empty() && name.find('/') == std::string::npos && name.find("..") == std::string::npos,
            "checkpoint: ", (p / "latest").string(), " names an invalid directory '", name, "'");
   fs::path step = p / name;
-  SG_CHECK(fs::exists(step / "state.json"), "checkpoint: ", step.string(), " (from ", (p / "latest").string(),
-           ") is incomplete: no state.json");
+  SG_CHECK(has_manifest(step), "checkpoint: ", step.string(), " (from ", (p / "latest").string(),
+           ") is incomplete: no state.json or index.json");
   return step.string();
 }
+
+bool is_sharded_checkpoint(const std::string& step_dir) { return fs::exists(fs::path(step_dir) / kShardedManifest); }
 
 LoadedCheckpoint load_checkpoint(const std::string& dir) {
   LoadedCheckpoint c;
   c.path = resolve_checkpoint(dir);
   fs::path p(c.path);
+  SG_CHECK(!is_sharded_checkpoint(c.path), "checkpoint: ", c.path,
+           " is a sharded checkpoint (index.json); open it with ckpt::open_checkpoint");
   std::ifstream f(p / "state.json");
   try {
     c.state = nlohmann::json::parse(f);

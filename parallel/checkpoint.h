@@ -3,6 +3,8 @@
 // Files are written under RUN/.tmp-step_..., fsynced, state.json (the manifest) last, then the
 // directory is renamed into place and `latest` is replaced through a rename. A crash at any point
 // leaves the previous checkpoint loadable; an existing step directory is never overwritten.
+// Sharded checkpoints (parallel/sharded_checkpoint.h) share the run layout and the commit: their
+// manifest is index.json. A step directory is complete when it holds its manifest.
 #pragma once
 #include <map>
 #include <string>
@@ -21,8 +23,25 @@ std::string save_checkpoint(const std::string& run_dir, int64_t step, const io::
                             const std::map<std::string, std::string>& model_metadata, const io::NamedTensors& optim,
                             const nlohmann::json& state, int keep = 0);
 
+// The manifests that mark a complete step directory: full and sharded.
+inline constexpr const char* kFullManifest = "state.json";
+inline constexpr const char* kShardedManifest = "index.json";
+
+// The commit shared by both formats. The temporary directory of a step: RUN/.tmp-step_...
+// (`suffix` distinguishes writers; sharded saves use none, since every rank must find it).
+std::string temp_step_dir(const std::string& run_dir, int64_t step, const std::string& suffix = "");
+// Refuses (naming it) when RUN/step_... already exists.
+void check_step_is_new(const std::string& run_dir, int64_t step);
+// Writes text to path through a fsynced temporary file and a rename.
+void write_text_durably(const std::string& path, const std::string& text);
+void fsync_path(const std::string& path);  // a file or a directory; best effort
+// tmp (its manifest already written last) becomes RUN/step_...; then `latest` names it; then, with
+// keep > 0, only the newest `keep` step directories remain. Returns the step directory.
+std::string commit_step_dir(const std::string& run_dir, const std::string& tmp, int64_t step, int keep);
+
 // FNV-1a 64 over a tensor's bytes (contiguous, host), as 16 hex digits.
 std::string tensor_checksum(const Tensor& t);
+std::string bytes_checksum(const void* data, size_t n);
 
 struct LoadedCheckpoint {
   std::string path;  // the step directory
@@ -33,7 +52,10 @@ struct LoadedCheckpoint {
 // `dir` is a run directory (its `latest` is followed) or a step directory. Throws naming the path.
 // "auto:RUN" picks the newest complete step directory of RUN (by step number), whatever
 // `latest` says (a crash between the rename and the pointer update leaves `latest` one behind).
+// Either format: the returned step directory holds state.json (full) or index.json (sharded).
 std::string resolve_checkpoint(const std::string& dir);
+bool is_sharded_checkpoint(const std::string& step_dir);
+// The full format only (a sharded step directory is refused, pointing at open_checkpoint).
 LoadedCheckpoint load_checkpoint(const std::string& dir);
 
 }  // namespace sg::ckpt

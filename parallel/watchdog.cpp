@@ -104,7 +104,8 @@ Fault parse_fault(const std::string& spec) {
       if (k == "rank") f.rank = std::stoi(v);
       else if (k == "step") f.step = std::stoll(v);
       else if (k == "kind") f.kind = v;
-      else throw Error(str("--inject-fault: unknown key '", k, "' (expected rank, step, kind)"));
+      else if (k == "during") f.during = v;
+      else throw Error(str("--inject-fault: unknown key '", k, "' (expected rank, step, kind, during)"));
     } catch (const std::invalid_argument&) {
       throw Error(str("--inject-fault: ", k, "=", v, " is not a number"));
     }
@@ -112,19 +113,53 @@ Fault parse_fault(const std::string& spec) {
   SG_CHECK(f.rank >= 0 && f.step >= 1, "--inject-fault: needs rank >= 0 and step >= 1, got '", spec, "'");
   SG_CHECK(f.kind == "exit" || f.kind == "throw" || f.kind == "abort" || f.kind == "kill" || f.kind == "hang",
            "--inject-fault: kind '", f.kind, "' is not one of exit, throw, abort, kill, hang");
+  SG_CHECK(f.during.empty() || f.during == "save", "--inject-fault: during '", f.during,
+           "' is not 'save' (omit it to fail at the start of the step)");
   return f;
 }
 
-void maybe_inject(const Fault& f, int rank, int64_t step) {
-  if (!f.active() || f.rank != rank || f.step != step) return;
-  std::fprintf(stderr, "shardgrad: rank %d: injecting fault '%s' at step %lld\n", rank, f.kind.c_str(), (long long)step);
+namespace {
+std::mutex save_fault_mu;
+Fault save_fault;  // armed by maybe_inject for this rank
+int save_fault_rank = -1;
+
+void fire(const Fault& f, int rank, int64_t step) {
+  std::fprintf(stderr, "shardgrad: rank %d: injecting fault '%s' at step %lld%s\n", rank, f.kind.c_str(),
+               (long long)step, f.during == "save" ? " while saving the checkpoint" : "");
   std::fflush(stderr);
   if (f.kind == "exit") std::exit(7);
   if (f.kind == "abort") std::abort();
   if (f.kind == "kill") ::kill(::getpid(), SIGKILL);
   if (f.kind == "throw") throw Error(str("injected fault at step ", step));
-  if (f.kind == "hang")
+  if (f.kind == "hang") {
+    watchdog::beat(f.during == "save" ? "the checkpoint save" : "forward/backward", step - 1);
     for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+  }
+}
+}  // namespace
+
+void maybe_inject(const Fault& f, int rank, int64_t step) {
+  if (!f.active() || f.rank != rank) return;
+  if (f.during == "save") {
+    std::lock_guard<std::mutex> g(save_fault_mu);
+    save_fault = f;
+    save_fault_rank = rank;
+    return;
+  }
+  if (f.step == step) fire(f, rank, step);
+}
+
+void maybe_inject_in_save(int64_t step) {
+  Fault f;
+  int rank = -1;
+  {
+    std::lock_guard<std::mutex> g(save_fault_mu);
+    if (!save_fault.active() || save_fault.step != step) return;
+    f = save_fault;
+    rank = save_fault_rank;
+    save_fault = Fault{};
+  }
+  fire(f, rank, step);
 }
 
 }  // namespace sg::parallel

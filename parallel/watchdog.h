@@ -26,15 +26,22 @@ class Waiting {
 };
 }  // namespace watchdog
 
-// --inject-fault rank=R,step=S,kind=exit|throw|abort|kill|hang: make rank R fail at step S.
+// --inject-fault rank=R,step=S,kind=exit|throw|abort|kill|hang[,during=save]: make rank R fail at
+// the start of step S or, with during=save, inside the save of the checkpoint of step S (after
+// some of its files are written, before its manifest).
 struct Fault {
   int rank = -1;
   int64_t step = -1;
   std::string kind;
+  std::string during;  // "" (the step) or "save"
   bool active() const { return rank >= 0; }
 };
 Fault parse_fault(const std::string& spec);  // throws naming the bad field
-// Carries the fault out if it is for this rank at this step (exit/abort/kill never return).
+// Carries the fault out if it is for this rank at this step (exit/abort/kill never return). A
+// during=save fault is armed instead, for maybe_inject_in_save.
 void maybe_inject(const Fault& f, int rank, int64_t step);
+// Called by the checkpoint writers once some files of the checkpoint of `step` are written:
+// carries out the armed during=save fault when it is for this step.
+void maybe_inject_in_save(int64_t step);
 
 }  // namespace sg::parallel
