@@ -6,6 +6,7 @@
 #include "autograd/ops.h"
 #include "autograd/tape.h"
 #include "kernels/ops.h"
+#include "parallel/tp/layers.h"
 
 namespace sg::parallel {
 
@@ -40,7 +41,10 @@ FullyShardedDataParallel::FullyShardedDataParallel(nn::GPT& model, std::shared_p
     : model_(model), world_(std::move(group)), adam_(adam), opt_(opt), alive_(std::make_shared<bool>(true)) {
   const char* mode = fsdp_mode_name(opt_.mode);
   SG_CHECK(world_, "fsdp: no process group");
-  SG_CHECK(model_.config.tp == 1 && model_.wte, "fsdp: tensor-parallel models are not supported");
+  // Under tp the units hold this rank's slices; sequence parallelism would need its replicated
+  // gradients summed over tp before the units' reduce-scatters, which the hooks do not wait for.
+  SG_CHECK(!model_.config.sequence_parallel, "fsdp: --sequence-parallel is not supported (its replicated gradients "
+           "must be summed over tp before they are reduced over dp)");
   const int N = world_->size();
   SG_CHECK(opt_.mode == FsdpMode::hybrid || opt_.shard_group_size == 0, "fsdp: --shard-group-size applies to hybrid "
            "sharding only, not ", mode);
@@ -90,7 +94,7 @@ FullyShardedDataParallel::FullyShardedDataParallel(nn::GPT& model, std::shared_p
   auto add = [](Unit& u, const std::string& prefix, const nn::Module& m) {
     for (auto& [n, p] : m.named_parameters()) u.params.emplace_back(prefix + "." + n, p);
   };
-  add(root, "wte", *model_.wte);
+  add(root, "wte", model_.wte ? static_cast<const nn::Module&>(*model_.wte) : *model_.tp_wte);
   add(root, "wpe", *model_.wpe);
   add(root, "ln_f", *model_.ln_f);
   units_.push_back(std::move(root));
@@ -375,6 +379,19 @@ double FullyShardedDataParallel::grad_norm() {
   return std::sqrt(ss);
 }
 
+double FullyShardedDataParallel::grad_sum_squares(const GradWeight& weight) {
+  autograd::NoGradGuard ng;
+  reap(true);
+  if (replicate_ && replicate_->rank() != 0) return 0;  // the first replica speaks for all
+  double ss = 0;
+  for (auto& u : units_)
+    for (const Segment& s : u.segments) {
+      const double w = weight ? weight(u.params[s.param].first) : 1.0;
+      if (w != 0) ss += w * sum_squares(narrow(u.grad_shard, 0, s.at, s.len));
+    }
+  return ss;
+}
+
 void FullyShardedDataParallel::step(double lr, double grad_scale) {
   autograd::NoGradGuard ng;
   reap(true);
@@ -423,13 +440,15 @@ void FullyShardedDataParallel::release_all() {
 }
 
 // Calls fn(view, segment, shard tensor) for every state tensor of every segment of this rank:
-// the parameter, exp_avg, exp_avg_sq and (bf16/f16) master.
+// the parameter, exp_avg, exp_avg_sq and (bf16/f16) master. once: tp-replicated parameters only
+// on tp rank 0, so that over all ranks every element appears once.
 template <class Fn>
-void FullyShardedDataParallel::for_state(Fn fn) const {
+void FullyShardedDataParallel::for_state(Fn fn, bool once) const {
   for (const Unit& u : units_)
     for (const Segment& s : u.segments) {
       const auto& [name, p] = u.params[s.param];
-      const ckpt::LocalView v = ckpt::gpt_param_view(name, p.shape(), model_.config.vocab_size);
+      if (once && tp_rank() != 0 && tp::gpt_param_split(name).replicated()) continue;
+      const ckpt::LocalView v = ckpt::gpt_param_view(name, p.shape(), model_.config.vocab_size, tp_rank(), tp_size());
       fn(v, s, u.shard_param);
       fn(ckpt::renamed(v, name + ".exp_avg"), s, u.m);
       fn(ckpt::renamed(v, name + ".exp_avg_sq"), s, u.v);
@@ -443,7 +462,7 @@ std::vector<ckpt::Piece> FullyShardedDataParallel::state_pieces() const {
   autograd::NoGradGuard ng;
   for_state([&](const ckpt::LocalView& v, const Segment& s, const Tensor& t) {
     for (auto& piece : ckpt::pieces_of(v, s.lo, host(narrow(t, 0, s.at, s.len)))) out.push_back(std::move(piece));
-  });
+  }, true);
   return out;
 }
 
@@ -464,6 +483,8 @@ void FullyShardedDataParallel::load_state(const ckpt::PieceSource& src, int64_t 
 }
 
 std::map<std::string, Tensor> FullyShardedDataParallel::full_state_dict(bool with_optimizer_state) {
+  SG_CHECK(tp_size() == 1, "fsdp: full_state_dict gathers over the dp group only; under --tp ", tp_size(),
+           " use state_pieces() (each rank's slices)");
   autograd::NoGradGuard ng;
   reap(true);
   const bool speaks = !replicate_ || replicate_->rank() == 0;

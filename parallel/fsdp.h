@@ -45,7 +45,13 @@
 // gathered parameters at once (a unit about to run is always gathered).
 //
 // While this object lives the model's sharded parameters hold no bytes outside forward/backward:
-// read them with gather_all()/release_all() or full_state_dict(). tp == 1 only.
+// read them with gather_all()/release_all() or full_state_dict().
+//
+// Tensor parallelism (dp × tp, the group given is the dp group): the units hold this rank's tp
+// slices (a Block's ParallelAttention/ParallelMLP, the VocabParallelEmbedding's rows); every
+// formula above is per tp rank, Ψ its slice count. The global norm sums
+// grad_sum_squares(mesh_grad_weight(tp_rank, true)) over the whole world. Not with sequence
+// parallelism, nor with the pipeline.
 #pragma once
 #include <map>
 #include <memory>
@@ -57,6 +63,7 @@
 #include "optim/optim.h"
 #include "parallel/comm/process_group.h"
 #include "parallel/shard_state.h"
+#include "parallel/zero.h"
 
 namespace sg::parallel {
 
@@ -94,6 +101,10 @@ class FullyShardedDataParallel {
   // sqrt(Σ over shards of the shard gradients' sums of squares): one 8-byte all_reduce over the
   // shard group (none under no_shard). The norm of the gradients as stored (before grad_scale).
   double grad_norm();
+  // This rank's Σ weight(name)·g² over its shard gradients (unset weight: 1), no communication;
+  // 0 on every replica but the first (hybrid, no_shard), so that summed over the whole world —
+  // with mesh_grad_weight under tp — every element counts once.
+  double grad_sum_squares(const GradWeight& weight = {});
   // AdamW on every shard (gradients multiplied by grad_scale first; f32 masters under bf16/f16).
   void step(double lr, double grad_scale = 1.0);
   // Drops any full .grad and zeroes the shard gradients (they keep their allocation).
@@ -102,17 +113,19 @@ class FullyShardedDataParallel {
   void gather_all();
   void release_all();
 
-  // Checkpoint state as pieces of global tensors (parallel/shard_state.h): this rank's parameter
+  // Checkpoint state as pieces of global tensors (parallel/shard_state.h; under tp through
+  // ckpt::gpt_param_view with the tp rank's split): this rank's parameter
   // shard "<param>", its "<param>.exp_avg", "<param>.exp_avg_sq" and, with bf16/f16 parameters,
   // "<param>.master" (f32). Only the first replica group contributes (hybrid, no_shard), so over
-  // all ranks every element appears exactly once. Shares the shards' storage (no copy).
+  // all ranks every element appears exactly once (tp-replicated parameters: from tp rank 0).
+  // Shares the shards' storage (no copy).
   std::vector<ckpt::Piece> state_pieces() const;
   // Fills this rank's shards (parameters, m, v, masters) from any layout's state; the master
   // shard is read from "<param>.master" when the source has it, else from "<param>".
   void load_state(const ckpt::PieceSource& src, int64_t optimizer_step);
   // The global tensors of state_pieces() (or only the parameters), gathered tensor by tensor to
   // rank 0 (a reduce of a zero-filled tensor to which each rank adds its pieces): rank 0 returns
-  // them, the other ranks an empty map and never hold more than one tensor at a time.
+  // them, the other ranks an empty map and never hold more than one tensor at a time. tp == 1.
   std::map<std::string, Tensor> full_state_dict(bool with_optimizer_state = true);
 
   FsdpMode mode() const { return opt_.mode; }
@@ -170,7 +183,9 @@ class FullyShardedDataParallel {
   bool advance(Reduction& r, bool block);  // true once r has been added to its shard gradient
   void reap(bool all);
   template <class Fn>
-  void for_state(Fn fn) const;
+  void for_state(Fn fn, bool once = false) const;
+  int tp_rank() const { return model_.tp_group ? model_.tp_group->rank() : 0; }
+  int tp_size() const { return int(model_.config.tp); }
 
   nn::GPT& model_;
   std::shared_ptr<comm::ProcessGroup> world_, shard_, replicate_;

@@ -7,8 +7,16 @@
 #include "autograd/ops.h"
 #include "autograd/tape.h"
 #include "kernels/ops.h"
+#include "parallel/tp/layers.h"
 
 namespace sg::parallel {
+
+GradWeight mesh_grad_weight(int tp_rank, bool first_stage) {
+  return [tp_rank, first_stage](const std::string& name) {
+    if (name == "wte.weight") return first_stage ? 1.0 : 0.0;  // both pipeline ends hold the summed gradient
+    return tp_rank == 0 || !tp::gpt_param_split(name).replicated() ? 1.0 : 0.0;
+  };
+}
 
 namespace {
 // Elements [lo, lo + len) of a contiguous tensor, as a 1-D view (a copy only if t is strided,
@@ -192,18 +200,28 @@ void ZeroOptimizer::finish_gradients() {
   std::fill(marked_.begin(), marked_.end(), 0);
 }
 
-double ZeroOptimizer::grad_norm() {
+void ZeroOptimizer::reduce_now() {
+  sync_ = true;
+  finish_gradients();  // every stripe is unlaunched: the hooks did nothing under set_sync(false)
+}
+
+double ZeroOptimizer::grad_sum_squares(const GradWeight& weight) const {
   autograd::NoGradGuard ng;
   double ss = 0;
-  if (opt_.stage == 2) {
-    ss = sum_squares(grad_shard_);  // padding is zero
-  } else {
-    for (const Segment& s : segments_) {
-      Tensor g = params_[s.param].second.grad();
-      if (g.defined()) ss += sum_squares(piece(g, s.lo, s.len));
-    }
+  for (const Segment& s : segments_) {  // the padding has no segment and is zero anyway
+    const auto& [name, p] = params_[s.param];
+    const double w = weight ? weight(name) : 1.0;
+    if (w == 0) continue;
+    Tensor g = opt_.stage == 2 ? narrow(grad_shard_, 0, s.at, s.len)
+                               : (p.grad().defined() ? piece(p.grad(), s.lo, s.len) : Tensor());
+    if (g.defined()) ss += w * sum_squares(g);
   }
-  Tensor t = from_vector<double>({ss}, {1});
+  return ss;
+}
+
+double ZeroOptimizer::grad_norm() {
+  autograd::NoGradGuard ng;
+  Tensor t = from_vector<double>({grad_sum_squares()}, {1});
   group_->all_reduce(t, comm::ReduceOp::sum)->wait();
   return std::sqrt(item(t));
 }

@@ -34,6 +34,16 @@
 // reduce-scattering every micro-batch into the shard, would multiply the traffic by the number of
 // micro-batches).
 //
+// Model parallelism (dp × tp × pp, parallel/comm/mesh.h). A ZeroOptimizer takes this rank's
+// parameters — its tp slices, its pipeline stages' (pp::PipelineExecutor::parameters()) — over the
+// dp group: every tp/pp coordinate has its own flat vector, Ψ its own parameter count. Gradients
+// that other ranks must complete first — the pipeline's tied wte (first + last stage) and, under
+// sequence parallelism, the replicated parameters (summed over tp) — must be summed before they
+// are reduced over dp: run the backward(s) under set_sync(false), sum them, then reduce_now().
+// Traffic: the same bytes as above, but at stage 2 every stripe launches after backward (no
+// overlap with it) and the full 4Ψ gradient is held until then, as at stage 1. The global norm
+// sums grad_sum_squares(mesh_grad_weight(...)) over every rank of the world (one all-reduce).
+//
 // Checkpoints: state_pieces() are this rank's m, v (and masters) as pieces of global tensors
 // ("<param>.exp_avg", "<param>.exp_avg_sq", "<param>.master"; parallel/shard_state.h); the
 // parameters are replicated and not among them — the caller writes them once. load_state() reads
@@ -50,6 +60,14 @@
 #include "parallel/shard_state.h"
 
 namespace sg::parallel {
+
+// A parameter's weight in a sum of squares, by name (1: counted, 0: counted by another rank).
+using GradWeight = std::function<double(const std::string& name)>;
+// The weights that count every gradient element of a dp × tp × pp GPT exactly once when every
+// rank's grad_sum_squares is summed over the world: the tensor-parallel-replicated parameters
+// (tp::gpt_param_split(name).replicated()) on tp rank 0 only, the tied "wte.weight" on the
+// pipeline's first stage only.
+GradWeight mesh_grad_weight(int tp_rank, bool first_stage);
 
 struct ZeroOptions {
   int stage = 1;                      // 1: optimizer state partitioned; 2: gradients too
@@ -73,9 +91,17 @@ class ZeroOptimizer {
   // Waits for (stage 1: issues, then waits for) every stripe's reduce-scatter: this rank's shard
   // then holds the gradient averaged over the group. Parameters without a gradient count zero.
   void finish_gradients();
+  // After backward(s) run under set_sync(false): reduce-scatters every stripe now (stage 2 then
+  // frees the full gradients) and turns sync back on. The pipeline and sequence parallelism use
+  // it: their gradients are complete only once summed across stages / the tp group.
+  void reduce_now();
   // sqrt(Σ over ranks of this shard's sum of squares): one 8-byte f64 all_reduce. Call after
   // finish_gradients(); the norm is of the gradients as stored (before any grad_scale).
   double grad_norm();
+  // This shard's Σ weight(name)·g² (unset weight: every parameter 1), no communication: summed
+  // over the dp group it is grad_norm()²; with mesh_grad_weight, summed over the whole dp × tp × pp
+  // world it is the model's. Call after finish_gradients()/reduce_now().
+  double grad_sum_squares(const GradWeight& weight = {}) const;
   // AdamW on the owned shard (gradients multiplied by grad_scale first), then the updated shards
   // are all-gathered into every rank's full parameters.
   void step(double lr, double grad_scale = 1.0);

@@ -13,6 +13,7 @@
 #include "models/gpt.h"
 #include "optim/optim.h"
 #include "parallel/comm/mpi_backend.h"
+#include "parallel/comm/mesh.h"
 #include "parallel/fsdp.h"
 #include "parallel/shard_state.h"
 #include "tests/mpi/mpi_support.h"
@@ -69,6 +70,7 @@ struct Run {
   std::vector<ckpt::Piece>* pieces = nullptr;   // this rank's state_pieces() after the last step
   std::map<std::string, Tensor>* full = nullptr;  // full_state_dict() after the last step
   std::map<std::string, Tensor>* single_state = nullptr;  // no group: reference_state() after the last step
+  std::vector<double>* norms = nullptr;                   // no group: each step's global gradient norm
 };
 
 std::map<std::string, Tensor> reference_state(const nn::GPT& model, const optim::AdamW& opt);
@@ -122,6 +124,7 @@ std::vector<double> train(const Run& run, std::shared_ptr<comm::ProcessGroup> gr
       loss = testing::sum_over(*group, loss);
     } else {
       const double norm = optim::global_grad_norm(model->parameters());
+      if (run.norms) run.norms->push_back(norm);
       opt->step(1e-2, optim::clip_coefficient(norm, kClip));
       model->zero_grad();
     }
@@ -506,5 +509,74 @@ TEST_CASE("FSDP state pieces assemble to the single-process state; load_state re
     // resume from another layout: the single-process run's state
     resumed.resume = &single;
     testing::require_same_losses(train(resumed, w), std::vector<double>(reference.begin() + 10, reference.end()));
+  }
+}
+
+namespace {
+
+// FSDP over the dp group of a dp x tp mesh: the units hold this rank's tp slices; the global norm
+// is every rank's grad_sum_squares(mesh_grad_weight) summed by one all-reduce over the world.
+std::vector<double> train_dp_tp(const FsdpOptions& o, int steps, std::vector<double>& norms,
+                                std::vector<ckpt::Piece>* pieces = nullptr) {
+  auto w = world();
+  const int dp = w->size() / 2;
+  comm::MeshGroups g = comm::create_mesh_groups(comm::DeviceMesh(dp, 1, 2), *w);
+  nn::GPTConfig c = testing::tiny_gpt();
+  c.tp = 2;
+  nn::GPT model(c, DType::f32, Device::cpu(), g.tp);
+  model.init_weights(5);
+  optim::AdamWConfig oc;
+  oc.weight_decay = 0.1;
+  parallel::FullyShardedDataParallel fsdp(model, g.dp, oc, o);
+  const parallel::GradWeight weight = parallel::mesh_grad_weight(g.tp->rank(), true);
+  std::vector<double> losses;
+  for (int s = 0; s < steps; ++s) {
+    Tensor idx, tgt;
+    batch(s, idx, tgt);
+    const double loss = testing::backward_rank_rows(model, idx, tgt, g.coord.dp, dp, kB / dp / 2);
+    fsdp.finish_gradients();
+    const double norm = std::sqrt(testing::sum_over(*w, fsdp.grad_sum_squares(weight)));
+    fsdp.step(1e-2, optim::clip_coefficient(norm, kClip));
+    fsdp.zero_grad();
+    losses.push_back(testing::sum_over(*g.dp, loss));
+    norms.push_back(norm);
+  }
+  if (pieces) *pieces = fsdp.state_pieces();
+  return losses;
+}
+
+}  // namespace
+
+TEST_CASE("full_shard and shard_grad_op across dp with tp 2 reproduce the single-process losses and norms; state pieces assemble to its state", "[fsdp][mesh]") {
+  auto w = world();
+  if (w->size() % 2) return;  // the mesh needs tp = 2
+  std::vector<double> reference_norms;
+  std::map<std::string, Tensor> state10;
+  Run single;
+  single.steps = 10;
+  single.norms = &reference_norms;
+  single.single_state = &state10;
+  const std::vector<double> reference = train(single, nullptr);
+  for (FsdpMode m : {FsdpMode::full_shard, FsdpMode::shard_grad_op}) {
+    INFO(parallel::fsdp_mode_name(m) << " over dp " << w->size() / 2 << " x tp 2, rank " << w->rank());
+    std::vector<double> norms;
+    std::vector<ckpt::Piece> pieces;
+    testing::require_same_losses(train_dp_tp(mode(m), 10, norms, &pieces), reference);
+    for (size_t i = 0; i < norms.size(); ++i) {
+      INFO("step " << i << ": norm " << norms[i] << ", single-process " << reference_norms[i]);
+      REQUIRE(std::abs(norms[i] - reference_norms[i]) <= 1e-5 * reference_norms[i]);
+    }
+    // over the dp x tp ranks every element of every global tensor exactly once
+    std::vector<ckpt::Piece> all = testing::all_pieces(*w, pieces);
+    int64_t covered = 0, expected = 0;
+    for (auto& p : all) covered += p.data.numel();
+    const std::map<std::string, Tensor> saved = ckpt::assemble(all);
+    for (auto& [tensor, t] : state10) expected += t.numel();
+    REQUIRE(covered == expected);
+    REQUIRE(saved.size() == state10.size());
+    for (auto& [tensor, t] : state10) {
+      INFO(tensor);
+      REQUIRE(testing::max_rel_diff(without_key_bias(tensor, saved.at(tensor)), without_key_bias(tensor, t)) <= kStateBound);
+    }
   }
 }

@@ -10,6 +10,9 @@
 #include "models/gpt.h"
 #include "optim/optim.h"
 #include "parallel/comm/mpi_backend.h"
+#include "parallel/comm/mesh.h"
+#include "parallel/pp/executor.h"
+#include "parallel/tp/layers.h"
 #include "parallel/shard_state.h"
 #include "parallel/zero.h"
 #include "tests/mpi/mpi_support.h"
@@ -133,6 +136,91 @@ std::vector<double> train(int steps, int64_t micro, int stage, std::shared_ptr<c
 }
 
 using testing::world;
+
+// ---- dp x tp and dp x pp meshes: ZeRO over the dp group ----
+
+struct Trajectory {
+  std::vector<double> losses, norms;
+};
+
+struct MeshRun {
+  int tp = 1, pp = 1;
+  bool sp = false;  // sequence parallelism (tp > 1)
+  int stage = 0;    // 0: the single-process run, no mesh
+};
+
+// ZeRO at `stage` over the dp group of a (world / (tp·pp)) x pp x tp mesh, 2 micro-batches; the
+// global norm is every rank's grad_sum_squares(mesh_grad_weight) summed by one all-reduce over the
+// world. The pipeline and sequence parallelism reduce only once their gradients are summed (tied
+// wte across stages, replicated parameters across tp). psi/optim_bytes: this rank's parameter count
+// and ledger optim_state after the last step.
+Trajectory train_mesh(const MeshRun& run, int steps, int64_t* psi = nullptr, int64_t* optim_bytes = nullptr) {
+  optim::AdamWConfig oc;
+  oc.weight_decay = 0.1;
+  Trajectory out;
+  if (run.stage == 0) {
+    nn::GPT model(tiny());
+    model.init_weights(5);
+    optim::AdamW opt(model.named_parameters(), oc);
+    for (int s = 0; s < steps; ++s) {
+      Tensor idx, tgt;
+      batch(s, idx, tgt);
+      out.losses.push_back(testing::backward_rank_rows(model, idx, tgt, 0, 1, kB));
+      out.norms.push_back(optim::global_grad_norm(model.parameters()));
+      opt.step(1e-2, optim::clip_coefficient(out.norms.back(), kClip));
+      model.zero_grad();
+    }
+    return out;
+  }
+  auto w = world();
+  const int dp = w->size() / (run.tp * run.pp);
+  comm::MeshGroups g = comm::create_mesh_groups(comm::DeviceMesh(dp, run.pp, run.tp), *w);
+  nn::GPTConfig c = tiny();
+  c.tp = run.tp;
+  c.sequence_parallel = run.sp;
+  nn::GPT model(c, DType::f32, Device::cpu(), run.tp > 1 ? g.tp : nullptr);
+  model.init_weights(5);
+  std::unique_ptr<parallel::pp::PipelineExecutor> pipe;
+  if (run.pp > 1) pipe = std::make_unique<parallel::pp::PipelineExecutor>(model, parallel::pp::make_schedule("1f1b", run.pp, 2), g.pp);
+  const parallel::ZeroOptimizer::NamedTensors params = pipe ? pipe->parameters() : model.named_parameters();
+  parallel::ZeroOptions zo;
+  zo.stage = run.stage;
+  zo.bucket_bytes = 4096;  // several stripes
+  parallel::ZeroOptimizer zero(params, g.dp, oc, zo);
+  zero.broadcast_parameters();
+  const bool deferred = pipe || run.sp;
+  const parallel::GradWeight weight = parallel::mesh_grad_weight(g.tp->rank(), !pipe || pipe->holds_stage(0));
+  for (int s = 0; s < steps; ++s) {
+    Tensor idx, tgt;
+    batch(s, idx, tgt);
+    double loss;
+    if (pipe) {
+      const int64_t local = kB / dp;
+      const double counted = double(count_targets(tgt, -1));
+      zero.set_sync(false);  // the micro-batches' backwards interleave
+      loss = pipe->run(narrow(idx, 0, g.coord.dp * local, local), narrow(tgt, 0, g.coord.dp * local, local),
+                       dp / counted) / dp;
+      pipe->reduce_tied_embedding();
+    } else {
+      loss = testing::backward_rank_rows(model, idx, tgt, g.coord.dp, dp, kB / dp / 2,
+                                         [&](int64_t, bool last) { zero.set_sync(last && !deferred); });
+    }
+    if (run.sp) parallel::tp::sync_sequence_parallel_grads(model, *g.tp);
+    if (deferred) zero.reduce_now();
+    else zero.finish_gradients();
+    const double norm = std::sqrt(testing::sum_over(*w, zero.grad_sum_squares(weight)));
+    zero.step(1e-2, optim::clip_coefficient(norm, kClip));
+    if (optim_bytes) *optim_bytes = Ledger::global().stats(Device::cpu()).cur(MemCategory::optim_state);
+    zero.zero_grad();
+    out.losses.push_back(testing::sum_over(*g.dp, loss));
+    out.norms.push_back(norm);
+  }
+  if (psi) {
+    *psi = 0;
+    for (auto& [n, p] : params) *psi += p.numel();
+  }
+  return out;
+}
 
 }  // namespace
 
@@ -343,5 +431,29 @@ TEST_CASE("zero state pieces assemble to the single-process optimizer state; loa
       // resume from another layout: the single-process run's state
       resumed.resume = &single;
       testing::require_same_losses(train(resumed, w), std::vector<double>(reference.begin() + 10, reference.end()));
+    }
+}
+
+TEST_CASE("zero1/zero2 across dp with tp, tp + sp or pp reproduce the single-process losses and norms; optim_state is 8 Psi_p/N of the rank's own Psi", "[zero][mesh]") {
+  auto w = world();
+  if (w->size() % 2) return;  // the mesh needs tp or pp = 2
+  const int dp = w->size() / 2;
+  const Trajectory reference = train_mesh({}, 8);
+  const std::vector<std::pair<const char*, MeshRun>> layouts{
+      {"tp 2", {2, 1, false, 0}}, {"tp 2 + sp", {2, 1, true, 0}}, {"pp 2", {1, 2, false, 0}}};
+  for (const auto& [name, layout] : layouts)
+    for (int stage : {1, 2}) {
+      INFO("zero" << stage << " over dp " << dp << " x " << name << ", rank " << w->rank());
+      MeshRun run = layout;
+      run.stage = stage;
+      int64_t psi = 0, optim_bytes = 0;
+      const Trajectory got = train_mesh(run, 8, &psi, &optim_bytes);
+      testing::require_same_losses(got.losses, reference.losses);
+      for (size_t i = 0; i < got.norms.size(); ++i) {
+        INFO("step " << i << ": norm " << got.norms[i] << ", single-process " << reference.norms[i]);
+        REQUIRE(std::abs(got.norms[i] - reference.norms[i]) <= 1e-5 * reference.norms[i]);
+      }
+      REQUIRE(psi < tiny().num_params());  // the rank's slices / stages only
+      REQUIRE(optim_bytes == 8 * ((psi + dp - 1) / dp));
     }
 }
