@@ -107,12 +107,14 @@ struct Grid {
   Barrier block_barrier;
   std::vector<std::unique_ptr<Barrier>> warp_barriers;  // one per warp, sized to its live lanes
   std::vector<uint64_t> warp_slots;                     // 32 exchange slots per warp
+  std::vector<uint32_t> warp_fragments;                 // per warp: 32 lanes x 10 words of mma operands
   Grid(dim3 g, dim3 b, size_t shmem)
       : grid(g), block(b), threads(int(b.x * b.y * b.z)), static_shared(kStaticShared), dynamic_shared(shmem),
         block_barrier(threads) {
     const int warps = (threads + 31) / 32;
     for (int w = 0; w < warps; ++w) warp_barriers.push_back(std::make_unique<Barrier>(std::min(32, threads - 32 * w)));
     warp_slots.resize(size_t(warps) * 32);
+    warp_fragments.resize(size_t(warps) * 32 * 10);
   }
 };
 
@@ -265,3 +267,50 @@ T atomicMax(T* address, T v) {
 }
 
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+
+namespace sg::emu {
+
+// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 d, a, b, c  (D = A B + C; A 16x16, B 16x8,
+// C and D 16x8). Each lane passes its own fragment registers; the fragments of the warp meet in a
+// per-warp scratch (a warp barrier on each side), every lane rebuilds A, B and C from the layout
+// of the PTX ISA ("Matrix Fragments for mma.m16n8k16 with floating point type"), and takes back
+// the four elements of D its lane owns. With g = lane / 4 and t = lane % 4:
+//   A: a[i], i < 8, two bf16 per register, low half first:
+//      row g for i in {0,1,4,5}, g + 8 otherwise; col 2t + (i & 1), + 8 for i >= 4
+//   B: b[i], i < 4: row (k) 2t + (i & 1), + 8 for i >= 2; col (n) g
+//   C, D: c[i], i < 4: row g for i < 2, g + 8 otherwise; col 2t + (i & 1)
+// The products of bf16 values are exact in f32; the sum runs in f32 in k order after C.
+inline void mma_m16n8k16_bf16(float d[4], const uint32_t a[4], const uint32_t b[2], const float c[4]) {
+  ThreadState& t = this_thread;
+  if (std::min(32, t.grid->threads - 32 * t.warp) != 32) fail("mma.sync needs all 32 lanes of the warp");
+  uint32_t* warp = t.grid->warp_fragments.data() + size_t(t.warp) * 32 * 10;
+  uint32_t* mine = warp + t.lane * 10;
+  for (int r = 0; r < 4; ++r) mine[r] = a[r];
+  for (int r = 0; r < 2; ++r) mine[4 + r] = b[r];
+  for (int r = 0; r < 4; ++r) std::memcpy(&mine[6 + r], &c[r], 4);
+  Barrier& barrier = *t.grid->warp_barriers[size_t(t.warp)];
+  barrier.wait("mma.sync");
+  auto half = [](uint32_t word, int i) { return bf16_to_f32(uint16_t(i & 1 ? word >> 16 : word & 0xffffu)); };
+  float A[16][16], B[16][8], C[16][8];
+  for (int lane = 0; lane < 32; ++lane) {
+    const int g = lane / 4, tig = lane % 4;
+    const uint32_t* f = warp + lane * 10;
+    for (int i = 0; i < 8; ++i) {
+      const int row = (i < 2 || (i >= 4 && i < 6)) ? g : g + 8;
+      const int col = tig * 2 + (i & 1) + (i >= 4 ? 8 : 0);
+      A[row][col] = half(f[i / 2], i);
+    }
+    for (int i = 0; i < 4; ++i) B[tig * 2 + (i & 1) + (i >= 2 ? 8 : 0)][g] = half(f[4 + i / 2], i);
+    for (int i = 0; i < 4; ++i) std::memcpy(&C[i < 2 ? g : g + 8][tig * 2 + (i & 1)], &f[6 + i], 4);
+  }
+  const int g = t.lane / 4, tig = t.lane % 4;
+  for (int i = 0; i < 4; ++i) {
+    const int row = i < 2 ? g : g + 8, col = tig * 2 + (i & 1);
+    float s = C[row][col];
+    for (int k = 0; k < 16; ++k) s += A[row][k] * B[k][col];
+    d[i] = s;
+  }
+  barrier.wait("mma.sync");  // no lane overwrites its fragments while another still reads them
+}
+
+}  // namespace sg::emu

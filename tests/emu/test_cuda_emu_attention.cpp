@@ -1,8 +1,10 @@
 // Flash attention (kernels/cuda/attention.cuh) under emulation against the CPU table's attention:
 // head dims 64 and 128, sequence lengths that are not a multiple of the tiles, f32 and bf16.
 #include <catch2/catch.hpp>
+#include <tuple>
 
 #include "kernels/cuda/attention.cuh"
+#include "kernels/cuda/attention_tc.cuh"
 #include "tests/emu/support.h"
 
 using namespace sg;
@@ -45,4 +47,37 @@ TEST_CASE("emu flash attention refuses a head dim it has no kernel for", "[emu]"
   kernels::AttentionArgs a;
   a.dtype = DType::f32, a.B = 1, a.H = 1, a.T = 4, a.D = 48;
   REQUIRE_THROWS_WITH(cu::attention_forward(a, nullptr), Catch::Contains("head dim 48"));
+}
+
+// The tensor-core forward (kernels/cuda/attention_tc.cuh): bf16, head dims 64 and 128, lengths
+// that end inside a 32-key tile and inside a 64-row block, causal and not.
+TEST_CASE("emu tensor-core flash attention forward (mma m16n8k16, bf16) matches the CPU table", "[emu]") {
+  for (auto [Tn, D, causal] : {std::tuple<int64_t, int64_t, bool>{37, 64, true}, {70, 64, true}, {37, 128, true},
+                               {70, 128, true}, {45, 64, false}}) {
+    INFO("T " << Tn << " D " << D << " causal " << causal);
+    const int64_t B = 1, H = 2, n = B * H * Tn * D;
+    const auto q = rounded<cu::bf16>(randn(size_t(n), 90)), k = rounded<cu::bf16>(randn(size_t(n), 91));
+    const auto v = rounded<cu::bf16>(randn(size_t(n), 92));
+    std::vector<float> out_ref(n), lse_ref(B * H * Tn);
+    kernels::AttentionArgs a;
+    a.dtype = DType::f32, a.B = B, a.H = H, a.T = Tn, a.D = D, a.causal = causal, a.scale = 1.0 / std::sqrt(double(D));
+    a.q = q.data(), a.k = k.data(), a.v = v.data(), a.out = out_ref.data(), a.lse = lse_ref.data();
+    cpu::attention(a);
+
+    const auto qs = to_storage<cu::bf16>(q), ks = to_storage<cu::bf16>(k), vs = to_storage<cu::bf16>(v);
+    std::vector<cu::bf16> out(n);
+    std::vector<float> lse(B * H * Tn);
+    kernels::AttentionArgs g = a;
+    g.dtype = DType::bf16;
+    g.q = qs.data(), g.k = ks.data(), g.v = vs.data(), g.out = out.data(), g.lse = lse.data();
+    cu::attention_forward_tensor_cores(g, nullptr);
+    check_close(out, out_ref, 2.0);  // P V takes P rounded to bf16, as FlashAttention-2 does
+    check_close(lse, lse_ref, 1e-5, 1e-5);
+  }
+}
+
+TEST_CASE("emu tensor-core flash attention refuses f32 and names it", "[emu]") {
+  kernels::AttentionArgs a;
+  a.dtype = DType::f32, a.B = 1, a.H = 1, a.T = 4, a.D = 64;
+  REQUIRE_THROWS_WITH(cu::attention_forward_tensor_cores(a, nullptr), Catch::Contains("f32"));
 }

@@ -1,0 +1,81 @@
+// The tensor-core wrapper (kernels/cuda/mma.cuh) under emulation: every lane loads only the
+// fragment elements the PTX ISA assigns it, the emulated mma.sync pools them by that layout, and
+// D must equal A B + C computed directly. A load helper or an emulated layout that disagrees with
+// the documented one scrambles D, so these tests fail.
+#include <catch2/catch.hpp>
+
+#include "kernels/cuda/mma.cuh"
+#include "tests/emu/support.h"
+
+using namespace sg;
+using namespace sg::emu_testing;
+
+namespace {
+
+// Two warps per block, each with its own matrices: a [16][16], b as given by b_k_major ([k][n] when
+// true, [n][k] otherwise), c and d [16][8].
+__global__ void mma_kernel(float* d, const cu::bf16* a, const cu::bf16* b, const float* c, bool b_k_major) {
+  const int w = int(threadIdx.x) / 32;
+  const cu::FragA fa = cu::load_a_row_major(a + w * 256, 16);
+  const cu::FragB fb = b_k_major ? cu::load_b_row_major(b + w * 128, 8) : cu::load_b_col_major(b + w * 128, 16);
+  cu::FragC acc = cu::load_c_row_major(c + w * 128, 8);
+  cu::mma(acc, fa, fb);
+  cu::store_c_row_major(d + w * 128, 8, acc);
+}
+
+// One warp: S = A B1 as two 16x8 tiles (B1 [16][16], k-major), P = bf16(S) re-used as an A
+// fragment straight from the accumulators, D = P B2 (B2 [16][8], k-major).
+__global__ void chained_mma_kernel(float* d, const cu::bf16* a, const cu::bf16* b1, const cu::bf16* b2) {
+  const cu::FragA fa = cu::load_a_row_major(a, 16);
+  cu::FragC left, right, out;
+  cu::mma(left, fa, cu::load_b_row_major(b1, 16));
+  cu::mma(right, fa, cu::load_b_row_major(b1 + 8, 16));
+  cu::mma(out, cu::a_from_accumulators(left, right), cu::load_b_row_major(b2, 8));
+  cu::store_c_row_major(d, 8, out);
+}
+
+// out[M][N] = x[M][K] y[K][N] (+ z), in double.
+std::vector<float> matmul(const std::vector<float>& x, const std::vector<float>& y, int M, int K, int N,
+                          const float* z = nullptr) {
+  std::vector<float> out(size_t(M * N));
+  for (int i = 0; i < M; ++i)
+    for (int j = 0; j < N; ++j) {
+      double s = z ? z[i * N + j] : 0.0;
+      for (int k = 0; k < K; ++k) s += double(x[size_t(i * K + k)]) * y[size_t(k * N + j)];
+      out[size_t(i * N + j)] = float(s);
+    }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("emu mma m16n8k16 bf16: D = A B + C with each lane holding its documented fragments", "[emu]") {
+  const bool b_k_major = GENERATE(false, true);
+  INFO((b_k_major ? "B loaded k-major (load_b_row_major)" : "B loaded n-major (load_b_col_major)"));
+  const auto a = rounded<cu::bf16>(randn(2 * 256, 70)), b = rounded<cu::bf16>(randn(2 * 128, 71));
+  const auto c = randn(2 * 128, 72);
+  std::vector<float> d(2 * 128), want;
+  // b holds B [16][8] per warp in the layout the kernel is told; the reference needs [k][n].
+  for (int w = 0; w < 2; ++w) {
+    std::vector<float> aw(a.begin() + w * 256, a.begin() + (w + 1) * 256), bw(128);
+    for (int k = 0; k < 16; ++k)
+      for (int n = 0; n < 8; ++n) bw[size_t(k * 8 + n)] = b[size_t(w * 128 + (b_k_major ? k * 8 + n : n * 16 + k))];
+    const auto dw = matmul(aw, bw, 16, 16, 8, c.data() + w * 128);
+    want.insert(want.end(), dw.begin(), dw.end());
+  }
+  const auto as = to_storage<cu::bf16>(a), bs = to_storage<cu::bf16>(b);
+  cu::launch(mma_kernel, dim3(1), dim3(64), 0, nullptr, d.data(), as.data(), bs.data(), c.data(), b_k_major);
+  check_close(d, want, 1e-5, 1e-4);
+}
+
+TEST_CASE("emu mma: accumulators of two n-tiles re-used as the A fragment of the next mma (P V)", "[emu]") {
+  const auto a = rounded<cu::bf16>(randn(256, 80)), b1 = rounded<cu::bf16>(randn(256, 81));
+  const auto b2 = rounded<cu::bf16>(randn(128, 82));
+  const auto p = rounded<cu::bf16>(matmul(a, b1, 16, 16, 16));
+  const auto want = matmul(p, b2, 16, 16, 8);
+  std::vector<float> d(128);
+  const auto as = to_storage<cu::bf16>(a), b1s = to_storage<cu::bf16>(b1), b2s = to_storage<cu::bf16>(b2);
+  cu::launch(chained_mma_kernel, dim3(1), dim3(32), 0, nullptr, d.data(), as.data(), b1s.data(), b2s.data());
+  // S is rounded to bf16 on both sides; a last-bit difference in S can flip one rounding of P.
+  check_close(d, want, 1e-2, 5e-2);
+}
