@@ -85,6 +85,16 @@ void from_host(void* dev_dst, const void* host_src, size_t bytes, Device d) {
 
 }  // namespace
 
+Device device_of(const void* p, const char* op) {
+  cudaPointerAttributes at{};
+  const cudaError_t err = cudaPointerGetAttributes(&at, p);
+  if (err != cudaSuccess) (void)cudaGetLastError();
+  SG_CHECK(err == cudaSuccess && at.type == cudaMemoryTypeDevice, op, " (cuda): pointer ", p,
+           " is not CUDA device memory");
+  SG_CUDA_CHECK(cudaSetDevice(at.device));
+  return Device::cuda(at.device);
+}
+
 cudaStream_t compute_stream(Device d) {
   static std::mutex mu;
   static std::map<int, cudaStream_t> streams;
@@ -106,8 +116,11 @@ void ensure_registered() {
     t.device_name = "cuda";
     t.copy_to_host = to_host;
     t.copy_from_host = from_host;
-    // The hand-written kernels (issue 6) fill in the rest of this table; until then every other
-    // op on a cuda tensor fails naming the op and the device.
+#ifdef SG_CUDA_KERNELS
+    fill_kernel_table(t);
+    t.gemm = gemm;
+#endif
+    // Without SG_CUDA_KERNELS every other op on a cuda tensor fails naming the op and the device.
     kernels::register_table(DeviceType::cuda, &t);
   });
 }

@@ -8,6 +8,7 @@
 
 #include "core/device.h"
 #include "core/error.h"
+#include "kernels/ops.h"
 
 #define SG_CUDA_CHECK(call)                                                                          \
   do {                                                                                               \
@@ -23,6 +24,29 @@ int device_count();  // 0 when there is no driver or no device (never throws)
 // The compute stream of a device: the stream kernels and copies are issued on.
 cudaStream_t compute_stream(Device d);
 // Registers the CUDA allocator and op table (idempotent); called on first use of a cuda device.
+// With SG_CUDA_KERNELS the table holds every kernel; without it only the host<->device copies.
 void ensure_registered();
+// The device that owns the device pointer p, made current; op names the caller in the error
+// thrown for host or unknown pointers. Op-table entries find their device this way.
+Device device_of(const void* p, const char* op);
+
+#ifdef SG_CUDA_KERNELS
+// kernels/cuda/table.cu: every kernel entry of the CUDA op table (all but gemm and the copies).
+void fill_kernel_table(kernels::OpTable& t);
+
+// kernels/cuda/gemm_cublaslt.cpp: the op table's gemm through cuBLASLt on the compute stream.
+// f32 (TF32 tensor cores only when allowed below), bf16 and f16 with f32 accumulation.
+void gemm(const kernels::GemmArgs& a);
+// TF32 for f32 GEMMs: ~10-bit mantissa products, several times faster. Off by default, so f32
+// results match the CPU to f32 rounding.
+void set_allow_tf32(bool allow);
+bool allow_tf32();
+// Row-major out[M, N] = gelu(x[M, K] w[N, K]^T + bias[N]) in one cuBLASLt call (the bias+GELU
+// epilogue), the forward of a linear layer followed by GELU; bf16, f16 or f32. cuBLASLt's GELU is
+// taken to be the tanh form GPT-2 uses; tests/gpu/kernels.cpp checks that against the CPU.
+// pre_gelu, when given ([M, N], same dtype, N a multiple of 8), receives x w^T + bias.
+void gemm_bias_gelu(DType dtype, void* out, void* pre_gelu, const void* x, const void* w, const void* bias,
+                    int64_t M, int64_t N, int64_t K);
+#endif
 
 }  // namespace sg::cuda

@@ -1,0 +1,169 @@
+// The op table's GEMM through cuBLASLt, on the compute stream of the device that holds C.
+//
+// cuBLASLt is column-major; the op table is row-major. A row-major [r, c] matrix with leading
+// dimension ld is the column-major [c, r] matrix with the same ld, i.e. its transpose, so
+//   C = op(A) op(B)   (row-major)   <=>   C^T = op(B)^T op(A)^T   (column-major)
+// and the call is made with the operands swapped: first B (m = N), then A (n = M), k = K, each
+// keeping its own transpose flag. Batches use strided batch offsets. Compute is f32 for every
+// dtype (bf16/f16 inputs accumulate in f32); f32 inputs may use TF32 tensor cores when allowed.
+#include <cublasLt.h>
+
+#include <atomic>
+#include <map>
+#include <mutex>
+
+#include "core/storage.h"
+#include "kernels/cuda/runtime.h"
+
+#define SG_CUBLAS_CHECK(call)                                                                           \
+  do {                                                                                                  \
+    cublasStatus_t sg_st_ = (call);                                                                     \
+    if (sg_st_ != CUBLAS_STATUS_SUCCESS)                                                                \
+      throw ::sg::Error(::sg::str(#call, " failed: ", cublasLtGetStatusName(sg_st_), " (",              \
+                                  cublasLtGetStatusString(sg_st_), ", ", __FILE__, ":", __LINE__, ")")); \
+  } while (0)
+
+namespace sg::cuda {
+
+namespace {
+
+std::atomic<bool> g_allow_tf32{false};
+
+// 32 MiB: what cuBLASLt's Hopper kernels ask for at most (NVIDIA's recommendation for sm_90).
+constexpr size_t kWorkspaceBytes = size_t(32) << 20;
+
+cublasLtHandle_t handle_for(Device d) {
+  static std::mutex mu;
+  static std::map<int, cublasLtHandle_t> handles;
+  std::lock_guard<std::mutex> g(mu);
+  auto it = handles.find(d.index);
+  if (it != handles.end()) return it->second;
+  cublasLtHandle_t h;
+  SG_CUBLAS_CHECK(cublasLtCreate(&h));
+  handles[d.index] = h;
+  return h;
+}
+
+cudaDataType_t cuda_type(DType t, const char* op) {
+  switch (t) {
+    case DType::f32: return CUDA_R_32F;
+    case DType::bf16: return CUDA_R_16BF;
+    case DType::f16: return CUDA_R_16F;
+    default: kernels::unsupported(op, t, "cuda (cuBLASLt)");
+  }
+}
+
+// Owners of the cuBLASLt descriptors of one call (destroyed on every path, throws included).
+struct Desc {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulPreference_t pref = nullptr;
+  ~Desc() {
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    if (c) cublasLtMatrixLayoutDestroy(c);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
+};
+
+// Column-major layout of a stored matrix: rows x cols, leading dimension ld, batch at stride.
+void make_layout(cublasLtMatrixLayout_t* l, cudaDataType_t t, int64_t rows, int64_t cols, int64_t ld, int64_t batch,
+                 int64_t stride) {
+  SG_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(l, t, uint64_t(rows), uint64_t(cols), ld));
+  if (batch > 1) {
+    const int32_t count = int32_t(batch);
+    SG_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(*l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)));
+    SG_CUBLAS_CHECK(
+        cublasLtMatrixLayoutSetAttribute(*l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride)));
+  }
+}
+
+struct Epilogue {
+  cublasLtEpilogue_t kind = CUBLASLT_EPILOGUE_DEFAULT;
+  const void* bias = nullptr;
+  void* aux = nullptr;  // GELU_AUX: the pre-activation, [ldaux = m] column-major
+};
+
+// The one path every GEMM takes. Row-major semantics as in kernels::GemmArgs.
+void matmul(const kernels::GemmArgs& g, const Epilogue& ep, const char* op) {
+  SG_CHECK(g.M >= 0 && g.N >= 0 && g.K >= 0 && g.batch >= 1, op, ": bad sizes M=", g.M, " N=", g.N, " K=", g.K,
+           " batch=", g.batch);
+  if (g.M == 0 || g.N == 0) return;
+  const cudaDataType_t t = cuda_type(g.dtype, op);
+  const Device d = device_of(g.C, op);
+  const cudaStream_t stream = compute_stream(d);
+  if (g.K == 0) {  // C = beta C: cuBLASLt refuses k = 0
+    SG_CHECK(g.beta == 0.0 && g.ldc == g.N, op, ": K = 0 with beta != 0 or padded C is not supported on cuda");
+    SG_CUDA_CHECK(cudaMemsetAsync(g.C, 0, size_t(g.batch == 1 ? g.M * g.ldc : g.batch * g.stride_c) *
+                                               dtype_size(g.dtype), stream));
+    return;
+  }
+  const cublasComputeType_t compute =
+      g.dtype == DType::f32 && allow_tf32() ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+  Desc desc;
+  SG_CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc.op, compute, CUDA_R_32F));
+  // Column-major: first operand is B (m = N), second is A (n = M).
+  const cublasOperation_t tb = g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, ta = g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  SG_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSA, &tb, sizeof(tb)));
+  SG_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSB, &ta, sizeof(ta)));
+  if (ep.kind != CUBLASLT_EPILOGUE_DEFAULT) {
+    SG_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &ep.kind, sizeof(ep.kind)));
+    SG_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &ep.bias, sizeof(ep.bias)));
+    if (ep.aux) {
+      const int64_t ld = g.N;
+      SG_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &ep.aux,
+                                                     sizeof(ep.aux)));
+      SG_CUBLAS_CHECK(
+          cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld, sizeof(ld)));
+    }
+  }
+  // Stored shapes (column-major): row-major B [K, N] is [N, K]; transposed, row-major [N, K] is [K, N].
+  make_layout(&desc.a, t, g.trans_b ? g.K : g.N, g.trans_b ? g.N : g.K, g.ldb, g.batch, g.stride_b);
+  make_layout(&desc.b, t, g.trans_a ? g.M : g.K, g.trans_a ? g.K : g.M, g.lda, g.batch, g.stride_a);
+  make_layout(&desc.c, t, g.N, g.M, g.ldc, g.batch, g.stride_c);
+
+  const Storage workspace(kWorkspaceBytes, d, MemCategory::workspace);
+  SG_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&desc.pref));
+  const uint64_t ws = kWorkspaceBytes;
+  SG_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(desc.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
+                                                       sizeof(ws)));
+  cublasLtHandle_t h = handle_for(d);
+  cublasLtMatmulHeuristicResult_t best{};
+  int found = 0;
+  SG_CUBLAS_CHECK(
+      cublasLtMatmulAlgoGetHeuristic(h, desc.op, desc.a, desc.b, desc.c, desc.c, desc.pref, 1, &best, &found));
+  SG_CHECK(found > 0, op, " (cuBLASLt): no algorithm for ", dtype_name(g.dtype), " M=", g.M, " N=", g.N, " K=", g.K,
+           " batch=", g.batch, " lda=", g.lda, " ldb=", g.ldb, " ldc=", g.ldc);
+  const float alpha = float(g.alpha), beta = float(g.beta);
+  SG_CUBLAS_CHECK(cublasLtMatmul(h, desc.op, &alpha, g.B, desc.a, g.A, desc.b, &beta, g.C, desc.c, g.C, desc.c,
+                                 &best.algo, workspace.data(), kWorkspaceBytes, stream));
+}
+
+}  // namespace
+
+void set_allow_tf32(bool allow) { g_allow_tf32 = allow; }
+bool allow_tf32() { return g_allow_tf32; }
+
+void gemm(const kernels::GemmArgs& a) { matmul(a, Epilogue{}, "gemm"); }
+
+void gemm_bias_gelu(DType dtype, void* out, void* pre_gelu, const void* x, const void* w, const void* bias, int64_t M,
+                    int64_t N, int64_t K) {
+  SG_CHECK(!pre_gelu || N % 8 == 0, "gemm_bias_gelu: cuBLASLt needs N (", N,
+           ") to be a multiple of 8 to save the pre-activation");
+  kernels::GemmArgs g;
+  g.dtype = dtype;
+  g.trans_b = true;  // out = x w^T
+  g.M = M, g.N = N, g.K = K;
+  g.A = x, g.lda = K;
+  g.B = w, g.ldb = K;
+  g.C = out, g.ldc = N;
+  Epilogue ep;
+  ep.kind = pre_gelu ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_BIAS;
+  ep.bias = bias;  // one per column of row-major out = one per row of the column-major result
+  ep.aux = pre_gelu;
+  matmul(g, ep, "gemm_bias_gelu");
+}
+
+}  // namespace sg::cuda

@@ -1,0 +1,318 @@
+// The CUDA op table: each entry adapts an op-table signature (kernels/ops.h) to a launcher of
+// kernels/cuda/*.cuh, on the compute stream of the device that holds the op's output. Scratch
+// memory comes from the caching allocator through Storage (ledger category `workspace`); its
+// blocks are reused only on the compute stream, so a scratch buffer may be released as soon as
+// the launches that use it are enqueued.
+//
+// Per-row statistics: the kernels keep mean, rstd, lse and loss in f32, while the op table types
+// them as the input dtype. For f32 the buffers pass straight through. For bf16 (and f16 where a
+// kernel takes it) the kernels write f32 scratch that is then rounded into the table's buffers,
+// and backward entries widen them again; two backwards do better than reuse the rounded values:
+// cross_entropy_backward recomputes lse from the logits (a bf16 lse would be off by up to 3% in
+// exp(x - lse)), and attention_backward re-runs the forward for an f32 lse for the same reason.
+#include "core/storage.h"
+#include "kernels/cuda/adamw.cuh"
+#include "kernels/cuda/attention.cuh"
+#include "kernels/cuda/classifier.cuh"
+#include "kernels/cuda/dropout.cuh"
+#include "kernels/cuda/elementwise.cuh"
+#include "kernels/cuda/embedding.cuh"
+#include "kernels/cuda/layernorm.cuh"
+#include "kernels/cuda/reduce.cuh"
+#include "kernels/cuda/softmax.cuh"
+
+namespace sg::cuda {
+namespace {
+
+struct On {
+  Device dev;
+  cudaStream_t stream;
+};
+// Where an op runs: the device owning p (made current) and its compute stream.
+On on(const void* p, const char* op) {
+  const Device d = device_of(p, op);
+  return {d, compute_stream(d)};
+}
+
+// Device scratch of at least `bytes`, charged to the ledger as workspace.
+class Scratch {
+ public:
+  Scratch(size_t bytes, Device d) : s_(bytes ? bytes : 1, d, MemCategory::workspace) {}
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(s_.data());
+  }
+
+ private:
+  Storage s_;
+};
+
+// One device int the kernels count bad indices or targets into.
+class Counter {
+ public:
+  explicit Counter(const On& o) : s_(sizeof(int), o.dev), stream_(o.stream) {
+    SG_CUDA_CHECK(cudaMemsetAsync(s_.as<int>(), 0, sizeof(int), stream_));
+  }
+  int* ptr() const { return s_.as<int>(); }
+  int read() const {  // waits for the stream
+    int n = 0;
+    SG_CUDA_CHECK(cudaMemcpyAsync(&n, s_.as<int>(), sizeof(int), cudaMemcpyDeviceToHost, stream_));
+    SG_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    return n;
+  }
+
+ private:
+  Scratch s_;
+  cudaStream_t stream_;
+};
+
+void convert(void* dst, DType dt, const void* src, DType st, int64_t n, cudaStream_t stream) {
+  copy_strided(dst, dt, src, st, Dims{n}, Dims{1}, stream);
+}
+
+// The f32 view of n per-row statistics stored as dt (see the top of this file): the buffer itself
+// for f32, else scratch, filled from the buffer when `load`, written back to it by store().
+class F32Rows {
+ public:
+  F32Rows(const void* buf, DType dt, int64_t n, const On& o, bool load, const char* op)
+      : buf_(const_cast<void*>(buf)), dt_(dt), n_(n), stream_(o.stream) {
+    if (!buf || dt == DType::f32) {
+      f32_ = static_cast<float*>(buf_);
+      return;
+    }
+    if (!is_half(dt)) kernels::unsupported(op, dt, "cuda");
+    scratch_ = std::make_unique<Scratch>(size_t(n) * sizeof(float), o.dev);
+    f32_ = scratch_->as<float>();
+    if (load) convert(f32_, DType::f32, buf_, dt_, n_, stream_);
+  }
+  float* get() const { return f32_; }
+  void store() const {
+    if (scratch_) convert(buf_, dt_, f32_, DType::f32, n_, stream_);
+  }
+
+ private:
+  void* buf_;
+  DType dt_;
+  int64_t n_;
+  cudaStream_t stream_;
+  std::unique_ptr<Scratch> scratch_;
+  float* f32_ = nullptr;
+};
+
+}  // namespace
+
+// The entries, named as in the op table.
+namespace entry {
+
+void copy_strided(void* dst, DType dt, const void* src, DType st, const Dims& shape, const Dims& src_strides) {
+  if (numel(shape) == 0) return;
+  cuda::copy_strided(dst, dt, src, st, shape, src_strides, on(dst, "copy_strided").stream);
+}
+
+void fill(void* dst, DType dtype, int64_t n, double value) {
+  if (n == 0) return;
+  cuda::fill(dst, dtype, n, value, on(dst, "fill").stream);
+}
+
+void binary(Binary op, DType dtype, void* out, const void* a, const Dims& as, const void* b, const Dims& bs,
+            const Dims& shape) {
+  if (numel(shape) == 0) return;
+  cuda::binary(op, dtype, out, a, as, b, bs, shape, on(out, "binary").stream);
+}
+
+void unary(Unary op, DType dtype, void* out, const void* x, int64_t n, double alpha) {
+  if (n == 0) return;
+  cuda::unary(op, dtype, out, x, n, alpha, on(out, "unary").stream);
+}
+
+void unary_backward(Unary op, DType dtype, void* dx, const void* dy, const void* x, int64_t n) {
+  if (n == 0) return;
+  cuda::unary_backward(op, dtype, dx, dy, x, n, on(dx, "unary_backward").stream);
+}
+
+void reduce(Reduce op, DType dtype, void* out, const void* x, int64_t outer, int64_t n, int64_t inner) {
+  if (outer * inner == 0) return;
+  cuda::reduce(op, dtype, out, x, outer, n, inner, on(out, "reduce").stream);
+}
+
+void softmax(DType dtype, void* y, const void* x, int64_t rows, int64_t cols, bool log) {
+  if (rows * cols == 0) return;
+  cuda::softmax(dtype, y, x, rows, cols, log, on(y, "softmax").stream);
+}
+
+void softmax_backward(DType dtype, void* dx, const void* dy, const void* y, int64_t rows, int64_t cols, bool log) {
+  if (rows * cols == 0) return;
+  cuda::softmax_backward(dtype, dx, dy, y, rows, cols, log, on(dx, "softmax_backward").stream);
+}
+
+void layernorm(DType dtype, void* y, void* mean, void* rstd, const void* x, const void* w, const void* b, int64_t rows,
+               int64_t C, double eps) {
+  if (rows * C == 0) return;
+  const On o = on(y, "layernorm");
+  const F32Rows m(mean, dtype, rows, o, false, "layernorm"), r(rstd, dtype, rows, o, false, "layernorm");
+  dispatch_storage(dtype, "layernorm", [&](auto tag) {
+    using T = decltype(tag);
+    layernorm_forward<T>(static_cast<T*>(y), m.get(), r.get(), static_cast<const T*>(x), static_cast<const T*>(w),
+                         static_cast<const T*>(b), rows, C, eps, o.stream);
+  });
+  m.store();
+  r.store();
+}
+
+void layernorm_backward(DType dtype, void* dx, void* dw, void* db, const void* dy, const void* x, const void* w,
+                        const void* mean, const void* rstd, int64_t rows, int64_t C) {
+  if (rows * C == 0) return;
+  const On o = on(dx, "layernorm_backward");
+  const F32Rows m(mean, dtype, rows, o, true, "layernorm_backward"), r(rstd, dtype, rows, o, true, "layernorm_backward");
+  const Scratch work(size_t(norm_backward_workspace(rows, C)) * sizeof(float), o.dev);
+  dispatch_storage(dtype, "layernorm_backward", [&](auto tag) {
+    using T = decltype(tag);
+    cuda::layernorm_backward<T>(static_cast<T*>(dx), static_cast<T*>(dw), static_cast<T*>(db),
+                                static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(w), m.get(),
+                                r.get(), rows, C, work.as<float>(), o.stream);
+  });
+}
+
+void rmsnorm(DType dtype, void* y, void* rstd, const void* x, const void* w, int64_t rows, int64_t C, double eps) {
+  if (rows * C == 0) return;
+  const On o = on(y, "rmsnorm");
+  const F32Rows r(rstd, dtype, rows, o, false, "rmsnorm");
+  dispatch_storage(dtype, "rmsnorm", [&](auto tag) {
+    using T = decltype(tag);
+    rmsnorm_forward<T>(static_cast<T*>(y), r.get(), static_cast<const T*>(x), static_cast<const T*>(w), rows, C, eps,
+                       o.stream);
+  });
+  r.store();
+}
+
+void rmsnorm_backward(DType dtype, void* dx, void* dw, const void* dy, const void* x, const void* w, const void* rstd,
+                      int64_t rows, int64_t C) {
+  if (rows * C == 0) return;
+  const On o = on(dx, "rmsnorm_backward");
+  const F32Rows r(rstd, dtype, rows, o, true, "rmsnorm_backward");
+  const Scratch work(size_t(norm_backward_workspace(rows, C)) * sizeof(float), o.dev);
+  dispatch_storage(dtype, "rmsnorm_backward", [&](auto tag) {
+    using T = decltype(tag);
+    cuda::rmsnorm_backward<T>(static_cast<T*>(dx), static_cast<T*>(dw), static_cast<const T*>(dy),
+                              static_cast<const T*>(x), static_cast<const T*>(w), r.get(), rows, C, work.as<float>(),
+                              o.stream);
+  });
+}
+
+void embedding(DType dtype, DType idx_dtype, void* out, const void* idx, const void* weight, int64_t n, int64_t C,
+               int64_t num_rows) {
+  if (n * C == 0) return;
+  const On o = on(out, "embedding");
+  const Counter bad(o);
+  embedding_forward(dtype, idx_dtype, out, idx, weight, n, C, num_rows, bad.ptr(), o.stream);
+  if (const int count = bad.read())
+    throw Error(str("embedding (cuda): ", count, " of ", n, " indices out of range for a table of ", num_rows,
+                    " rows"));
+}
+
+// The indices were range-checked by the forward (this signature carries no row count).
+void embedding_backward(DType dtype, DType idx_dtype, void* dweight, const void* dout, const void* idx, int64_t n,
+                        int64_t C) {
+  if (n * C == 0) return;
+  cuda::embedding_backward(dtype, idx_dtype, dweight, dout, idx, n, C, on(dweight, "embedding_backward").stream);
+}
+
+void cross_entropy(DType dtype, DType tgt_dtype, void* loss, void* lse, const void* logits, const void* targets,
+                   int64_t rows, int64_t Vp, int64_t V, int64_t ignore_index) {
+  if (rows == 0) return;
+  const On o = on(loss, "cross_entropy");
+  const F32Rows l(loss, dtype, rows, o, false, "cross_entropy"), s(lse, dtype, rows, o, false, "cross_entropy");
+  const Counter bad(o);
+  cuda::cross_entropy(dtype, tgt_dtype, l.get(), s.get(), logits, targets, rows, Vp, V, ignore_index, bad.ptr(),
+                      o.stream);
+  l.store();
+  s.store();
+  if (const int count = bad.read())
+    throw Error(str("cross_entropy (cuda): ", count, " of ", rows, " targets out of range [0, ", V,
+                    ") and not ignore_index (", ignore_index, ")"));
+}
+
+void cross_entropy_backward(DType dtype, DType tgt_dtype, void* dlogits, const void* dloss, const void* logits,
+                            const void* lse, const void* targets, int64_t rows, int64_t Vp, int64_t V,
+                            int64_t ignore_index) {
+  if (rows * Vp == 0) return;
+  const On o = on(dlogits, "cross_entropy_backward");
+  const F32Rows d(dloss, dtype, rows, o, true, "cross_entropy_backward");
+  if (dtype == DType::f32)
+    return cuda::cross_entropy_backward(dtype, tgt_dtype, dlogits, d.get(), logits, static_cast<const float*>(lse),
+                                        targets, rows, Vp, V, ignore_index, o.stream);
+  // A half lse is too coarse for exp(x - lse): recompute it in f32 in the same pass.
+  classifier_forward_backward(dtype, tgt_dtype, nullptr, nullptr, dlogits, logits, targets, d.get(), rows, Vp, V,
+                              ignore_index, nullptr, o.stream);
+}
+
+void dropout(DType dtype, void* out, const void* x, int64_t n, double p, uint64_t seed, uint64_t stream) {
+  if (n == 0) return;
+  cuda::dropout(dtype, out, x, n, p, seed, stream, on(out, "dropout").stream);
+}
+
+void random(DType dtype, void* out, int64_t n, bool normal, double a, double b, uint64_t seed, uint64_t stream,
+            uint64_t first) {
+  if (n == 0) return;
+  cuda::random(dtype, out, n, normal, a, b, seed, stream, first, on(out, "random").stream);
+}
+
+void adamw(const kernels::AdamWArgs& a) {
+  if (a.n == 0) return;
+  cuda::adamw(a, on(a.param, "adamw").stream);
+}
+
+void attention(const kernels::AttentionArgs& a) {
+  if (a.B * a.H * a.T == 0) return;
+  if (a.dtype != DType::f32 && a.dtype != DType::bf16) kernels::unsupported("attention", a.dtype, "cuda");
+  const On o = on(a.out, "attention");
+  const F32Rows lse(a.lse, a.dtype, a.B * a.H * a.T, o, false, "attention");
+  kernels::AttentionArgs f = a;
+  f.lse = lse.get();
+  attention_forward(f, o.stream);
+  lse.store();
+}
+
+void attention_backward(const kernels::AttentionArgs& a) {
+  if (a.B * a.H * a.T == 0) return;
+  if (a.dtype != DType::f32 && a.dtype != DType::bf16) kernels::unsupported("attention_backward", a.dtype, "cuda");
+  const On o = on(a.dq, "attention_backward");
+  const Scratch work(size_t(attention_backward_workspace(a)) * sizeof(float), o.dev);
+  if (a.dtype == DType::f32) return cuda::attention_backward(a, work.as<float>(), o.stream);
+  // A bf16 lse is too coarse for exp(s - lse): re-run the forward for an f32 one (and its out).
+  const int64_t rows = a.B * a.H * a.T;
+  const Scratch lse(size_t(rows) * sizeof(float), o.dev), out(size_t(rows * a.D) * dtype_size(a.dtype), o.dev);
+  kernels::AttentionArgs f = a;
+  f.out = out.as<void>();
+  f.lse = lse.as<float>();
+  attention_forward(f, o.stream);
+  cuda::attention_backward(f, work.as<float>(), o.stream);
+}
+
+}  // namespace entry
+
+void fill_kernel_table(kernels::OpTable& t) {
+  t.copy_strided = entry::copy_strided;
+  t.fill = entry::fill;
+  t.binary = entry::binary;
+  t.unary = entry::unary;
+  t.unary_backward = entry::unary_backward;
+  t.reduce = entry::reduce;
+  t.softmax = entry::softmax;
+  t.softmax_backward = entry::softmax_backward;
+  t.layernorm = entry::layernorm;
+  t.layernorm_backward = entry::layernorm_backward;
+  t.rmsnorm = entry::rmsnorm;
+  t.rmsnorm_backward = entry::rmsnorm_backward;
+  t.embedding = entry::embedding;
+  t.embedding_backward = entry::embedding_backward;
+  t.cross_entropy = entry::cross_entropy;
+  t.cross_entropy_backward = entry::cross_entropy_backward;
+  t.dropout = entry::dropout;
+  t.random = entry::random;
+  t.adamw = entry::adamw;
+  t.attention = entry::attention;
+  t.attention_backward = entry::attention_backward;
+}
+
+}  // namespace sg::cuda

@@ -1,0 +1,416 @@
+// Every entry of the CUDA op table on cuda:0 against the CPU op table, on small irregular sizes,
+// f32 and bf16 (the CPU computes in f32 on the bf16-rounded inputs). Exits 77 (CTest: skipped)
+// on a machine without a CUDA device or on a build without SG_CUDA_KERNELS.
+#define CATCH_CONFIG_RUNNER
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <cstdio>
+#include <random>
+
+#include "autograd/ops.h"
+#include "kernels/cuda/runtime.h"
+#include "kernels/ops.h"
+
+#ifdef SG_CUDA_KERNELS
+using namespace sg;
+using kernels::Dims;
+
+namespace {
+
+const Device gpu = Device::cuda(0), host = Device::cpu();
+const kernels::OpTable& G() { return kernels::table(gpu); }
+const kernels::OpTable& C() { return kernels::table(host); }
+
+std::vector<float> randn(size_t n, uint32_t seed, float scale = 1.0f, float shift = 0.0f) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> d(shift, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(gen);
+  return v;
+}
+
+// v stored as dt on dev.
+Tensor put(const std::vector<float>& v, DType dt, Device dev) {
+  return to(to(from_vector(v, {int64_t(v.size())}), dt), dev);
+}
+std::vector<float> get(const Tensor& t) { return to_vector<float>(t); }
+// The values a kernel storing dt reads.
+std::vector<float> rounded(const std::vector<float>& v, DType dt) { return get(put(v, dt, host)); }
+Tensor buffer(int64_t n, DType dt, Device dev) { return zeros({n}, dt, dev); }
+
+double rtol(DType dt) { return dt == DType::f32 ? 1e-4 : 2e-2; }
+
+void check_close(const std::vector<float>& got, const std::vector<float>& want, double rtol, double atol) {
+  REQUIRE(got.size() == want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (std::isnan(want[i]) && std::isnan(got[i])) continue;
+    if (!(std::fabs(got[i] - want[i]) <= atol + rtol * std::fabs(want[i]))) {
+      INFO("element " << i << " of " << got.size() << ": got " << got[i] << ", want " << want[i]);
+      REQUIRE(false);
+    }
+  }
+}
+
+const std::vector<DType> kFloat = {DType::f32, DType::bf16};
+
+}  // namespace
+
+TEST_CASE("fill, copy_strided and the casts match the CPU", "[gpu][kernels]") {
+  for (DType dt : {DType::f32, DType::bf16, DType::f16, DType::i32, DType::i64}) {
+    INFO(dtype_name(dt));
+    Tensor d = buffer(1001, dt, gpu), c = buffer(1001, dt, host);
+    G().fill(d.data_ptr(), dt, 1001, 3.25);
+    C().fill(c.data_ptr(), dt, 1001, 3.25);
+    REQUIRE(get(d) == get(c));
+  }
+  // A transposed [37, 19] view of a [19, 37] matrix, into every storage type.
+  const auto v = randn(19 * 37, 1);
+  for (DType src : kFloat)
+    for (DType dst : {DType::f32, DType::bf16, DType::f16}) {
+      INFO(dtype_name(src) << " -> " << dtype_name(dst));
+      Tensor s = put(v, src, gpu), sc = put(v, src, host);
+      Tensor d = buffer(37 * 19, dst, gpu), c = buffer(37 * 19, dst, host);
+      G().copy_strided(d.data_ptr(), dst, s.data_ptr(), src, {37, 19}, {1, 37});
+      C().copy_strided(c.data_ptr(), dst, sc.data_ptr(), src, {37, 19}, {1, 37});
+      REQUIRE(get(d) == get(c));
+    }
+}
+
+TEST_CASE("binary ops, contiguous and broadcast, match the CPU", "[gpu][kernels]") {
+  const Dims shape = {5, 7, 9};
+  const auto a = randn(5 * 7 * 9, 2), b = randn(7 * 9, 3, 1.0f, 3.0f);  // b away from 0 for div
+  for (DType dt : kFloat)
+    for (auto op : {kernels::Binary::add, kernels::Binary::sub, kernels::Binary::mul, kernels::Binary::div,
+                    kernels::Binary::max, kernels::Binary::min}) {
+      INFO(dtype_name(dt) << " op " << int(op));
+      Tensor ga = put(a, dt, gpu), gb = put(b, dt, gpu), out = buffer(315, dt, gpu);
+      Tensor ca = put(rounded(a, dt), DType::f32, host), cb = put(rounded(b, dt), DType::f32, host);
+      Tensor ref = buffer(315, DType::f32, host);
+      G().binary(op, dt, out.data_ptr(), ga.data_ptr(), {63, 9, 1}, gb.data_ptr(), {0, 9, 1}, shape);
+      C().binary(op, DType::f32, ref.data_ptr(), ca.data_ptr(), {63, 9, 1}, cb.data_ptr(), {0, 9, 1}, shape);
+      check_close(get(out), rounded(get(ref), dt), rtol(dt), 1e-6);
+      // contiguous (the 128-bit path): a op a
+      G().binary(op, dt, out.data_ptr(), ga.data_ptr(), {63, 9, 1}, ga.data_ptr(), {63, 9, 1}, shape);
+      C().binary(op, DType::f32, ref.data_ptr(), ca.data_ptr(), {63, 9, 1}, ca.data_ptr(), {63, 9, 1}, shape);
+      check_close(get(out), rounded(get(ref), dt), rtol(dt), 1e-6);
+    }
+}
+
+TEST_CASE("unary ops and their derivatives match the CPU", "[gpu][kernels]") {
+  const int64_t n = 1003;
+  const auto x = randn(n, 4, 0.5f, 1.5f);  // mostly positive: log, sqrt, rsqrt, pow stay defined
+  for (DType dt : kFloat) {
+    for (int k = 0; k <= int(kernels::Unary::square); ++k) {
+      const auto op = kernels::Unary(k);
+      INFO(dtype_name(dt) << " unary " << k);
+      Tensor gx = put(x, dt, gpu), out = buffer(n, dt, gpu);
+      Tensor cx = put(rounded(x, dt), DType::f32, host), ref = buffer(n, DType::f32, host);
+      G().unary(op, dt, out.data_ptr(), gx.data_ptr(), n, 1.7);
+      C().unary(op, DType::f32, ref.data_ptr(), cx.data_ptr(), n, 1.7);
+      check_close(get(out), rounded(get(ref), dt), rtol(dt), 1e-5);
+    }
+    const auto dy = randn(n, 5);
+    for (auto op : {kernels::Unary::relu, kernels::Unary::gelu, kernels::Unary::silu, kernels::Unary::tanh,
+                    kernels::Unary::exp}) {
+      INFO(dtype_name(dt) << " unary_backward " << int(op));
+      Tensor gx = put(x, dt, gpu), gdy = put(dy, dt, gpu), dx = buffer(n, dt, gpu);
+      Tensor cx = put(rounded(x, dt), DType::f32, host), cdy = put(rounded(dy, dt), DType::f32, host);
+      Tensor ref = buffer(n, DType::f32, host);
+      G().unary_backward(op, dt, dx.data_ptr(), gdy.data_ptr(), gx.data_ptr(), n);
+      C().unary_backward(op, DType::f32, ref.data_ptr(), cdy.data_ptr(), cx.data_ptr(), n);
+      check_close(get(dx), rounded(get(ref), dt), rtol(dt), 1e-5);
+    }
+  }
+}
+
+TEST_CASE("reductions over rows and over a middle axis match the CPU", "[gpu][kernels]") {
+  for (DType dt : kFloat)
+    for (auto op : {kernels::Reduce::sum, kernels::Reduce::max, kernels::Reduce::sum_squares})
+      for (Dims s : {Dims{3, 777, 1}, Dims{4, 33, 5}}) {
+        INFO(dtype_name(dt) << " reduce " << int(op) << " [" << s[0] << "," << s[1] << "," << s[2] << "]");
+        const auto x = randn(size_t(s[0] * s[1] * s[2]), 6);
+        Tensor gx = put(x, dt, gpu), out = buffer(s[0] * s[2], dt, gpu);
+        Tensor cx = put(rounded(x, dt), DType::f32, host), ref = buffer(s[0] * s[2], DType::f32, host);
+        G().reduce(op, dt, out.data_ptr(), gx.data_ptr(), s[0], s[1], s[2]);
+        C().reduce(op, DType::f32, ref.data_ptr(), cx.data_ptr(), s[0], s[1], s[2]);
+        check_close(get(out), rounded(get(ref), dt), rtol(dt), 1e-3);
+      }
+}
+
+TEST_CASE("gemm through cuBLASLt matches the CPU for every transpose, batched, with alpha and beta", "[gpu][kernels]") {
+  const int64_t M = 37, N = 45, K = 29, batch = 3;
+  for (DType dt : kFloat)
+    for (bool ta : {false, true})
+      for (bool tb : {false, true}) {
+        INFO(dtype_name(dt) << " trans_a " << ta << " trans_b " << tb);
+        const auto a = randn(size_t(batch * M * K), 7), b = randn(size_t(batch * K * N), 8),
+                   c = randn(size_t(batch * M * N), 9);
+        kernels::GemmArgs g;
+        g.dtype = dt, g.trans_a = ta, g.trans_b = tb, g.M = M, g.N = N, g.K = K;
+        g.lda = ta ? M : K, g.ldb = tb ? K : N, g.ldc = N;
+        g.alpha = 0.7, g.beta = 0.3, g.batch = batch, g.stride_a = M * K, g.stride_b = K * N, g.stride_c = M * N;
+        Tensor ga = put(a, dt, gpu), gb = put(b, dt, gpu), gc = put(c, dt, gpu);
+        Tensor ca = put(rounded(a, dt), DType::f32, host), cb = put(rounded(b, dt), DType::f32, host),
+               cc = put(rounded(c, dt), DType::f32, host);
+        kernels::GemmArgs h = g;
+        g.A = ga.data_ptr(), g.B = gb.data_ptr(), g.C = gc.data_ptr();
+        h.dtype = DType::f32, h.A = ca.data_ptr(), h.B = cb.data_ptr(), h.C = cc.data_ptr();
+        G().gemm(g);
+        C().gemm(h);
+        check_close(get(gc), rounded(get(cc), dt), rtol(dt), dt == DType::f32 ? 1e-4 : 3e-2);
+      }
+}
+
+TEST_CASE("TF32 GEMM stays within TF32 rounding of the CPU", "[gpu][kernels]") {
+  const int64_t M = 64, N = 48, K = 80;
+  const auto a = randn(size_t(M * K), 10), b = randn(size_t(K * N), 11);
+  Tensor ga = put(a, DType::f32, gpu), gb = put(b, DType::f32, gpu), gc = buffer(M * N, DType::f32, gpu);
+  Tensor ca = put(a, DType::f32, host), cb = put(b, DType::f32, host), cc = buffer(M * N, DType::f32, host);
+  kernels::GemmArgs g;
+  g.dtype = DType::f32, g.M = M, g.N = N, g.K = K, g.lda = K, g.ldb = N, g.ldc = N;
+  kernels::GemmArgs h = g;
+  g.A = ga.data_ptr(), g.B = gb.data_ptr(), g.C = gc.data_ptr();
+  h.A = ca.data_ptr(), h.B = cb.data_ptr(), h.C = cc.data_ptr();
+  cuda::set_allow_tf32(true);
+  G().gemm(g);
+  cuda::set_allow_tf32(false);
+  C().gemm(h);
+  check_close(get(gc), get(cc), 0, 5e-3 * std::sqrt(double(K)));
+}
+
+TEST_CASE("gemm_bias_gelu equals gemm + bias + GELU on the CPU", "[gpu][kernels]") {
+  const int64_t M = 33, N = 40, K = 24;
+  for (DType dt : kFloat) {
+    INFO(dtype_name(dt));
+    const auto x = randn(size_t(M * K), 12), w = randn(size_t(N * K), 13, 0.3f), bias = randn(size_t(N), 14);
+    Tensor gx = put(x, dt, gpu), gw = put(w, dt, gpu), gbias = put(bias, dt, gpu);
+    Tensor out = buffer(M * N, dt, gpu), pre = buffer(M * N, dt, gpu);
+    cuda::gemm_bias_gelu(dt, out.data_ptr(), pre.data_ptr(), gx.data_ptr(), gw.data_ptr(), gbias.data_ptr(), M, N, K);
+    const auto xr = rounded(x, dt), wr = rounded(w, dt), br = rounded(bias, dt);
+    std::vector<float> want_pre(size_t(M * N)), want(size_t(M * N));
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N; ++j) {
+        double s = br[size_t(j)];
+        for (int64_t k = 0; k < K; ++k) s += double(xr[size_t(i * K + k)]) * wr[size_t(j * K + k)];
+        want_pre[size_t(i * N + j)] = float(s);
+      }
+    Tensor cp = put(want_pre, DType::f32, host), cg = buffer(M * N, DType::f32, host);
+    C().unary(kernels::Unary::gelu, DType::f32, cg.data_ptr(), cp.data_ptr(), M * N, 0);
+    check_close(get(pre), rounded(want_pre, dt), rtol(dt), dt == DType::f32 ? 1e-4 : 3e-2);
+    check_close(get(out), rounded(get(cg), dt), rtol(dt), dt == DType::f32 ? 1e-4 : 3e-2);
+  }
+}
+
+TEST_CASE("softmax and log-softmax, forward and backward, match the CPU", "[gpu][kernels]") {
+  const int64_t rows = 13, cols = 301;
+  const auto x = randn(size_t(rows * cols), 15, 2.0f), dy = randn(size_t(rows * cols), 16);
+  for (DType dt : kFloat)
+    for (bool log : {false, true}) {
+      INFO(dtype_name(dt) << " log " << log);
+      Tensor gx = put(x, dt, gpu), gy = buffer(rows * cols, dt, gpu), gdy = put(dy, dt, gpu),
+             gdx = buffer(rows * cols, dt, gpu);
+      Tensor cx = put(rounded(x, dt), DType::f32, host), cy = buffer(rows * cols, DType::f32, host),
+             cdy = put(rounded(dy, dt), DType::f32, host), cdx = buffer(rows * cols, DType::f32, host);
+      G().softmax(dt, gy.data_ptr(), gx.data_ptr(), rows, cols, log);
+      C().softmax(DType::f32, cy.data_ptr(), cx.data_ptr(), rows, cols, log);
+      check_close(get(gy), rounded(get(cy), dt), rtol(dt), 1e-5);
+      // backward from the same (device-rounded) y on both sides
+      Tensor cy_dev = put(get(gy), DType::f32, host);
+      G().softmax_backward(dt, gdx.data_ptr(), gdy.data_ptr(), gy.data_ptr(), rows, cols, log);
+      C().softmax_backward(DType::f32, cdx.data_ptr(), cdy.data_ptr(), cy_dev.data_ptr(), rows, cols, log);
+      check_close(get(gdx), rounded(get(cdx), dt), rtol(dt), dt == DType::f32 ? 1e-5 : 1e-2);
+    }
+}
+
+TEST_CASE("layernorm and rmsnorm, forward and backward, match the CPU", "[gpu][kernels]") {
+  const int64_t rows = 37, C_ = 97;
+  const auto x = randn(size_t(rows * C_), 17, 1.5f, 0.5f), w = randn(size_t(C_), 18, 0.2f, 1.0f),
+             b = randn(size_t(C_), 19), dy = randn(size_t(rows * C_), 20);
+  for (DType dt : kFloat) {
+    INFO(dtype_name(dt));
+    const double tol = dt == DType::f32 ? 1e-4 : 3e-2;
+    Tensor gx = put(x, dt, gpu), gw = put(w, dt, gpu), gb = put(b, dt, gpu), gdy = put(dy, dt, gpu);
+    Tensor cx = put(rounded(x, dt), DType::f32, host), cw = put(rounded(w, dt), DType::f32, host),
+           cb = put(rounded(b, dt), DType::f32, host), cdy = put(rounded(dy, dt), DType::f32, host);
+    Tensor gy = buffer(rows * C_, dt, gpu), gm = buffer(rows, dt, gpu), gr = buffer(rows, dt, gpu);
+    Tensor cy = buffer(rows * C_, DType::f32, host), cm = buffer(rows, DType::f32, host),
+           cr = buffer(rows, DType::f32, host);
+    G().layernorm(dt, gy.data_ptr(), gm.data_ptr(), gr.data_ptr(), gx.data_ptr(), gw.data_ptr(), gb.data_ptr(), rows,
+                  C_, 1e-5);
+    C().layernorm(DType::f32, cy.data_ptr(), cm.data_ptr(), cr.data_ptr(), cx.data_ptr(), cw.data_ptr(),
+                  cb.data_ptr(), rows, C_, 1e-5);
+    check_close(get(gy), rounded(get(cy), dt), tol, tol);
+    check_close(get(gm), rounded(get(cm), dt), tol, tol);
+    check_close(get(gr), rounded(get(cr), dt), tol, tol);
+    Tensor gdx = buffer(rows * C_, dt, gpu), gdw = buffer(C_, dt, gpu), gdb = buffer(C_, dt, gpu);
+    Tensor cdx = buffer(rows * C_, DType::f32, host), cdw = buffer(C_, DType::f32, host),
+           cdb = buffer(C_, DType::f32, host);
+    G().layernorm_backward(dt, gdx.data_ptr(), gdw.data_ptr(), gdb.data_ptr(), gdy.data_ptr(), gx.data_ptr(),
+                           gw.data_ptr(), gm.data_ptr(), gr.data_ptr(), rows, C_);
+    C().layernorm_backward(DType::f32, cdx.data_ptr(), cdw.data_ptr(), cdb.data_ptr(), cdy.data_ptr(), cx.data_ptr(),
+                           cw.data_ptr(), cm.data_ptr(), cr.data_ptr(), rows, C_);
+    check_close(get(gdx), get(cdx), tol, tol);
+    check_close(get(gdw), get(cdw), tol, 10 * tol);  // sums over 37 rows
+    check_close(get(gdb), get(cdb), tol, 10 * tol);
+
+    G().rmsnorm(dt, gy.data_ptr(), gr.data_ptr(), gx.data_ptr(), gw.data_ptr(), rows, C_, 1e-6);
+    C().rmsnorm(DType::f32, cy.data_ptr(), cr.data_ptr(), cx.data_ptr(), cw.data_ptr(), rows, C_, 1e-6);
+    check_close(get(gy), rounded(get(cy), dt), tol, tol);
+    check_close(get(gr), rounded(get(cr), dt), tol, tol);
+    G().rmsnorm_backward(dt, gdx.data_ptr(), gdw.data_ptr(), gdy.data_ptr(), gx.data_ptr(), gw.data_ptr(),
+                         gr.data_ptr(), rows, C_);
+    C().rmsnorm_backward(DType::f32, cdx.data_ptr(), cdw.data_ptr(), cdy.data_ptr(), cx.data_ptr(), cw.data_ptr(),
+                         cr.data_ptr(), rows, C_);
+    check_close(get(gdx), get(cdx), tol, tol);
+    check_close(get(gdw), get(cdw), tol, 10 * tol);
+  }
+}
+
+TEST_CASE("embedding forward and '+=' backward match the CPU; a bad index throws", "[gpu][kernels]") {
+  const int64_t n = 29, C_ = 67, rows = 50;
+  std::vector<int64_t> idx(n);
+  for (int64_t i = 0; i < n; ++i) idx[size_t(i)] = (i * 17 + 3) % rows;
+  idx[5] = idx[9] = idx[20] = 7;  // repeated rows accumulate
+  const auto weight = randn(size_t(rows * C_), 21), dout = randn(size_t(n * C_), 22), dw0 = randn(size_t(rows * C_), 23);
+  for (DType dt : kFloat) {
+    INFO(dtype_name(dt));
+    Tensor gi = to(from_vector(idx, {n}), gpu), ci = from_vector(idx, {n});
+    Tensor gwt = put(weight, dt, gpu), cwt = put(rounded(weight, dt), DType::f32, host);
+    Tensor gout = buffer(n * C_, dt, gpu), cout = buffer(n * C_, DType::f32, host);
+    G().embedding(dt, DType::i64, gout.data_ptr(), gi.data_ptr(), gwt.data_ptr(), n, C_, rows);
+    C().embedding(DType::f32, DType::i64, cout.data_ptr(), ci.data_ptr(), cwt.data_ptr(), n, C_, rows);
+    check_close(get(gout), get(cout), 0, 0);
+    Tensor gdw = put(dw0, dt, gpu), cdw = put(rounded(dw0, dt), DType::f32, host);
+    Tensor gdo = put(dout, dt, gpu), cdo = put(rounded(dout, dt), DType::f32, host);
+    G().embedding_backward(dt, DType::i64, gdw.data_ptr(), gdo.data_ptr(), gi.data_ptr(), n, C_);
+    C().embedding_backward(DType::f32, DType::i64, cdw.data_ptr(), cdo.data_ptr(), ci.data_ptr(), n, C_);
+    check_close(get(gdw), get(cdw), rtol(dt), dt == DType::f32 ? 1e-5 : 5e-2);
+  }
+  std::vector<int32_t> bad = {0, 3, 50, 2};
+  Tensor gb = to(from_vector(bad, {4}), gpu), gw = put(weight, DType::f32, gpu), out = buffer(4 * C_, DType::f32, gpu);
+  REQUIRE_THROWS_WITH(G().embedding(DType::f32, DType::i32, out.data_ptr(), gb.data_ptr(), gw.data_ptr(), 4, C_, rows),
+                      Catch::Contains("embedding (cuda): 1 of 4 indices out of range"));
+}
+
+TEST_CASE("cross_entropy over a padded vocabulary, forward and backward, matches the CPU", "[gpu][kernels]") {
+  const int64_t rows = 21, Vp = 136, V = 129, ignore = -100;
+  const auto logits = randn(size_t(rows * Vp), 24, 2.0f), dloss = randn(size_t(rows), 25);
+  std::vector<int64_t> t(rows);
+  for (int64_t r = 0; r < rows; ++r) t[size_t(r)] = (r * 31 + 1) % V;
+  t[3] = t[11] = ignore;
+  for (DType dt : kFloat) {
+    INFO(dtype_name(dt));
+    const double tol = dt == DType::f32 ? 1e-5 : 2e-2;
+    Tensor gt = to(from_vector(t, {rows}), gpu), ct = from_vector(t, {rows});
+    Tensor gx = put(logits, dt, gpu), cx = put(rounded(logits, dt), DType::f32, host);
+    Tensor gl = buffer(rows, dt, gpu), gs = buffer(rows, dt, gpu), cl = buffer(rows, DType::f32, host),
+           cs = buffer(rows, DType::f32, host);
+    G().cross_entropy(dt, DType::i64, gl.data_ptr(), gs.data_ptr(), gx.data_ptr(), gt.data_ptr(), rows, Vp, V, ignore);
+    C().cross_entropy(DType::f32, DType::i64, cl.data_ptr(), cs.data_ptr(), cx.data_ptr(), ct.data_ptr(), rows, Vp, V,
+                      ignore);
+    check_close(get(gl), rounded(get(cl), dt), tol, tol);
+    check_close(get(gs), rounded(get(cs), dt), tol, tol);
+    Tensor gd = put(dloss, dt, gpu), cd = put(rounded(dloss, dt), DType::f32, host);
+    Tensor gdx = buffer(rows * Vp, dt, gpu), cdx = buffer(rows * Vp, DType::f32, host);
+    G().cross_entropy_backward(dt, DType::i64, gdx.data_ptr(), gd.data_ptr(), gx.data_ptr(), gs.data_ptr(),
+                               gt.data_ptr(), rows, Vp, V, ignore);
+    C().cross_entropy_backward(DType::f32, DType::i64, cdx.data_ptr(), cd.data_ptr(), cx.data_ptr(), cs.data_ptr(),
+                               ct.data_ptr(), rows, Vp, V, ignore);
+    check_close(get(gdx), rounded(get(cdx), dt), tol, dt == DType::f32 ? 1e-6 : 5e-3);
+  }
+  std::vector<int32_t> bad(size_t(rows), 1);
+  bad[7] = int32_t(V);
+  Tensor gb = to(from_vector(bad, {rows}), gpu), gx = put(logits, DType::f32, gpu);
+  Tensor gl = buffer(rows, DType::f32, gpu), gs = buffer(rows, DType::f32, gpu);
+  REQUIRE_THROWS_WITH(G().cross_entropy(DType::f32, DType::i32, gl.data_ptr(), gs.data_ptr(), gx.data_ptr(),
+                                        gb.data_ptr(), rows, Vp, V, ignore),
+                      Catch::Contains("cross_entropy (cuda): 1 of 21 targets out of range"));
+}
+
+TEST_CASE("dropout and Philox fills give the CPU's numbers", "[gpu][kernels]") {
+  const int64_t n = 1001;
+  const auto x = randn(size_t(n), 26);
+  Tensor gx = put(x, DType::f32, gpu), cx = put(x, DType::f32, host);
+  Tensor go = buffer(n, DType::f32, gpu), co = buffer(n, DType::f32, host);
+  G().dropout(DType::f32, go.data_ptr(), gx.data_ptr(), n, 0.3, 42, 7);
+  C().dropout(DType::f32, co.data_ptr(), cx.data_ptr(), n, 0.3, 42, 7);
+  check_close(get(go), get(co), 1e-6, 0);  // the same mask, bit for bit
+  G().random(DType::f32, go.data_ptr(), n, false, -2.0, 3.0, 5, 1, 100);
+  C().random(DType::f32, co.data_ptr(), n, false, -2.0, 3.0, 5, 1, 100);
+  REQUIRE(get(go) == get(co));
+  G().random(DType::f32, go.data_ptr(), n, true, 0.5, 2.0, 5, 1, 100);
+  C().random(DType::f32, co.data_ptr(), n, true, 0.5, 2.0, 5, 1, 100);
+  check_close(get(go), get(co), 1e-5, 1e-5);  // device logf/cosf may differ in the last ulp
+}
+
+TEST_CASE("adamw matches the CPU over several steps", "[gpu][kernels]") {
+  const int64_t n = 5003;
+  const auto p = randn(size_t(n), 27), g = randn(size_t(n), 28);
+  Tensor gp = put(p, DType::f32, gpu), gg = put(g, DType::f32, gpu), gm = buffer(n, DType::f32, gpu),
+         gv = buffer(n, DType::f32, gpu);
+  Tensor cp = put(p, DType::f32, host), cg = put(g, DType::f32, host), cm = buffer(n, DType::f32, host),
+         cv = buffer(n, DType::f32, host);
+  for (int64_t step = 1; step <= 3; ++step) {
+    kernels::AdamWArgs a;
+    a.dtype = DType::f32, a.n = n, a.lr = 1e-2, a.weight_decay = 0.1, a.grad_scale = 0.5, a.step = step;
+    kernels::AdamWArgs c = a;
+    a.param = gp.data_ptr(), a.grad = gg.data_ptr(), a.m = gm.data_ptr(), a.v = gv.data_ptr();
+    c.param = cp.data_ptr(), c.grad = cg.data_ptr(), c.m = cm.data_ptr(), c.v = cv.data_ptr();
+    G().adamw(a);
+    C().adamw(c);
+  }
+  check_close(get(gp), get(cp), 1e-5, 1e-6);
+  check_close(get(gm), get(cm), 1e-5, 1e-7);
+  check_close(get(gv), get(cv), 1e-5, 1e-7);
+}
+
+TEST_CASE("causal flash attention, forward and backward, matches the CPU", "[gpu][kernels]") {
+  const int64_t B = 2, H = 3, T = 77;
+  for (int64_t D : {64, 128})
+    for (DType dt : kFloat) {
+      INFO(dtype_name(dt) << " D " << D);
+      const double tol = dt == DType::f32 ? 2e-4 : 3e-2;
+      const size_t n = size_t(B * H * T * D);
+      const auto q = randn(n, 29), k = randn(n, 30), v = randn(n, 31), dout = randn(n, 32);
+      Tensor gq = put(q, dt, gpu), gk = put(k, dt, gpu), gv = put(v, dt, gpu), gdo = put(dout, dt, gpu);
+      Tensor cq = put(rounded(q, dt), DType::f32, host), ck = put(rounded(k, dt), DType::f32, host),
+             cv = put(rounded(v, dt), DType::f32, host), cdo = put(rounded(dout, dt), DType::f32, host);
+      Tensor go = buffer(int64_t(n), dt, gpu), gl = buffer(B * H * T, dt, gpu);
+      Tensor co = buffer(int64_t(n), DType::f32, host), cl = buffer(B * H * T, DType::f32, host);
+      Tensor gdq = buffer(int64_t(n), dt, gpu), gdk = buffer(int64_t(n), dt, gpu), gdv = buffer(int64_t(n), dt, gpu);
+      Tensor cdq = buffer(int64_t(n), DType::f32, host), cdk = buffer(int64_t(n), DType::f32, host),
+             cdv = buffer(int64_t(n), DType::f32, host);
+      kernels::AttentionArgs a;
+      a.dtype = dt, a.B = B, a.H = H, a.T = T, a.D = D, a.causal = true, a.scale = 1.0 / std::sqrt(double(D));
+      kernels::AttentionArgs c = a;
+      c.dtype = DType::f32;
+      a.q = gq.data_ptr(), a.k = gk.data_ptr(), a.v = gv.data_ptr(), a.out = go.data_ptr(), a.lse = gl.data_ptr();
+      a.dout = gdo.data_ptr(), a.dq = gdq.data_ptr(), a.dk = gdk.data_ptr(), a.dv = gdv.data_ptr();
+      c.q = cq.data_ptr(), c.k = ck.data_ptr(), c.v = cv.data_ptr(), c.out = co.data_ptr(), c.lse = cl.data_ptr();
+      c.dout = cdo.data_ptr(), c.dq = cdq.data_ptr(), c.dk = cdk.data_ptr(), c.dv = cdv.data_ptr();
+      G().attention(a);
+      C().attention(c);
+      check_close(get(go), rounded(get(co), dt), tol, tol);
+      check_close(get(gl), rounded(get(cl), dt), tol, tol);
+      G().attention_backward(a);
+      C().attention_backward(c);
+      check_close(get(gdq), get(cdq), tol, tol);
+      check_close(get(gdk), get(cdk), tol, tol);
+      check_close(get(gdv), get(cdv), tol, tol);
+    }
+}
+
+#endif  // SG_CUDA_KERNELS
+
+int main(int argc, char** argv) {
+#ifndef SG_CUDA_KERNELS
+  std::printf("built without SG_CUDA_KERNELS: the CUDA kernel tests are skipped\n");
+  return 77;
+#else
+  if (sg::cuda::device_count() == 0) {
+    std::printf("no CUDA device: the CUDA kernel tests are skipped\n");
+    return 77;
+  }
+  return Catch::Session().run(argc, argv);
+#endif
+}
