@@ -407,32 +407,44 @@ std::vector<std::string> ShardedCheckpoint::names() const {
 }
 
 void ShardedCheckpoint::read(const std::string& name, const Box& box, int64_t flat_lo, const Tensor& out) const {
-  if (cached_name_ != name) {
-    const TensorRef& t = ref(name);
-    cached_ = MemorySource();
-    cached_name_.clear();
-    // Every file first: a truncated or replaced file is refused before anything is allocated.
-    std::map<std::string, std::unique_ptr<io::ReadFile>> files;
-    for (const auto& p : t.pieces) {
-      if (files.count(p.file)) continue;
-      auto rf = std::make_unique<io::ReadFile>((fs::path(path_) / p.file).string(), "checkpoint");
-      SG_CHECK(rf->size() == file_bytes_.at(p.file), "checkpoint: tensor '", name, "': file ", rf->path(), " is ",
-               rf->size(), " bytes but index.json records ", file_bytes_.at(p.file), " (truncated or replaced?)");
-      files.emplace(p.file, std::move(rf));
-    }
-    std::vector<Piece> pieces;
-    for (const auto& p : t.pieces) {
-      Tensor data = Tensor::empty({p.numel}, t.dtype, Device::cpu());
-      const io::ReadFile& rf = *files.at(p.file);
-      rf.read_at(data.data_ptr(), size_t(p.end - p.begin), p.begin);
-      SG_CHECK(bytes_checksum(data.data_ptr(), data.nbytes()) == p.checksum, "checkpoint: tensor '", name,
-               "' (piece '", p.key, "') in ", rf.path(), " fails its checksum: the file is corrupt");
-      pieces.push_back({name, t.shape, p.box, p.flat_lo, data});
-    }
-    cached_.add(name, assemble(pieces).at(name));
-    cached_name_ = name;
-  }
+  load(name);
   cached_.read(name, box, flat_lo, out);
+}
+
+Tensor ShardedCheckpoint::tensor(const std::string& name) const {
+  load(name);
+  const Tensor& t = cached_.tensors().at(name);
+  Tensor out = empty(t.shape(), t.dtype());
+  autograd::NoGradGuard ng;
+  copy_(out, t);
+  return out;
+}
+
+void ShardedCheckpoint::load(const std::string& name) const {
+  if (cached_name_ == name) return;
+  const TensorRef& t = ref(name);
+  cached_ = MemorySource();
+  cached_name_.clear();
+  // Every file first: a truncated or replaced file is refused before anything is allocated.
+  std::map<std::string, std::unique_ptr<io::ReadFile>> files;
+  for (const auto& p : t.pieces) {
+    if (files.count(p.file)) continue;
+    auto rf = std::make_unique<io::ReadFile>((fs::path(path_) / p.file).string(), "checkpoint");
+    SG_CHECK(rf->size() == file_bytes_.at(p.file), "checkpoint: tensor '", name, "': file ", rf->path(), " is ",
+             rf->size(), " bytes but index.json records ", file_bytes_.at(p.file), " (truncated or replaced?)");
+    files.emplace(p.file, std::move(rf));
+  }
+  std::vector<Piece> pieces;
+  for (const auto& p : t.pieces) {
+    Tensor data = Tensor::empty({p.numel}, t.dtype, Device::cpu());
+    const io::ReadFile& rf = *files.at(p.file);
+    rf.read_at(data.data_ptr(), size_t(p.end - p.begin), p.begin);
+    SG_CHECK(bytes_checksum(data.data_ptr(), data.nbytes()) == p.checksum, "checkpoint: tensor '", name,
+             "' (piece '", p.key, "') in ", rf.path(), " fails its checksum: the file is corrupt");
+    pieces.push_back({name, t.shape, p.box, p.flat_lo, data});
+  }
+  cached_.add(name, assemble(pieces).at(name));
+  cached_name_ = name;
 }
 
 // ---- the full format, as global tensors ----

@@ -64,7 +64,7 @@ class Checkpoint : public PieceSource {
   virtual std::vector<std::string> names() const = 0;  // every global tensor, sorted
   virtual DType dtype(const std::string& name) const = 0;
   // The whole global tensor, in its saved dtype.
-  Tensor tensor(const std::string& name) const;
+  virtual Tensor tensor(const std::string& name) const;
 
  protected:
   std::string path_;
@@ -84,6 +84,7 @@ class ShardedCheckpoint : public Checkpoint {
   void read(const std::string& name, const Box& box, int64_t flat_lo, const Tensor& out) const override;
   std::vector<std::string> names() const override;
   DType dtype(const std::string& name) const override;
+  Tensor tensor(const std::string& name) const override;
 
   struct PieceRef {
     std::string file, key;
@@ -99,6 +100,9 @@ class ShardedCheckpoint : public Checkpoint {
 
  private:
   const TensorRef& ref(const std::string& name) const;
+  // Reads, checks and assembles `name` into cached_ (unless it is there already). Allocates only
+  // after every file it needs has the recorded size, so memory is bounded by the files on disk.
+  void load(const std::string& name) const;
   std::map<std::string, TensorRef> tensors_;
   std::map<std::string, int64_t> file_bytes_;
   // The last tensor assembled (reads of one tensor come together: one per box or flat run).

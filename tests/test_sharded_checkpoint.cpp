@@ -342,3 +342,29 @@ TEST_CASE("export consolidates a sharded checkpoint into one Hugging Face file t
   INFO(train);
   CHECK(std::system((train + " > /dev/null 2>&1").c_str()) == 0);
 }
+
+TEST_CASE("the fuzz seed corpus of the index reader: good seeds load, bad ones are refused", "[ckpt]") {
+  // The rank file the fuzz target (tests/fuzz/sharded_index.cpp) writes: F32 [4] = 1, 2, 3, 4.
+  Dir d;
+  fs::create_directories(d.p);
+  std::string header = R"({"w#0":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})";
+  header.append((8 - header.size() % 8) % 8, ' ');
+  const uint64_t n = header.size();
+  const float values[4] = {1, 2, 3, 4};
+  {
+    std::ofstream f(d.p / "rank_00000.safetensors", std::ios::binary);
+    f.write(reinterpret_cast<const char*>(&n), 8);
+    f << header;
+    f.write(reinterpret_cast<const char*>(values), sizeof values);
+  }
+  const fs::path corpus = fs::path(SG_SOURCE_DIR) / "tests" / "fuzz" / "corpus" / "sharded_index";
+  for (const char* good : {"good", "two_boxes"}) {
+    INFO(good);
+    fs::copy_file(corpus / good, d.p / "index.json", fs::copy_options::overwrite_existing);
+    CHECK(same(ShardedCheckpoint(d.p.string()).tensor("w"), from_vector<float>({1, 2, 3, 4}, {2, 2})));
+  }
+  fs::copy_file(corpus / "escape", d.p / "index.json", fs::copy_options::overwrite_existing);
+  CHECK_THROWS_WITH(ShardedCheckpoint(d.p.string()), Catch::Contains("is not a plain"));
+  fs::copy_file(corpus / "gap", d.p / "index.json", fs::copy_options::overwrite_existing);
+  CHECK_THROWS_WITH(ShardedCheckpoint(d.p.string()), Catch::Contains("are in no piece"));
+}
