@@ -14,6 +14,7 @@
 #include "io/dataset.h"
 #include "models/gpt.h"
 #include "parallel/checkpoint.h"
+#include "parallel/sharded_checkpoint.h"
 
 namespace sg::cli {
 
@@ -40,8 +41,19 @@ int generate_main(int argc, char** argv) {
 
   std::string from = a.str("from");
   std::string file = from;
-  if (std::filesystem::is_directory(from)) file = (std::filesystem::path(ckpt::resolve_checkpoint(from)) / "model.safetensors").string();
-  io::SafetensorsFile weights = io::load_safetensors(file);
+  io::SafetensorsFile weights;
+  if (std::filesystem::is_directory(from)) {  // a checkpoint of any layout: its model, consolidated
+    std::unique_ptr<ckpt::Checkpoint> c = ckpt::open_checkpoint(from);
+    file = c->path();
+    weights.path = file;
+    for (auto& [n, t] : ckpt::hf_model_tensors(*c)) {
+      weights.order.push_back(n);
+      weights.tensors[n] = t;
+    }
+    weights.metadata = c->metadata();
+  } else {
+    weights = io::load_safetensors(file);
+  }
   nn::GPTConfig cfg = nn::config_from_hf(weights, a.i64("n-head"));
   nn::GPT model(cfg);
   nn::load_hf_state(model, weights);

@@ -16,6 +16,7 @@
 
 #include "autograd/ops.h"
 #include "autograd/tape.h"
+#include "core/trace.h"
 #include "cli/args.h"
 #include "cli/commands.h"
 #include "io/dataset.h"
@@ -24,6 +25,7 @@
 #include "optim/loss_scaler.h"
 #include "optim/optim.h"
 #include "parallel/checkpoint.h"
+#include "parallel/sharded_checkpoint.h"
 #include "parallel/comm/mpi_backend.h"
 #include "bench/report/timeline_svg.h"
 #include "bench/report/step_metrics.h"
@@ -91,6 +93,7 @@ void declare_flags(Args& a) {
   a.flag("pp-schedule", "1f1b", "pipeline schedule: gpipe | 1f1b | interleaved");
   a.flag("virtual-stages", "1", "interleaved: model chunks per pipeline rank");
   a.flag("timeline", "", "pipeline: write the last step's measured timeline as an SVG picture");
+  a.flag("trace", "", "write per-rank Chrome trace events (compute, collectives, gathers, pipeline actions), merged into this file");
   a.flag("keep", "0", "keep only the newest N checkpoints (0 = all)");
   a.flag("devices", "cpu:0,cpu:1", "dp: the devices to replicate over; the first one holds the model");
   a.flag("bucket-mb", "25", "ddp: gradient bucket size in MiB; zero1/zero2: one stripe's reduce-scatter input in MiB");
@@ -130,6 +133,29 @@ std::map<std::string, std::string> config_metadata(const nn::GPTConfig& c, const
           {"padded_vocab", std::to_string(c.vocab_rows())}, {"data", data}};
 }
 
+// The model config a checkpoint records (config_metadata above).
+nn::GPTConfig config_from_metadata(const std::map<std::string, std::string>& m, const std::string& where) {
+  auto get = [&](const char* k) -> int64_t {
+    auto it = m.find(k);
+    SG_CHECK(it != m.end(), "train: checkpoint ", where, " does not record '", k, "' in its metadata");
+    try {
+      return std::stoll(it->second);
+    } catch (const std::exception&) {
+      throw Error(str("train: checkpoint ", where, ": metadata '", k, "' is not a number: '", it->second, "'"));
+    }
+  };
+  nn::GPTConfig c;
+  c.name = "checkpoint";
+  c.n_layer = get("n_layer");
+  c.n_head = get("n_head");
+  c.n_embd = get("n_embd");
+  c.block_size = get("block_size");
+  c.vocab_size = get("vocab_size");
+  if (m.count("padded_vocab")) c.padded_vocab = get("padded_vocab");
+  c.validate();
+  return c;
+}
+
 std::string human_bytes(int64_t b) {
   char buf[32];
   if (b >= (int64_t(1) << 30)) std::snprintf(buf, sizeof buf, "%.2f GiB", double(b) / double(int64_t(1) << 30));
@@ -156,6 +182,10 @@ class Trainer {
   double train_step(int64_t step, double lr, double& grad_norm, bool& applied);
   json evaluate();
   void save(int64_t next_step);
+  std::vector<ckpt::Piece> state_pieces() const;
+  ckpt::LocalView view_of(const std::string& name, const Shape& local_shape) const;
+  void load_parameters(const ckpt::Checkpoint& ck);
+  void load_optimizer(const ckpt::Checkpoint& ck, int64_t optimizer_step);
   void resume(const std::string& dir);
 
   const Args& args_;
@@ -182,6 +212,7 @@ class Trainer {
   double model_parallel_grad_norm();
   // Sum over the data-parallel ranks of each one's share of the global batch's mean loss.
   double dp_loss(double share);
+  double world_sum(double x);  // over every rank (metrics group)
   // The groups whose byte counters hold this rank's training traffic.
   std::vector<const comm::ProcessGroup*> traffic_groups() const {
     std::vector<const comm::ProcessGroup*> g{world_.get()};
@@ -224,8 +255,6 @@ void Trainer::setup() {
   strategy_ = a.str("strategy");
   SG_CHECK(strategy_ == "single" || strategy_ == "dp" || strategy_ == "ddp" || zero_stage() > 0, "train: --strategy '",
            strategy_, "' is not available (expected single, dp, ddp, zero1, zero2, zero3, fsdp, fsdp-grad-op, hsdp or no-shard)");
-  SG_CHECK(!zero_stage() || (a.str("save").empty() && a.str("resume").empty()), "train: --save/--resume are not available with --strategy ",
-           strategy_, " yet: its optimizer state is sharded over the ranks and checkpoints hold the whole state");
   tp_ = int(positive(a, "tp"));
   pp_ = int(positive(a, "pp"));
   if (distributed()) {
@@ -273,16 +302,17 @@ void Trainer::setup() {
   vo.split = io::Split::val;
   val_ = io::open_dataset(vo);
 
-  std::optional<ckpt::LoadedCheckpoint> ck;
+  // A checkpoint of any layout (sharded, or the older full format): this run reads its own slices.
+  std::unique_ptr<ckpt::Checkpoint> ck;
   // --resume auto: the newest complete checkpoint of the --save directory.
   if (a.str("resume") == "auto") {
     SG_CHECK(!a.str("save").empty(), "train: --resume auto needs --save (the run directory to look in)");
-    if (std::filesystem::exists(a.str("save"))) ck = ckpt::load_checkpoint("auto:" + a.str("save"));
+    if (std::filesystem::exists(a.str("save"))) ck = ckpt::open_checkpoint("auto:" + a.str("save"));
   } else if (!a.str("resume").empty()) {
-    ck = ckpt::load_checkpoint(a.str("resume"));
+    ck = ckpt::open_checkpoint(a.str("resume"));
   }
   if (ck) {
-    cfg_ = nn::config_from_hf(ck->model);
+    cfg_ = config_from_metadata(ck->metadata(), ck->path());
     for (const char* f : {"n-layer", "n-head", "n-embd", "block-size", "vocab-size"}) {
       if (!a.given(f)) continue;
       int64_t want = a.i64(f);
@@ -290,7 +320,7 @@ void Trainer::setup() {
                      : std::string(f) == "n-head" ? cfg_.n_head
                      : std::string(f) == "n-embd" ? cfg_.n_embd
                      : std::string(f) == "block-size" ? cfg_.block_size : cfg_.vocab_size;
-      SG_CHECK(want == have, "train: --", f, " ", want, " does not match the checkpoint ", ck->path, " (", have, ")");
+      SG_CHECK(want == have, "train: --", f, " ", want, " does not match the checkpoint ", ck->path(), " (", have, ")");
     }
     cfg_.dropout = a.f64("dropout");
   } else if (!a.str("init-from").empty()) {
@@ -311,16 +341,21 @@ void Trainer::setup() {
   comm::MeshPlan mesh = comm::validate_mesh(world_size_, tp_, pp_, cfg_.n_head, cfg_.n_layer, cfg_.vocab_rows(), B_, micro_);
   if (tp_ > 1 || pp_ > 1) {
     // Model parallelism composes with data parallelism over the mesh's dp axis: the rows are split
-    // over dp, and DDP or ZeRO-1 reduce over the dp group only.
-    SG_CHECK(strategy_ == "single" || strategy_ == "ddp", "train: --strategy ", strategy_,
-             " does not compose with --tp/--pp yet (ddp does)");
-    SG_CHECK(mesh.mesh.dp() == 1 || strategy_ == "ddp", "train: --tp ", tp_, " x --pp ", pp_, " on ", world_size_,
-             " ranks leaves dp = ", mesh.mesh.dp(), ": the data-parallel replicas need --strategy ddp");
+    // over dp, and DDP, ZeRO-1/2 (any tp/pp) or ZeRO-3/FSDP (tp without SP) reduce over dp only.
+    const bool fsdp_ok = (strategy_ == "zero3" || strategy_ == "fsdp" || strategy_ == "fsdp-grad-op") && pp_ == 1 &&
+                         !a.on("sequence-parallel");
+    SG_CHECK(strategy_ == "single" || strategy_ == "ddp" || strategy_ == "zero1" || strategy_ == "zero2" || fsdp_ok,
+             "train: --strategy ", strategy_, " does not compose with ",
+             pp_ > 1 ? "--pp" : (a.on("sequence-parallel") ? "--sequence-parallel" : "--tp"),
+             " yet (ddp, zero1 and zero2 compose with any --tp/--pp; zero3, fsdp and fsdp-grad-op with --tp "
+             "without sequence parallelism)");
+    SG_CHECK(mesh.mesh.dp() == 1 || strategy_ != "single", "train: --tp ", tp_, " x --pp ", pp_, " on ", world_size_,
+             " ranks leaves dp = ", mesh.mesh.dp(),
+             ": the data-parallel replicas need a --strategy (ddp, zero1, zero2, or zero3/fsdp with --tp)");
     SG_CHECK(dtype_ == DType::f32, "train: --tp/--pp support --dtype fp32 only for now");
   }
   if (tp_ > 1) {
-    SG_CHECK(a.str("save").empty() && a.str("resume").empty() && a.str("init-from").empty(),
-             "train: --save/--resume/--init-from are not available with --tp yet (checkpoints hold whole tensors)");
+    SG_CHECK(a.str("init-from").empty(), "train: --init-from is not available with --tp yet (use --resume with a checkpoint)");
     cfg_.tp = tp_;
     cfg_.sequence_parallel = a.on("sequence-parallel");
     SG_CHECK(!cfg_.sequence_parallel || T_ % tp_ == 0, "train: --sequence-parallel: --seq-len ", T_,
@@ -330,7 +365,6 @@ void Trainer::setup() {
   SG_CHECK(!a.on("sequence-parallel") || tp_ > 1, "train: --sequence-parallel needs --tp > 1");
   const int v = int(positive(a, "virtual-stages"));
   if (pp_ > 1) {
-    SG_CHECK(a.str("save").empty() && a.str("resume").empty(), "train: --save/--resume are not available with --pp yet");
     SG_CHECK(cfg_.n_layer % (pp_ * v) == 0, "train: --pp ", pp_, " x --virtual-stages ", v, ": ", cfg_.n_layer,
              " layers do not split evenly into ", pp_ * v, " stages");
   }
@@ -349,7 +383,7 @@ void Trainer::setup() {
   model_ = std::make_unique<nn::GPT>(cfg_, dtype_, device_, tp_ > 1 ? groups_.tp : nullptr);
   model_->recompute = nn::parse_recompute(a.str("recompute"));
   if (ck) {
-    load_hf_state(*model_, ck->model);
+    load_parameters(*ck);
   } else if (!a.str("init-from").empty()) {
     load_hf_state(*model_, io::load_safetensors(a.str("init-from")));
   } else {
@@ -411,7 +445,7 @@ void Trainer::setup() {
   dropout_generator() = DropoutGenerator{seed_ ^ 0xd50b5eedull, 0};
 
   if (ck) {
-    const json& s = ck->state;
+    const json& s = ck->state();
     start_step_ = s.at("step").get<int64_t>();
     SG_CHECK(start_step_ <= steps_, "train: the checkpoint is at step ", start_step_, " but --steps is ", steps_);
     train_->set_position(s.at("train_position").get<int64_t>());
@@ -419,17 +453,23 @@ void Trainer::setup() {
     scaler_.scale = s.value("loss_scale", scaler_.scale);
     scaler_.clean_steps = s.value("loss_scale_clean_steps", int64_t(0));
     scaler_.skipped_steps = s.value("skipped_steps", int64_t(0));
-    io::NamedTensors st(ck->optim.tensors.begin(), ck->optim.tensors.end());
-    opt_->load_state(st, s.at("optimizer_step").get<int64_t>());
-    if (dtype_ != DType::f32) {  // master weights were saved exactly
-      for (auto& [n, m] : master_) copy_(m, ck->optim.at(n + ".master"));
-    }
+    load_optimizer(*ck, s.at("optimizer_step").get<int64_t>());
+    if (lead()) std::printf("resumed from %s at step %lld\n", ck->path().c_str(), (long long)start_step_);
   }
   save_dir_ = a.str("save");
   SG_CHECK(a.i64("keep") >= 0, "train: --keep must be >= 0");
   if (!save_dir_.empty() && std::filesystem::exists(save_dir_) && save_dir_ != a.str("resume") &&
       std::filesystem::exists(std::filesystem::path(save_dir_) / "latest") && !ck) {
     throw Error(str("train: --save ", save_dir_, " already holds a run; choose another directory or --resume it"));
+  }
+  if (!a.str("trace").empty()) {  // started after a barrier: the ranks' clocks share an origin
+    if (metrics_) metrics_->barrier()->wait();
+    trace::start(rank_);
+    for (auto [g, name] : std::vector<std::pair<const comm::ProcessGroup*, const char*>>{
+             {groups_.dp.get(), "dp"}, {groups_.pp.get(), "pp"}, {groups_.tp.get(), "tp"},
+             {fsdp_ ? fsdp_->shard_group() : nullptr, "shard"}, {fsdp_ ? fsdp_->replicate_group() : nullptr, "replicate"},
+             {world_.get(), "world"}, {metrics_.get(), "metrics"}, {dp_metrics_.get(), "dp metrics"}, {mp_metrics_.get(), "mp metrics"}})
+      trace::name_group(g, name);  // a group with two roles keeps the first name
   }
 }
 
@@ -450,8 +490,10 @@ double Trainer::train_step(int64_t step, double lr, double& grad_norm, bool& app
   for (int64_t m = 0; m < n_micro; ++m) {
     Tensor mi = narrow(idx, 0, m * micro_, micro_), mt = narrow(tgt, 0, m * micro_, micro_);
     if (ddp_) ddp_->set_sync(m == n_micro - 1);  // no_sync for all but the last micro-batch
-    if (zero_) zero_->set_sync(m == n_micro - 1);
+    // under SP the replicated gradients are summed over tp before ZeRO reduces them over dp
+    if (zero_) zero_->set_sync(m == n_micro - 1 && !cfg_.sequence_parallel);
     if (dp_) {
+      trace::Scope ts("forward+backward", "compute", {{"micro", m}});
       loss_sum += dp_->forward_backward(mi, mt, loss_scale / double(counted)) / loss_scale;
       continue;
     }
@@ -461,10 +503,15 @@ double Trainer::train_step(int64_t step, double lr, double& grad_norm, bool& app
       autograd::TapeScope scope(tape);
       // Sum over this micro-batch / tokens in the whole batch: the accumulated gradient is the
       // gradient of the global batch's mean loss, whatever the micro-batch split.
+      trace::Scope ts("forward", "compute", {{"micro", m}});
       loss = model_->loss(mi, mt, true, rank_scale * loss_scale / double(counted));
+      trace::memory(device_);
     }
     loss_sum += item(loss) / (loss_scale * rank_scale);
-    tape.backward(loss);
+    {
+      trace::Scope ts("backward", "compute", {{"micro", m}});
+      tape.backward(loss);
+    }
   }
   if (ddp_) {
     parallel::watchdog::Waiting w("the gradient all-reduce");
@@ -476,12 +523,14 @@ double Trainer::train_step(int64_t step, double lr, double& grad_norm, bool& app
     {
       parallel::watchdog::Waiting w("the gradient reduce-scatter");
       fsdp_->finish_gradients();
-      grad_norm = fsdp_->grad_norm();
+      grad_norm = tp_ > 1 ? std::sqrt(world_sum(fsdp_->grad_sum_squares(parallel::mesh_grad_weight(groups_.tp->rank(), true))))
+                          : fsdp_->grad_norm();
     }
     grad_norm /= loss_scale;
     applied = std::isfinite(grad_norm);
     if (dtype_ == DType::f16) applied = scaler_.update(!applied);
     SG_CHECK(applied || dtype_ == DType::f16, "train: non-finite gradient norm at step ", step, " (loss ", loss_sum, ")");
+    trace::Scope opt_scope("optimizer", "compute");
     if (applied) fsdp_->step(lr, optim::clip_coefficient(grad_norm, args_.f64("clip")) / loss_scale);
     fsdp_->zero_grad();
     return loss_sum;
@@ -489,14 +538,18 @@ double Trainer::train_step(int64_t step, double lr, double& grad_norm, bool& app
   if (zero_) {
     {
       parallel::watchdog::Waiting w("the gradient reduce-scatter");
-      zero_->finish_gradients();
-      grad_norm = zero_->grad_norm() / loss_scale;  // partial sums of squares all-reduced over the shards
+      if (cfg_.sequence_parallel) zero_->reduce_now();
+      else zero_->finish_gradients();
+      // partial sums of squares all-reduced over the shards (and the model-parallel ranks)
+      grad_norm = (tp_ > 1 ? std::sqrt(world_sum(zero_->grad_sum_squares(parallel::mesh_grad_weight(groups_.tp->rank(), true))))
+                           : zero_->grad_norm()) / loss_scale;
     }
     applied = std::isfinite(grad_norm);
     if (dtype_ == DType::f16) applied = scaler_.update(!applied);
     SG_CHECK(applied || dtype_ == DType::f16, "train: non-finite gradient norm at step ", step, " (loss ", loss_sum, ")");
     if (applied) {
       parallel::watchdog::Waiting w("the parameter all-gather");
+      trace::Scope ts("optimizer", "compute");
       zero_->step(lr, optim::clip_coefficient(grad_norm, args_.f64("clip")) / loss_scale);
     }
     zero_->zero_grad();
@@ -525,6 +578,7 @@ double Trainer::train_step(int64_t step, double lr, double& grad_norm, bool& app
   if (dtype_ == DType::f16) applied = scaler_.update(!applied);
   SG_CHECK(applied || dtype_ == DType::f16, "train: non-finite gradient norm at step ", step, " (loss ", loss_sum, ")");
   if (applied) {
+    trace::Scope ts("optimizer", "compute");
     opt_->step(lr, optim::clip_coefficient(grad_norm, args_.f64("clip")));
     if (dtype_ != DType::f32) {
       autograd::NoGradGuard ng;
@@ -546,7 +600,9 @@ double Trainer::pipeline_step(const Tensor& idx, const Tensor& tgt, int64_t coun
   {
     parallel::watchdog::Waiting w("the pipeline's sends and receives");
     if (ddp_) ddp_->set_sync(false);  // micro-batch backwards interleave: reduce once at the end
+    if (zero_) zero_->set_sync(false);
     // Scaled by dp like the plain path: the dp average of the ranks' gradients is the global mean's.
+    trace::Scope ts("forward+backward", "compute");
     loss = pipe_->run(idx, tgt, double(dp_size_) / double(counted)) / double(dp_size_);
     pipe_->reduce_tied_embedding();
   }
@@ -556,9 +612,24 @@ double Trainer::pipeline_step(const Tensor& idx, const Tensor& tgt, int64_t coun
     ddp_->reduce_now();
   }
   loss = dp_loss(loss);
+  if (zero_) {
+    {
+      parallel::watchdog::Waiting w("the gradient reduce-scatter");
+      zero_->reduce_now();
+    }
+    const int tpr = groups_.tp ? groups_.tp->rank() : 0;
+    grad_norm = std::sqrt(world_sum(zero_->grad_sum_squares(parallel::mesh_grad_weight(tpr, pipe_->holds_stage(0)))));
+    applied = std::isfinite(grad_norm);
+    SG_CHECK(applied, "train: non-finite gradient norm (loss ", loss, ")");
+    parallel::watchdog::Waiting w("the parameter all-gather");
+    zero_->step(lr, optim::clip_coefficient(grad_norm, args_.f64("clip")));
+    zero_->zero_grad();
+    return loss;
+  }
   grad_norm = model_parallel_grad_norm();
   applied = std::isfinite(grad_norm);
   SG_CHECK(applied, "train: non-finite gradient norm (loss ", loss, ")");
+  trace::Scope opt_scope("optimizer", "compute");
   opt_->step(lr, optim::clip_coefficient(grad_norm, args_.f64("clip")));
   for (auto& [n, p] : master_) p.set_grad(Tensor());
   return loss;
@@ -612,6 +683,12 @@ double Trainer::model_parallel_grad_norm() {
   return std::sqrt(item(t));
 }
 
+double Trainer::world_sum(double x) {
+  Tensor t = from_vector<double>({x}, {1});
+  metrics_->all_reduce(t, comm::ReduceOp::sum)->wait();
+  return item(t);
+}
+
 double Trainer::dp_loss(double share) {
   if (dp_size_ == 1) return share;
   Tensor l = from_vector<double>({share}, {1});
@@ -653,6 +730,7 @@ void Trainer::write_timeline() {
 
 json Trainer::evaluate() {
   autograd::NoGradGuard ng;
+  trace::Scope ts("evaluate", "compute");
   json out;
   val_->set_position(0);  // the same held-out batches at every evaluation
   double total = 0;
@@ -670,10 +748,80 @@ json Trainer::evaluate() {
   return out;
 }
 
+// This rank's share of the training state as pieces of global tensors. Replicated copies are
+// written once: parameters (and, without ZeRO, optimizer state) by the first data-parallel
+// replica; tp-replicated tensors by tp rank 0; the tied embedding by the first pipeline stage.
+std::vector<ckpt::Piece> Trainer::state_pieces() const {
+  auto base_of = [](const std::string& n) {
+    for (const char* suf : {".exp_avg_sq", ".exp_avg", ".master"}) {
+      const std::string x(suf);
+      if (n.size() > x.size() && n.compare(n.size() - x.size(), x.size(), x) == 0) return n.substr(0, n.size() - x.size());
+    }
+    return n;
+  };
+  auto unique_here = [&](const std::string& name) {
+    const std::string base = base_of(name);
+    if (pipe_ && base == "wte.weight" && !pipe_->holds_stage(0)) return false;
+    if (tp_ > 1 && parallel::tp::gpt_param_split(base).replicated() && groups_.tp->rank() != 0) return false;
+    return true;
+  };
+  std::vector<ckpt::Piece> out;
+  auto add = [&](std::vector<ckpt::Piece> ps) {
+    for (auto& p : ps)
+      if (unique_here(p.name)) out.push_back(std::move(p));
+  };
+  if (fsdp_) {
+    add(fsdp_->state_pieces());
+    return out;
+  }
+  const auto params = pipe_ ? pipe_->parameters() : model_->named_parameters();
+  if (dp_rank_ == 0)
+    for (const auto& [n, p] : params) add(ckpt::pieces_of(view_of(n, p.shape()), p));
+  if (zero_) {
+    add(zero_->state_pieces([this](const std::string& n, const Shape& sh) { return view_of(n, sh); }));
+  } else if (dp_rank_ == 0) {
+    for (const auto& [n, t] : opt_->state()) {
+      const std::string base = base_of(n);
+      add(ckpt::pieces_of(ckpt::renamed(view_of(base, t.shape()), n), t));
+    }
+    if (dtype_ != DType::f32)
+      for (const auto& [n, m] : master_) add(ckpt::pieces_of(ckpt::renamed(view_of(n, m.shape()), n + ".master"), m));
+  }
+  return out;
+}
+
+ckpt::LocalView Trainer::view_of(const std::string& name, const Shape& local_shape) const {
+  return ckpt::gpt_param_view(name, local_shape, cfg_.vocab_size, tp_ > 1 ? groups_.tp->rank() : 0, tp_);
+}
+
+void Trainer::load_parameters(const ckpt::Checkpoint& ck) {
+  autograd::NoGradGuard ng;
+  for (auto& [n, p] : model_->named_parameters()) ckpt::read_local(ck, view_of(n, p.shape()), p);
+}
+
+void Trainer::load_optimizer(const ckpt::Checkpoint& ck, int64_t optimizer_step) {
+  autograd::NoGradGuard ng;
+  if (fsdp_) return fsdp_->load_state(ck, optimizer_step);
+  if (zero_) return zero_->load_state(ck, optimizer_step, [this](const std::string& n, const Shape& sh) { return view_of(n, sh); });
+  io::NamedTensors st;
+  for (const auto& [n, m] : master_) {
+    for (const char* suf : {".exp_avg", ".exp_avg_sq"}) {
+      Tensor t = zeros(m.shape(), DType::f32, m.device());
+      ckpt::read_local(ck, ckpt::renamed(view_of(n, m.shape()), n + suf), t);
+      st.emplace_back(n + suf, t);
+    }
+    // f32 masters were saved exactly; a checkpoint without them (saved in f32) seeds them.
+    if (dtype_ != DType::f32 && ck.has(n + ".master")) ckpt::read_local(ck, ckpt::renamed(view_of(n, m.shape()), n + ".master"), m);
+    else if (dtype_ != DType::f32) ckpt::read_local(ck, view_of(n, m.shape()), m);
+  }
+  opt_->load_state(st, optimizer_step);
+}
+
+// Every rank writes its pieces; rank 0 commits the step directory (parallel/sharded_checkpoint.h).
 void Trainer::save(int64_t next_step) {
   json s;
   s["step"] = next_step;
-  s["optimizer_step"] = opt_->steps();
+  s["optimizer_step"] = opt_ ? opt_->steps() : zero_ ? zero_->steps() : fsdp_->steps();
   s["train_position"] = train_->position();
   s["dropout_stream"] = dropout_generator().next_stream;
   s["loss_scale"] = scaler_.scale;
@@ -683,13 +831,17 @@ void Trainer::save(int64_t next_step) {
   s["dtype"] = dtype_name(dtype_);
   s["data"] = data_opt_.spec;
   s["argv"] = args_.argv_copy;
-  io::NamedTensors optim_state = opt_->state();
-  if (dtype_ != DType::f32)
-    for (auto& [n, m] : master_) optim_state.emplace_back(n + ".master", m);
-  std::string where = ckpt::save_checkpoint(save_dir_, next_step, nn::hf_state_dict(*model_),
-                                            config_metadata(cfg_, data_opt_.spec), optim_state, s,
-                                            int(args_.i64("keep")));
-  std::printf("saved checkpoint %s\n", where.c_str());
+  s["layout"] = {{"strategy", strategy_}, {"world", world_size_}, {"dp", dp_size_}, {"tp", tp_}, {"pp", pp_}};
+  const std::vector<ckpt::Piece> mine = state_pieces();
+  const auto meta = config_metadata(cfg_, data_opt_.spec);
+  const int keep = int(args_.i64("keep"));
+  std::string where;
+  if (metrics_) {
+    where = ckpt::save_sharded(save_dir_, next_step, mine, s, meta, *metrics_, keep);
+  } else {
+    where = ckpt::save_sharded(save_dir_, next_step, mine, s, meta, 0, 1, [] {}, keep);
+  }
+  if (lead()) std::printf("saved checkpoint %s\n", where.c_str());
 }
 
 int Trainer::run() {
@@ -712,6 +864,7 @@ int Trainer::run() {
   for (int64_t step = start_step_; step < steps_; ++step) {
     const double lr = sched_.at(step);
     Ledger::global().reset_peaks(device_);
+    trace::Scope step_scope("step", "compute", {{"step", step + 1}});
     parallel::watchdog::beat("forward/backward", step);
     parallel::maybe_inject(fault_, rank_, step + 1);
     auto t0 = std::chrono::steady_clock::now();
@@ -721,6 +874,7 @@ int Trainer::run() {
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     const double tps = double(B_ * T_) / (ms / 1000.0);
     const MemStats mem = Ledger::global().stats(device_);
+    trace::memory(device_);
     if (lead())
       std::printf("step %5lld/%lld | loss %.4f | lr %.2e | norm %.3f | %7.1f ms | %8.0f tok/s | peak%s %s%s\n",
                 (long long)step + 1, (long long)steps_, loss, lr, norm, ms, tps, world_size_ > 1 ? "/rank" : "",
@@ -751,10 +905,16 @@ int Trainer::run() {
       log->flush();
     }
     if (!save_dir_.empty() && ((save_every && (step + 1) % save_every == 0) || last)) {
-      if (lead()) save(step + 1);  // every rank holds the same replica: one writer
-      parallel::watchdog::Waiting w("the checkpoint barrier");
-      if (metrics_) metrics_->barrier()->wait();
+      parallel::watchdog::Waiting w("the checkpoint save");
+      save(step + 1);  // collective: every rank writes its own pieces
     }
+  }
+  if (const std::string path = args_.str("trace"); !path.empty()) {  // every rank's part, merged by rank 0
+    trace::finish(path, rank_, world_size_, [&] {
+      parallel::watchdog::Waiting w("the trace barrier");
+      if (metrics_) metrics_->barrier()->wait();
+    });
+    if (lead()) std::printf("trace: written to %s (open it in https://ui.perfetto.dev or chrome://tracing)\n", path.c_str());
   }
   return 0;
 }
