@@ -23,6 +23,7 @@
 #include "io/synthetic.h"
 #include "models/gpt.h"
 #include "optim/loss_scaler.h"
+#include "optim/nonfinite.h"
 #include "optim/optim.h"
 #include "parallel/checkpoint.h"
 #include "parallel/sharded_checkpoint.h"
@@ -98,7 +99,8 @@ void declare_flags(Args& a) {
   a.flag("devices", "cpu:0,cpu:1", "dp: the devices to replicate over; the first one holds the model");
   a.flag("bucket-mb", "25", "ddp: gradient bucket size in MiB; zero1/zero2: one stripe's reduce-scatter input in MiB");
   a.flag("comm-timeout", "300", "seconds without progress before the watchdog aborts the job, naming the stuck rank");
-  a.flag("inject-fault", "", "testing: rank=R,step=S,kind=exit|throw|abort|kill|hang");
+  a.flag("inject-fault", "", "testing: rank=R,step=S,kind=exit|throw|abort|kill|hang|nan[,during=save]");
+  a.flag("on-nonfinite", "stop", "a NaN/Inf loss or gradient: stop (naming the step and the tensor) or skip the step (counted)");
   a.toggle("find-unused-parameters", "ddp: allow parameters that get no gradient (their gradient counts as zero)");
 }
 
@@ -213,6 +215,9 @@ class Trainer {
   // Sum over the data-parallel ranks of each one's share of the global batch's mean loss.
   double dp_loss(double share);
   double world_sum(double x);  // over every rank (metrics group)
+  bool accept_step(int64_t step, double loss, double grad_norm);
+  optim::NonFinitePolicy nonfinite_ = optim::NonFinitePolicy::stop;
+  int64_t nonfinite_skipped_ = 0;
   // The groups whose byte counters hold this rank's training traffic.
   std::vector<const comm::ProcessGroup*> traffic_groups() const {
     std::vector<const comm::ProcessGroup*> g{world_.get()};
@@ -234,7 +239,7 @@ class Trainer {
   bool lead() const { return rank_ == 0; }
   bool distributed() const { return strategy_ == "ddp" || zero_stage() > 0 || tp_ > 1 || pp_ > 1; }
   void write_timeline();
-  double pipeline_step(const Tensor& idx, const Tensor& tgt, int64_t counted, double lr, double& grad_norm, bool& applied);
+  double pipeline_step(int64_t step, const Tensor& idx, const Tensor& tgt, int64_t counted, double lr, double& grad_norm, bool& applied);
   // zero3 and the FSDP family all shard the parameters (stage 3's memory and more or less of its traffic).
   bool fsdp_family() const {
     return strategy_ == "zero3" || strategy_ == "fsdp" || strategy_ == "fsdp-grad-op" || strategy_ == "hsdp" ||
@@ -271,6 +276,7 @@ void Trainer::setup() {
     parallel::watchdog::arm(a.f64("comm-timeout"), rank_);
   }
   fault_ = parallel::parse_fault(a.str("inject-fault"));
+  nonfinite_ = optim::parse_nonfinite_policy(a.str("on-nonfinite"));
   device_ = parse_device(a.str("device"));
   std::vector<Device> dp_devices;
   if (strategy_ == "dp") {
@@ -453,6 +459,7 @@ void Trainer::setup() {
     scaler_.scale = s.value("loss_scale", scaler_.scale);
     scaler_.clean_steps = s.value("loss_scale_clean_steps", int64_t(0));
     scaler_.skipped_steps = s.value("skipped_steps", int64_t(0));
+    nonfinite_skipped_ = s.value("nonfinite_skipped", int64_t(0));
     load_optimizer(*ck, s.at("optimizer_step").get<int64_t>());
     if (lead()) std::printf("resumed from %s at step %lld\n", ck->path().c_str(), (long long)start_step_);
   }
@@ -477,12 +484,14 @@ double Trainer::train_step(int64_t step, double lr, double& grad_norm, bool& app
   io::Batch b = train_->next(B_, T_);
   const int64_t counted = count_targets(b.targets, -1);
   SG_CHECK(counted > 0, "train: step ", step, " has no targets to predict");
-  const double loss_scale = dtype_ == DType::f16 ? scaler_.scale : 1.0;
+  double loss_scale = dtype_ == DType::f16 ? scaler_.scale : 1.0;
+  if (fault_.kind == "nan" && fault_.rank == rank_ && fault_.step == step + 1)
+    loss_scale = std::numeric_limits<double>::quiet_NaN();  // --inject-fault kind=nan: this rank's gradients
   // This rank's rows of the global batch (all of it without data parallelism).
   const int64_t local = B_ / dp_size_, n_micro = local / micro_;
   Tensor idx = to(narrow(b.inputs, 0, dp_rank_ * local, local), device_);
   Tensor tgt = to(narrow(b.targets, 0, dp_rank_ * local, local), device_);
-  if (pipe_) return pipeline_step(idx, tgt, counted, lr, grad_norm, applied);
+  if (pipe_) return pipeline_step(step, idx, tgt, counted, lr, grad_norm, applied);
   // With ddp the gradients are averaged over ranks, so each rank's loss is scaled by the world
   // size: the average of the ranks' gradients is then the gradient of the global batch's mean.
   const double rank_scale = double(dp_size_);
@@ -527,9 +536,7 @@ double Trainer::train_step(int64_t step, double lr, double& grad_norm, bool& app
                           : fsdp_->grad_norm();
     }
     grad_norm /= loss_scale;
-    applied = std::isfinite(grad_norm);
-    if (dtype_ == DType::f16) applied = scaler_.update(!applied);
-    SG_CHECK(applied || dtype_ == DType::f16, "train: non-finite gradient norm at step ", step, " (loss ", loss_sum, ")");
+    applied = accept_step(step, loss_sum, grad_norm);
     trace::Scope opt_scope("optimizer", "compute");
     if (applied) fsdp_->step(lr, optim::clip_coefficient(grad_norm, args_.f64("clip")) / loss_scale);
     fsdp_->zero_grad();
@@ -544,9 +551,7 @@ double Trainer::train_step(int64_t step, double lr, double& grad_norm, bool& app
       grad_norm = (tp_ > 1 ? std::sqrt(world_sum(zero_->grad_sum_squares(parallel::mesh_grad_weight(groups_.tp->rank(), true))))
                            : zero_->grad_norm()) / loss_scale;
     }
-    applied = std::isfinite(grad_norm);
-    if (dtype_ == DType::f16) applied = scaler_.update(!applied);
-    SG_CHECK(applied || dtype_ == DType::f16, "train: non-finite gradient norm at step ", step, " (loss ", loss_sum, ")");
+    applied = accept_step(step, loss_sum, grad_norm);
     if (applied) {
       parallel::watchdog::Waiting w("the parameter all-gather");
       trace::Scope ts("optimizer", "compute");
@@ -574,9 +579,7 @@ double Trainer::train_step(int64_t step, double lr, double& grad_norm, bool& app
     for (auto& [n, p] : master_) ps.push_back(p);
     grad_norm = optim::global_grad_norm(ps);
   }
-  applied = std::isfinite(grad_norm);
-  if (dtype_ == DType::f16) applied = scaler_.update(!applied);
-  SG_CHECK(applied || dtype_ == DType::f16, "train: non-finite gradient norm at step ", step, " (loss ", loss_sum, ")");
+  applied = accept_step(step, loss_sum, grad_norm);
   if (applied) {
     trace::Scope ts("optimizer", "compute");
     opt_->step(lr, optim::clip_coefficient(grad_norm, args_.f64("clip")));
@@ -593,7 +596,7 @@ double Trainer::train_step(int64_t step, double lr, double& grad_norm, bool& app
 
 // One pipeline step: the executor runs this rank's actions over the micro-batches; the tied
 // embedding's two gradients are summed; the global norm sums every rank's share.
-double Trainer::pipeline_step(const Tensor& idx, const Tensor& tgt, int64_t counted, double lr, double& grad_norm,
+double Trainer::pipeline_step(int64_t step, const Tensor& idx, const Tensor& tgt, int64_t counted, double lr, double& grad_norm,
                               bool& applied) {
   if (!args_.str("timeline").empty()) metrics_->barrier()->wait();  // a common time origin
   double loss;
@@ -619,18 +622,16 @@ double Trainer::pipeline_step(const Tensor& idx, const Tensor& tgt, int64_t coun
     }
     const int tpr = groups_.tp ? groups_.tp->rank() : 0;
     grad_norm = std::sqrt(world_sum(zero_->grad_sum_squares(parallel::mesh_grad_weight(tpr, pipe_->holds_stage(0)))));
-    applied = std::isfinite(grad_norm);
-    SG_CHECK(applied, "train: non-finite gradient norm (loss ", loss, ")");
+    applied = accept_step(step, loss, grad_norm);
     parallel::watchdog::Waiting w("the parameter all-gather");
-    zero_->step(lr, optim::clip_coefficient(grad_norm, args_.f64("clip")));
+    if (applied) zero_->step(lr, optim::clip_coefficient(grad_norm, args_.f64("clip")));
     zero_->zero_grad();
     return loss;
   }
   grad_norm = model_parallel_grad_norm();
-  applied = std::isfinite(grad_norm);
-  SG_CHECK(applied, "train: non-finite gradient norm (loss ", loss, ")");
+  applied = accept_step(step, loss, grad_norm);
   trace::Scope opt_scope("optimizer", "compute");
-  opt_->step(lr, optim::clip_coefficient(grad_norm, args_.f64("clip")));
+  if (applied) opt_->step(lr, optim::clip_coefficient(grad_norm, args_.f64("clip")));
   for (auto& [n, p] : master_) p.set_grad(Tensor());
   return loss;
 }
@@ -681,6 +682,32 @@ double Trainer::model_parallel_grad_norm() {
   Tensor t = from_vector<double>({ss}, {1});
   mp_metrics_->all_reduce(t, comm::ReduceOp::sum)->wait();
   return std::sqrt(item(t));
+}
+
+// Whether to apply this step. The norm is the same on every rank (all-reduced), so every rank
+// decides alike. fp16: an overflow is the loss scaler's business (back off, skip). Otherwise a
+// non-finite loss or norm stops the run naming the step and this rank's first non-finite tensor
+// (--on-nonfinite stop), or skips the step and counts it (skip).
+bool Trainer::accept_step(int64_t step, double loss, double grad_norm) {
+  const bool finite = std::isfinite(grad_norm) && std::isfinite(loss);
+  if (dtype_ == DType::f16) return scaler_.update(!finite);
+  if (finite) return true;
+  if (nonfinite_ == optim::NonFinitePolicy::skip) {
+    ++nonfinite_skipped_;
+    if (lead())
+      std::printf("step %lld: non-finite %s: skipped (%lld skipped so far)\n", (long long)step + 1,
+                  std::isfinite(loss) ? "gradient norm" : "loss", (long long)nonfinite_skipped_);
+    return false;
+  }
+  io::NamedTensors grads;
+  for (auto& [n, p] : pipe_ ? pipe_->parameters() : model_->named_parameters())
+    if (p.grad().defined()) grads.emplace_back(n, p.grad());
+  optim::NonFinite bad = optim::first_nonfinite(grads);  // the gradient first: the loss is its symptom
+  if (!bad.found()) bad = optim::first_nonfinite(loss, {});
+  throw Error(bad.found() ? str("train: ", optim::nonfinite_message(bad, step + 1), " (--on-nonfinite stop)")
+                          : str("train: step ", step + 1, ": the gradient norm is not finite (loss ", loss,
+                                "); this rank's gradients are finite: the bad one is on another rank or was already "
+                                "reduced (--on-nonfinite stop)"));
 }
 
 double Trainer::world_sum(double x) {
@@ -827,6 +854,7 @@ void Trainer::save(int64_t next_step) {
   s["loss_scale"] = scaler_.scale;
   s["loss_scale_clean_steps"] = scaler_.clean_steps;
   s["skipped_steps"] = scaler_.skipped_steps;
+  s["nonfinite_skipped"] = nonfinite_skipped_;
   s["seed"] = seed_;
   s["dtype"] = dtype_name(dtype_);
   s["data"] = data_opt_.spec;
@@ -879,7 +907,7 @@ int Trainer::run() {
       std::printf("step %5lld/%lld | loss %.4f | lr %.2e | norm %.3f | %7.1f ms | %8.0f tok/s | peak%s %s%s\n",
                 (long long)step + 1, (long long)steps_, loss, lr, norm, ms, tps, world_size_ > 1 ? "/rank" : "",
                 human_bytes(mem.total_peak).c_str(),
-                applied ? "" : " | skipped (overflow)");
+                applied ? "" : dtype_ == DType::f16 ? " | skipped (overflow)" : " | skipped (non-finite)");
     std::fflush(stdout);
     json rec = {{"step", step + 1}, {"loss", loss}, {"lr", lr}, {"grad_norm", norm}, {"step_ms", ms},
                 {"tokens_per_s", tps}, {"mem", ledger_json(device_)}, {"skipped", !applied}};

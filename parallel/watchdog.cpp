@@ -111,8 +111,10 @@ Fault parse_fault(const std::string& spec) {
     }
   }
   SG_CHECK(f.rank >= 0 && f.step >= 1, "--inject-fault: needs rank >= 0 and step >= 1, got '", spec, "'");
-  SG_CHECK(f.kind == "exit" || f.kind == "throw" || f.kind == "abort" || f.kind == "kill" || f.kind == "hang",
-           "--inject-fault: kind '", f.kind, "' is not one of exit, throw, abort, kill, hang");
+  SG_CHECK(f.kind == "exit" || f.kind == "throw" || f.kind == "abort" || f.kind == "kill" || f.kind == "hang" ||
+               f.kind == "nan",
+           "--inject-fault: kind '", f.kind, "' is not one of exit, throw, abort, kill, hang, nan");
+  SG_CHECK(f.kind != "nan" || f.during.empty(), "--inject-fault: kind nan poisons a step's gradients, not a save");
   SG_CHECK(f.during.empty() || f.during == "save", "--inject-fault: during '", f.during,
            "' is not 'save' (omit it to fail at the start of the step)");
   return f;
@@ -127,6 +129,7 @@ void fire(const Fault& f, int rank, int64_t step) {
   std::fprintf(stderr, "shardgrad: rank %d: injecting fault '%s' at step %lld%s\n", rank, f.kind.c_str(),
                (long long)step, f.during == "save" ? " while saving the checkpoint" : "");
   std::fflush(stderr);
+  if (f.kind == "nan") return;  // the trainer poisons this step's loss scale (NaN gradients)
   if (f.kind == "exit") std::exit(7);
   if (f.kind == "abort") std::abort();
   if (f.kind == "kill") ::kill(::getpid(), SIGKILL);

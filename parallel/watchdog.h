@@ -26,9 +26,10 @@ class Waiting {
 };
 }  // namespace watchdog
 
-// --inject-fault rank=R,step=S,kind=exit|throw|abort|kill|hang[,during=save]: make rank R fail at
+// --inject-fault rank=R,step=S,kind=exit|throw|abort|kill|hang|nan[,during=save]: make rank R fail at
 // the start of step S or, with during=save, inside the save of the checkpoint of step S (after
-// some of its files are written, before its manifest).
+// some of its files are written, before its manifest). kind=nan makes rank R's gradients of step
+// S NaN (the trainer's --on-nonfinite then stops or skips the step).
 struct Fault {
   int rank = -1;
   int64_t step = -1;

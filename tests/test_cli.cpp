@@ -348,3 +348,34 @@ TEST_CASE("3-D layouts (dp x tp x pp; ddp, zero1/2 or zero3 across dp) give the 
   REQUIRE(s.code != 0);
   REQUIRE(s.output.find("leaves dp = 2: the data-parallel replicas need a --strategy") != std::string::npos);
 }
+
+TEST_CASE("non-finite steps: --on-nonfinite stop names the step and the tensor; skip leaves the step out and counts it", "[cli][mpi]") {
+  TempDir d;
+  const std::string args = " train " + kSmall + " --dropout 0 --steps 4 --strategy ddp --inject-fault rank=1,step=2,kind=nan";
+  Run stop = run_command(mpirun(2) + args);
+  INFO(stop.output);
+  REQUIRE(stop.code != 0);
+  REQUIRE(stop.output.find("step 2: the gradient of '") != std::string::npos);
+  REQUIRE(stop.output.find("--on-nonfinite stop") != std::string::npos);
+  REQUIRE(stop.output.find("step     3/4") == std::string::npos);  // nothing ran after it
+  const fs::path log = d.path / "skip.jsonl";
+  Run skip = run_command(mpirun(2) + args + " --on-nonfinite skip --log-json " + log.string());
+  INFO(skip.output);
+  REQUIRE(skip.code == 0);
+  REQUIRE(skip.output.find("step 2: non-finite loss: skipped (1 skipped so far)") != std::string::npos);
+  auto b = read_log(log);
+  REQUIRE(b.size() == 4);
+  REQUIRE(b[1]["skipped"].get<bool>());
+  for (size_t i : {0, 2, 3}) {
+    REQUIRE(!b[i]["skipped"].get<bool>());
+    REQUIRE(std::isfinite(b[i]["loss"].get<double>()));
+    REQUIRE(std::isfinite(b[i]["grad_norm"].get<double>()));
+  }
+  // against the run without the fault: step 1 is the same; step 3 differs, since only the clean
+  // run applied step 2's update
+  Run clean = run_command(mpirun(2) + " train " + kSmall + " --dropout 0 --steps 4 --strategy ddp --log-json " + (d.path / "c.jsonl").string());
+  REQUIRE(clean.code == 0);
+  auto c = read_log(d.path / "c.jsonl");
+  REQUIRE(c[0]["loss"].get<double>() == b[0]["loss"].get<double>());
+  REQUIRE(c[2]["loss"].get<double>() != b[2]["loss"].get<double>());
+}
