@@ -9,7 +9,7 @@ bash scripts/deps.sh
 command -v clang++ > /dev/null || { sudo_cmd=""; [ "$(id -u)" != 0 ] && sudo_cmd=sudo; $sudo_cmd apt-get install -y -qq clang libclang-rt-dev; }
 CC=clang CXX=clang++ cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSG_FUZZ=ON -DSG_TESTS=OFF -DSG_CUDA=OFF \
   -DSG_NATIVE=OFF > build-fuzz.log 2>&1 || { cat build-fuzz.log; exit 1; }
-targets=(safetensors token_shards checkpoint flags)
+targets=(safetensors token_shards checkpoint flags sharded_index)
 cmake --build build-fuzz -j"$(nproc)" --target "${targets[@]/#/sg_fuzz_}" 2>&1 | tail -n 1
 for t in "${targets[@]}"; do
   corpus="build-fuzz/corpus-$t"
