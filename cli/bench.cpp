@@ -100,6 +100,7 @@ int bench_main(int argc, char** argv) {
   a.flag("report", "", "write the HTML report here");
   a.flag("from", "", "make the report from this results file instead of running");
   a.flag("work-dir", "", "where each layout's logs go (default: a temporary directory, removed)");
+  a.flag("trace", "", "a directory: each layout's Chrome trace (train --trace) goes to DIR/<layout>.json");
   if (!a.parse(argc, argv)) {
     std::printf("%s", a.usage().c_str());
     return 0;
@@ -142,6 +143,7 @@ int bench_main(int argc, char** argv) {
                             ? fs::temp_directory_path() / ("sg_bench_" + std::to_string(::getpid()))
                             : fs::path(a.str("work-dir"));
   fs::create_directories(work);
+  if (!a.str("trace").empty()) fs::create_directories(a.str("trace"));
   const std::string self = fs::read_symlink("/proc/self/exe").string();
 
   json results;
@@ -166,6 +168,8 @@ int bench_main(int argc, char** argv) {
     if (row.ranks > 1) cmd += a.str("mpirun") + " -x OMP_NUM_THREADS=" + a.str("threads") + " -np " + std::to_string(row.ranks) + " ";
     cmd += "'" + self + "' train " + common + " " + row.args + " --log-json '" + log.string() + "'";
     if (row.args.find("--pp ") != std::string::npos) cmd += " --timeline '" + svg.string() + "'";
+    const fs::path trace = a.str("trace").empty() ? fs::path() : fs::path(a.str("trace")) / (row.name + ".json");
+    if (!trace.empty()) cmd += " --trace '" + trace.string() + "'";
     cmd += " > '" + out.string() + "' 2>&1";
     const int status = std::system(cmd.c_str());
     const int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
@@ -180,6 +184,7 @@ int bench_main(int argc, char** argv) {
       r["status"] = "ok";
       r["measured"] = report::summarise_log(records, int(warmup));
       if (fs::exists(svg)) r["timeline_svg"] = read_text(svg);
+      if (!trace.empty() && fs::exists(trace)) r["trace"] = trace.string();
       std::printf("%.2f ms/step, %.0f tok/s", r["measured"]["step_ms"].get<double>(),
                   r["measured"]["tokens_per_s"].get<double>());
       if (r["measured"].contains("bubble")) std::printf(", bubble %.1f%%", 100 * r["measured"]["bubble"].get<double>());

@@ -5,6 +5,7 @@
 
 #include "autograd/ops.h"
 #include "autograd/tape.h"
+#include "core/trace.h"
 #include "kernels/ops.h"
 #include "parallel/tp/layers.h"
 
@@ -233,9 +234,11 @@ void FullyShardedDataParallel::issue_gather(Unit& u) {
   u.flat->reallocate(size_t(u.full.numel()) * dtype_size(dtype_));
   u.gathering = shard_->all_gather(u.full, u.shard_param);
   u.gathered = true;
+  trace::memory(u.full.device());
 }
 
 void FullyShardedDataParallel::wait_gather(Unit& u) {
+  trace::Scope ts("gather", "fsdp", {{"unit", u.name}});
   issue_gather(u);
   if (u.gathering) {
     u.gathering->wait();
@@ -245,12 +248,14 @@ void FullyShardedDataParallel::wait_gather(Unit& u) {
 
 void FullyShardedDataParallel::release(Unit& u) {
   if (!shard_ || !u.gathered) return;  // no_shard units are the persistent copy
+  trace::Scope ts("release", "fsdp", {{"unit", u.name}});
   if (u.gathering) {  // a prefetch the unit never used: its bytes are being written
     u.gathering->wait();
     u.gathering.reset();
   }
   u.flat->release();
   u.gathered = false;
+  trace::memory(u.full.device());
 }
 
 int FullyShardedDataParallel::gathered_blocks() const {
@@ -308,6 +313,7 @@ void FullyShardedDataParallel::on_grad_ready(size_t k, size_t i) {
 // micro-batches accumulate there.
 void FullyShardedDataParallel::reduce(size_t k) {
   autograd::NoGradGuard ng;
+  trace::Scope ts("reduce", "fsdp", {{"unit", units_[k].name}});
   reap(false);
   Unit& u = units_[k];
   const Device dev = u.grad_shard.device();

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "core/error.h"
+#include "core/trace.h"
 
 namespace sg::comm {
 
@@ -83,6 +84,41 @@ void ProcessGroup::check_peer(const char* op, const char* what, int peer, bool a
 }
 
 namespace {
+// With tracing on: the collective as one event on its group's track, from issue to the first
+// wait() or test() that sees it done. `bytes`: the tensor the kind's formula names (B).
+class TracedWork final : public Work {
+ public:
+  TracedWork(std::shared_ptr<Work> w, std::string track, CommKind k, int64_t bytes, int n)
+      : inner_(std::move(w)), track_(std::move(track)), kind_(k), bytes_(bytes), n_(n), start_(trace::now_us()) {}
+  void wait() override {
+    inner_->wait();
+    done();
+  }
+  bool test() override {
+    const bool d = inner_->test();
+    if (d) done();
+    return d;
+  }
+
+ private:
+  void done() {
+    if (recorded_.exchange(true)) return;
+    trace::complete(comm_kind_name(kind_), track_, start_, trace::now_us() - start_, {{"bytes", bytes_}, {"ranks", n_}});
+  }
+  std::shared_ptr<Work> inner_;
+  std::string track_;
+  CommKind kind_;
+  int64_t bytes_;
+  int n_;
+  double start_;
+  std::atomic<bool> recorded_{false};
+};
+
+std::shared_ptr<Work> traced(const ProcessGroup* g, CommKind k, size_t bytes, std::shared_ptr<Work> w) {
+  if (!trace::enabled()) return w;
+  return std::make_shared<TracedWork>(std::move(w), trace::comm_track(g, g->size()), k, int64_t(bytes), g->size());
+}
+
 bool overlap(const Tensor& a, const Tensor& b) {
   if (a.storage() != b.storage()) return false;
   auto pa = static_cast<const char*>(a.data_ptr()), pb = static_cast<const char*>(b.data_ptr());
@@ -95,7 +131,7 @@ std::shared_ptr<Work> ProcessGroup::all_reduce(const Tensor& t, ReduceOp op) {
   SG_CHECK(op != ReduceOp::avg || is_floating(t.dtype()), "all_reduce: avg of ", t.describe(),
            " would not be exact; use sum and divide", at());
   count(CommKind::all_reduce, all_reduce_bytes(int64_t(t.nbytes()), size_));
-  return do_all_reduce(t, op);
+  return traced(this, CommKind::all_reduce, t.nbytes(), do_all_reduce(t, op));
 }
 
 std::shared_ptr<Work> ProcessGroup::reduce_scatter(const Tensor& out, const Tensor& in, ReduceOp op) {
@@ -109,7 +145,7 @@ std::shared_ptr<Work> ProcessGroup::reduce_scatter(const Tensor& out, const Tens
   SG_CHECK(op != ReduceOp::avg || is_floating(in.dtype()), "reduce_scatter: avg of ", in.describe(),
            " would not be exact; use sum and divide", at());
   count(CommKind::reduce_scatter, reduce_scatter_bytes(int64_t(in.nbytes()), size_));
-  return do_reduce_scatter(out, in, op);
+  return traced(this, CommKind::reduce_scatter, in.nbytes(), do_reduce_scatter(out, in, op));
 }
 
 std::shared_ptr<Work> ProcessGroup::all_gather(const Tensor& out, const Tensor& in) {
@@ -124,14 +160,14 @@ std::shared_ptr<Work> ProcessGroup::all_gather(const Tensor& out, const Tensor& 
   SG_CHECK(!overlap(out, in) || in.data_ptr() == own_chunk, "all_gather: input overlaps the output but is not its chunk ",
            rank_, at());
   count(CommKind::all_gather, all_gather_bytes(int64_t(out.nbytes()), size_));
-  return do_all_gather(out, in);
+  return traced(this, CommKind::all_gather, out.nbytes(), do_all_gather(out, in));
 }
 
 std::shared_ptr<Work> ProcessGroup::broadcast(const Tensor& t, int root) {
   check_tensor("broadcast", "tensor", t);
   check_peer("broadcast", "root", root, true);
   count(CommKind::broadcast, size_ > 1 ? int64_t(t.nbytes()) : 0);
-  return do_broadcast(t, root);
+  return traced(this, CommKind::broadcast, t.nbytes(), do_broadcast(t, root));
 }
 
 std::shared_ptr<Work> ProcessGroup::reduce(const Tensor& t, int root, ReduceOp op) {
@@ -140,7 +176,7 @@ std::shared_ptr<Work> ProcessGroup::reduce(const Tensor& t, int root, ReduceOp o
   SG_CHECK(op != ReduceOp::avg || is_floating(t.dtype()), "reduce: avg of ", t.describe(),
            " would not be exact; use sum and divide", at());
   count(CommKind::reduce, size_ > 1 ? int64_t(t.nbytes()) : 0);
-  return do_reduce(t, root, op);
+  return traced(this, CommKind::reduce, t.nbytes(), do_reduce(t, root, op));
 }
 
 std::shared_ptr<Work> ProcessGroup::send(const Tensor& t, int dst, int tag) {
@@ -148,7 +184,7 @@ std::shared_ptr<Work> ProcessGroup::send(const Tensor& t, int dst, int tag) {
   check_peer("send", "destination", dst, false);
   SG_CHECK(tag >= 0, "send: tag ", tag, " is negative", at());
   count(CommKind::send, int64_t(t.nbytes()));
-  return do_send(t, dst, tag);
+  return traced(this, CommKind::send, t.nbytes(), do_send(t, dst, tag));
 }
 
 std::shared_ptr<Work> ProcessGroup::recv(const Tensor& t, int src, int tag) {
@@ -156,12 +192,12 @@ std::shared_ptr<Work> ProcessGroup::recv(const Tensor& t, int src, int tag) {
   check_peer("recv", "source", src, false);
   SG_CHECK(tag >= 0, "recv: tag ", tag, " is negative", at());
   count(CommKind::recv, int64_t(t.nbytes()));
-  return do_recv(t, src, tag);
+  return traced(this, CommKind::recv, t.nbytes(), do_recv(t, src, tag));
 }
 
 std::shared_ptr<Work> ProcessGroup::barrier() {
   count(CommKind::barrier, 0);
-  return do_barrier();
+  return traced(this, CommKind::barrier, 0, do_barrier());
 }
 
 std::shared_ptr<ProcessGroup> ProcessGroup::split(int color, int key) { return do_split(color, key); }

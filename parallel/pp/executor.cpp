@@ -5,6 +5,7 @@
 
 #include "autograd/ops.h"
 #include "autograd/tape.h"
+#include "core/trace.h"
 #include "parallel/tp/layers.h"
 
 namespace sg::parallel::pp {
@@ -74,6 +75,7 @@ double PipelineExecutor::run(const Tensor& idx, const Tensor& targets, double sc
   auto now = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
   for (const Action& a : schedule_.per_rank[size_t(rank)]) {
     const double start = now();
+    trace::Scope ts(a.phase == Phase::forward ? "F" : "B", "pipeline", {{"stage", a.stage}, {"micro", a.micro}});
     Tensor mi = narrow(idx, 0, a.micro * rows, rows), mt = narrow(targets, 0, a.micro * rows, rows);
     if (a.phase == Phase::forward) {
       InFlight f;

@@ -1,0 +1,51 @@
+// For tests that run the shardgrad executable (SG_BINARY) as a user would, alone or under
+// mpirun (SG_MPIEXEC): a command's exit code and output, and a scratch directory.
+#pragma once
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+namespace sg::testing {
+
+struct CommandResult {
+  int code = 0;
+  std::string output;  // stdout and stderr together
+};
+
+inline CommandResult run_shell(const std::string& cmdline) {
+  static int calls = 0;
+  const std::filesystem::path captured =
+      std::filesystem::temp_directory_path() / ("sg_cmd_" + std::to_string(::getpid()) + "_" + std::to_string(calls++) + ".txt");
+  const int status = std::system((cmdline + " > '" + captured.string() + "' 2>&1").c_str());
+  CommandResult r;
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  std::ifstream f(captured);
+  std::ostringstream text;
+  text << f.rdbuf();
+  r.output = text.str();
+  std::filesystem::remove(captured);
+  return r;
+}
+
+// "mpirun ... -np N shardgrad": 1 thread per rank, ranks allowed to share cores.
+inline std::string mpirun_shardgrad(int np) {
+  return std::string(SG_MPIEXEC) + " --oversubscribe --allow-run-as-root --bind-to none -x OMP_NUM_THREADS=1 -np " +
+         std::to_string(np) + " " + SG_BINARY;
+}
+
+// A fresh directory under the system's temporary directory, removed with everything in it.
+struct ScratchDir {
+  std::filesystem::path path;
+  explicit ScratchDir(const std::string& tag) {
+    path = std::filesystem::temp_directory_path() / ("sg_" + tag + "_" + std::to_string(::getpid()));
+    std::filesystem::remove_all(path);
+    std::filesystem::create_directories(path);
+  }
+  ~ScratchDir() { std::filesystem::remove_all(path); }
+};
+
+}  // namespace sg::testing
