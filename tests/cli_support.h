@@ -3,11 +3,15 @@
 #pragma once
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
 
 namespace sg::testing {
 
@@ -16,11 +20,14 @@ struct CommandResult {
   std::string output;  // stdout and stderr together
 };
 
-inline CommandResult run_shell(const std::string& cmdline) {
+// seconds, when given, receives the wall time the command took.
+inline CommandResult run_shell(const std::string& cmdline, double* seconds = nullptr) {
   static int calls = 0;
+  const auto t0 = std::chrono::steady_clock::now();
   const std::filesystem::path captured =
       std::filesystem::temp_directory_path() / ("sg_cmd_" + std::to_string(::getpid()) + "_" + std::to_string(calls++) + ".txt");
   const int status = std::system((cmdline + " > '" + captured.string() + "' 2>&1").c_str());
+  if (seconds) *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   CommandResult r;
   r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   std::ifstream f(captured);
@@ -35,6 +42,16 @@ inline CommandResult run_shell(const std::string& cmdline) {
 inline std::string mpirun_shardgrad(int np) {
   return std::string(SG_MPIEXEC) + " --oversubscribe --allow-run-as-root --bind-to none -x OMP_NUM_THREADS=1 -np " +
          std::to_string(np) + " " + SG_BINARY;
+}
+
+// One JSON object per line (--log-json).
+inline std::vector<nlohmann::json> read_json_lines(const std::filesystem::path& p) {
+  std::vector<nlohmann::json> v;
+  std::ifstream f(p);
+  std::string line;
+  while (std::getline(f, line))
+    if (!line.empty()) v.push_back(nlohmann::json::parse(line));
+  return v;
 }
 
 // A fresh directory under the system's temporary directory, removed with everything in it.

@@ -10,50 +10,19 @@
 #include <sstream>
 #include <string>
 
+#include "tests/cli_support.h"
+
 namespace fs = std::filesystem;
 
 namespace {
 
-struct Run {
-  int code = 0;
-  std::string output;
-};
-
-// Runs a shell command line, capturing stdout and stderr, and times it.
-Run run_command(const std::string& cmdline, double* seconds = nullptr) {
-  static int n = 0;
-  fs::path out = fs::temp_directory_path() / ("sg_cli_" + std::to_string(::getpid()) + "_" + std::to_string(n++) + ".txt");
-  auto t0 = std::chrono::steady_clock::now();
-  int status = std::system((cmdline + " > " + out.string() + " 2>&1").c_str());
-  if (seconds) *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  Run r;
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  std::ifstream f(out);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  r.output = ss.str();
-  fs::remove(out);
-  return r;
-}
-
+using Run = sg::testing::CommandResult;
+Run run_command(const std::string& cmdline, double* seconds = nullptr) { return sg::testing::run_shell(cmdline, seconds); }
+std::vector<nlohmann::json> read_log(const fs::path& p) { return sg::testing::read_json_lines(p); }
 Run shardgrad(const std::string& args) { return run_command(std::string(SG_BINARY) + " " + args); }
 
-std::vector<nlohmann::json> read_log(const fs::path& p) {
-  std::vector<nlohmann::json> v;
-  std::ifstream f(p);
-  std::string line;
-  while (std::getline(f, line))
-    if (!line.empty()) v.push_back(nlohmann::json::parse(line));
-  return v;
-}
-
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    path = fs::temp_directory_path() / ("sg_cli_dir_" + std::to_string(::getpid()) + "_" + std::to_string(std::rand()));
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
+struct TempDir : sg::testing::ScratchDir {
+  TempDir() : ScratchDir("cli_dir_" + std::to_string(std::rand())) {}
 };
 
 // A few-second configuration of the default run.
@@ -126,10 +95,7 @@ TEST_CASE("generate samples from what train saved", "[cli]") {
 }
 
 namespace {
-std::string mpirun(int np) {
-  return std::string(SG_MPIEXEC) + " --oversubscribe --allow-run-as-root --bind-to none -x OMP_NUM_THREADS=1 -np " +
-         std::to_string(np) + " " + SG_BINARY;
-}
+std::string mpirun(int np) { return sg::testing::mpirun_shardgrad(np); }
 }  // namespace
 
 TEST_CASE("ddp through the CLI on 2 ranks gives the single-process losses", "[cli][mpi]") {

@@ -12,56 +12,24 @@
 
 #include "parallel/sharded_checkpoint.h"
 
+#include "tests/cli_support.h"
+
 namespace fs = std::filesystem;
 
 namespace {
 
-struct Run {
-  int code = 0;
-  std::string output;
-};
+using Run = sg::testing::CommandResult;
+Run run_command(const std::string& cmdline, double* seconds = nullptr) { return sg::testing::run_shell(cmdline, seconds); }
+std::vector<nlohmann::json> read_log(const fs::path& p) { return sg::testing::read_json_lines(p); }
 
-Run run_command(const std::string& cmdline, double* seconds = nullptr) {
-  static int n = 0;
-  fs::path out = fs::temp_directory_path() / ("sg_launch_" + std::to_string(::getpid()) + "_" + std::to_string(n++) + ".txt");
-  auto t0 = std::chrono::steady_clock::now();
-  int status = std::system((cmdline + " > " + out.string() + " 2>&1").c_str());
-  if (seconds) *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  Run r;
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  std::ifstream f(out);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  r.output = ss.str();
-  fs::remove(out);
-  return r;
-}
-
-std::vector<nlohmann::json> read_log(const fs::path& p) {
-  std::vector<nlohmann::json> v;
-  std::ifstream f(p);
-  std::string line;
-  while (std::getline(f, line))
-    if (!line.empty()) v.push_back(nlohmann::json::parse(line));
-  return v;
-}
-
-struct TempDir {
-  fs::path path = fs::temp_directory_path() / ("sg_launch_dir_" + std::to_string(::getpid()));
-  TempDir() {
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
+struct TempDir : sg::testing::ScratchDir {
+  TempDir() : ScratchDir("launch_dir_" + std::to_string(std::rand())) {}
 };
 
 const std::string kSmall = "--n-layer 1 --n-embd 32 --n-head 2 --seq-len 32 --batch-size 8 --micro-batch-size 4 "
                            "--threads 1 --eval-every 0 --eval-batches 1 --eval-problems 8 --dropout 0.1";
 
-std::string mpirun(int np) {
-  return std::string(SG_MPIEXEC) + " --oversubscribe --allow-run-as-root --bind-to none -x OMP_NUM_THREADS=1 -np " +
-         std::to_string(np) + " " + SG_BINARY;
-}
+std::string mpirun(int np) { return sg::testing::mpirun_shardgrad(np); }
 std::string launch() { return std::string("OMP_NUM_THREADS=1 ") + SG_BINARY + " launch --mpirun " + SG_MPIEXEC; }
 
 }  // namespace
