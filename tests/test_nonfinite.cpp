@@ -31,7 +31,7 @@ TEST_CASE("the first non-finite gradient is named with its element; finite ones 
   CHECK_FALSE(optim::first_nonfinite(0.5, {{"a", full({2}, 1.0)}, {"big", full({4}, 3e38)}}).found());
 }
 
-TEST_CASE("--on-nonfinite takes stop or skip", "[optim]") {
+TEST_CASE("the on-nonfinite policy is stop or skip", "[optim]") {
   CHECK(optim::parse_nonfinite_policy("stop") == optim::NonFinitePolicy::stop);
   CHECK(optim::parse_nonfinite_policy("skip") == optim::NonFinitePolicy::skip);
   CHECK_THROWS_WITH(optim::parse_nonfinite_policy("ignore"), Catch::Contains("--on-nonfinite: 'ignore'"));
