@@ -4,7 +4,10 @@
 // step time and tokens/s after warm-up, peak ledger bytes per rank per category, bytes per
 // collective kind per step and the measured bubble, next to the planner's prediction. Layouts
 // train refuses are reported with its reason. Writes PREFIX.json and PREFIX.csv, and with
-// --report one HTML page (also from an earlier results file with --from).
+// --report one HTML page (also from an earlier results file with --from). With --trace or
+// --report every layout runs traced, and the last step's memory samples (the ledger per category
+// after each forward, backward, gather, release, launch) go into the results for the report's
+// memory-over-time charts.
 #include <unistd.h>
 
 #include <cstdio>
@@ -100,7 +103,8 @@ int bench_main(int argc, char** argv) {
   a.flag("report", "", "write the HTML report here");
   a.flag("from", "", "make the report from this results file instead of running");
   a.flag("work-dir", "", "where each layout's logs go (default: a temporary directory, removed)");
-  a.flag("trace", "", "a directory: each layout's Chrome trace (train --trace) goes to DIR/<layout>.json");
+  a.flag("trace", "", "a directory: each layout's Chrome trace (train --trace) goes to DIR/<layout>.json "
+                     "(with --report and no --trace, traces go to the work directory)");
   if (!a.parse(argc, argv)) {
     std::printf("%s", a.usage().c_str());
     return 0;
@@ -143,7 +147,11 @@ int bench_main(int argc, char** argv) {
                             ? fs::temp_directory_path() / ("sg_bench_" + std::to_string(::getpid()))
                             : fs::path(a.str("work-dir"));
   fs::create_directories(work);
-  if (!a.str("trace").empty()) fs::create_directories(a.str("trace"));
+  // The report's memory-over-time charts read each layout's trace: --report traces into the work
+  // directory when no --trace directory is given.
+  const fs::path trace_dir = !a.str("trace").empty() ? fs::path(a.str("trace"))
+                             : !a.str("report").empty() ? work / "traces" : fs::path();
+  if (!trace_dir.empty()) fs::create_directories(trace_dir);
   const std::string self = fs::read_symlink("/proc/self/exe").string();
 
   json results;
@@ -168,7 +176,8 @@ int bench_main(int argc, char** argv) {
     if (row.ranks > 1) cmd += a.str("mpirun") + " -x OMP_NUM_THREADS=" + a.str("threads") + " -np " + std::to_string(row.ranks) + " ";
     cmd += "'" + self + "' train " + common + " " + row.args + " --log-json '" + log.string() + "'";
     if (row.args.find("--pp ") != std::string::npos) cmd += " --timeline '" + svg.string() + "'";
-    const fs::path trace = a.str("trace").empty() ? fs::path() : fs::path(a.str("trace")) / (row.name + ".json");
+    const fs::path trace = trace_dir.empty() ? fs::path() : trace_dir / (row.name + ".json");
+    if (!trace.empty()) fs::remove(trace);
     if (!trace.empty()) cmd += " --trace '" + trace.string() + "'";
     cmd += " > '" + out.string() + "' 2>&1";
     const int status = std::system(cmd.c_str());
@@ -184,7 +193,15 @@ int bench_main(int argc, char** argv) {
       r["status"] = "ok";
       r["measured"] = report::summarise_log(records, int(warmup));
       if (fs::exists(svg)) r["timeline_svg"] = read_text(svg);
-      if (!trace.empty() && fs::exists(trace)) r["trace"] = trace.string();
+      if (!trace.empty() && fs::exists(trace)) {
+        if (!a.str("trace").empty()) r["trace"] = trace.string();
+        try {
+          json timeline = report::memory_timeline(json::parse(read_text(trace)));
+          if (!timeline.is_null()) r["memory_timeline"] = timeline;
+        } catch (const json::exception& e) {
+          std::printf("(trace %s unreadable: %s) ", trace.string().c_str(), e.what());
+        }
+      }
       std::printf("%.2f ms/step, %.0f tok/s", r["measured"]["step_ms"].get<double>(),
                   r["measured"]["tokens_per_s"].get<double>());
       if (r["measured"].contains("bubble")) std::printf(", bubble %.1f%%", 100 * r["measured"]["bubble"].get<double>());

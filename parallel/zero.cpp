@@ -6,6 +6,7 @@
 
 #include "autograd/ops.h"
 #include "autograd/tape.h"
+#include "core/trace.h"
 #include "kernels/ops.h"
 #include "parallel/tp/layers.h"
 
@@ -147,6 +148,7 @@ void ZeroOptimizer::launch(size_t k) {
   if (opt_.stage == 2)  // a full gradient is dead once every stripe touching it has been copied
     for (size_t p : s.params)
       if (--unlaunched_[p] == 0) params_[p].second.set_grad(Tensor());
+  trace::memory(m_.device());
 }
 
 // Waits for a stripe; stage 1 writes this rank's averaged window back into its own .grad pieces.
@@ -270,6 +272,7 @@ void ZeroOptimizer::step(double lr, double grad_scale) {
       });
     }
     s.work = group_->all_gather(s.buffer, own);
+    trace::memory(m_.device());
   };
   auto scatter = [&](Stripe& s) {
     s.work->wait();

@@ -43,6 +43,19 @@ std::string read_text(const fs::path& p) {
   return s.str();
 }
 
+// Runs `shardgrad bench` (2 layers, `steps` steps, 1 warm-up) on `matrix`, written to
+// dir/matrix.json, with --out dir/res and --report dir/report.html; its output goes to dir/out.txt.
+int run_bench(const fs::path& dir, const json& matrix, int steps) {
+  fs::create_directories(dir);
+  std::ofstream(dir / "matrix.json") << matrix.dump();
+  const std::string mpirun = std::string(SG_MPIEXEC) + " --oversubscribe --allow-run-as-root --bind-to none";
+  const std::string cmd = std::string(SG_BINARY) + " bench --n-layer 2 --steps " + std::to_string(steps) +
+                          " --warmup 1 --matrix " + (dir / "matrix.json").string() + " --mpirun '" + mpirun +
+                          "' --out " + (dir / "res").string() + " --report " + (dir / "report.html").string() + " > " +
+                          (dir / "out.txt").string() + " 2>&1";
+  return std::system(cmd.c_str());
+}
+
 }  // namespace
 
 TEST_CASE("a layout's summary drops warm-up steps: medians, largest peaks, bytes per measured step") {
@@ -101,18 +114,11 @@ TEST_CASE("the default matrix has every strategy, tensor and pipeline layout, an
 
 TEST_CASE("shardgrad bench runs a matrix file, measures every layout and reports the one train refuses", "[cli][mpi]") {
   const fs::path dir = fs::temp_directory_path() / ("sg_bench_test_" + std::to_string(::getpid()));
-  fs::create_directories(dir);
   json matrix = json::array({{{"name", "single"}, {"ranks", 1}, {"args", ""}},
                              {{"name", "zero2"}, {"ranks", 2}, {"args", "--strategy zero2"}},
                              {{"name", "pp-1f1b"}, {"ranks", 2}, {"args", "--pp 2 --pp-schedule 1f1b"}},
                              {{"name", "tp3"}, {"ranks", 3}, {"args", "--tp 3"}}});
-  std::ofstream(dir / "matrix.json") << matrix.dump();
-  const std::string mpirun = std::string(SG_MPIEXEC) + " --oversubscribe --allow-run-as-root --bind-to none";
-  const std::string cmd = std::string(SG_BINARY) + " bench --n-layer 2 --steps 4 --warmup 1 --matrix " +
-                          (dir / "matrix.json").string() + " --mpirun '" + mpirun + "' --out " +
-                          (dir / "res").string() + " --report " + (dir / "report.html").string() + " > " +
-                          (dir / "out.txt").string() + " 2>&1";
-  const int status = std::system(cmd.c_str());
+  const int status = run_bench(dir, matrix, 4);
   INFO(read_text(dir / "out.txt"));
   REQUIRE(WIFEXITED(status));
   REQUIRE(WEXITSTATUS(status) == 0);
@@ -140,5 +146,91 @@ TEST_CASE("shardgrad bench runs a matrix file, measures every layout and reports
   const std::string html = read_text(dir / "report.html");
   CHECK(html.find("chart-memory") != std::string::npos);
   CHECK(html.find("1f1b pipeline, measured") != std::string::npos);
+  fs::remove_all(dir);
+}
+
+namespace {
+
+json x_event(int pid, const char* name, double ts, double dur, json args = json::object()) {
+  return {{"ph", "X"}, {"name", name}, {"cat", "compute"}, {"pid", pid}, {"tid", 1}, {"ts", ts}, {"dur", dur}, {"args", args}};
+}
+json mem_event(int pid, double ts, int64_t param, int64_t activation) {
+  return {{"ph", "C"}, {"name", "memory"}, {"cat", "memory"}, {"pid", pid}, {"tid", 9}, {"ts", ts},
+          {"args", {{"param", param}, {"activation", activation}}}};
+}
+
+}  // namespace
+
+TEST_CASE("memory over time: the last step's samples per rank, its evaluation left out, drawn per layout") {
+  json events = json::array();
+  for (int pid = 0; pid < 2; ++pid) {
+    events.push_back(x_event(pid, "step", 0, 1000, {{"step", 1}}));
+    events.push_back(mem_event(pid, 500, 999, 999));  // step 1: not the last
+    events.push_back(x_event(pid, "step", 2000, 1000, {{"step", 2}}));
+    events.push_back(mem_event(pid, 2000, 10, 0));
+    events.push_back(mem_event(pid, 2300, 30 + pid, 5));  // a gather
+    events.push_back(mem_event(pid, 2600, 10, 0));        // its release
+    events.push_back(x_event(pid, "evaluate", 2800, 150));
+    events.push_back(mem_event(pid, 2900, 40, 40));  // inside the evaluation: not the step's
+  }
+  const json tl = sg::report::memory_timeline({{"traceEvents", events}});
+  REQUIRE(!tl.is_null());
+  CHECK(tl["step"] == 2);
+  REQUIRE(tl["ranks"].size() == 2);
+  const json& r1 = tl["ranks"][1];
+  CHECK(r1["rank"] == 1);
+  CHECK(r1["step_ms"].get<double>() == Approx(0.8));
+  CHECK(r1["t_ms"] == json({0.0, 0.3, 0.6}));
+  CHECK(r1["bytes"]["param"] == json({10, 31, 10}));
+  CHECK(r1["bytes"]["activation"] == json({0, 5, 0}));
+  CHECK(sg::report::memory_timeline({{"traceEvents", json::array()}}).is_null());
+
+  json results;
+  json ok = {{"name", "zero3"}, {"ranks", 2}, {"status", "ok"}, {"args", "--strategy zero3"}};
+  ok["measured"] = sg::report::summarise_log({record(1, 9, 10, 100), record(2, 8, 10, 200)}, 1);
+  ok["memory_timeline"] = tl;
+  results["layouts"] = {ok};
+  const std::string html = sg::report::results_html(results);
+  CHECK(html.find("id='chart-memtime-zero3' data-samples='3'") != std::string::npos);
+  CHECK(html.find("rank 1 · 3 samples") != std::string::npos);
+  CHECK(count(html, "<svg") == count(html, "</svg>"));
+}
+
+TEST_CASE("bench --report draws memory over one step of each layout: zero3's gathers rise and fall, single stays flat",
+          "[cli][mpi]") {
+  const fs::path dir = fs::temp_directory_path() / ("sg_bench_memtime_" + std::to_string(::getpid()));
+  json matrix = json::array({{{"name", "single"}, {"ranks", 1}, {"args", ""}},
+                             {{"name", "zero3"}, {"ranks", 2}, {"args", "--strategy zero3"}}});
+  const int status = run_bench(dir, matrix, 3);
+  INFO(read_text(dir / "out.txt"));
+  REQUIRE(WIFEXITED(status));
+  REQUIRE(WEXITSTATUS(status) == 0);
+  const json res = json::parse(read_text(dir / "res.json"));
+  const std::string html = read_text(dir / "report.html");
+  for (const json& r : res["layouts"]) {
+    const std::string name = r["name"].get<std::string>();
+    INFO(name);
+    REQUIRE(r.contains("memory_timeline"));
+    CHECK(!r.contains("trace"));  // traced into the work directory, which is gone
+    const json& tl = r["memory_timeline"];
+    CHECK(tl["step"] == 3);
+    REQUIRE(tl["ranks"].size() == r["ranks"].get<size_t>());
+    const json& r0 = tl["ranks"][0];
+    CHECK(r0["t_ms"].size() >= 3);
+    const std::string svg = "id='chart-memtime-" + name + "' data-samples='";
+    const auto at = html.find(svg);
+    REQUIRE(at != std::string::npos);
+    CHECK(std::stoi(html.substr(at + svg.size())) == int(r0["t_ms"].size()));
+    std::vector<int64_t> param = r0["bytes"]["param"].get<std::vector<int64_t>>();
+    const auto top = std::max_element(param.begin(), param.end());
+    if (name == "single") {
+      CHECK(*top == param.front());
+      CHECK(*std::min_element(param.begin(), param.end()) == param.front());  // flat: nothing gathered
+    } else {
+      CHECK(*top > param.front());                                       // rises: a unit gathered
+      CHECK(*std::min_element(top, param.end()) < *top);                 // and falls: released
+    }
+  }
+  CHECK(count(html, "<svg") == count(html, "</svg>"));
   fs::remove_all(dir);
 }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <iterator>
+#include <map>
 #include <sstream>
 
 #include "bench/report/step_metrics.h"
@@ -104,6 +105,50 @@ nlohmann::json summarise_log(const std::vector<nlohmann::json>& steps, int warmu
   s["mem_peak"] = mem;
   s["comm_per_step"] = comm;
   return s;
+}
+
+nlohmann::json memory_timeline(const nlohmann::json& trace) {
+  if (!trace.contains("traceEvents")) return nullptr;
+  const auto& events = trace["traceEvents"];
+  struct Window {
+    int64_t step = -1;
+    double begin = 0, end = 0;
+  };
+  std::map<int, Window> windows;  // per rank: its last step
+  for (const auto& e : events)
+    if (e.value("ph", "") == "X" && e.value("name", "") == "step" && e.value("cat", "") == "compute") {
+      Window w{e.contains("args") ? e["args"].value("step", int64_t(0)) : 0, e["ts"].get<double>(), 0};
+      w.end = w.begin + e["dur"].get<double>();
+      Window& have = windows[e["pid"].get<int>()];
+      if (w.begin >= have.begin) have = w;
+    }
+  for (const auto& e : events)  // the last step's evaluation is not part of the step
+    if (e.value("ph", "") == "X" && e.value("name", "") == "evaluate" && windows.count(e["pid"].get<int>())) {
+      Window& w = windows[e["pid"].get<int>()];
+      const double ts = e["ts"].get<double>();
+      if (ts > w.begin && ts < w.end) w.end = ts;
+    }
+  nlohmann::json ranks = nlohmann::json::array();
+  int64_t step = 0;
+  for (const auto& [rank, w] : windows) {
+    std::vector<std::pair<double, const nlohmann::json*>> samples;
+    for (const auto& e : events)
+      if (e.value("ph", "") == "C" && e.value("name", "") == "memory" && e["pid"].get<int>() == rank) {
+        const double ts = e["ts"].get<double>();
+        if (ts >= w.begin && ts <= w.end) samples.emplace_back(ts, &e["args"]);
+      }
+    if (samples.empty()) continue;
+    std::stable_sort(samples.begin(), samples.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+    nlohmann::json t = nlohmann::json::array(), bytes = nlohmann::json::object();
+    for (const auto& [ts, args] : samples) {
+      t.push_back((ts - w.begin) / 1e3);
+      for (const auto& [cat, v] : args->items()) bytes[cat].push_back(v.get<int64_t>());
+    }
+    step = std::max(step, w.step);
+    ranks.push_back({{"rank", rank}, {"step_ms", (w.end - w.begin) / 1e3}, {"t_ms", t}, {"bytes", bytes}});
+  }
+  if (ranks.empty()) return nullptr;
+  return {{"step", step}, {"ranks", ranks}};
 }
 
 bool planner_layout(const BenchLayout& row, int64_t batch, Layout& out) {

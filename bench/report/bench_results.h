@@ -29,6 +29,13 @@ std::vector<BenchLayout> matrix_from_json(const nlohmann::json& j);
 // "comm_per_step": [per rank {kind: bytes}], "bubble"?}.
 nlohmann::json summarise_log(const std::vector<nlohmann::json>& steps, int warmup);
 
+// Memory over time within the last traced step, from a merged `train --trace` file: per rank (the
+// trace's pid), the "memory" counter samples whose time falls in that rank's last "step" event on
+// the compute track (ended where an "evaluate" inside it starts): {"step", "ranks": [{"rank",
+// "step_ms", "t_ms": [...from the step's start], "bytes": {category: [...]}}]}. Null when the trace
+// has no step with samples.
+nlohmann::json memory_timeline(const nlohmann::json& trace);
+
 // The planner's layout for a bench row (its train flags read back), or false when the row's
 // strategy is not one the planner models (dp over devices of one process).
 bool planner_layout(const BenchLayout& row, int64_t batch, Layout& out);
@@ -38,7 +45,8 @@ bool planner_layout(const BenchLayout& row, int64_t batch, Layout& out);
 std::string results_csv(const nlohmann::json& results);
 
 // One self-contained HTML page: stacked memory per rank per layout, throughput, communication per
-// kind, each pipeline run's Gantt chart, and predicted against measured.
+// kind, each pipeline run's Gantt chart, memory over one step of each layout (its
+// "memory_timeline"), and predicted against measured.
 std::string results_html(const nlohmann::json& results);
 
 }  // namespace sg::report

@@ -77,6 +77,103 @@ std::string stacked_bars(const std::string& id, const std::string& title, const 
   return o.str();
 }
 
+// Memory over one step of a layout: a panel per rank (rank 0 and the rank with the largest peak
+// when there are more than 4), the ledger's bytes stacked by category as step functions (a counter
+// holds its value until the next sample), one tick per sample on the time axis. The y scale is
+// shared by the panels; each panel's x axis is its own step.
+std::string memory_over_time(const std::string& id, const std::string& name, const nlohmann::json& timeline,
+                             const std::vector<std::string>& cats) {
+  const auto& ranks = timeline.at("ranks");
+  auto total_at = [&](const nlohmann::json& r, size_t j) {
+    double t = 0;
+    for (const auto& c : cats)
+      if (r["bytes"].contains(c)) t += r["bytes"][c][j].get<double>();
+    return t;
+  };
+  auto peak_of = [&](const nlohmann::json& r) {
+    double p = 0;
+    for (size_t j = 0; j < r["t_ms"].size(); ++j) p = std::max(p, total_at(r, j));
+    return p;
+  };
+  std::vector<size_t> shown;
+  if (ranks.size() <= 4) {
+    for (size_t k = 0; k < ranks.size(); ++k) shown.push_back(k);
+  } else {
+    size_t top = 1;
+    for (size_t k = 1; k < ranks.size(); ++k)
+      if (peak_of(ranks[k]) > peak_of(ranks[top])) top = k;
+    shown = {0, top};
+  }
+  double ymax = 0;
+  for (size_t k : shown) ymax = std::max(ymax, peak_of(ranks[k]));
+  const double width = 1000, left = 70, gap = 24, top = 58, plot_h = 150, bottom = 36;
+  const double panel_w = (width - left - 10 - gap * double(shown.size() - 1)) / double(shown.size());
+  const double yscale = ymax > 0 ? plot_h / ymax : 0;
+  std::ostringstream o;
+  o << "<svg id='" << escape(id) << "' data-samples='" << ranks[0]["t_ms"].size()
+    << "' xmlns='http://www.w3.org/2000/svg' width='" << width << "' height='" << top + plot_h + bottom
+    << "' font-family='sans-serif' font-size='11'>\n<rect width='100%' height='100%' fill='white'/>\n";
+  o << "<text x='4' y='16' font-size='14' font-weight='bold'>" << escape(name) << " — step "
+    << timeline.value("step", int64_t(0)) << "</text>\n";
+  double lx = 4;
+  for (size_t c = 0; c < cats.size(); ++c) {
+    o << "<rect x='" << lx << "' y='26' width='11' height='11' fill='" << kPalette[c % 8] << "'/><text x='" << lx + 15
+      << "' y='36'>" << escape(cats[c]) << "</text>\n";
+    lx += 22 + 6.5 * double(cats[c].size());
+  }
+  const double base = top + plot_h;
+  for (double f : {0.0, 0.5, 1.0}) {  // the shared y axis
+    const double y = base - f * plot_h;
+    o << "<line x1='" << left << "' x2='" << width - 10 << "' y1='" << y << "' y2='" << y << "' stroke='#ddd'/>"
+      << "<text x='" << left - 4 << "' y='" << y + 4 << "' text-anchor='end' fill='#444'>" << human(f * ymax, "B")
+      << "</text>\n";
+  }
+  for (size_t p = 0; p < shown.size(); ++p) {
+    const auto& r = ranks[shown[p]];
+    const auto& t = r["t_ms"];
+    const size_t n = t.size();
+    const double x0 = left + double(p) * (panel_w + gap), span = std::max(1e-9, r.value("step_ms", 0.0));
+    auto x = [&](double ms) { return x0 + std::clamp(ms / span, 0.0, 1.0) * panel_w; };
+    std::vector<double> below(n, 0.0);
+    for (size_t c = 0; c < cats.size(); ++c) {
+      if (!r["bytes"].contains(cats[c])) continue;
+      const auto& v = r["bytes"][cats[c]];
+      std::vector<double> above(n);
+      double most = 0;
+      for (size_t j = 0; j < n; ++j) above[j] = below[j] + v[j].get<double>(), most = std::max(most, v[j].get<double>());
+      if (most > 0 && n > 0) {  // the top edge left to right, then the bottom edge back, both as steps
+        std::ostringstream d;
+        d << "M" << x(t[0].get<double>()) << "," << base - above[0] * yscale;
+        for (size_t j = 0; j < n; ++j) {
+          const double x_next = j + 1 < n ? x(t[j + 1].get<double>()) : x0 + panel_w;
+          d << " H" << x_next;
+          if (j + 1 < n) d << " V" << base - above[j + 1] * yscale;
+        }
+        d << " V" << base - below[n - 1] * yscale;
+        for (size_t j = n; j-- > 0;) {
+          d << " H" << x(t[j].get<double>());
+          if (j > 0) d << " V" << base - below[j - 1] * yscale;
+        }
+        o << "<path d='" << d.str() << " Z' fill='" << kPalette[c % 8] << "'><title>"
+          << escape(name + " rank " + std::to_string(r["rank"].get<int>()) + ": " + cats[c] + ", up to " + human(most, "B"))
+          << "</title></path>\n";
+      }
+      below = above;
+    }
+    for (size_t j = 0; j < n; ++j)  // where the ledger was sampled
+      o << "<line x1='" << x(t[j].get<double>()) << "' x2='" << x(t[j].get<double>()) << "' y1='" << base << "' y2='"
+        << base + 5 << "' stroke='#666'/>\n";
+    o << "<line x1='" << x0 << "' x2='" << x0 + panel_w << "' y1='" << base << "' y2='" << base << "' stroke='#444'/>\n";
+    o << "<text x='" << x0 << "' y='" << base + 18 << "'>0</text><text x='" << x0 + panel_w << "' y='" << base + 18
+      << "' text-anchor='end'>" << human(span / 1e3, "s") << "</text>\n";
+    o << "<text x='" << x0 + panel_w / 2 << "' y='" << base + 30 << "' text-anchor='middle'>rank " << r["rank"].get<int>()
+      << (ranks.size() > 4 && p > 0 ? " (largest peak)" : "") << " · " << n << " samples · peak "
+      << human(peak_of(r), "B") << "</text>\n";
+  }
+  o << "</svg>\n";
+  return o.str();
+}
+
 }  // namespace
 
 std::string results_html(const nlohmann::json& results) {
@@ -84,7 +181,7 @@ std::string results_html(const nlohmann::json& results) {
   static const std::vector<std::string> kinds = {"all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "send"};
   std::vector<std::string> mem_rows, tput_rows, comm_rows;
   std::vector<std::vector<double>> mem_vals, tput_vals, comm_vals;
-  std::ostringstream gantt, table, refused;
+  std::ostringstream gantt, memtime, table, refused;
   for (const auto& r : results.at("layouts")) {
     const std::string name = r["name"].get<std::string>();
     if (r["status"] != "ok") {
@@ -109,6 +206,9 @@ std::string results_html(const nlohmann::json& results) {
       for (const auto& k : kinds) v.push_back(m["comm_per_step"][0].value(k, 0.0));
       comm_vals.push_back(v);
     }
+    if (r.contains("memory_timeline") && !r["memory_timeline"].is_null())
+      memtime << "<div class='memtime'>" << memory_over_time("chart-memtime-" + name, name, r["memory_timeline"], cats)
+              << "</div>\n";
     if (r.contains("timeline_svg"))
       gantt << "<h3>" << escape(name) << "</h3>\n<div class='gantt'>" << r["timeline_svg"].get<std::string>() << "</div>\n";
     table << "<tr><td>" << escape(name) << "</td><td>" << r["ranks"].get<int>() << "</td><td>"
@@ -136,7 +236,7 @@ std::string results_html(const nlohmann::json& results) {
   o << "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'><title>shardgrad bench</title>\n"
     << "<style>body{font-family:sans-serif;margin:24px;max-width:1100px}table{border-collapse:collapse;font-size:13px}"
        "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}td:first-child{text-align:left}"
-       "h2{margin-top:32px}.gantt svg{max-width:100%}</style></head><body>\n";
+       "h2{margin-top:32px}.gantt svg,.memtime svg{max-width:100%}</style></head><body>\n";
   o << "<h1>shardgrad bench</h1>\n<p>" << escape(results.value("description", std::string())) << "</p>\n";
   if (results.contains("command")) o << "<p><code>" << escape(results["command"].get<std::string>()) << "</code></p>\n";
   o << "<h2>Peak memory per rank, by ledger category</h2>\n"
@@ -147,6 +247,10 @@ std::string results_html(const nlohmann::json& results) {
   o << "<h2>Communication per step, by collective kind (rank 0, bytes sent)</h2>\n"
     << stacked_bars("chart-comm", "bytes per step", comm_rows, kinds, comm_vals, "B");
   o << "<h2>Pipeline timelines (last step, measured)</h2>\n" << gantt.str();
+  o << "<h2>Memory over one step (the last, from its trace)</h2>\n<p>The ledger's bytes per category on each "
+       "rank, sampled at the step's start, after each micro-batch's forward and backward, on each FSDP gather and "
+       "release, on each ZeRO stripe's launch, and after the optimizer; ticks mark the samples.</p>\n"
+    << memtime.str();
   o << "<h2>Measured and predicted</h2>\n<p>Rank 0; cells are predicted / measured (error). The planner's "
        "model states are exact; activations follow Korthikanti et al.'s formulas.</p>\n"
     << "<table id='table-layouts'><tr><th>layout</th><th>ranks</th><th>step</th><th>throughput</th><th>bubble</th>"
