@@ -37,6 +37,7 @@
 #include "parallel/dp.h"
 #include "parallel/watchdog.h"
 #include "parallel/fsdp.h"
+#include "parallel/functional.h"
 #include "parallel/zero.h"
 
 namespace sg::cli {
@@ -520,6 +521,7 @@ double Trainer::train_step(int64_t step, double lr, double& grad_norm, bool& app
     {
       trace::Scope ts("backward", "compute", {{"micro", m}});
       tape.backward(loss);
+      trace::memory(device_);
     }
   }
   if (ddp_) {
@@ -767,8 +769,16 @@ json Trainer::evaluate() {
     total += item(model_->loss(to(b.inputs, device_), to(b.targets, device_)));
   }
   out["val_loss"] = total / double(nb);
-  if (auto* task = dynamic_cast<const io::SyntheticDataset*>(val_.get())) {
-    auto logits_fn = [this](const Tensor& idx) { return to(model_->forward(to(idx, device_)), Device::cpu()); };
+  // Under sequence parallelism prompts of any length cannot be split over tp: loss only.
+  auto* task = dynamic_cast<const io::SyntheticDataset*>(val_.get());
+  if (task && !cfg_.sequence_parallel) {
+    // Under tp every rank of the group runs the same prompts in lockstep and sees the whole
+    // vocabulary: the slices of the logits are gathered.
+    auto logits_fn = [this](const Tensor& idx) {
+      Tensor logits = model_->forward(to(idx, device_));
+      if (tp_ > 1) logits = parallel::all_gather_along(logits, -1, *groups_.tp);
+      return to(logits, Device::cpu());
+    };
     out["accuracy"] = io::synthetic_accuracy(task->task(), logits_fn, args_.i64("eval-problems"), cfg_.block_size, seed_ + 1);
     out["examples"] = io::synthetic_examples(task->task(), logits_fn, 4, cfg_.block_size, seed_ + 2);
   }
@@ -893,6 +903,7 @@ int Trainer::run() {
     const double lr = sched_.at(step);
     Ledger::global().reset_peaks(device_);
     trace::Scope step_scope("step", "compute", {{"step", step + 1}});
+    trace::memory(device_);  // the step's starting point (bench's memory-over-time chart)
     parallel::watchdog::beat("forward/backward", step);
     parallel::maybe_inject(fault_, rank_, step + 1);
     auto t0 = std::chrono::steady_clock::now();
@@ -914,9 +925,9 @@ int Trainer::run() {
     rec["ranks"] = report::step_metrics(device_, traffic_groups(), metrics_.get(), pipe_ ? &pipe_->last_timeline() : nullptr)["ranks"];
     const bool last = step + 1 == steps_;
     if (last && pipe_ && !args_.str("timeline").empty()) write_timeline();
-    // Evaluation runs the whole model on rank 0; under --pp/--tp no rank holds it (not yet available).
-    // zero3 evaluates on every rank (each unit's forward gathers it collectively); rank 0 reports.
-    if (((eval_every && (step + 1) % eval_every == 0) || last) && (lead() || fsdp_) && !pipe_ && tp_ == 1) {
+    // Evaluation runs the whole model on rank 0; zero3/fsdp and tp evaluate on every rank (the
+    // forward is collective); rank 0 reports. Under --pp no rank holds the model (not yet available).
+    if (((eval_every && (step + 1) % eval_every == 0) || last) && (lead() || fsdp_ || tp_ > 1) && !pipe_) {
       json ev = evaluate();
       if (lead()) {
         std::printf("eval  step %lld | val loss %.4f", (long long)step + 1, ev["val_loss"].get<double>());

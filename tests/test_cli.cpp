@@ -274,6 +274,12 @@ TEST_CASE("impossible layouts are refused before any work, with the reason", "[c
   refuses(mpirun(2) + " train " + kSmall + " --n-layer 2 --pp 2 --pp-schedule zigzag", "unknown schedule 'zigzag'");
 }
 
+// The number after `key` in a progress line ("val loss 2.3456"), or NaN.
+double number_after(const std::string& text, const std::string& key) {
+  const size_t at = text.find(key);
+  return at == std::string::npos ? std::nan("") : std::atof(text.c_str() + at + key.size());
+}
+
 TEST_CASE("3-D layouts (dp x tp x pp; ddp, zero1/2 or zero3 across dp) give the single-process losses and gradient norms", "[cli][mpi]") {
   TempDir d;
   const std::string args = " train --n-layer 4 --n-embd 32 --n-head 2 --seq-len 16 --batch-size 8 --micro-batch-size 2 "
@@ -305,6 +311,14 @@ TEST_CASE("3-D layouts (dp x tp x pp; ddp, zero1/2 or zero3 across dp) give the 
       REQUIRE(std::abs(b[i]["loss"].get<double>() - a[i]["loss"].get<double>()) <= 1e-5 * a[i]["loss"].get<double>());
       REQUIRE(std::abs(b[i]["grad_norm"].get<double>() - a[i]["grad_norm"].get<double>()) <=
               1e-5 * a[i]["grad_norm"].get<double>());
+    }
+    // the final evaluation runs under tp too (every rank of the group; the logits' vocabulary
+    // slices gathered), and sees the same model; under pp it is skipped
+    if (layouts[k].second.find("--pp") == std::string::npos) {
+      const double mine = number_after(r.output, "val loss "), ref = number_after(one.output, "val loss ");
+      REQUIRE(std::abs(mine - ref) <= 1e-4 * ref);  // printed to 4 decimals
+      if (layouts[k].second.find("sequence-parallel") == std::string::npos)
+        REQUIRE(r.output.find("task accuracy") != std::string::npos);
     }
   }
   Run z = run_command(mpirun(4) + args + (d.path / "z.jsonl").string() + " --pp 2 --strategy fsdp");
