@@ -648,6 +648,8 @@ parallel::FsdpOptions Trainer::fsdp_options() const {
   SG_CHECK(strategy_ == "hsdp" || !a.given("shard-group-size"), "train: --shard-group-size is for --strategy hsdp");
   if (strategy_ == "hsdp") {
     const int64_t g = a.i64("shard-group-size");
+    SG_CHECK(g != 0, "train: --strategy hsdp needs --shard-group-size G: the ranks of one shard group (e.g. the ranks of a "
+             "node), dividing the ", dp_size_, " data-parallel ranks");
     SG_CHECK(g >= 1 && dp_size_ % g == 0, "train: --strategy hsdp: --shard-group-size ", g, " must divide the ",
              dp_size_, " data-parallel ranks");
     o.shard_group_size = int(g);
@@ -922,7 +924,8 @@ int Trainer::run() {
     std::fflush(stdout);
     json rec = {{"step", step + 1}, {"loss", loss}, {"lr", lr}, {"grad_norm", norm}, {"step_ms", ms},
                 {"tokens_per_s", tps}, {"mem", ledger_json(device_)}, {"skipped", !applied}};
-    rec["ranks"] = report::step_metrics(device_, traffic_groups(), metrics_.get(), pipe_ ? &pipe_->last_timeline() : nullptr)["ranks"];
+    rec["ranks"] = report::step_metrics(device_, traffic_groups(), metrics_.get(), pipe_ ? &pipe_->last_timeline() : nullptr,
+                                       pipe_ ? groups_.pp->rank() : -1)["ranks"];
     const bool last = step + 1 == steps_;
     if (last && pipe_ && !args_.str("timeline").empty()) write_timeline();
     // Evaluation runs the whole model on rank 0; zero3/fsdp and tp evaluate on every rank (the

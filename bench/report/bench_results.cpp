@@ -40,7 +40,7 @@ std::vector<BenchLayout> default_matrix(int n) {
       {"zero2", n, "--strategy zero2"},
       {"zero3", n, "--strategy zero3"},
       {"fsdp-grad-op", n, "--strategy fsdp-grad-op"},
-      {"hsdp", n, "--strategy hsdp"},
+      {"hsdp", 4, "--strategy hsdp --shard-group-size 2"},
       {"tp", n, "--tp " + N},
       {"tp+sp", n, "--tp " + N + " --sequence-parallel"},
       {"pp-gpipe", n, "--pp " + N + " --pp-schedule gpipe"},

@@ -14,7 +14,8 @@ constexpr int kRow = 1 + kMemFields + kCommFields + 3;
 }  // namespace
 
 nlohmann::json step_metrics(Device device, const std::vector<const comm::ProcessGroup*>& counted,
-                            comm::ProcessGroup* gather, const parallel::pp::Timeline* timeline) {
+                            comm::ProcessGroup* gather, const parallel::pp::Timeline* timeline,
+                            int timeline_row) {
   const int rank = gather ? gather->rank() : 0, size = gather ? gather->size() : 1;
   std::vector<double> row(kRow, 0.0);
   row[0] = rank;
@@ -39,9 +40,10 @@ nlohmann::json step_metrics(Device device, const std::vector<const comm::Process
     row[size_t(2 + kMemFields + 2 * k)] = double(sum.kinds[size_t(k)].bytes);
   }
   const size_t tl = size_t(1 + kMemFields + kCommFields);
-  if (timeline && size_t(rank) < timeline->per_rank.size()) {
+  const int row_of_mine = timeline_row >= 0 ? timeline_row : rank;
+  if (timeline && size_t(row_of_mine) < timeline->per_rank.size()) {
     row[tl] = 1;
-    for (const auto& a : timeline->per_rank[size_t(rank)]) {
+    for (const auto& a : timeline->per_rank[size_t(row_of_mine)]) {
       row[tl + 1] += a.end - a.start;
       row[tl + 2] = std::max(row[tl + 2], a.end);
     }
