@@ -198,6 +198,46 @@ Shape MemorySource::shape(const std::string& name) const {
   return it->second.shape();
 }
 
+namespace {
+struct Run {
+  int64_t global, pos, len;
+};
+std::vector<Run> runs_of(const Shape& global, const Box& box, int64_t flat_lo, int64_t n) {
+  std::vector<Run> out;
+  for_runs(global, box, flat_lo, n, [&](int64_t g, int64_t pos, int64_t len) { out.push_back({g, pos, len}); });
+  return out;
+}
+}  // namespace
+
+std::pair<int64_t, int64_t> run_extent(const Shape& global, const Box& box, int64_t flat_lo, int64_t n) {
+  int64_t lo = -1, hi = -1;
+  for_runs(global, box, flat_lo, n, [&](int64_t g, int64_t, int64_t len) {
+    if (lo < 0) lo = g;
+    hi = g + len;
+  });
+  return {std::max<int64_t>(lo, 0), std::max<int64_t>(hi, 0)};
+}
+
+int64_t copy_overlap(const Piece& piece, const Box& box, int64_t flat_lo, const Tensor& out) {
+  // Both run lists ascend in global offset (a box's row-major order is the tensor's): merge them.
+  const std::vector<Run> want = runs_of(piece.global_shape, box, flat_lo, out.numel()),
+                         have = runs_of(piece.global_shape, piece.box, piece.flat_lo, piece.data.numel());
+  autograd::NoGradGuard ng;
+  int64_t copied = 0;
+  size_t i = 0, j = 0;
+  while (i < want.size() && j < have.size()) {
+    const Run &w = want[i], &h = have[j];
+    const int64_t lo = std::max(w.global, h.global), hi = std::min(w.global + w.len, h.global + h.len);
+    if (lo < hi) {
+      copy_(narrow(out, 0, w.pos + (lo - w.global), hi - lo), narrow(piece.data, 0, h.pos + (lo - h.global), hi - lo));
+      copied += hi - lo;
+    }
+    if (w.global + w.len <= h.global + h.len) ++i;
+    else ++j;
+  }
+  return copied;
+}
+
 Tensor box_run(const Tensor& t, const Box& box, int64_t flat_lo, int64_t n) {
   autograd::NoGradGuard ng;
   Tensor flat = reshape(contiguous(t), {t.numel()});

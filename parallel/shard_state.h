@@ -102,6 +102,13 @@ class MemorySource : public PieceSource {
 // pieces_of over all ranks. Throws naming the tensor and the first uncovered element count.
 std::map<std::string, Tensor> assemble(const std::vector<Piece>& pieces);
 
+// The global row-major offsets [lo, hi) that elements [flat_lo, flat_lo + n) of `box` lie
+// within (a bounding range: a quick test of whether a stored piece can hold any of them).
+std::pair<int64_t, int64_t> run_extent(const Shape& global, const Box& box, int64_t flat_lo, int64_t n);
+// Copies into `out` (elements [flat_lo, flat_lo + out.numel()) of `box`) every element that
+// `piece` (of the same global tensor) holds; returns how many.
+int64_t copy_overlap(const Piece& piece, const Box& box, int64_t flat_lo, const Tensor& out);
+
 // Elements [flat_lo, flat_lo + n) of `box` of the global tensor `t`, as a new 1-D tensor.
 Tensor box_run(const Tensor& t, const Box& box, int64_t flat_lo, int64_t n);
 

@@ -406,9 +406,36 @@ std::vector<std::string> ShardedCheckpoint::names() const {
   return out;
 }
 
+// Only the pieces whose elements can meet the request are read (and checksummed): under a
+// sharded layout a rank reads about its own share, not the whole tensor.
 void ShardedCheckpoint::read(const std::string& name, const Box& box, int64_t flat_lo, const Tensor& out) const {
-  load(name);
-  cached_.read(name, box, flat_lo, out);
+  if (cached_name_ == name) return cached_.read(name, box, flat_lo, out);  // assembled already
+  const TensorRef& t = ref(name);
+  const auto [lo, hi] = run_extent(t.shape, box, flat_lo, out.numel());
+  if (pieces_name_ != name) {
+    pieces_.clear();
+    pieces_name_ = name;
+  }
+  int64_t copied = 0;
+  for (const auto& p : t.pieces) {
+    const auto [plo, phi] = run_extent(t.shape, p.box, p.flat_lo, p.numel);
+    if (phi <= lo || hi <= plo) continue;
+    const std::string id = p.file + "/" + p.key;  // keys repeat across the ranks' files
+    auto it = pieces_.find(id);
+    if (it == pieces_.end()) {
+      io::ReadFile rf((fs::path(path_) / p.file).string(), "checkpoint");
+      SG_CHECK(rf.size() == file_bytes_.at(p.file), "checkpoint: tensor '", name, "': file ", rf.path(), " is ",
+               rf.size(), " bytes but index.json records ", file_bytes_.at(p.file), " (truncated or replaced?)");
+      Tensor data = Tensor::empty({p.numel}, t.dtype, Device::cpu());
+      rf.read_at(data.data_ptr(), size_t(p.end - p.begin), p.begin);
+      SG_CHECK(bytes_checksum(data.data_ptr(), data.nbytes()) == p.checksum, "checkpoint: tensor '", name,
+               "' (piece '", p.key, "') in ", rf.path(), " fails its checksum: the file is corrupt");
+      it = pieces_.emplace(id, Piece{name, t.shape, p.box, p.flat_lo, data}).first;
+    }
+    copied += copy_overlap(it->second, box, flat_lo, out);
+  }
+  SG_CHECK(copied == out.numel(), "checkpoint: tensor '", name, "': the pieces hold ", copied, " of the ", out.numel(),
+           " elements asked for");
 }
 
 Tensor ShardedCheckpoint::tensor(const std::string& name) const {

@@ -108,6 +108,10 @@ class ShardedCheckpoint : public Checkpoint {
   // The last tensor assembled (reads of one tensor come together: one per box or flat run).
   mutable std::string cached_name_;
   mutable MemorySource cached_;
+  // The pieces of one tensor read so far by read() (by key): a rank's several reads of a tensor
+  // (q, k, v blocks; m, v and masters are other tensors) fetch each piece once.
+  mutable std::string pieces_name_;
+  mutable std::map<std::string, Piece> pieces_;
 };
 
 // Parses and validates a sharded index (the text of index.json) for the step directory `dir`;

@@ -90,3 +90,28 @@ TEST_CASE("missing tensors, wrong shapes and incomplete pieces are refused by na
   auto ps = pieces_of(v, 0, contiguous(narrow(reshape(numbered({4, 2}), {8}), 0, 0, 5)));
   CHECK_THROWS_WITH(assemble(ps), Catch::Contains("'a' is incomplete: pieces cover 5 of 8"));
 }
+
+TEST_CASE("copy_overlap fills a request of one layout from the pieces of another, element for element", "[shard]") {
+  Tensor g = numbered({6, 4});
+  // stored: flat runs of the whole tensor (as ZeRO/FSDP ranks hold them), uneven
+  LocalView whole = whole_view("w", {6, 4});
+  std::vector<Piece> stored;
+  Tensor flat = reshape(g, {24});
+  for (auto [lo, n] : std::vector<std::pair<int64_t, int64_t>>{{0, 5}, {5, 11}, {16, 8}})
+    for (auto& p : pieces_of(whole, lo, contiguous(narrow(flat, 0, lo, n)))) stored.push_back(p);
+  // asked: rank 1's columns under a split along dim 1, then a run inside that box
+  LocalView cols = split_view("w", {6, 4}, 1, 1, 1, 2);
+  const Box& box = cols.parts[0].box;
+  for (auto [lo, n] : std::vector<std::pair<int64_t, int64_t>>{{0, 12}, {3, 7}}) {
+    Tensor out = full({n}, -1.0);
+    int64_t copied = 0;
+    for (const Piece& p : stored) {
+      auto [plo, phi] = run_extent(p.global_shape, p.box, p.flat_lo, p.data.numel());
+      auto [rlo, rhi] = run_extent({6, 4}, box, lo, n);
+      if (phi <= rlo || rhi <= plo) continue;
+      copied += copy_overlap(p, box, lo, out);
+    }
+    CHECK(copied == n);
+    CHECK(same(out, box_run(g, box, lo, n)));
+  }
+}
