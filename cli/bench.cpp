@@ -73,7 +73,8 @@ json predicted(report::BenchLayout row, const std::string& common, const report:
       if (kind != "recv") sent += double(bytes);
     return {{"param", r0.param},           {"grad", r0.grad},        {"optim_state", r0.optim_state},
             {"activation", r0.activation}, {"buffers", r0.buffers},  {"comm", p.comm},
-            {"comm_bytes", sent},          {"bubble", p.bubble},     {"step_s", p.step_s}};
+            {"comm_bytes", sent},          {"bubble", p.bubble},     {"step_s", p.step_s},
+            {"model_flops_per_token", p.model_flops_per_token}};
   } catch (const Error& e) {
     return {{"refused", e.what()}};
   }
@@ -99,6 +100,8 @@ int bench_main(int argc, char** argv) {
   a.flag("threads", "1", "CPU threads per rank");
   a.flag("mpirun", "mpirun --oversubscribe --allow-run-as-root --bind-to none", "the launcher, with its flags");
   a.flag("timeout", "300", "seconds per layout");
+  a.flag("peak-tflops", "0", "the peak TFLOP/s of one rank's device in the training dtype (e.g. 989 for H100/H200 bf16 "
+         "dense): each layout's measured MFU = tokens/s x model FLOPs per token / (ranks x peak); 0 = not reported");
   a.flag("out", "bench_results", "write PREFIX.json and PREFIX.csv");
   a.flag("report", "", "write the HTML report here");
   a.flag("from", "", "make the report from this results file instead of running");
@@ -132,6 +135,8 @@ int bench_main(int argc, char** argv) {
     matrix = chosen;
   }
   const int64_t steps = a.i64("steps"), warmup = a.i64("warmup"), batch = a.i64("batch-size");
+  const double peak_flops = a.f64("peak-tflops") * 1e12;
+  SG_CHECK(peak_flops >= 0, "bench: --peak-tflops must be >= 0");
   SG_CHECK(steps > warmup && warmup >= 0, "bench: --steps must exceed --warmup");
   report::ModelShape model = report::model_preset(a.str("model"));
   model.n_layer = a.i64("n-layer"), model.n_head = a.i64("n-head"), model.n_embd = a.i64("n-embd");
@@ -213,6 +218,13 @@ int bench_main(int argc, char** argv) {
     }
     json p = predicted(row, common, model, batch);
     if (!p.is_null()) r["predicted"] = p;
+    // MFU as PaLM defines it: the model's FLOPs (6 per parameter per token plus attention; no
+    // recompute) over what the ranks' devices could do.
+    if (peak_flops > 0 && r.contains("measured") && !p.is_null() && p.contains("model_flops_per_token")) {
+      r["measured"]["mfu"] = r["measured"]["tokens_per_s"].get<double>() * p["model_flops_per_token"].get<double>() /
+                             (double(row.ranks) * peak_flops);
+      std::printf("    MFU %.2f%% of %g TFLOP/s per rank\n", 100 * r["measured"]["mfu"].get<double>(), peak_flops / 1e12);
+    }
     results["layouts"].push_back(r);
     std::fflush(stdout);
   }

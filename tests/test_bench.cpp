@@ -45,12 +45,12 @@ std::string read_text(const fs::path& p) {
 
 // Runs `shardgrad bench` (2 layers, `steps` steps, 1 warm-up) on `matrix`, written to
 // dir/matrix.json, with --out dir/res and --report dir/report.html; its output goes to dir/out.txt.
-int run_bench(const fs::path& dir, const json& matrix, int steps) {
+int run_bench(const fs::path& dir, const json& matrix, int steps, const std::string& extra = "") {
   fs::create_directories(dir);
   std::ofstream(dir / "matrix.json") << matrix.dump();
   const std::string mpirun = std::string(SG_MPIEXEC) + " --oversubscribe --allow-run-as-root --bind-to none";
   const std::string cmd = std::string(SG_BINARY) + " bench --n-layer 2 --steps " + std::to_string(steps) +
-                          " --warmup 1 --matrix " + (dir / "matrix.json").string() + " --mpirun '" + mpirun +
+                          " --warmup 1 " + extra + " --matrix " + (dir / "matrix.json").string() + " --mpirun '" + mpirun +
                           "' --out " + (dir / "res").string() + " --report " + (dir / "report.html").string() + " > " +
                           (dir / "out.txt").string() + " 2>&1";
   return std::system(cmd.c_str());
@@ -118,12 +118,22 @@ TEST_CASE("shardgrad bench runs a matrix file, measures every layout and reports
                              {{"name", "zero2"}, {"ranks", 2}, {"args", "--strategy zero2"}},
                              {{"name", "pp-1f1b"}, {"ranks", 2}, {"args", "--pp 2 --pp-schedule 1f1b"}},
                              {{"name", "tp3"}, {"ranks", 3}, {"args", "--tp 3"}}});
-  const int status = run_bench(dir, matrix, 4);
+  const int status = run_bench(dir, matrix, 4, "--peak-tflops 0.5");
   INFO(read_text(dir / "out.txt"));
   REQUIRE(WIFEXITED(status));
   REQUIRE(WEXITSTATUS(status) == 0);
   json res = json::parse(read_text(dir / "res.json"));
   REQUIRE(res["layouts"].size() == 4);
+  // measured MFU: tokens/s x the model's FLOPs per token over the ranks' peak (0.5 TFLOP/s each)
+  for (int i = 0; i < 3; ++i) {
+    const json& r = res["layouts"][i];
+    const double flops = r["predicted"]["model_flops_per_token"].get<double>();
+    CHECK(flops > 6.0 * 1000);  // 6 per parameter per token at least
+    CHECK(r["measured"]["mfu"].get<double>() ==
+          Approx(r["measured"]["tokens_per_s"].get<double>() * flops / (r["ranks"].get<double>() * 0.5e12)));
+    CHECK(r["measured"]["mfu"].get<double>() > 0);
+    CHECK(r["measured"]["mfu"].get<double>() < 1);
+  }
   for (int i = 0; i < 3; ++i) {
     const json& r = res["layouts"][i];
     INFO(r.dump());

@@ -173,7 +173,7 @@ std::string results_csv(const nlohmann::json& results) {
   static const char* cats[] = {"param", "grad", "optim_state", "activation", "comm_buffer", "workspace", "total"};
   static const char* kinds[] = {"all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "send", "recv"};
   std::ostringstream o;
-  o << "layout,ranks,status,step_ms,tokens_per_s,bubble";
+  o << "layout,ranks,status,step_ms,tokens_per_s,mfu,bubble";
   for (const char* c : cats) o << ",rank0_peak_" << c;
   for (const char* k : kinds) o << ",rank0_" << k << "_bytes_per_step";
   o << ",reason\n";
@@ -181,7 +181,7 @@ std::string results_csv(const nlohmann::json& results) {
     o << r["name"].get<std::string>() << "," << r["ranks"].get<int>() << "," << r["status"].get<std::string>();
     const nlohmann::json m = r.value("measured", nlohmann::json::object());
     auto num = [&](const char* k) { return m.contains(k) ? std::to_string(m[k].get<double>()) : std::string(); };
-    o << "," << num("step_ms") << "," << num("tokens_per_s") << "," << num("bubble");
+    o << "," << num("step_ms") << "," << num("tokens_per_s") << "," << num("mfu") << "," << num("bubble");
     for (const char* c : cats)
       o << "," << (m.contains("mem_peak") && m["mem_peak"][0].contains(c) ? std::to_string(m["mem_peak"][0][c].get<int64_t>()) : "");
     for (const char* k : kinds)

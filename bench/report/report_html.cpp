@@ -213,6 +213,7 @@ std::string results_html(const nlohmann::json& results) {
       gantt << "<h3>" << escape(name) << "</h3>\n<div class='gantt'>" << r["timeline_svg"].get<std::string>() << "</div>\n";
     table << "<tr><td>" << escape(name) << "</td><td>" << r["ranks"].get<int>() << "</td><td>"
           << human(m["step_ms"].get<double>() / 1e3, "s") << "</td><td>" << human(m["tokens_per_s"].get<double>(), "tok/s")
+          << (m.contains("mfu") ? " (MFU " + human(100 * m["mfu"].get<double>(), "%") + ")" : std::string())
           << "</td><td>" << (m.contains("bubble") ? human(100 * m["bubble"].get<double>(), "%") : "") << "</td>";
     if (r.contains("predicted") && r["predicted"].contains("param") && m.contains("mem_peak")) {
       const auto& p = r["predicted"];
