@@ -28,6 +28,7 @@
 #include "parallel/checkpoint.h"
 #include "parallel/sharded_checkpoint.h"
 #include "parallel/comm/mpi_backend.h"
+#include "parallel/comm/nccl_backend.h"
 #include "bench/report/timeline_svg.h"
 #include "bench/report/step_metrics.h"
 #include "parallel/comm/mesh.h"
@@ -99,6 +100,8 @@ void declare_flags(Args& a) {
   a.flag("keep", "0", "keep only the newest N checkpoints (0 = all)");
   a.flag("devices", "cpu:0,cpu:1", "dp: the devices to replicate over; the first one holds the model");
   a.flag("bucket-mb", "25", "ddp: gradient bucket size in MiB; zero1/zero2: one stripe's reduce-scatter input in MiB");
+  a.flag("backend", "mpi", "collectives of multi-rank runs: mpi (CPU tensors, CUDA through host staging) | nccl (GPUs)");
+  a.flag("rendezvous", "mpi", "how ranks find each other: mpi (launched by mpirun)");
   a.flag("comm-timeout", "300", "seconds without progress before the watchdog aborts the job, naming the stuck rank");
   a.flag("inject-fault", "", "testing: rank=R,step=S,kind=exit|throw|abort|kill|hang|nan[,during=save]");
   a.flag("on-nonfinite", "stop", "a NaN/Inf loss or gradient: stop (naming the step and the tensor) or skip the step (counted)");
@@ -216,6 +219,12 @@ class Trainer {
   // Sum over the data-parallel ranks of each one's share of the global batch's mean loss.
   double dp_loss(double share);
   double world_sum(double x);  // over every rank (metrics group)
+  std::string device_spec_;    // --device, with "cuda" made cuda:<local rank> under --backend nccl
+  static int local_rank() {    // this rank's place on its node, from the launcher
+    for (const char* v : {"OMPI_COMM_WORLD_LOCAL_RANK", "LOCAL_RANK"})
+      if (const char* s = std::getenv(v)) return std::atoi(s);
+    return 0;
+  }
   bool accept_step(int64_t step, double loss, double grad_norm);
   optim::NonFinitePolicy nonfinite_ = optim::NonFinitePolicy::stop;
   int64_t nonfinite_skipped_ = 0;
@@ -263,12 +272,31 @@ void Trainer::setup() {
            strategy_, "' is not available (expected single, dp, ddp, zero1, zero2, zero3, fsdp, fsdp-grad-op, hsdp or no-shard)");
   tp_ = int(positive(a, "tp"));
   pp_ = int(positive(a, "pp"));
+  device_spec_ = a.str("device");
+  SG_CHECK(a.str("backend") == "mpi" || a.str("backend") == "nccl", "train: --backend must be mpi or nccl, got '",
+           a.str("backend"), "'");
+  SG_CHECK(a.str("backend") == "mpi" || distributed(), "train: --backend nccl is for multi-rank strategies "
+           "(--strategy ddp, zero*, fsdp*, --tp, --pp)");
+  const std::string rdv = a.str("rendezvous");
+  SG_CHECK(rdv == "mpi" || rdv.rfind("file:", 0) == 0, "train: --rendezvous must be mpi or file:PATH, got '", rdv, "'");
+  SG_CHECK(rdv == "mpi", "train: --rendezvous ", rdv, ": train still needs MPI for its CPU-side metrics; launch with "
+           "mpirun (the file rendezvous itself is comm::nccl_world_from_file, for other launchers of the library)");
   if (distributed()) {
     comm::init();
     world_ = comm::MpiProcessGroup::world();
     metrics_ = world_->split(0, world_->rank());  // losses and barriers: kept out of the gradient counters
     rank_ = world_->rank();
     world_size_ = world_->size();
+    if (a.str("backend") == "nccl") {
+      // NCCL carries the training collectives between the ranks' GPUs (unique id bootstrapped
+      // over MPI); the few CPU-side metrics (losses, norms, barriers) stay on MPI.
+      SG_CHECK(a.str("device").rfind("cuda", 0) == 0, "train: --backend nccl carries CUDA tensors: pass --device cuda "
+               "(each rank then uses cuda:<its local rank>) or --device cuda:N");
+      SG_CHECK(comm::nccl_available(), "train: --backend nccl: rank ", rank_,
+               " sees no CUDA device (or this shardgrad was built without NCCL)");
+      if (a.str("device") == "cuda") device_spec_ = "cuda:" + std::to_string(local_rank());
+      world_ = comm::nccl_world(*world_, parse_device(device_spec_).index);
+    }
     SG_CHECK(world_size_ % (tp_ * pp_) == 0, "train: --tp ", tp_, " x --pp ", pp_, " = ", tp_ * pp_,
              " ranks per model replica does not divide the ", world_size_, " ranks launched");
     dp_size_ = world_size_ / (tp_ * pp_);
@@ -278,7 +306,7 @@ void Trainer::setup() {
   }
   fault_ = parallel::parse_fault(a.str("inject-fault"));
   nonfinite_ = optim::parse_nonfinite_policy(a.str("on-nonfinite"));
-  device_ = parse_device(a.str("device"));
+  device_ = parse_device(device_spec_);
   std::vector<Device> dp_devices;
   if (strategy_ == "dp") {
     dp_devices = parallel::parse_devices(a.str("devices"));

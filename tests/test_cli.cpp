@@ -73,6 +73,17 @@ TEST_CASE("train refuses bad flags, missing files and existing checkpoints, nami
   fails_with("train --model gpt5", "unknown preset 'gpt5'");
   fails_with("train --lr-schedule linear", "unknown schedule 'linear'");
   fails_with("frobnicate", "unknown command 'frobnicate'");
+  fails_with("train --strategy ddp --backend gloo", "--backend must be mpi or nccl, got 'gloo'");
+  fails_with("train --strategy ddp --backend nccl", "--backend nccl carries CUDA tensors: pass --device cuda");
+  fails_with("train --backend nccl", "--backend nccl is for multi-rank strategies");
+  fails_with("train --strategy ddp --rendezvous tcp://x", "--rendezvous must be mpi or file:PATH");
+  fails_with("train --strategy ddp --rendezvous file:" + (d.path / "id").string(), "train still needs MPI");
+  {
+    // without a GPU (CI) the NCCL backend is refused by name; with one this one-step run succeeds
+    Run r = shardgrad("train --strategy ddp --backend nccl --device cuda --steps 1 " + kSmall);
+    INFO(r.output);
+    if (r.code != 0) REQUIRE(r.output.find("sees no CUDA device") != std::string::npos);
+  }
   // a run directory is never overwritten
   std::string save = (d.path / "run").string();
   REQUIRE(shardgrad("train " + kSmall + " --steps 1 --save " + save).code == 0);
