@@ -89,6 +89,8 @@ void declare_flags(Args& a) {
   a.flag("reshard-after-forward", "default", "fsdp family: default | true | false (free gathered units after forward)");
   a.flag("prefetch", "none", "fsdp family: none | forward | backward | both (gather the next unit ahead)");
   a.flag("limit-all-gathers", "2", "fsdp family: at most this many block units gathered at once");
+  a.flag("offload", "none", "fsdp family: none | optimizer (m, v and an f32 master on the host, AdamW there; the "
+         "compute device (--device cuda:N, or cpu:1 to try it on a CPU) keeps the parameter and gradient shards)");
   a.flag("reduce-dtype", "param", "fsdp family: gradient reduction dtype: param | fp32 | bf16 | fp16");
   a.flag("tp", "1", "tensor-parallel ranks: heads, MLP and vocabulary split (launch with mpirun -np TP)");
   a.toggle("sequence-parallel", "with --tp: LayerNorm/dropout regions split along the sequence");
@@ -272,6 +274,8 @@ void Trainer::setup() {
            strategy_, "' is not available (expected single, dp, ddp, zero1, zero2, zero3, fsdp, fsdp-grad-op, hsdp or no-shard)");
   tp_ = int(positive(a, "tp"));
   pp_ = int(positive(a, "pp"));
+  SG_CHECK(a.str("offload") == "none" || fsdp_family(), "train: --offload is for the fsdp family (zero3, fsdp, "
+           "fsdp-grad-op, hsdp), not --strategy ", strategy_);
   device_spec_ = a.str("device");
   SG_CHECK(a.str("backend") == "mpi" || a.str("backend") == "nccl", "train: --backend must be mpi or nccl, got '",
            a.str("backend"), "'");
@@ -693,6 +697,15 @@ parallel::FsdpOptions Trainer::fsdp_options() const {
   o.backward_prefetch = pf == "backward" || pf == "both";
   SG_CHECK(a.i64("limit-all-gathers") >= 1, "train: --limit-all-gathers must be >= 1");
   o.limit_all_gathers = int(a.i64("limit-all-gathers"));
+  const std::string off = a.str("offload");
+  SG_CHECK(off == "none" || off == "optimizer" || off == "params", "train: --offload must be none, optimizer or params, got '",
+           off, "'");
+  SG_CHECK(off != "params", "train: --offload params is not available yet (--offload optimizer is)");
+  if (off == "optimizer") {
+    SG_CHECK(device_ != Device::cpu(0), "train: --offload optimizer moves the optimizer state from the compute device to "
+             "the host (cpu:0): give a compute device (--device cuda:N, or cpu:1 on a CPU machine)");
+    o.offload_optimizer = Device::cpu(0);
+  }
   const std::string rd = a.str("reduce-dtype");
   if (rd != "param") {
     const DType d = parse_dtype(rd);
@@ -952,6 +965,7 @@ int Trainer::run() {
     std::fflush(stdout);
     json rec = {{"step", step + 1}, {"loss", loss}, {"lr", lr}, {"grad_norm", norm}, {"step_ms", ms},
                 {"tokens_per_s", tps}, {"mem", ledger_json(device_)}, {"skipped", !applied}};
+    if (args_.str("offload") != "none") rec["mem_host"] = ledger_json(Device::cpu(0));  // the offloaded state
     rec["ranks"] = report::step_metrics(device_, traffic_groups(), metrics_.get(), pipe_ ? &pipe_->last_timeline() : nullptr,
                                        pipe_ ? groups_.pp->rank() : -1)["ranks"];
     const bool last = step + 1 == steps_;

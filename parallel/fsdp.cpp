@@ -173,9 +173,10 @@ FullyShardedDataParallel::FullyShardedDataParallel(nn::GPT& model, std::shared_p
     }
     {
       MemScope scope(MemCategory::optim_state);  // m, v (and f32 masters) for the shard only
-      u.m = zeros({u.shard}, DType::f32, dev);
-      u.v = zeros({u.shard}, DType::f32, dev);
-      if (half(dtype_)) u.master = empty({u.shard}, DType::f32, dev);
+      const Device odev = opt_.offload_optimizer.value_or(dev);  // offloaded: an f32 master there too
+      u.m = zeros({u.shard}, DType::f32, odev);
+      u.v = zeros({u.shard}, DType::f32, odev);
+      if (half(dtype_) || opt_.offload_optimizer) u.master = empty({u.shard}, DType::f32, odev);
     }
     if (u.master.defined()) copy_(u.master, u.shard_param);
     u.marked.assign(u.params.size(), 0);
@@ -406,6 +407,10 @@ void FullyShardedDataParallel::step(double lr, double grad_scale) {
     for (const Segment& s : u.segments) {
       Tensor g = narrow(u.grad_shard, 0, s.at, s.len);
       if (g.dtype() != DType::f32) g = to(g, DType::f32);
+      if (g.device() != u.m.device()) {  // offloaded: the gradient goes to the host for the step
+        MemScope scope(MemCategory::comm_buffer);
+        g = to(g, u.m.device());
+      }
       Tensor target = u.master.defined() ? narrow(u.master, 0, s.at, s.len) : narrow(u.shard_param, 0, s.at, s.len);
       kernels::AdamWArgs a;
       a.dtype = DType::f32;
@@ -421,7 +426,7 @@ void FullyShardedDataParallel::step(double lr, double grad_scale) {
       a.weight_decay = optim::AdamW::decays(u.params[s.param].second) ? adam_.weight_decay : 0.0;
       a.grad_scale = grad_scale;
       a.step = step_;
-      SG_KERNEL(u.grad_shard.device(), adamw)(a);
+      SG_KERNEL(u.m.device(), adamw)(a);
       if (u.master.defined()) copy_(narrow(u.shard_param, 0, s.at, s.len), target);  // round to the compute dtype
     }
 }

@@ -82,6 +82,10 @@ struct FsdpOptions {
   int limit_all_gathers = 2;      // Block units gathered at once, counting prefetched ones (>= 1)
   std::optional<DType> reduce_dtype;  // gradient reduction and shard gradient dtype; unset: parameters'
   bool broadcast_from_rank0 = true;   // start every rank from rank 0's parameters
+  // Optimizer offload (ZeRO-Offload's split): m, v and an f32 master of the shard live on this
+  // host device and AdamW runs there; the compute device keeps only the parameter and gradient
+  // shards, and each step moves the gradient shard to the host and the updated parameters back.
+  std::optional<Device> offload_optimizer;
 };
 
 class FullyShardedDataParallel {

@@ -154,7 +154,7 @@ TEST_CASE("the default run (tiny GPT, synthetic 3-digit addition) learns to >= 9
   REQUIRE(log.back()["loss"].get<double>() < log.front()["loss"].get<double>() / 2);
 }
 
-TEST_CASE("the FSDP family through the CLI on 4 ranks gives the single-process losses; bf16 stays close", "[cli][mpi]") {
+TEST_CASE("the FSDP family through the CLI on 4 ranks gives the single-process losses; bf16 stays close; offload moves the optimizer state", "[cli][mpi]") {
   TempDir d;
   const std::string args = " train " + kSmall + " --dropout 0 --n-layer 2 --micro-batch-size 1 --steps 3 --log-json ";
   for (const char* dtype : {"fp32", "bf16"}) {
@@ -177,6 +177,26 @@ TEST_CASE("the FSDP family through the CLI on 4 ranks gives the single-process l
       for (size_t i = 0; i < 3; ++i) REQUIRE(std::abs(b[i]["loss"].get<double>() - a[i]["loss"].get<double>()) <= tol * a[i]["loss"].get<double>());
       if (std::string(dtype) == "bf16") break;  // one bf16 layout is enough here (tests/mpi/fsdp.cpp has the rest)
     }
+  }
+  // --offload optimizer: the compute device (cpu:1 here; cuda:N on a GPU) keeps no optimizer state,
+  // the host (cpu:0) holds m, v and an f32 master of the shard (12 bytes per element against
+  // the 8 of m and v on the device without offload), and the losses do not change
+  {
+    Run plain = run_command(mpirun(4) + args + (d.path / "p.jsonl").string() + " --strategy fsdp");
+    Run off = run_command(mpirun(4) + args + (d.path / "o.jsonl").string() + " --strategy fsdp --device cpu:1 --offload optimizer");
+    INFO(off.output);
+    REQUIRE(plain.code == 0);
+    REQUIRE(off.code == 0);
+    auto p = read_log(d.path / "p.jsonl"), o = read_log(d.path / "o.jsonl");
+    REQUIRE(o.size() == 3);
+    for (size_t i = 0; i < 3; ++i) REQUIRE(o[i]["loss"].get<double>() == p[i]["loss"].get<double>());
+    const int64_t on_device = p[2]["mem"]["optim_state"]["current"].get<int64_t>();
+    REQUIRE(on_device > 0);
+    REQUIRE(o[2]["mem"]["optim_state"]["current"].get<int64_t>() == 0);
+    REQUIRE(o[2]["mem_host"]["optim_state"]["current"].get<int64_t>() * 2 == on_device * 3);
+    Run refused = run_command(mpirun(4) + args + (d.path / "r.jsonl").string() + " --strategy fsdp --offload optimizer");
+    REQUIRE(refused.code != 0);
+    REQUIRE(refused.output.find("give a compute device") != std::string::npos);
   }
   Run bad = run_command(mpirun(4) + args + (d.path / "x.jsonl").string() + " --strategy hsdp --shard-group-size 3");
   REQUIRE(bad.code != 0);
