@@ -90,7 +90,8 @@ void declare_flags(Args& a) {
   a.flag("prefetch", "none", "fsdp family: none | forward | backward | both (gather the next unit ahead)");
   a.flag("limit-all-gathers", "2", "fsdp family: at most this many block units gathered at once");
   a.flag("offload", "none", "fsdp family: none | optimizer (m, v and an f32 master on the host, AdamW there; the "
-         "compute device (--device cuda:N, or cpu:1 to try it on a CPU) keeps the parameter and gradient shards)");
+         "compute device (--device cuda:N, or cpu:1 to try it on a CPU) keeps the parameter and gradient shards) | "
+         "params (the parameter shards on the host too, staged to the device for each gather)");
   a.flag("reduce-dtype", "param", "fsdp family: gradient reduction dtype: param | fp32 | bf16 | fp16");
   a.flag("tp", "1", "tensor-parallel ranks: heads, MLP and vocabulary split (launch with mpirun -np TP)");
   a.toggle("sequence-parallel", "with --tp: LayerNorm/dropout regions split along the sequence");
@@ -700,11 +701,11 @@ parallel::FsdpOptions Trainer::fsdp_options() const {
   const std::string off = a.str("offload");
   SG_CHECK(off == "none" || off == "optimizer" || off == "params", "train: --offload must be none, optimizer or params, got '",
            off, "'");
-  SG_CHECK(off != "params", "train: --offload params is not available yet (--offload optimizer is)");
-  if (off == "optimizer") {
-    SG_CHECK(device_ != Device::cpu(0), "train: --offload optimizer moves the optimizer state from the compute device to "
-             "the host (cpu:0): give a compute device (--device cuda:N, or cpu:1 on a CPU machine)");
-    o.offload_optimizer = Device::cpu(0);
+  if (off != "none") {
+    SG_CHECK(device_ != Device::cpu(0), "train: --offload ", off, " moves state from the compute device to the host "
+             "(cpu:0): give a compute device (--device cuda:N, or cpu:1 on a CPU machine)");
+    o.offload_optimizer = Device::cpu(0);  // params: the parameter shards as well
+    o.offload_params = off == "params";
   }
   const std::string rd = a.str("reduce-dtype");
   if (rd != "param") {

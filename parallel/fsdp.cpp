@@ -46,6 +46,10 @@ FullyShardedDataParallel::FullyShardedDataParallel(nn::GPT& model, std::shared_p
   // gradients summed over tp before the units' reduce-scatters, which the hooks do not wait for.
   SG_CHECK(!model_.config.sequence_parallel, "fsdp: --sequence-parallel is not supported (its replicated gradients "
            "must be summed over tp before they are reduced over dp)");
+  SG_CHECK(!opt_.offload_params || opt_.offload_optimizer, "fsdp: offloading the parameters needs the optimizer "
+           "offloaded too (the step updates the host shards)");
+  SG_CHECK(!opt_.offload_params || opt_.mode != FsdpMode::no_shard, "fsdp: no_shard keeps whole replicas on the "
+           "device; there are no parameter shards to offload");
   const int N = world_->size();
   SG_CHECK(opt_.mode == FsdpMode::hybrid || opt_.shard_group_size == 0, "fsdp: --shard-group-size applies to hybrid "
            "sharding only, not ", mode);
@@ -153,7 +157,7 @@ FullyShardedDataParallel::FullyShardedDataParallel(nn::GPT& model, std::shared_p
     if (shard_) {
       {
         MemScope scope(MemCategory::param);
-        u.shard_param = empty({u.shard}, dtype_, dev);
+        u.shard_param = empty({u.shard}, dtype_, opt_.offload_params ? *opt_.offload_optimizer : dev);
       }
       copy_(u.shard_param, narrow(u.full, 0, r * u.shard, u.shard));
       u.flat->release();
@@ -233,7 +237,11 @@ int64_t FullyShardedDataParallel::padded_numel() const {
 void FullyShardedDataParallel::issue_gather(Unit& u) {
   if (u.gathered) return;
   u.flat->reallocate(size_t(u.full.numel()) * dtype_size(dtype_));
-  u.gathering = shard_->all_gather(u.full, u.shard_param);
+  if (u.shard_param.device() != u.full.device()) {  // offloaded parameters: stage the shard first
+    MemScope scope(MemCategory::comm_buffer);
+    u.staged = to(u.shard_param, u.full.device());
+  }
+  u.gathering = shard_->all_gather(u.full, u.staged.defined() ? u.staged : u.shard_param);
   u.gathered = true;
   trace::memory(u.full.device());
 }
@@ -244,6 +252,7 @@ void FullyShardedDataParallel::wait_gather(Unit& u) {
   if (u.gathering) {
     u.gathering->wait();
     u.gathering.reset();
+    u.staged = Tensor();
   }
 }
 
@@ -253,6 +262,7 @@ void FullyShardedDataParallel::release(Unit& u) {
   if (u.gathering) {  // a prefetch the unit never used: its bytes are being written
     u.gathering->wait();
     u.gathering.reset();
+    u.staged = Tensor();
   }
   u.flat->release();
   u.gathered = false;

@@ -86,6 +86,10 @@ struct FsdpOptions {
   // host device and AdamW runs there; the compute device keeps only the parameter and gradient
   // shards, and each step moves the gradient shard to the host and the updated parameters back.
   std::optional<Device> offload_optimizer;
+  // With offload_optimizer: the parameter shards live on that host device too (the compute device
+  // then holds parameters only while a unit is gathered); each gather first stages the shard to
+  // the compute device (comm_buffer).
+  bool offload_params = false;
 };
 
 class FullyShardedDataParallel {
@@ -170,6 +174,7 @@ class FullyShardedDataParallel {
     int ready = 0;
     bool gathered = false;              // bytes allocated (and, once `gathering` is done, valid)
     std::shared_ptr<comm::Work> gathering;
+    Tensor staged;                      // offload_params: the shard on the compute device, in flight
   };
   struct Reduction {  // one unit's gradient reduction in flight
     size_t unit;

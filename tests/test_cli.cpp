@@ -194,6 +194,18 @@ TEST_CASE("the FSDP family through the CLI on 4 ranks gives the single-process l
     REQUIRE(on_device > 0);
     REQUIRE(o[2]["mem"]["optim_state"]["current"].get<int64_t>() == 0);
     REQUIRE(o[2]["mem_host"]["optim_state"]["current"].get<int64_t>() * 2 == on_device * 3);
+    // --offload params: the parameter shards move to the host too; the device holds parameters
+    // only while a unit is gathered
+    Run offp = run_command(mpirun(4) + args + (d.path / "q.jsonl").string() + " --strategy fsdp --device cpu:1 --offload params");
+    INFO(offp.output);
+    REQUIRE(offp.code == 0);
+    auto q = read_log(d.path / "q.jsonl");
+    REQUIRE(q.size() == 3);
+    for (size_t i = 0; i < 3; ++i) REQUIRE(q[i]["loss"].get<double>() == p[i]["loss"].get<double>());
+    const int64_t shard = p[2]["mem"]["param"]["current"].get<int64_t>(), peak = p[2]["mem"]["param"]["peak"].get<int64_t>();
+    REQUIRE(q[2]["mem"]["param"]["current"].get<int64_t>() == 0);
+    REQUIRE(q[2]["mem_host"]["param"]["current"].get<int64_t>() == shard);
+    REQUIRE(q[2]["mem"]["param"]["peak"].get<int64_t>() == peak - shard);  // the gathered units alone
     Run refused = run_command(mpirun(4) + args + (d.path / "r.jsonl").string() + " --strategy fsdp --offload optimizer");
     REQUIRE(refused.code != 0);
     REQUIRE(refused.output.find("give a compute device") != std::string::npos);
