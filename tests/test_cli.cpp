@@ -129,7 +129,7 @@ TEST_CASE("ddp through the CLI on 2 ranks gives the single-process losses", "[cl
 }
 
 TEST_CASE("a failing rank ends the whole job within --comm-timeout, naming the rank", "[cli][mpi]") {
-  for (const char* kind : {"throw", "exit", "kill", "hang"}) {
+  for (const char* kind : {"throw", "exit", "abort", "kill", "hang"}) {
     INFO(kind);
     double secs = 0;
     Run r = run_command(mpirun(2) + " train " + kSmall + " --steps 50 --strategy ddp --comm-timeout 10 --inject-fault rank=1,step=3,kind=" + kind, &secs);

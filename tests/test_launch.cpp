@@ -77,7 +77,7 @@ TEST_CASE("launch refuses restarts without --save and gives up after --max-resta
 }
 
 TEST_CASE("a rank dying inside a checkpoint save leaves the previous checkpoint and ends the job naming it", "[cli][mpi][launch]") {
-  for (const char* kind : {"exit", "kill", "hang"}) {
+  for (const char* kind : {"exit", "throw", "abort", "kill", "hang"}) {
     INFO(kind);
     TempDir d;
     const fs::path run = d.path / "run";
