@@ -495,16 +495,8 @@ TEST_CASE("FSDP state pieces assemble to the single-process state; load_state re
     }
     // resume in the same layout (from other initial weights): the uninterrupted run, bitwise
     const ckpt::MemorySource source(saved);
-    Run resumed = whole;
-    resumed.first = 10;
-    resumed.steps = 10;
-    resumed.init_seed = 99;
-    resumed.resume = &source;
-    const std::vector<double> got = train(resumed, w);
-    for (size_t i = 0; i < got.size(); ++i) {
-      INFO("step " << 10 + i);
-      REQUIRE(got[i] == uninterrupted[10 + i]);
-    }
+    Run resumed = testing::resumed_from(whole, source, 10, 10);
+    testing::require_resumed_losses(train(resumed, w), uninterrupted, 10);
     if (!f32) continue;
     // resume from another layout: the single-process run's state
     resumed.resume = &single;

@@ -99,4 +99,25 @@ inline std::vector<ckpt::Piece> all_pieces(comm::ProcessGroup& group, const std:
   return out;
 }
 
+// `whole` (a test's run description: first, steps, init_seed, resume) resumed at step `first`
+// from `source` for `steps` steps, started from other initial weights that the resume must
+// overwrite.
+template <class RunT>
+RunT resumed_from(const RunT& whole, const ckpt::PieceSource& source, int first, int steps) {
+  RunT r = whole;
+  r.first = first;
+  r.steps = steps;
+  r.init_seed = 99;
+  r.resume = &source;
+  return r;
+}
+
+// The resumed run's losses are the uninterrupted run's from step `first`, bit for bit.
+inline void require_resumed_losses(const std::vector<double>& got, const std::vector<double>& uninterrupted, int first) {
+  for (size_t i = 0; i < got.size(); ++i) {
+    INFO("step " << first + int(i));
+    REQUIRE(got[i] == uninterrupted[size_t(first) + i]);
+  }
+}
+
 }  // namespace sg::testing
