@@ -21,6 +21,14 @@ Run run_command(const std::string& cmdline, double* seconds = nullptr) { return 
 std::vector<nlohmann::json> read_log(const fs::path& p) { return sg::testing::read_json_lines(p); }
 Run shardgrad(const std::string& args) { return run_command(std::string(SG_BINARY) + " " + args); }
 
+// The command fails, and its output says why in these words.
+void refuses(const std::string& cmd, const std::string& text) {
+  Run r = run_command(cmd);
+  INFO(cmd << "\n" << r.output);
+  REQUIRE(r.code != 0);
+  REQUIRE(r.output.find(text) != std::string::npos);
+}
+
 struct TempDir : sg::testing::ScratchDir {
   TempDir() : ScratchDir("cli_dir_" + std::to_string(std::rand())) {}
 };
@@ -57,12 +65,7 @@ TEST_CASE("resume continues with exactly the losses of the uninterrupted run", "
 
 TEST_CASE("train refuses bad flags, missing files and existing checkpoints, naming them", "[cli]") {
   TempDir d;
-  auto fails_with = [](const std::string& args, const std::string& text) {
-    Run r = shardgrad(args);
-    INFO(args << "\n" << r.output);
-    REQUIRE(r.code != 0);
-    REQUIRE(r.output.find(text) != std::string::npos);
-  };
+  auto fails_with = [](const std::string& args, const std::string& text) { refuses(std::string(SG_BINARY) + " " + args, text); };
   fails_with("train --steps ten", "--steps expects an integer, got 'ten'");
   fails_with("train --stepz 10", "unknown flag --stepz");
   fails_with("train --batch-size 8 --micro-batch-size 3", "--micro-batch-size 3 does not divide --batch-size 8");
@@ -206,13 +209,10 @@ TEST_CASE("the FSDP family through the CLI on 4 ranks gives the single-process l
     REQUIRE(q[2]["mem"]["param"]["current"].get<int64_t>() == 0);
     REQUIRE(q[2]["mem_host"]["param"]["current"].get<int64_t>() == shard);
     REQUIRE(q[2]["mem"]["param"]["peak"].get<int64_t>() == peak - shard);  // the gathered units alone
-    Run refused = run_command(mpirun(4) + args + (d.path / "r.jsonl").string() + " --strategy fsdp --offload optimizer");
-    REQUIRE(refused.code != 0);
-    REQUIRE(refused.output.find("give a compute device") != std::string::npos);
+    refuses(mpirun(4) + args + (d.path / "r.jsonl").string() + " --strategy fsdp --offload optimizer", "give a compute device");
   }
-  Run bad = run_command(mpirun(4) + args + (d.path / "x.jsonl").string() + " --strategy hsdp --shard-group-size 3");
-  REQUIRE(bad.code != 0);
-  REQUIRE(bad.output.find("--shard-group-size 3 must divide the 4 data-parallel ranks") != std::string::npos);
+  refuses(mpirun(4) + args + (d.path / "x.jsonl").string() + " --strategy hsdp --shard-group-size 3",
+          "--shard-group-size 3 must divide the 4 data-parallel ranks");
 }
 
 TEST_CASE("zero1, zero2 and zero3 through the CLI on 2 ranks give the single-process losses", "[cli][mpi]") {
@@ -304,12 +304,6 @@ TEST_CASE("pipeline (every schedule) and tensor parallelism (with and without se
 }
 
 TEST_CASE("impossible layouts are refused before any work, with the reason", "[cli][mpi]") {
-  auto refuses = [](const std::string& cmd, const std::string& text) {
-    Run r = run_command(cmd);
-    INFO(cmd << "\n" << r.output);
-    REQUIRE(r.code != 0);
-    REQUIRE(r.output.find(text) != std::string::npos);
-  };
   refuses(mpirun(2) + " train " + kSmall + " --tp 3", "--tp 3 x --pp 1 = 3 ranks per model replica does not divide the 2 ranks");
   refuses(mpirun(2) + " train " + kSmall + " --tp 2 --pp 2", "does not divide the 2 ranks launched");
   refuses(mpirun(2) + " train " + kSmall + " --n-head 3 --n-embd 48 --tp 2", "--tp 2: 3 heads cannot be split 2 ways");
@@ -370,12 +364,10 @@ TEST_CASE("3-D layouts (dp x tp x pp; ddp, zero1/2 or zero3 across dp) give the 
         REQUIRE(r.output.find("task accuracy") != std::string::npos);
     }
   }
-  Run z = run_command(mpirun(4) + args + (d.path / "z.jsonl").string() + " --pp 2 --strategy fsdp");
-  REQUIRE(z.code != 0);
-  REQUIRE(z.output.find("--strategy fsdp does not compose with --pp yet") != std::string::npos);
-  Run s = run_command(mpirun(4) + args + (d.path / "s.jsonl").string() + " --tp 2");
-  REQUIRE(s.code != 0);
-  REQUIRE(s.output.find("leaves dp = 2: the data-parallel replicas need a --strategy") != std::string::npos);
+  refuses(mpirun(4) + args + (d.path / "z.jsonl").string() + " --pp 2 --strategy fsdp",
+          "--strategy fsdp does not compose with --pp yet");
+  refuses(mpirun(4) + args + (d.path / "s.jsonl").string() + " --tp 2",
+          "leaves dp = 2: the data-parallel replicas need a --strategy");
 }
 
 TEST_CASE("non-finite steps: --on-nonfinite stop names the step and the tensor; skip leaves the step out and counts it", "[cli][mpi]") {
