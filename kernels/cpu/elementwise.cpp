@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/philox.h"
+#include "kernels/binary_op.h"
 #include "kernels/cpu/cpu.h"
 
 namespace sg::kernels::cpu {
@@ -62,19 +63,6 @@ void for_each_strided(const Dims& shape, const Dims* strides[NOps], F f) {
     }
     f(r * inner, offs);
   }
-}
-
-template <class T>
-inline T apply_binary(Binary op, T a, T b) {
-  switch (op) {
-    case Binary::add: return a + b;
-    case Binary::sub: return a - b;
-    case Binary::mul: return a * b;
-    case Binary::div: return a / b;
-    case Binary::max: return a > b ? a : b;
-    case Binary::min: return a < b ? a : b;
-  }
-  return 0;
 }
 
 constexpr double kGeluK = 0.7978845608028654;  // sqrt(2/pi)

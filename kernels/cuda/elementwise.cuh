@@ -2,6 +2,7 @@
 // and their derivatives. The op-table signatures plus a stream; f32 / bf16 / f16 storage, f32 math.
 // Contiguous operands take 128-bit packs (map.cuh); broadcasting and strided views walk the shape.
 #pragma once
+#include "kernels/binary_op.h"
 #include "kernels/cuda/gelu.cuh"
 
 namespace sg::cuda {
@@ -45,17 +46,7 @@ SG_DEVICE float unary_derivative(Unary op, float x) {
   }
 }
 
-SG_DEVICE float binary_value(Binary op, float a, float b) {
-  switch (op) {
-    case Binary::add: return a + b;
-    case Binary::sub: return a - b;
-    case Binary::mul: return a * b;
-    case Binary::div: return a / b;
-    case Binary::max: return a > b ? a : b;
-    case Binary::min: return a < b ? a : b;
-  }
-  return 0.0f;
-}
+SG_DEVICE float binary_value(Binary op, float a, float b) { return kernels::apply_binary<float>(op, a, b); }
 
 struct UnaryFn {
   Unary op;
