@@ -21,6 +21,7 @@
 #include "cli/commands.h"
 #include "io/dataset.h"
 #include "io/synthetic.h"
+#include "kernels/ops.h"
 #include "models/gpt.h"
 #include "optim/loss_scaler.h"
 #include "optim/nonfinite.h"
@@ -74,6 +75,7 @@ void declare_flags(Args& a) {
   a.flag("seed", "1337", "seed for init, data order and dropout");
   a.flag("device", "cpu", "cpu or cuda:N");
   a.flag("dtype", "fp32", "fp32 | bf16 | fp16 (half types keep f32 master weights; fp16 uses loss scaling)");
+  a.flag("attention", "flash", "fused attention on CUDA: flash (hand-written kernels) | cudnn (cuDNN's fused SDPA; bf16/fp16)");
   a.flag("init-from", "", "start from a Hugging Face-named GPT-2 .safetensors file");
   a.flag("save", "", "run directory for checkpoints (never overwritten)");
   a.flag("save-every", "0", "checkpoint every N steps (0 = only at the end, when --save is given)");
@@ -321,6 +323,7 @@ void Trainer::setup() {
   }
   dtype_ = parse_dtype(a.str("dtype"));
   SG_CHECK(dtype_ == DType::f32 || dtype_ == DType::bf16 || dtype_ == DType::f16, "train: --dtype must be fp32, bf16 or fp16");
+  kernels::select_attention(a.str("attention"), device_);
   seed_ = uint64_t(a.i64("seed"));
   const bool synthetic = a.str("data").rfind("synthetic", 0) == 0;
   B_ = a.i64("batch-size") ? positive(a, "batch-size") : (synthetic ? 128 : 32);

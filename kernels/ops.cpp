@@ -30,6 +30,17 @@ const OpTable& table(Device d) {
   return *t;
 }
 
+void select_attention(const std::string& name, Device d) {
+  SG_CHECK(name == "flash" || name == "cudnn", "--attention must be flash or cudnn, got '", name, "'");
+  SG_CHECK(name == "flash" || d.is_cuda(), "--attention cudnn runs on a CUDA device, not ", d.str(),
+           " (use --attention flash)");
+#ifdef SG_WITH_CUDA
+  cuda::set_attention_backend(name == "cudnn" ? cuda::AttentionBackend::cudnn : cuda::AttentionBackend::flash);
+#else
+  SG_CHECK(name == "flash", "--attention cudnn: this build has no CUDA backend (CMake found no CUDA toolkit)");
+#endif
+}
+
 void unsupported(const char* op, DType dtype, const char* device) {
   throw Error(str("op '", op, "' does not support dtype ", dtype_name(dtype), " on ", device));
 }

@@ -119,6 +119,11 @@ void register_table(DeviceType t, const OpTable* table);
 // The table for a device; throws if none is registered.
 const OpTable& table(Device d);
 
+// --attention: "flash" (the hand-written kernels; the CPU always runs its own) or "cudnn" (cuDNN's
+// fused attention on the CUDA device d). Refuses cudnn, saying why, for a CPU device or a build
+// without CUDA kernels or cuDNN.
+void select_attention(const std::string& name, Device d);
+
 [[noreturn]] void unsupported(const char* op, DType dtype, const char* device);
 
 }  // namespace sg::kernels

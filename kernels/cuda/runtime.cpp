@@ -1,5 +1,6 @@
 #include "kernels/cuda/runtime.h"
 
+#include <atomic>
 #include <map>
 #include <mutex>
 #include <vector>
@@ -107,6 +108,25 @@ cudaStream_t compute_stream(Device d) {
   streams[d.index] = s;
   return s;
 }
+
+namespace {
+std::atomic<AttentionBackend> g_attention{AttentionBackend::flash};
+}
+
+void set_attention_backend(AttentionBackend b) {
+  if (b == AttentionBackend::cudnn) {
+#ifndef SG_CUDA_KERNELS
+    throw Error("attention (cudnn): this build has no CUDA kernels (SG_CUDA_KERNELS is off: nvcc was not found "
+                "or -DSG_CUDA_KERNELS=OFF)");
+#elif !defined(SG_WITH_CUDNN)
+    throw Error("attention (cudnn): this build has no cuDNN (CMake found no libcudnn and cudnn.h next to the CUDA "
+                "toolkit); use --attention flash");
+#endif
+  }
+  g_attention = b;
+}
+
+AttentionBackend attention_backend() { return g_attention; }
 
 void ensure_registered() {
   static std::once_flag once;

@@ -30,6 +30,14 @@ void ensure_registered();
 // thrown for host or unknown pointers. Op-table entries find their device this way.
 Device device_of(const void* p, const char* op);
 
+// Which fused attention the op table's attention entries run, process-wide (default flash): the
+// hand-written kernels of kernels/cuda/attention*.cuh, or cuDNN's fused SDPA
+// (kernels/cuda/attention_cudnn.cpp; bf16/f16, D <= 128 and a multiple of 8). Selecting cudnn
+// throws, naming what is missing, on a build without the CUDA kernels or without cuDNN.
+enum class AttentionBackend : uint8_t { flash, cudnn };
+void set_attention_backend(AttentionBackend b);
+AttentionBackend attention_backend();
+
 #ifdef SG_CUDA_KERNELS
 // kernels/cuda/table.cu: every kernel entry of the CUDA op table (all but gemm and the copies).
 void fill_kernel_table(kernels::OpTable& t);
@@ -47,6 +55,15 @@ bool allow_tf32();
 // pre_gelu, when given ([M, N], same dtype, N a multiple of 8), receives x w^T + bias.
 void gemm_bias_gelu(DType dtype, void* out, void* pre_gelu, const void* x, const void* w, const void* bias,
                     int64_t M, int64_t N, int64_t K);
+#endif
+
+#ifdef SG_WITH_CUDNN
+// kernels/cuda/attention_cudnn.cpp, on `stream` of device d. Forward writes a.out and the f32
+// softmax statistics (the log-sum-exp of each row, [B, H, T]); backward reads a.out, a.dout and
+// those statistics and writes a.dq, a.dk, a.dv ('='). a.lse is not used: the caller owns the f32
+// buffer. bf16 and f16; f32 is refused by name.
+void cudnn_attention_forward(const kernels::AttentionArgs& a, float* stats, Device d, cudaStream_t stream);
+void cudnn_attention_backward(const kernels::AttentionArgs& a, const float* stats, Device d, cudaStream_t stream);
 #endif
 
 }  // namespace sg::cuda

@@ -264,6 +264,14 @@ void adamw(const kernels::AdamWArgs& a) {
 
 void attention(const kernels::AttentionArgs& a) {
   if (a.B * a.H * a.T == 0) return;
+#ifdef SG_WITH_CUDNN
+  if (attention_backend() == AttentionBackend::cudnn) {
+    const On o = on(a.out, "attention (cudnn)");
+    const F32Rows lse(a.lse, a.dtype, a.B * a.H * a.T, o, false, "attention (cudnn)");
+    cudnn_attention_forward(a, lse.get(), o.dev, o.stream);
+    return lse.store();
+  }
+#endif
   if (a.dtype != DType::f32 && a.dtype != DType::bf16) kernels::unsupported("attention", a.dtype, "cuda");
   const On o = on(a.out, "attention");
   const F32Rows lse(a.lse, a.dtype, a.B * a.H * a.T, o, false, "attention");
@@ -275,6 +283,18 @@ void attention(const kernels::AttentionArgs& a) {
 
 void attention_backward(const kernels::AttentionArgs& a) {
   if (a.B * a.H * a.T == 0) return;
+#ifdef SG_WITH_CUDNN
+  if (attention_backend() == AttentionBackend::cudnn) {
+    // As below: a half lse is too coarse for exp(s - lse), so the forward runs again for f32 stats.
+    const On o = on(a.dq, "attention_backward (cudnn)");
+    const int64_t rows = a.B * a.H * a.T;
+    const Scratch lse(size_t(rows) * sizeof(float), o.dev), out(size_t(rows * a.D) * dtype_size(a.dtype), o.dev);
+    kernels::AttentionArgs f = a;
+    f.out = out.as<void>();
+    cudnn_attention_forward(f, lse.as<float>(), o.dev, o.stream);
+    return cudnn_attention_backward(f, lse.as<float>(), o.dev, o.stream);
+  }
+#endif
   if (a.dtype != DType::f32 && a.dtype != DType::bf16) kernels::unsupported("attention_backward", a.dtype, "cuda");
   const On o = on(a.dq, "attention_backward");
   const Scratch work(size_t(attention_backward_workspace(a)) * sizeof(float), o.dev);

@@ -5,51 +5,20 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdio>
-#include <random>
 
 #include "autograd/ops.h"
 #include "kernels/cuda/runtime.h"
 #include "kernels/ops.h"
+#include "tests/gpu/support.h"
 
 #ifdef SG_CUDA_KERNELS
 using namespace sg;
 using kernels::Dims;
+using namespace sg::gpu_testing;
 
 namespace {
 
-const Device gpu = Device::cuda(0), host = Device::cpu();
-const kernels::OpTable& G() { return kernels::table(gpu); }
-const kernels::OpTable& C() { return kernels::table(host); }
-
-std::vector<float> randn(size_t n, uint32_t seed, float scale = 1.0f, float shift = 0.0f) {
-  std::mt19937 gen(seed);
-  std::normal_distribution<float> d(shift, scale);
-  std::vector<float> v(n);
-  for (auto& x : v) x = d(gen);
-  return v;
-}
-
-// v stored as dt on dev.
-Tensor put(const std::vector<float>& v, DType dt, Device dev) {
-  return to(to(from_vector(v, {int64_t(v.size())}), dt), dev);
-}
-std::vector<float> get(const Tensor& t) { return to_vector<float>(t); }
-// The values a kernel storing dt reads.
-std::vector<float> rounded(const std::vector<float>& v, DType dt) { return get(put(v, dt, host)); }
-Tensor buffer(int64_t n, DType dt, Device dev) { return zeros({n}, dt, dev); }
-
 double rtol(DType dt) { return dt == DType::f32 ? 1e-4 : 2e-2; }
-
-void check_close(const std::vector<float>& got, const std::vector<float>& want, double rtol, double atol) {
-  REQUIRE(got.size() == want.size());
-  for (size_t i = 0; i < got.size(); ++i) {
-    if (std::isnan(want[i]) && std::isnan(got[i])) continue;
-    if (!(std::fabs(got[i] - want[i]) <= atol + rtol * std::fabs(want[i]))) {
-      INFO("element " << i << " of " << got.size() << ": got " << got[i] << ", want " << want[i]);
-      REQUIRE(false);
-    }
-  }
-}
 
 const std::vector<DType> kFloat = {DType::f32, DType::bf16};
 

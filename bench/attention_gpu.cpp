@@ -1,0 +1,159 @@
+// Fused causal attention and cuBLASLt GEMM throughput on cuda:0, bf16, through the CUDA op table.
+//
+// Attention: the hand-written flash kernels and cuDNN's fused SDPA (--attention flash|cudnn) at
+// GPT-2 small's head shape (H=12, T=1024, D=64) for B = 8 and 16: forward alone, and forward +
+// backward (the backward entry re-runs the forward for f32 statistics on both paths, as training
+// does). FLOPs are the causal ones: forward 2 matmuls of 2*B*H*T*T*D, halved by the mask;
+// backward 2.5x the forward (5 matmuls to the forward's 2). The cuDNN output is validated
+// against the flash output (relative L2) before timing.
+// GEMM: C = A B^T (a linear layer), M=N=K=8192 and GPT-2 small's three shapes at 8192 tokens.
+// Each figure is the median of 20 timed runs (CUDA events on the compute stream) after 3 warm-ups.
+//
+//   ./build/bench/sg_bench_attention_gpu
+// Exits 77 without a CUDA device or on a build without the CUDA kernels.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <vector>
+
+#include "core/storage.h"
+#include "kernels/ops.h"
+#ifdef SG_WITH_CUDA
+#include "kernels/cuda/runtime.h"
+#endif
+
+#ifdef SG_CUDA_KERNELS
+namespace {
+
+using namespace sg;
+
+const Device gpu = Device::cuda(0);
+
+// Median milliseconds of f over `reps` runs, after `warm` untimed ones.
+template <class F>
+double median_ms(F&& f, int warm = 3, int reps = 20) {
+  const cudaStream_t s = cuda::compute_stream(gpu);
+  for (int i = 0; i < warm; ++i) f();
+  cudaEvent_t start, stop;
+  SG_CUDA_CHECK(cudaEventCreate(&start));
+  SG_CUDA_CHECK(cudaEventCreate(&stop));
+  std::vector<double> ms;
+  for (int i = 0; i < reps; ++i) {
+    SG_CUDA_CHECK(cudaEventRecord(start, s));
+    f();
+    SG_CUDA_CHECK(cudaEventRecord(stop, s));
+    SG_CUDA_CHECK(cudaEventSynchronize(stop));
+    float t = 0;
+    SG_CUDA_CHECK(cudaEventElapsedTime(&t, start, stop));
+    ms.push_back(t);
+  }
+  SG_CUDA_CHECK(cudaEventDestroy(start));
+  SG_CUDA_CHECK(cudaEventDestroy(stop));
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+// n bf16 values on the GPU: normal(0, 1) from Philox stream `seed`, or zeros.
+struct Buffer {
+  Storage s;
+  Buffer(int64_t n, uint64_t seed) : s(size_t(n) * 2, gpu, MemCategory::activation) {
+    kernels::table(gpu).random(DType::bf16, s.data(), n, true, 0.0, 1.0, seed, 0, 0);
+  }
+  void* get() const { return s.data(); }
+};
+
+std::vector<float> to_host_f32(const Buffer& b, int64_t n) {
+  std::vector<float> f(static_cast<size_t>(n));
+  Storage tmp(size_t(n) * 4, gpu, MemCategory::workspace);
+  kernels::table(gpu).copy_strided(tmp.data(), DType::f32, b.get(), DType::bf16, {n}, {1});
+  kernels::table(gpu).copy_to_host(f.data(), tmp.data(), size_t(n) * 4, gpu);
+  return f;
+}
+
+double rel_l2(const std::vector<float>& got, const std::vector<float>& want) {
+  double err = 0, ref = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    err += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
+    ref += double(want[i]) * want[i];
+  }
+  return std::sqrt(err / std::max(ref, 1e-30));
+}
+
+void bench_attention() {
+  const int64_t H = 12, T = 1024, D = 64;
+  std::printf("attention, bf16, causal, H=%ld T=%ld D=%ld (median of 20)\n", long(H), long(T), long(D));
+  std::printf("%4s  %-7s %9s %9s %12s %12s\n", "B", "backend", "fwd ms", "fwd TF/s", "fwd+bwd ms", "f+b TF/s");
+  for (int64_t B : {8, 16}) {
+    const int64_t n = B * H * T * D;
+    const Buffer q(n, 1), k(n, 2), v(n, 3), dout(n, 4), out(n, 5), lse(B * H * T, 6), dq(n, 7), dk(n, 8), dv(n, 9);
+    kernels::AttentionArgs a;
+    a.dtype = DType::bf16, a.B = B, a.H = H, a.T = T, a.D = D, a.causal = true, a.scale = 1.0 / std::sqrt(double(D));
+    a.q = q.get(), a.k = k.get(), a.v = v.get(), a.out = out.get(), a.lse = lse.get();
+    a.dout = dout.get(), a.dq = dq.get(), a.dk = dk.get(), a.dv = dv.get();
+    const double fwd_flops = 2.0 * 2.0 * double(B * H) * double(T) * double(T) * double(D) / 2.0;
+    const double fb_flops = fwd_flops * 3.5;
+    const kernels::OpTable& G = kernels::table(gpu);
+    std::vector<float> flash_out;
+    for (auto backend : {cuda::AttentionBackend::flash, cuda::AttentionBackend::cudnn}) {
+      const char* name = backend == cuda::AttentionBackend::flash ? "flash" : "cudnn";
+#ifndef SG_WITH_CUDNN
+      if (backend == cuda::AttentionBackend::cudnn) {
+        std::printf("%4ld  %-7s (this build has no cuDNN)\n", long(B), name);
+        continue;
+      }
+#endif
+      cuda::set_attention_backend(backend);
+      G.attention(a);
+      const std::vector<float> o = to_host_f32(out, n);
+      if (flash_out.empty()) flash_out = o;
+      const double fwd = median_ms([&] { G.attention(a); });
+      const double fb = median_ms([&] {
+        G.attention(a);
+        G.attention_backward(a);
+      });
+      std::printf("%4ld  %-7s %9.3f %9.1f %12.3f %12.1f", long(B), name, fwd, fwd_flops / fwd * 1e-9, fb,
+                  fb_flops / fb * 1e-9);
+      if (backend == cuda::AttentionBackend::cudnn) std::printf("   out vs flash: rel L2 %.1e", rel_l2(o, flash_out));
+      std::printf("\n");
+    }
+    cuda::set_attention_backend(cuda::AttentionBackend::flash);
+  }
+}
+
+void bench_gemm() {
+  struct Shape {
+    int64_t M, N, K;
+    const char* what;
+  };
+  std::printf("\ngemm, bf16, cuBLASLt, C[M,N] = A[M,K] B[N,K]^T (median of 20)\n");
+  std::printf("%6s %6s %6s  %-14s %9s %9s\n", "M", "N", "K", "", "ms", "TF/s");
+  for (const Shape& s : {Shape{8192, 8192, 8192, "square"}, Shape{8192, 2304, 768, "qkv (c_attn)"},
+                         Shape{8192, 768, 3072, "mlp c_proj"}, Shape{8192, 3072, 768, "mlp c_fc"}}) {
+    const Buffer A(s.M * s.K, 10), Bm(s.N * s.K, 11), C(s.M * s.N, 12);
+    kernels::GemmArgs g;
+    g.dtype = DType::bf16, g.trans_b = true, g.M = s.M, g.N = s.N, g.K = s.K;
+    g.A = A.get(), g.lda = s.K, g.B = Bm.get(), g.ldb = s.K, g.C = C.get(), g.ldc = s.N;
+    const double ms = median_ms([&] { cuda::gemm(g); });
+    std::printf("%6ld %6ld %6ld  %-14s %9.3f %9.1f\n", long(s.M), long(s.N), long(s.K), s.what, ms,
+                2.0 * double(s.M) * double(s.N) * double(s.K) / ms * 1e-9);
+  }
+}
+
+}  // namespace
+#endif  // SG_CUDA_KERNELS
+
+int main() {
+#ifndef SG_CUDA_KERNELS
+  std::printf("built without SG_CUDA_KERNELS: nothing to time\n");
+  return 77;
+#else
+  if (sg::cuda::device_count() == 0) {
+    std::printf("no CUDA device: nothing to time\n");
+    return 77;
+  }
+  sg::cuda::ensure_registered();  // the CUDA allocator, before the first buffer
+  bench_attention();
+  bench_gemm();
+  return 0;
+#endif
+}
