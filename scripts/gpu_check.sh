@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# On a machine with an NVIDIA GPU: the GPU tests (ctest label gpu: the op table against the CPU,
+# NCCL at world size 1, the MPI backend with CUDA tensors on 2 ranks sharing cuda:0, the trainer
+# on cuda:0 against the CPU), then the single-GPU figures for bench/RESULTS.md: GPT-2 124M
+# training (T=1024, bf16) through `shardgrad train`, the PyTorch peer (bench/gpu/), and the
+# kernel sandboxes when built. Logs go to LOG_DIR (default ./gpu_check).
+#   BUILD=build bash scripts/gpu_check.sh [tests] [train] [torch] [kernels] [sanitize]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+BUILD=${BUILD:-build}
+LOG_DIR=${LOG_DIR:-gpu_check}
+BATCH=${BATCH:-16}
+STEPS=${STEPS:-20}
+mkdir -p "$LOG_DIR"
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(tests train torch kernels)
+want() { [[ " ${parts[*]} " == *" $1 "* ]]; }
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$LOG_DIR/gpu.txt"
+
+if want tests; then
+  echo "== GPU tests"
+  ctest --test-dir "$BUILD" -L gpu --output-on-failure --timeout 600 -V 2>&1 | tee "$LOG_DIR/ctest_gpu.log" |
+    grep -E "max relative|tests passed|Passed|Failed|FAILED|skipped|\*\*\*" | tail -n 40
+fi
+
+if want train; then
+  echo "== GPT-2 124M, T=1024, bf16, one GPU: shardgrad train"
+  shard="$LOG_DIR/random_tokens.bin"
+  python3 - "$shard" <<'PY'
+import struct, sys, random
+n = 4 * 1024 * 1024
+random.seed(0)
+with open(sys.argv[1], "wb") as f:
+    f.write(struct.pack("<3i", 20240520, 1, n) + bytes(4 * 253))
+    f.write(struct.pack(f"<{n}H", *(random.randrange(50257) for _ in range(n))))
+PY
+  for attn in ${ATTENTION:-cudnn flash}; do
+    log="$LOG_DIR/gpt2_bf16_$attn.jsonl"
+    timeout 300 "$BUILD/shardgrad" train --model gpt2 --data "$shard" --device cuda:0 --dtype bf16 --attention "$attn" \
+      --batch-size "$BATCH" --seq-len 1024 --steps "$STEPS" --warmup-steps 2 --lr 6e-4 --eval-every 0 \
+      --log-json "$log" 2>&1 | tail -n 4
+    python3 - "$log" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+tail = rows[5:] or rows
+if rows:
+    print(f"shardgrad {sys.argv[1]}: median tokens/s {statistics.median(r['tokens_per_s'] for r in tail):.0f} "
+          f"over {len(tail)} steps; loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}")
+PY
+  done
+fi
+
+if want torch; then
+  echo "== GPT-2 124M, T=1024, bf16, one GPU: PyTorch peer"
+  for c in 0 1; do
+    timeout 400 python3 bench/gpu/torch_gpt2_step.py --batch-size "$BATCH" --compile $c --json-out "$LOG_DIR/torch_compile$c.json" 2>&1 | tail -n 2
+  done
+fi
+
+if want kernels; then
+  echo "== kernel sandboxes"
+  for b in "$BUILD"/bench/sg_bench_*gpu*; do
+    [ -x "$b" ] && timeout 300 "$b" 2>&1 | tee "$LOG_DIR/$(basename "$b").log" | tail -n 30
+  done
+fi
+
+if want sanitize; then
+  echo "== compute-sanitizer (memcheck, racecheck) on the op-table suite"
+  timeout "${SANITIZE_TIMEOUT:-400}" compute-sanitizer --tool memcheck --error-exitcode 9 "$BUILD/tests/sg_gpu_kernels" 2>&1 | tail -n 4
+  timeout "${SANITIZE_TIMEOUT:-400}" compute-sanitizer --tool racecheck --error-exitcode 9 "$BUILD/tests/sg_gpu_kernels" "*attention*,*layernorm*,*softmax*" 2>&1 | tail -n 4
+fi

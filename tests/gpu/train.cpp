@@ -1,0 +1,78 @@
+// The trainer on a real GPU, run as a user runs it (the shardgrad executable): the tiny GPT's
+// losses on cuda:0 against the CPU's in f32; bf16 and fp16 (loss scaling) close to them; and the
+// multi-rank paths that fit on one GPU — ddp and zero3 over MPI with the ranks sharing cuda:0
+// (host staging), ddp over NCCL at one rank. Exits 77 (CTest: skipped) without a CUDA device.
+#define CATCH_CONFIG_RUNNER
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <cstdio>
+
+#include "kernels/cuda/runtime.h"
+#include "tests/cli_support.h"
+
+using namespace sg::testing;
+
+namespace {
+
+// One training run of the synthetic task's tiny GPT; returns the per-step losses from --log-json.
+std::vector<double> losses(const std::string& launcher, const std::string& flags, const ScratchDir& dir,
+                           const std::string& tag) {
+  const auto log = dir.path / (tag + ".jsonl");
+  const std::string cmd = launcher + " train --steps 12 --eval-every 0 --threads 2 --batch-size 64 --log-json '" +
+                          log.string() + "' " + flags;
+  const CommandResult r = run_shell(cmd);
+  INFO(cmd << "\n" << r.output);
+  REQUIRE(r.code == 0);
+  std::vector<double> v;
+  for (const auto& j : read_json_lines(log)) v.push_back(j.at("loss").get<double>());
+  REQUIRE(v.size() == 12);
+  return v;
+}
+
+// The largest |a - b| / |b| over the steps, printed so the figure can be quoted.
+double max_rel(const std::vector<double>& a, const std::vector<double>& b, const char* what) {
+  double worst = 0;
+  for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::fabs(a[i] - b[i]) / std::fabs(b[i]));
+  std::printf("%-40s max relative loss difference over %zu steps: %.3g\n", what, a.size(), worst);
+  return worst;
+}
+
+const std::string single = SG_BINARY;
+
+}  // namespace
+
+TEST_CASE("the tiny GPT trains on cuda:0 with the CPU's losses (f32) and close to them in bf16 and fp16", "[gpu][train]") {
+  ScratchDir dir("gpu_train");
+  const auto cpu = losses(single, "--device cpu", dir, "cpu");
+  const auto gpu = losses(single, "--device cuda:0", dir, "gpu");
+  // Same arithmetic in another order (GPU reductions, tiled attention): f32 rounding, compounded
+  // over 12 AdamW steps.
+  CHECK(max_rel(gpu, cpu, "cuda:0 f32 vs cpu f32") < 1e-4);
+  const auto bf16 = losses(single, "--device cuda:0 --dtype bf16", dir, "bf16");
+  CHECK(max_rel(bf16, gpu, "cuda:0 bf16 vs cuda:0 f32") < 3e-2);
+  // fp16 attention runs on cuDNN (the hand-written kernels store f32 and bf16).
+  const auto fp16 = losses(single, "--device cuda:0 --dtype fp16 --attention cudnn", dir, "fp16");
+  CHECK(max_rel(fp16, gpu, "cuda:0 fp16 (loss scaling, cudnn) vs cuda:0 f32") < 3e-2);
+  const auto bf16_cudnn = losses(single, "--device cuda:0 --dtype bf16 --attention cudnn", dir, "bf16_cudnn");
+  CHECK(max_rel(bf16_cudnn, gpu, "cuda:0 bf16 (cudnn) vs cuda:0 f32") < 3e-2);
+  CHECK(gpu.back() < gpu.front());
+}
+
+TEST_CASE("ddp and zero3 on 2 ranks sharing cuda:0 over MPI, and ddp over NCCL, give the single-GPU losses", "[gpu][train][mpi]") {
+  ScratchDir dir("gpu_ranks");
+  const auto one = losses(single, "--device cuda:0", dir, "one");
+  const std::string mpirun2 = mpirun_shardgrad(2), mpirun1 = mpirun_shardgrad(1);
+  CHECK(max_rel(losses(mpirun2, "--device cuda:0 --strategy ddp", dir, "ddp"), one, "ddp, 2 ranks on cuda:0 (mpi)") < 1e-5);
+  CHECK(max_rel(losses(mpirun2, "--device cuda:0 --strategy zero3", dir, "zero3"), one, "zero3, 2 ranks on cuda:0 (mpi)") <
+        1e-5);
+  CHECK(max_rel(losses(mpirun1, "--device cuda --backend nccl --strategy ddp", dir, "nccl"), one,
+                "ddp, 1 rank over nccl") < 1e-5);
+}
+
+int main(int argc, char** argv) {
+  if (sg::cuda::device_count() == 0) {
+    std::printf("no CUDA device: the GPU training tests are skipped\n");
+    return 77;
+  }
+  return Catch::Session().run(argc, argv);
+}
