@@ -1,5 +1,6 @@
 // Where a tensor lives: the CPU or one CUDA device.
 #pragma once
+#include <cstdint>
 #include <string>
 
 #include "core/error.h"

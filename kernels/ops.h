@@ -62,6 +62,8 @@ struct OpTable {
   // dst (contiguous, dst_dtype) = src (strided view, src_dtype), converting the element type.
   void (*copy_strided)(void* dst, DType dst_dtype, const void* src, DType src_dtype, const Dims& shape,
                        const Dims& src_strides) = nullptr;
+  // dst (strided view, e.g. a narrow() slice) = src (contiguous), same dtype: the bits copied.
+  void (*scatter_strided)(void* dst, const Dims& dst_strides, const void* src, DType dtype, const Dims& shape) = nullptr;
   void (*fill)(void* dst, DType dtype, int64_t n, double value) = nullptr;
   // out[shape] = a op b; a and b are strided (stride 0 on broadcast dims); out contiguous.
   void (*binary)(Binary op, DType dtype, void* out, const void* a, const Dims& a_strides, const void* b,

@@ -12,7 +12,8 @@ NonFinite first_nonfinite(const NamedTensors& tensors) {
   autograd::NoGradGuard ng;
   for (const auto& [name, t] : tensors) {
     if (!t.defined() || t.numel() == 0 || !is_floating(t.dtype())) continue;
-    if (std::isfinite(item(sum(to(t, DType::f64))))) continue;
+    // Only after a non-finite norm: the search may move each tensor to the host.
+    if (std::isfinite(item(sum(to(to(t, Device::cpu()), DType::f64))))) continue;
     const std::vector<double> v = to_vector<double>(t);
     for (size_t i = 0; i < v.size(); ++i)
       if (!std::isfinite(v[i])) return {name, int64_t(i), v[i]};

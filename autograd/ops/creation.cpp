@@ -115,35 +115,14 @@ void copy_(const Tensor& dst, const Tensor& src) {
     return;
   }
   // Strided destination (narrow() slices of gradients and parameters): bring the source to a
-  // contiguous buffer in the destination dtype, then scatter it row by row of the innermost dim.
-  SG_CHECK(dst.device().is_cpu(), "copy_: a non-contiguous destination on ", dst.device().str(),
-           " is not supported");
+  // contiguous buffer in the destination dtype, then scatter it into the view.
   Tensor tmp = src;
   if (!src.is_contiguous() || src.dtype() != dst.dtype() || src.storage() == dst.storage()) {
     tmp = empty(src.shape(), dst.dtype(), dst.device());
     SG_KERNEL(dst.device(), copy_strided)(tmp.data_ptr(), dst.dtype(), src.data_ptr(), src.dtype(), src.shape(),
                                           src.strides());
   }
-  const int64_t es = int64_t(dtype_size(dst.dtype()));
-  const auto& shape = dst.shape();
-  const auto& st = dst.strides();
-  const int64_t nd = dst.dim(), inner = shape.back(), inner_stride = st.back(), rows = dst.numel() / inner;
-  char* base = static_cast<char*>(dst.data_ptr());
-  const char* from = static_cast<const char*>(tmp.data_ptr());
-#pragma omp parallel for schedule(static) if (dst.numel() > 65536)
-  for (int64_t r = 0; r < rows; ++r) {
-    int64_t rem = r, off = 0;
-    for (int64_t d = nd - 2; d >= 0; --d) {
-      off += (rem % shape[size_t(d)]) * st[size_t(d)];
-      rem /= shape[size_t(d)];
-    }
-    const char* row = from + r * inner * es;
-    if (inner_stride == 1) {
-      std::memcpy(base + off * es, row, size_t(inner * es));
-    } else {
-      for (int64_t i = 0; i < inner; ++i) std::memcpy(base + (off + i * inner_stride) * es, row + i * es, size_t(es));
-    }
-  }
+  SG_KERNEL(dst.device(), scatter_strided)(dst.data_ptr(), dst.strides(), tmp.data_ptr(), dst.dtype(), dst.shape());
 }
 
 void fill_(const Tensor& t, double value) {

@@ -309,7 +309,9 @@ Tensor sum_to(const Tensor& a, const Shape& shape) {
 double sum_squares(const Tensor& a) {
   autograd::NoGradGuard ng;
   Tensor x = detail::operand(a);
-  if (x.dtype() == DType::f32) x = to(x, DType::f64);  // global norms in f64: order-insensitive enough to compare layouts
+  // Global norms in f64 on the CPU: order-insensitive enough to compare layouts. A device reduces
+  // in its kernel's f32 accumulation (the CUDA reduce is deterministic, one fixed tree).
+  if (x.dtype() == DType::f32 && x.device().is_cpu()) x = to(x, DType::f64);
   Tensor out = empty({1}, x.dtype(), x.device());
   SG_KERNEL(x.device(), reduce)(kernels::Reduce::sum_squares, x.dtype(), out.data_ptr(), x.data_ptr(), 1, x.numel(), 1);
   return item(out);

@@ -68,9 +68,9 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, const CrossEnt
     lse = empty({rows}, X.dtype(), X.device());
     SG_KERNEL(X.device(), cross_entropy)(X.dtype(), tg.dtype(), per_row.data_ptr(), lse.data_ptr(), X.data_ptr(),
                                          tg.data_ptr(), rows, Vp, V, opt.ignore_index);
-    loss = mul(sum(per_row), factor);
-    // The loss stays in the compute dtype (f32 for bf16/f16 logits), as under autocast: a scaled
-    // f16 loss would overflow at 65504.
+    // The loss is f32 for bf16/f16 logits, as under autocast: a loss scaled for fp16 (x 65536)
+    // would overflow at 65504 in f16.
+    loss = mul(sum(is_half(per_row.dtype()) ? to(per_row, DType::f32) : per_row), factor);
   }
   if (needs_grad({logits})) {
     Tensor kx = detach(X);

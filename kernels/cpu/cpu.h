@@ -19,6 +19,7 @@ inline int64_t read_index(DType t, const void* p, int64_t i) {
   return t == DType::i64 ? static_cast<const int64_t*>(p)[i] : int64_t(static_cast<const int32_t*>(p)[i]);
 }
 
+void scatter_strided(void* dst, const Dims& dst_strides, const void* src, DType dtype, const Dims& shape);
 void copy_strided(void* dst, DType dst_dtype, const void* src, DType src_dtype, const Dims& shape,
                   const Dims& src_strides);
 void fill(void* dst, DType dtype, int64_t n, double value);

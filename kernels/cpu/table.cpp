@@ -7,6 +7,7 @@ const OpTable* cpu_table() {
     OpTable o;
     o.device_name = "cpu";
     o.copy_strided = cpu::copy_strided;
+    o.scatter_strided = cpu::scatter_strided;
     o.fill = cpu::fill;
     o.binary = cpu::binary;
     o.unary = cpu::unary;

@@ -1,5 +1,5 @@
 // Causal flash attention on the device, forward and backward, tiled with an online softmax
-// (FlashAttention-2's schedule), head dim 64 or 128, f32 / bf16 storage, f32 math. This version
+// (FlashAttention-2's schedule), head dim 8, 16, 32, 64 or 128, f32 / bf16 storage, f32 math. This version
 // uses plain FMAs, one thread per query (forward, dq) or key (dk, dv) row with K/V or Q/dO tiles
 // staged in shared memory; the tensor-core (mma.sync m16n8k16) version is still to come.
 // q, k, v, out, dout: [B, H, T, D] contiguous; lse: [B, H, T] f32, saved by the forward.
@@ -159,11 +159,15 @@ __global__ void attention_dq_kernel(T* dq, const T* q, const T* k, const T* v, c
   for (int d = 0; d < D; ++d) dq[head + i * D + d] = from_f32<T>(dqi[d]);
 }
 
+// The FMA kernels keep a row of q (or k, v) in registers: the head dim is a compile-time size.
 template <class Body>
 void dispatch_head_dim(int64_t D, Body&& body) {
+  if (D == 8) return body(std::integral_constant<int, 8>{});
+  if (D == 16) return body(std::integral_constant<int, 16>{});
+  if (D == 32) return body(std::integral_constant<int, 32>{});
   if (D == 64) return body(std::integral_constant<int, 64>{});
   if (D == 128) return body(std::integral_constant<int, 128>{});
-  throw Error(str("attention (cuda): head dim ", D, " is not supported (64 or 128)"));
+  throw Error(str("attention (cuda): head dim ", D, " is not supported (8, 16, 32, 64 or 128)"));
 }
 
 // a.lse must be f32; forward writes out and lse ('=').

@@ -97,14 +97,19 @@ __global__ void __launch_bounds__(kTcThreads) attention_forward_tc_kernel(bf16* 
 }
 
 // a.lse must be f32; writes out and lse ('='). bf16 only: tensor cores take no f32 operands here.
+inline bool tensor_core_head_dim(int64_t D) { return D == 64 || D == 128; }
+
 inline void attention_forward_tensor_cores(const kernels::AttentionArgs& a, Stream stream) {
   if (a.dtype != DType::bf16) kernels::unsupported("attention (tensor cores)", a.dtype, "cuda");
-  dispatch_head_dim(a.D, [&](auto dim) {
+  SG_CHECK(tensor_core_head_dim(a.D), "attention (tensor cores): head dim ", a.D, " is not supported (64 or 128)");
+  auto body = [&](auto dim) {
     constexpr int D = decltype(dim)::value;
     launch(attention_forward_tc_kernel<D>, dim3(blocks_for(a.T, kTcRows), unsigned(a.B * a.H)), dim3(kTcThreads), 0,
            stream, static_cast<bf16*>(a.out), static_cast<float*>(a.lse), static_cast<const bf16*>(a.q),
            static_cast<const bf16*>(a.k), static_cast<const bf16*>(a.v), a.T, float(a.scale), a.causal);
-  });
+  };
+  if (a.D == 64) body(std::integral_constant<int, 64>{});
+  else body(std::integral_constant<int, 128>{});
 }
 
 }  // namespace sg::cuda

@@ -10,9 +10,14 @@
 // and backward entries widen them again; two backwards do better than reuse the rounded values:
 // cross_entropy_backward recomputes lse from the logits (a bf16 lse would be off by up to 3% in
 // exp(x - lse)), and attention_backward re-runs the forward for an f32 lse for the same reason.
+//
+// Attention forward: bf16 at head dim 64 or 128 runs on tensor cores (attention_tc.cuh, also for
+// the backward's re-run); the rest on the FMA flash kernel (attention.cuh), which is also the
+// backward.
 #include "core/storage.h"
 #include "kernels/cuda/adamw.cuh"
 #include "kernels/cuda/attention.cuh"
+#include "kernels/cuda/attention_tc.cuh"
 #include "kernels/cuda/classifier.cuh"
 #include "kernels/cuda/dropout.cuh"
 #include "kernels/cuda/elementwise.cuh"
@@ -109,6 +114,11 @@ void copy_strided(void* dst, DType dt, const void* src, DType st, const Dims& sh
   cuda::copy_strided(dst, dt, src, st, shape, src_strides, on(dst, "copy_strided").stream);
 }
 
+void scatter_strided(void* dst, const Dims& dst_strides, const void* src, DType dtype, const Dims& shape) {
+  if (numel(shape) == 0) return;
+  cuda::scatter_strided(dst, dst_strides, src, dtype, shape, on(dst, "scatter_strided").stream);
+}
+
 void fill(void* dst, DType dtype, int64_t n, double value) {
   if (n == 0) return;
   cuda::fill(dst, dtype, n, value, on(dst, "fill").stream);
@@ -132,7 +142,9 @@ void unary_backward(Unary op, DType dtype, void* dx, const void* dy, const void*
 
 void reduce(Reduce op, DType dtype, void* out, const void* x, int64_t outer, int64_t n, int64_t inner) {
   if (outer * inner == 0) return;
-  cuda::reduce(op, dtype, out, x, outer, n, inner, on(out, "reduce").stream);
+  const On o = on(out, "reduce");
+  const Scratch work(size_t(reduce_workspace(outer, n, inner)) * sizeof(float), o.dev);
+  cuda::reduce(op, dtype, out, x, outer, n, inner, o.stream, work.as<float>());
 }
 
 void softmax(DType dtype, void* y, const void* x, int64_t rows, int64_t cols, bool log) {
@@ -262,6 +274,12 @@ void adamw(const kernels::AdamWArgs& a) {
   cuda::adamw(a, on(a.param, "adamw").stream);
 }
 
+// The forward on the fastest kernel that takes it; f.lse is f32.
+void attention_forward_any(const kernels::AttentionArgs& f, cudaStream_t stream) {
+  if (f.dtype == DType::bf16 && tensor_core_head_dim(f.D)) return attention_forward_tensor_cores(f, stream);
+  attention_forward(f, stream);
+}
+
 void attention(const kernels::AttentionArgs& a) {
   if (a.B * a.H * a.T == 0) return;
 #ifdef SG_WITH_CUDNN
@@ -277,7 +295,7 @@ void attention(const kernels::AttentionArgs& a) {
   const F32Rows lse(a.lse, a.dtype, a.B * a.H * a.T, o, false, "attention");
   kernels::AttentionArgs f = a;
   f.lse = lse.get();
-  attention_forward(f, o.stream);
+  attention_forward_any(f, o.stream);
   lse.store();
 }
 
@@ -305,7 +323,7 @@ void attention_backward(const kernels::AttentionArgs& a) {
   kernels::AttentionArgs f = a;
   f.out = out.as<void>();
   f.lse = lse.as<float>();
-  attention_forward(f, o.stream);
+  attention_forward_any(f, o.stream);
   cuda::attention_backward(f, work.as<float>(), o.stream);
 }
 
@@ -313,6 +331,7 @@ void attention_backward(const kernels::AttentionArgs& a) {
 
 void fill_kernel_table(kernels::OpTable& t) {
   t.copy_strided = entry::copy_strided;
+  t.scatter_strided = entry::scatter_strided;
   t.fill = entry::fill;
   t.binary = entry::binary;
   t.unary = entry::unary;

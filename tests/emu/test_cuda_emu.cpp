@@ -107,6 +107,37 @@ TEST_CASE("emu fill and strided copy convert like the CPU table", "[emu]") {
       REQUIRE(got == want);  // every conversion rounds to nearest even on both sides: bit-exact
     }
   }
+  // The scatter into a strided view: the [4,3,7] elements written through the transposed strides.
+  for (DType dt : {DType::bf16, DType::f32, DType::i64}) {
+    INFO("scatter " << dtype_name(dt));
+    std::vector<unsigned char> s(84 * dtype_size(dt)), want(84 * dtype_size(dt), 0xab), got(84 * dtype_size(dt), 0xab);
+    cpu::copy_strided(s.data(), dt, src.data(), DType::f32, {84}, {1});
+    cpu::scatter_strided(want.data(), transposed, s.data(), dt, shape);
+    cu::scatter_strided(got.data(), transposed, s.data(), dt, shape, nullptr);
+    REQUIRE(got == want);
+    std::vector<unsigned char> back(84 * dtype_size(dt));  // reading it back through the same strides
+    cpu::copy_strided(back.data(), dt, want.data(), dt, shape, transposed);
+    REQUIRE(back == s);
+  }
+  // Attention's head split [2,5,3,16] -> [2,3,5,16] and back: the 16-byte-unit path (bf16: 8 per
+  // unit, f32: 4), and a row of 12 bf16 that is not whole units (the element path).
+  for (auto [dt, D] : {std::pair<DType, int64_t>{DType::bf16, 16}, {DType::f32, 16}, {DType::bf16, 12}}) {
+    INFO("head split " << dtype_name(dt) << " D " << D);
+    const Dims heads = {2, 3, 5, D}, split = {5 * 3 * D, D, 3 * D, 1};
+    const size_t bytes = size_t(2 * 3 * 5 * D) * dtype_size(dt);
+    std::vector<unsigned char> s(bytes), want(bytes), got(bytes), back(bytes, 0xab), back_want(bytes, 0xab);
+    cpu::copy_strided(s.data(), dt, rounded<cu::bf16>(randn(size_t(2 * 3 * 5 * D), 12)).data(), DType::f32,
+                      {2 * 3 * 5 * D}, {1});
+    Dims units = heads, unit_strides = split;  // which path this case takes
+    REQUIRE(cu::as_16_byte_units(dtype_size(dt), got.data(), s.data(), units, unit_strides) == (D == 16));
+    cpu::copy_strided(want.data(), dt, s.data(), dt, heads, split);
+    cu::copy_strided(got.data(), dt, s.data(), dt, heads, split, nullptr);
+    REQUIRE(got == want);
+    cpu::scatter_strided(back_want.data(), split, want.data(), dt, heads);
+    cu::scatter_strided(back.data(), split, got.data(), dt, heads, nullptr);
+    REQUIRE(back == back_want);
+    REQUIRE(back == s);
+  }
   for (DType dt : {DType::f32, DType::f64, DType::bf16, DType::f16, DType::i32, DType::i64}) {
     INFO(dtype_name(dt));
     std::vector<unsigned char> want(37 * 8), got(37 * 8);
@@ -120,9 +151,11 @@ TEST_CASE("emu fill and strided copy convert like the CPU table", "[emu]") {
 
 TEMPLATE_TEST_CASE("emu axis reductions match the CPU table", "[emu]", float, cu::bf16) {
   using T = TestType;
-  const auto x = rounded<T>(randn(3 * 37 * 5, 10, 1.0f, 0.5f));
+  const auto x = rounded<T>(randn(2 * 555 * 37, 10, 1.0f, 0.5f));
   for (kernels::Reduce op : {kernels::Reduce::sum, kernels::Reduce::max, kernels::Reduce::sum_squares}) {
-    for (auto [outer, n, inner] : {std::tuple<int64_t, int64_t, int64_t>{3, 37, 5}, {15, 37, 1}, {1, 555, 1}}) {
+    // inner > 1 with 1, 2 and 32 lanes over the reduced rows and a partial column tile
+    for (auto [outer, n, inner] : {std::tuple<int64_t, int64_t, int64_t>{3, 37, 5}, {15, 37, 1}, {1, 555, 1},
+                                   {2, 555, 37}, {5, 3, 70}}) {
       INFO("op " << int(op) << " outer " << outer << " n " << n << " inner " << inner);
       std::vector<float> want(static_cast<size_t>(outer * inner));
       cpu::reduce(op, DType::f32, want.data(), x.data(), outer, n, inner);
@@ -131,6 +164,16 @@ TEMPLATE_TEST_CASE("emu axis reductions match the CPU table", "[emu]", float, cu
       cu::reduce(op, dtype_of<T>(), got.data(), xs.data(), outer, n, inner, nullptr);
       check_close(got, want, 10.0);
     }
+    // Rows longer than one block's chunk: split over blocks, partials added in a second pass.
+    const int64_t n = 2 * cu::kRowChunk + 777;
+    const auto y = rounded<T>(randn(size_t(2 * n), 11, 1.0f, 0.5f));
+    std::vector<float> want(2), work(size_t(cu::reduce_workspace(2, n, 1)));
+    REQUIRE(work.size() == 6);
+    cpu::reduce(op, DType::f32, want.data(), y.data(), 2, n, 1);
+    const auto ys = to_storage<T>(y);
+    std::vector<T> got(2);
+    cu::reduce(op, dtype_of<T>(), got.data(), ys.data(), 2, n, 1, nullptr, work.data());
+    check_close(got, want, 10.0);
   }
 }
 

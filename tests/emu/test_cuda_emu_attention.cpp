@@ -12,7 +12,7 @@ using namespace sg::emu_testing;
 
 TEMPLATE_TEST_CASE("emu causal flash attention forward and backward match the CPU table", "[emu]", float, cu::bf16) {
   using T = TestType;
-  for (auto [Tn, D] : {std::pair<int64_t, int64_t>{37, 64}, {70, 64}, {37, 128}}) {
+  for (auto [Tn, D] : {std::pair<int64_t, int64_t>{37, 64}, {70, 64}, {37, 128}, {37, 8}, {70, 16}, {37, 32}}) {
     INFO("T " << Tn << " D " << D);
     const int64_t B = 1, H = 2, n = B * H * Tn * D;
     const auto q = rounded<T>(randn(size_t(n), 60)), k = rounded<T>(randn(size_t(n), 61));
