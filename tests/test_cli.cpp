@@ -94,7 +94,10 @@ TEST_CASE("train refuses bad flags, missing files and existing checkpoints, nami
     refuses(no_env + "RANK=2 WORLD_SIZE=2 " + file_train, "rank 2: error: --rendezvous file: RANK 2 is not below WORLD_SIZE 2");
     refuses(no_env + "RANK=one WORLD_SIZE=2 " + file_train, "RANK='one' is not a non-negative integer");
     // without a GPU (CI) this is refused by name; with one, world size 1 trains a step without MPI
-    Run r = run_command(no_env + "RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 " + file_train + " --steps 1 " + kSmall);
+    // (head dim 64: what the CUDA attention takes)
+    Run r = run_command(no_env + "RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 " + file_train +
+                        " --steps 1 --n-layer 1 --n-embd 64 --n-head 1 --seq-len 32 --batch-size 8 --threads 1 "
+                        "--eval-every 0");
     INFO(r.output);
     if (r.code != 0) REQUIRE(r.output.find("rank 0 sees no CUDA device") != std::string::npos);
     else REQUIRE_FALSE(fs::exists(id));  // rank 0 removes the file once every rank has joined
