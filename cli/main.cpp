@@ -1,5 +1,6 @@
 // shardgrad: train, generate (bench, plan and export arrive with their issues).
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 
@@ -48,7 +49,11 @@ int main(int argc, char** argv) {
       std::fflush(stderr);
       MPI_Abort(MPI_COMM_WORLD, 1);
     }
-    std::fprintf(stderr, "shardgrad %s: error: %s\n", argv[1], e.what());
+    // Without MPI (a launcher such as torchrun, train --rendezvous file:) the launcher's RANK names it.
+    if (const char* rank = std::getenv("RANK"); rank && *rank)
+      std::fprintf(stderr, "shardgrad %s: rank %s: error: %s\n", argv[1], rank, e.what());
+    else
+      std::fprintf(stderr, "shardgrad %s: error: %s\n", argv[1], e.what());
     return 1;
   }
 }

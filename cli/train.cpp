@@ -106,7 +106,8 @@ void declare_flags(Args& a) {
   a.flag("devices", "cpu:0,cpu:1", "dp: the devices to replicate over; the first one holds the model");
   a.flag("bucket-mb", "25", "ddp: gradient bucket size in MiB; zero1/zero2: one stripe's reduce-scatter input in MiB");
   a.flag("backend", "mpi", "collectives of multi-rank runs: mpi (CPU tensors, CUDA through host staging) | nccl (GPUs)");
-  a.flag("rendezvous", "mpi", "how ranks find each other: mpi (launched by mpirun)");
+  a.flag("rendezvous", "mpi", "how ranks find each other: mpi (launched by mpirun) | file:PATH (--backend nccl "
+         "without MPI: each process started on its own with RANK, WORLD_SIZE, LOCAL_RANK in the environment)");
   a.flag("comm-timeout", "300", "seconds without progress before the watchdog aborts the job, naming the stuck rank");
   a.flag("inject-fault", "", "testing: rank=R,step=S,kind=exit|throw|abort|kill|hang|nan[,during=save]");
   a.flag("on-nonfinite", "stop", "a NaN/Inf loss or gradient: stop (naming the step and the tensor) or skip the step (counted)");
@@ -285,30 +286,57 @@ void Trainer::setup() {
   SG_CHECK(a.str("backend") == "mpi" || distributed(), "train: --backend nccl is for multi-rank strategies "
            "(--strategy ddp, zero*, fsdp*, --tp, --pp)");
   const std::string rdv = a.str("rendezvous");
-  SG_CHECK(rdv == "mpi" || rdv.rfind("file:", 0) == 0, "train: --rendezvous must be mpi or file:PATH, got '", rdv, "'");
-  SG_CHECK(rdv == "mpi", "train: --rendezvous ", rdv, ": train still needs MPI for its CPU-side metrics; launch with "
-           "mpirun (the file rendezvous itself is comm::nccl_world_from_file, for other launchers of the library)");
+  const bool file_rdv = rdv.rfind("file:", 0) == 0;
+  SG_CHECK(rdv == "mpi" || file_rdv, "train: --rendezvous must be mpi or file:PATH, got '", rdv, "'");
+  SG_CHECK(!file_rdv || a.str("backend") == "nccl", "train: --rendezvous ", rdv, " needs --backend nccl: the file "
+           "carries NCCL's unique id, and without mpirun NCCL is what connects the ranks (under mpirun use the "
+           "default --rendezvous mpi)");
+  SG_CHECK(!file_rdv || rdv.size() > 5, "train: --rendezvous file: needs a path (file:PATH)");
   if (distributed()) {
-    comm::init();
-    world_ = comm::MpiProcessGroup::world();
-    metrics_ = world_->split(0, world_->rank());  // losses and barriers: kept out of the gradient counters
-    rank_ = world_->rank();
-    world_size_ = world_->size();
-    if (a.str("backend") == "nccl") {
-      // NCCL carries the training collectives between the ranks' GPUs (unique id bootstrapped
-      // over MPI); the few CPU-side metrics (losses, norms, barriers) stay on MPI.
-      SG_CHECK(a.str("device").rfind("cuda", 0) == 0, "train: --backend nccl carries CUDA tensors: pass --device cuda "
-               "(each rank then uses cuda:<its local rank>) or --device cuda:N");
+    SG_CHECK(a.f64("comm-timeout") > 0, "train: --comm-timeout must be > 0");
+    const bool nccl = a.str("backend") == "nccl";
+    SG_CHECK(!nccl || a.str("device").rfind("cuda", 0) == 0, "train: --backend nccl carries CUDA tensors: pass "
+             "--device cuda (each rank then uses cuda:<its local rank>) or --device cuda:N");
+    if (file_rdv) {
+      // A launcher without MPI (torchrun-like) started each process on its own. The job's rank and
+      // size are RANK/WORLD_SIZE, and the NCCL world from the file carries everything, the CPU-side
+      // metrics too (staged through the device). MPI is never initialised: a singleton MPI_Init
+      // would make each process a world of its own.
+      const comm::LaunchEnv env = comm::launch_env();
+      rank_ = env.rank;
+      world_size_ = env.world_size;
       SG_CHECK(comm::nccl_available(), "train: --backend nccl: rank ", rank_,
                " sees no CUDA device (or this shardgrad was built without NCCL)");
-      if (a.str("device") == "cuda") device_spec_ = "cuda:" + std::to_string(local_rank());
-      world_ = comm::nccl_world(*world_, parse_device(device_spec_).index);
+      if (a.str("device") == "cuda") {
+        SG_CHECK(env.local_rank >= 0, "train: --device cuda under --rendezvous file: needs LOCAL_RANK in the "
+                 "environment (or pass --device cuda:N)");
+        device_spec_ = "cuda:" + std::to_string(env.local_rank);
+      }
+      parallel::watchdog::arm(a.f64("comm-timeout"), rank_);  // a rank that never joins must not hang the rest
+      {
+        parallel::watchdog::Waiting w("the file rendezvous");
+        world_ = comm::nccl_world_from_file(rdv.substr(5), parse_device(device_spec_).index, a.f64("comm-timeout"));
+      }
+      metrics_ = world_->split(0, rank_);  // losses and barriers: kept out of the gradient counters
+    } else {
+      comm::init();
+      world_ = comm::MpiProcessGroup::world();
+      metrics_ = world_->split(0, world_->rank());  // losses and barriers: kept out of the gradient counters
+      rank_ = world_->rank();
+      world_size_ = world_->size();
+      if (nccl) {
+        // NCCL carries the training collectives between the ranks' GPUs (unique id bootstrapped
+        // over MPI); the few CPU-side metrics (losses, norms, barriers) stay on MPI.
+        SG_CHECK(comm::nccl_available(), "train: --backend nccl: rank ", rank_,
+                 " sees no CUDA device (or this shardgrad was built without NCCL)");
+        if (a.str("device") == "cuda") device_spec_ = "cuda:" + std::to_string(local_rank());
+        world_ = comm::nccl_world(*world_, parse_device(device_spec_).index);
+      }
     }
     SG_CHECK(world_size_ % (tp_ * pp_) == 0, "train: --tp ", tp_, " x --pp ", pp_, " = ", tp_ * pp_,
              " ranks per model replica does not divide the ", world_size_, " ranks launched");
     dp_size_ = world_size_ / (tp_ * pp_);
     dp_rank_ = rank_ / (tp_ * pp_);
-    SG_CHECK(a.f64("comm-timeout") > 0, "train: --comm-timeout must be > 0");
     parallel::watchdog::arm(a.f64("comm-timeout"), rank_);
   }
   fault_ = parallel::parse_fault(a.str("inject-fault"));
@@ -1017,9 +1045,14 @@ int train_main(int argc, char** argv) {
     return 0;
   }
   int rc = 0;
-  {
+  try {
     Trainer t(a);
     rc = t.run();
+  } catch (...) {
+    // Without MPI (--rendezvous file:) nothing aborts the process on the way out: a watchdog
+    // thread still running at exit would terminate it instead of letting main report the error.
+    parallel::watchdog::disarm();
+    throw;
   }
   parallel::watchdog::disarm();
   comm::finalize();  // a no-op unless this run initialised MPI

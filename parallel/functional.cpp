@@ -24,7 +24,7 @@ void record_mirror(const char* name, const Tensor& x, const Tensor& y, comm::Pro
 
 Tensor reduced(const Tensor& x, comm::ProcessGroup& g) {
   Tensor y = clone(contiguous(x));
-  g.all_reduce(y, comm::ReduceOp::sum)->wait();
+  g.all_reduce(y, comm::ReduceOp::sum, comm::Sync::blocking);
   return y;
 }
 Tensor same(const Tensor& x, comm::ProcessGroup&) { return x; }
@@ -57,7 +57,7 @@ Tensor all_gather_along(const Tensor& x, int64_t dim, comm::ProcessGroup& group)
   Shape parts = x.shape();
   parts.insert(parts.begin(), p);  // [p, ...x]
   Tensor out = empty(parts, x.dtype(), x.device());
-  group.all_gather(out, in)->wait();
+  group.all_gather(out, in, comm::Sync::blocking);
   // [p, s0 .. s_dim ..] -> [s0 .., p, s_dim, ..] -> merge p into dim
   std::vector<int64_t> order;
   for (int64_t d = 1; d <= dim; ++d) order.push_back(d);
@@ -83,7 +83,7 @@ Tensor reduce_scatter_along(const Tensor& x, int64_t dim, comm::ProcessGroup& gr
   Shape mine = x.shape();
   mine[size_t(dim)] = n / p;
   Tensor out = empty(mine, x.dtype(), x.device());
-  group.reduce_scatter(out, in, comm::ReduceOp::sum)->wait();
+  group.reduce_scatter(out, in, comm::ReduceOp::sum, comm::Sync::blocking);
   return out;
 }
 

@@ -184,7 +184,7 @@ std::string save_sharded(const std::string& run_dir, int64_t step, const std::ve
   parallel::watchdog::beat("the checkpoint save", step - 1);
   auto barrier = [&] {
     parallel::watchdog::Waiting w("the checkpoint barrier");
-    group.barrier()->wait();
+    group.barrier(comm::Sync::blocking);
   };
   return save_sharded(run_dir, step, mine, state, metadata, group.rank(), group.size(), barrier, keep);
 }

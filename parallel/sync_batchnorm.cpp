@@ -15,7 +15,7 @@ void SyncBatchNorm::reduce_statistics(Tensor& sum_x, Tensor& sum_x2, double& cou
   sum_x = narrow(both, 0, 0, C);
   sum_x2 = narrow(both, 0, C, C);
   Tensor n = from_vector<double>({count}, {1});
-  group_->all_reduce(n, comm::ReduceOp::sum)->wait();
+  group_->all_reduce(n, comm::ReduceOp::sum, comm::Sync::blocking);
   count = item(n);
 }
 

@@ -80,7 +80,28 @@ TEST_CASE("train refuses bad flags, missing files and existing checkpoints, nami
   fails_with("train --strategy ddp --backend nccl", "--backend nccl carries CUDA tensors: pass --device cuda");
   fails_with("train --backend nccl", "--backend nccl is for multi-rank strategies");
   fails_with("train --strategy ddp --rendezvous tcp://x", "--rendezvous must be mpi or file:PATH");
-  fails_with("train --strategy ddp --rendezvous file:" + (d.path / "id").string(), "train still needs MPI");
+  {
+    // --rendezvous file: (no MPI): the NCCL world from the file is the job's group; RANK and
+    // WORLD_SIZE come from the launcher and are refused by name when missing or wrong.
+    const std::string id = (d.path / "id").string();
+    fails_with("train --strategy ddp --rendezvous file:" + id, "--rendezvous file:" + id + " needs --backend nccl");
+    fails_with("train --strategy ddp --backend nccl --device cuda --rendezvous file:", "needs a path (file:PATH)");
+    const std::string file_train =
+        std::string(SG_BINARY) + " train --strategy ddp --backend nccl --device cuda --rendezvous file:" + id;
+    const std::string no_env = "env -u RANK -u WORLD_SIZE -u LOCAL_RANK ";
+    refuses(no_env + file_train, "--rendezvous file: needs RANK in the environment");
+    refuses(no_env + "RANK=0 " + file_train, "--rendezvous file: needs WORLD_SIZE in the environment");
+    refuses(no_env + "RANK=2 WORLD_SIZE=2 " + file_train, "rank 2: error: --rendezvous file: RANK 2 is not below WORLD_SIZE 2");
+    refuses(no_env + "RANK=one WORLD_SIZE=2 " + file_train, "RANK='one' is not a non-negative integer");
+    // without a GPU (CI) this is refused by name; with one, world size 1 trains a step without MPI
+    // (head dim 64: what the CUDA attention takes)
+    Run r = run_command(no_env + "RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 " + file_train +
+                        " --steps 1 --n-layer 1 --n-embd 64 --n-head 1 --seq-len 32 --batch-size 8 --threads 1 "
+                        "--eval-every 0");
+    INFO(r.output);
+    if (r.code != 0) REQUIRE(r.output.find("rank 0 sees no CUDA device") != std::string::npos);
+    else REQUIRE_FALSE(fs::exists(id));  // rank 0 removes the file once every rank has joined
+  }
   {
     // without a GPU (CI) the NCCL backend is refused by name; with one this one-step run succeeds
     Run r = shardgrad("train --strategy ddp --backend nccl --device cuda --steps 1 " + kSmall);

@@ -52,7 +52,7 @@ nlohmann::json step_metrics(Device device, const std::vector<const comm::Process
   if (gather && size > 1) {
     Tensor local = from_vector(row, {kRow});
     Tensor out = empty({int64_t(kRow) * size}, DType::f64);
-    gather->all_gather(out, local)->wait();
+    gather->all_gather(out, local, comm::Sync::blocking);
     all = to_vector<double>(out);
   }
   nlohmann::json ranks = nlohmann::json::array();

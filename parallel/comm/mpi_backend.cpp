@@ -253,7 +253,7 @@ void MpiProcessGroup::shutdown() {
 
 std::shared_ptr<Work> MpiProcessGroup::enqueue(const char* op, std::function<void()> body) {
   SG_CHECK(comm_ != MPI_COMM_NULL, op, ": the process group was shut down (comm::finalize)", at());
-  return queue_ ? queue_->push(std::move(body)) : WorkQueue::run_inline(body);
+  return queue_ ? queue_->push(std::move(body), issuing_blocking()) : WorkQueue::run_inline(body);
 }
 
 // Turns an MPI error code into an Error naming the op and this rank.

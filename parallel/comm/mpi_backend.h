@@ -5,7 +5,11 @@
 // the order they were issued, with blocking MPI calls on the group's own communicator (a dup, so
 // user traffic on MPI_COMM_WORLD never matches ours). Every rank issues a group's collectives in
 // the same order, so FIFO on each rank keeps them matched. The caller's thread returns at once and
-// keeps computing; Work completes when the thread has finished the operation. send/recv are posted
+// keeps computing; Work completes when the operation has run. A blocking operation (Sync::blocking)
+// does not wake the thread: the caller runs it itself, as does a caller that wait()s for an
+// operation the idle thread has not started (work_queue.h). That is still queue order, never
+// alongside the thread, and it saves the wake-up of a sleeping thread and back, which is what a
+// blocking collective of a few hundred microseconds mostly paid. send/recv are posted
 // at once from the caller's thread (MPI_Isend/MPI_Irecv) instead of queued: a ring of blocking
 // sends on one queue per rank would deadlock, and MPI does not match point-to-point messages with
 // collectives, so they need no ordering against the queue.

@@ -1,4 +1,4 @@
-// The NCCL backend: CUDA tensors, collectives on a communication stream of the group's device.
+// The NCCL backend: collectives on a communication stream of the group's device.
 //
 // Ordering: each operation first makes the communication stream wait on an event recorded on the
 // device's compute stream (so it sees every kernel issued before it), then issues the NCCL call
@@ -6,10 +6,16 @@
 // wait for that event; test() polls it. Compute issued later on the compute stream is free to run
 // alongside the collective: that is the overlap.
 //
+// CPU tensors ride through the device, the mirror of the MPI backend's host staging: each is
+// copied to the group's GPU (ledger: comm_buffer), the collective runs there on the communication
+// stream, and wait() (or a test() that sees it done) copies the result back. That is what lets a
+// job without MPI keep its CPU-side metrics (losses, norms, barriers) on the NCCL world. Byte
+// counters count the tensor as usual, wherever it lives.
+//
 // Bootstrap: rank 0's ncclUniqueId reaches the others over an existing ProcessGroup (MPI), or
-// through a file for launchers without MPI (`--rendezvous file:PATH` with RANK, WORLD_SIZE and
-// LOCAL_RANK in the environment). Subgroups come from ncclCommSplit. One rank per GPU: NCCL
-// refuses two ranks on one device (use the MPI backend, which stages through the host, for that).
+// through a file for launchers without MPI (`--rendezvous file:PATH` with RANK and WORLD_SIZE in
+// the environment). Subgroups come from ncclCommSplit. One rank per GPU: NCCL refuses two ranks
+// on one device (use the MPI backend, which stages through the host, for that).
 #pragma once
 #include <memory>
 #include <string>
@@ -18,12 +24,21 @@
 
 namespace sg::comm {
 
-
 // Every rank of `bootstrap` calls this; rank r uses cuda:device.
 std::shared_ptr<ProcessGroup> nccl_world(ProcessGroup& bootstrap, int device);
-// RANK / WORLD_SIZE / LOCAL_RANK from the environment; rank 0 writes the id to `path`
-// atomically, the others wait for it (up to timeout_s). The device is LOCAL_RANK.
-std::shared_ptr<ProcessGroup> nccl_world_from_file(const std::string& path, double timeout_s = 300);
+
+// Where a launcher without MPI (torchrun and the like) puts this process: RANK and WORLD_SIZE,
+// and LOCAL_RANK (this process's place on its node; -1 when the variable is not set). A missing
+// or malformed RANK/WORLD_SIZE, or RANK >= WORLD_SIZE, is refused naming the variable.
+struct LaunchEnv {
+  int rank = 0, world_size = 1, local_rank = -1;
+};
+LaunchEnv launch_env();
+// Every process of the job calls this, placed by launch_env(); this one uses cuda:device. Rank 0
+// writes the unique id to `path` atomically (a temporary name, then rename), the others wait for
+// it (up to timeout_s); once every rank has joined, rank 0 removes the file. Rank 0 refuses a
+// path that already exists: a file left by an earlier job would hand the others a dead id.
+std::shared_ptr<ProcessGroup> nccl_world_from_file(const std::string& path, int device, double timeout_s = 300);
 // Whether this build has NCCL and the machine a CUDA device.
 bool nccl_available();
 

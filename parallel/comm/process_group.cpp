@@ -7,6 +7,11 @@
 
 namespace sg::comm {
 
+namespace {
+// Set while a blocking operation is handed to the backend, on the issuing thread only.
+thread_local bool t_issuing_blocking = false;
+}  // namespace
+
 const char* reduce_op_name(ReduceOp op) {
   switch (op) {
     case ReduceOp::sum: return "sum";
@@ -53,6 +58,8 @@ ProcessGroup::ProcessGroup(int rank, int size) : rank_(rank), size_(size) {
 }
 
 std::string ProcessGroup::at() const { return str(" (rank ", rank_, " of ", size_, ")"); }
+
+bool ProcessGroup::issuing_blocking() { return t_issuing_blocking; }
 
 CommCounters ProcessGroup::counters() const {
   std::lock_guard<std::mutex> lock(counters_mu_);
@@ -119,6 +126,23 @@ std::shared_ptr<Work> traced(const ProcessGroup* g, CommKind k, size_t bytes, st
   return std::make_shared<TracedWork>(std::move(w), trace::comm_track(g, g->size()), k, int64_t(bytes), g->size());
 }
 
+// Hands the operation to the backend (start) with the caller's intent visible to it, and waits
+// for a blocking one before returning.
+template <class Start>
+std::shared_ptr<Work> issue(Sync sync, Start start) {
+  struct Flag {
+    explicit Flag(bool on) { t_issuing_blocking = on; }
+    ~Flag() { t_issuing_blocking = false; }
+  };
+  std::shared_ptr<Work> w;
+  {
+    Flag flag(sync == Sync::blocking);
+    w = start();
+  }
+  if (sync == Sync::blocking) w->wait();
+  return w;
+}
+
 bool overlap(const Tensor& a, const Tensor& b) {
   if (a.storage() != b.storage()) return false;
   auto pa = static_cast<const char*>(a.data_ptr()), pb = static_cast<const char*>(b.data_ptr());
@@ -126,15 +150,15 @@ bool overlap(const Tensor& a, const Tensor& b) {
 }
 }  // namespace
 
-std::shared_ptr<Work> ProcessGroup::all_reduce(const Tensor& t, ReduceOp op) {
+std::shared_ptr<Work> ProcessGroup::all_reduce(const Tensor& t, ReduceOp op, Sync sync) {
   check_tensor("all_reduce", "tensor", t);
   SG_CHECK(op != ReduceOp::avg || is_floating(t.dtype()), "all_reduce: avg of ", t.describe(),
            " would not be exact; use sum and divide", at());
   count(CommKind::all_reduce, all_reduce_bytes(int64_t(t.nbytes()), size_));
-  return traced(this, CommKind::all_reduce, t.nbytes(), do_all_reduce(t, op));
+  return issue(sync, [&] { return traced(this, CommKind::all_reduce, t.nbytes(), do_all_reduce(t, op)); });
 }
 
-std::shared_ptr<Work> ProcessGroup::reduce_scatter(const Tensor& out, const Tensor& in, ReduceOp op) {
+std::shared_ptr<Work> ProcessGroup::reduce_scatter(const Tensor& out, const Tensor& in, ReduceOp op, Sync sync) {
   check_tensor("reduce_scatter", "output", out);
   check_tensor("reduce_scatter", "input", in);
   SG_CHECK(out.dtype() == in.dtype() && out.device() == in.device(), "reduce_scatter: output ", out.describe(),
@@ -145,10 +169,10 @@ std::shared_ptr<Work> ProcessGroup::reduce_scatter(const Tensor& out, const Tens
   SG_CHECK(op != ReduceOp::avg || is_floating(in.dtype()), "reduce_scatter: avg of ", in.describe(),
            " would not be exact; use sum and divide", at());
   count(CommKind::reduce_scatter, reduce_scatter_bytes(int64_t(in.nbytes()), size_));
-  return traced(this, CommKind::reduce_scatter, in.nbytes(), do_reduce_scatter(out, in, op));
+  return issue(sync, [&] { return traced(this, CommKind::reduce_scatter, in.nbytes(), do_reduce_scatter(out, in, op)); });
 }
 
-std::shared_ptr<Work> ProcessGroup::all_gather(const Tensor& out, const Tensor& in) {
+std::shared_ptr<Work> ProcessGroup::all_gather(const Tensor& out, const Tensor& in, Sync sync) {
   check_tensor("all_gather", "output", out);
   check_tensor("all_gather", "input", in);
   SG_CHECK(out.dtype() == in.dtype() && out.device() == in.device(), "all_gather: output ", out.describe(),
@@ -160,23 +184,23 @@ std::shared_ptr<Work> ProcessGroup::all_gather(const Tensor& out, const Tensor& 
   SG_CHECK(!overlap(out, in) || in.data_ptr() == own_chunk, "all_gather: input overlaps the output but is not its chunk ",
            rank_, at());
   count(CommKind::all_gather, all_gather_bytes(int64_t(out.nbytes()), size_));
-  return traced(this, CommKind::all_gather, out.nbytes(), do_all_gather(out, in));
+  return issue(sync, [&] { return traced(this, CommKind::all_gather, out.nbytes(), do_all_gather(out, in)); });
 }
 
-std::shared_ptr<Work> ProcessGroup::broadcast(const Tensor& t, int root) {
+std::shared_ptr<Work> ProcessGroup::broadcast(const Tensor& t, int root, Sync sync) {
   check_tensor("broadcast", "tensor", t);
   check_peer("broadcast", "root", root, true);
   count(CommKind::broadcast, size_ > 1 ? int64_t(t.nbytes()) : 0);
-  return traced(this, CommKind::broadcast, t.nbytes(), do_broadcast(t, root));
+  return issue(sync, [&] { return traced(this, CommKind::broadcast, t.nbytes(), do_broadcast(t, root)); });
 }
 
-std::shared_ptr<Work> ProcessGroup::reduce(const Tensor& t, int root, ReduceOp op) {
+std::shared_ptr<Work> ProcessGroup::reduce(const Tensor& t, int root, ReduceOp op, Sync sync) {
   check_tensor("reduce", "tensor", t);
   check_peer("reduce", "root", root, true);
   SG_CHECK(op != ReduceOp::avg || is_floating(t.dtype()), "reduce: avg of ", t.describe(),
            " would not be exact; use sum and divide", at());
   count(CommKind::reduce, size_ > 1 ? int64_t(t.nbytes()) : 0);
-  return traced(this, CommKind::reduce, t.nbytes(), do_reduce(t, root, op));
+  return issue(sync, [&] { return traced(this, CommKind::reduce, t.nbytes(), do_reduce(t, root, op)); });
 }
 
 std::shared_ptr<Work> ProcessGroup::send(const Tensor& t, int dst, int tag) {
@@ -195,9 +219,9 @@ std::shared_ptr<Work> ProcessGroup::recv(const Tensor& t, int src, int tag) {
   return traced(this, CommKind::recv, t.nbytes(), do_recv(t, src, tag));
 }
 
-std::shared_ptr<Work> ProcessGroup::barrier() {
+std::shared_ptr<Work> ProcessGroup::barrier(Sync sync) {
   count(CommKind::barrier, 0);
-  return traced(this, CommKind::barrier, 0, do_barrier());
+  return issue(sync, [&] { return traced(this, CommKind::barrier, 0, do_barrier()); });
 }
 
 std::shared_ptr<ProcessGroup> ProcessGroup::split(int color, int key) { return do_split(color, key); }

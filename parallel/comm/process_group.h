@@ -58,6 +58,13 @@ int64_t all_reduce_bytes(int64_t tensor_bytes, int n);
 int64_t reduce_scatter_bytes(int64_t input_bytes, int n);
 int64_t all_gather_bytes(int64_t output_bytes, int n);
 
+// How the caller uses an operation. async (the default): it keeps the Work and computes while the
+// operation runs. blocking: the call returns once the operation has completed (its Work is done;
+// an error is thrown from the call). A backend may run a blocking operation on the caller's
+// thread: the MPI backend does, rather than wake its communication thread for it and be woken
+// back (a fixed ~10 us in a VM, a tenth of a 1 MiB all-reduce).
+enum class Sync : uint8_t { async, blocking };
+
 // An operation in flight. wait() blocks until it has completed and rethrows its error, if any;
 // test() never blocks. Both may be called any number of times.
 class Work {
@@ -78,18 +85,19 @@ class ProcessGroup {
   virtual std::string backend_name() const = 0;
 
   // t = op over ranks of t. avg is refused for integer dtypes (it would not be exact).
-  std::shared_ptr<Work> all_reduce(const Tensor& t, ReduceOp op = ReduceOp::sum);
+  std::shared_ptr<Work> all_reduce(const Tensor& t, ReduceOp op = ReduceOp::sum, Sync sync = Sync::async);
   // in has size() * out.numel() elements; rank r receives chunk r of the reduced input.
-  std::shared_ptr<Work> reduce_scatter(const Tensor& out, const Tensor& in, ReduceOp op = ReduceOp::sum);
+  std::shared_ptr<Work> reduce_scatter(const Tensor& out, const Tensor& in, ReduceOp op = ReduceOp::sum,
+                                       Sync sync = Sync::async);
   // out has size() * in.numel() elements: every rank's in, concatenated in rank order.
-  std::shared_ptr<Work> all_gather(const Tensor& out, const Tensor& in);
-  std::shared_ptr<Work> broadcast(const Tensor& t, int root);
+  std::shared_ptr<Work> all_gather(const Tensor& out, const Tensor& in, Sync sync = Sync::async);
+  std::shared_ptr<Work> broadcast(const Tensor& t, int root, Sync sync = Sync::async);
   // Only root's t receives the result; the others' tensors are left as they were.
-  std::shared_ptr<Work> reduce(const Tensor& t, int root, ReduceOp op = ReduceOp::sum);
+  std::shared_ptr<Work> reduce(const Tensor& t, int root, ReduceOp op = ReduceOp::sum, Sync sync = Sync::async);
   std::shared_ptr<Work> send(const Tensor& t, int dst, int tag = 0);
   std::shared_ptr<Work> recv(const Tensor& t, int src, int tag = 0);
   // Completes once every rank has reached it, after this rank's earlier operations.
-  std::shared_ptr<Work> barrier();
+  std::shared_ptr<Work> barrier(Sync sync = Sync::async);
 
   // Collective over this group (MPI_Comm_split): ranks with the same color form a subgroup,
   // ordered by key (ties by rank here). color < 0 means "in no subgroup" and returns nullptr.
@@ -117,6 +125,8 @@ class ProcessGroup {
 
   // " (rank 1 of 4)": ends every error this group raises, so a log line names its rank.
   std::string at() const;
+  // Inside a do_* call: whether the caller waits for this operation at once (Sync::blocking).
+  static bool issuing_blocking();
 
  private:
   void check_tensor(const char* op, const char* name, const Tensor& t) const;

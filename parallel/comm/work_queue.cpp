@@ -4,12 +4,22 @@
 
 namespace sg::comm {
 
+// What the queue's thread and the callers in wait() share. `busy` is the exclusion: whoever sets
+// it (under mu) runs the head of the queue, and nobody else starts one until it is cleared.
+struct QueueState {
+  std::mutex mu;
+  std::condition_variable cv;  // the thread sleeps here
+  std::deque<std::function<void()>> tasks;
+  bool busy = false;
+  bool stop = false;
+  int64_t by_callers = 0;
+};
+
 namespace {
-// A hand-off to the queue's thread and back costs a futex wake-up each way (several us in a VM).
-// wait() spins this long before sleeping, so an operation that finishes soon does not pay the
-// second one; yield() leaves the core to others meanwhile. The queue's thread itself does not spin
-// while idle: on an oversubscribed box (the tests run 4 ranks on 2 cores) that would take the core
-// from the ranks' compute.
+// A caller that finds its operation already running on the thread spins this long (yielding the
+// core to others) before it sleeps, so an operation that finishes soon does not also pay the
+// wake-up on the way back. The queue's thread itself never spins while idle: on an oversubscribed
+// box (the tests run 4 ranks on 2 cores) that would take the core from the ranks' compute.
 constexpr auto kWaitSpin = std::chrono::microseconds(50);
 
 std::function<void()> completing(const std::shared_ptr<QueuedWork>& work, std::function<void()> op) {
@@ -24,6 +34,22 @@ std::function<void()> completing(const std::shared_ptr<QueuedWork>& work, std::f
     work->finish(err);
   };
 }
+
+// Runs the head of the queue outside the lock; the caller holds `lock`, has checked that the queue
+// is not empty and nobody is busy, and holds the lock again on return. The operation's Work is
+// finished before busy is cleared, so "not done and not busy" means "still queued".
+void run_head(QueueState& s, std::unique_lock<std::mutex>& lock) {
+  std::function<void()> task = std::move(s.tasks.front());
+  s.tasks.pop_front();
+  s.busy = true;
+  lock.unlock();
+  task();  // never throws: completing() hands the error to the Work
+  task = nullptr;
+  lock.lock();
+  s.busy = false;
+  // The thread may have woken while we were busy and gone back to sleep: hand it the rest.
+  if (!s.tasks.empty() || s.stop) s.cv.notify_one();
+}
 }  // namespace
 
 void QueuedWork::finish(std::exception_ptr err) {
@@ -34,6 +60,14 @@ void QueuedWork::finish(std::exception_ptr err) {
 }
 
 void QueuedWork::wait() {
+  if (auto q = queue_.lock(); q && !test()) {
+    // Not started and nobody running one: run the queue up to this operation here.
+    std::unique_lock<std::mutex> lock(q->mu);
+    while (!test() && !q->busy && !q->tasks.empty()) {
+      run_head(*q, lock);
+      ++q->by_callers;
+    }
+  }
   const auto end = std::chrono::steady_clock::now() + kWaitSpin;
   while (!test() && std::chrono::steady_clock::now() < end) std::this_thread::yield();
   std::unique_lock<std::mutex> lock(mu_);
@@ -41,24 +75,26 @@ void QueuedWork::wait() {
   if (err_) std::rethrow_exception(err_);
 }
 
-WorkQueue::WorkQueue() : thread_([this] { loop(); }) {}
+WorkQueue::WorkQueue() : state_(std::make_shared<QueueState>()), thread_([this] { loop(); }) {}
 
 WorkQueue::~WorkQueue() { stop(); }
 
-std::shared_ptr<Work> WorkQueue::push(std::function<void()> op) {
+std::shared_ptr<Work> WorkQueue::push(std::function<void()> op, bool caller_waits) {
   auto work = std::make_shared<QueuedWork>();
-  std::lock_guard<std::mutex> lock(mu_);
-  tasks_.push_back(completing(work, std::move(op)));
-  cv_.notify_one();
+  work->queue_ = state_;
+  std::lock_guard<std::mutex> lock(state_->mu);
+  state_->tasks.push_back(completing(work, std::move(op)));
+  // Whoever is busy hands the queue on when it is done (run_head); a caller about to wait runs it.
+  if (!state_->busy && !caller_waits) state_->cv.notify_one();
   return work;
 }
 
 void WorkQueue::stop() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
+    std::lock_guard<std::mutex> lock(state_->mu);
+    state_->stop = true;
   }
-  cv_.notify_one();
+  state_->cv.notify_one();
   if (thread_.joinable()) thread_.join();
 }
 
@@ -68,17 +104,18 @@ std::shared_ptr<Work> WorkQueue::run_inline(const std::function<void()>& op) {
   return work;
 }
 
+int64_t WorkQueue::run_by_callers() const {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->by_callers;
+}
+
 void WorkQueue::loop() {
+  QueueState& s = *state_;
+  std::unique_lock<std::mutex> lock(s.mu);
   for (;;) {
-    std::function<void()> task;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return stop_ || !tasks_.empty(); });
-      if (tasks_.empty()) return;
-      task = std::move(tasks_.front());
-      tasks_.pop_front();
-    }
-    task();
+    s.cv.wait(lock, [&] { return !s.busy && (s.stop || !s.tasks.empty()); });
+    if (s.tasks.empty()) return;  // stopping, everything run
+    run_head(s, lock);
   }
 }
 

@@ -1,6 +1,14 @@
 // The communication thread behind a process group: operations run one after another, in the order
-// they were queued, on a thread of their own, so the caller keeps computing. Every rank queues a
-// group's collectives in the same order, so FIFO on each rank keeps them matched across ranks.
+// they were queued, never two at once, so every rank issues a group's collectives in one order.
+//
+// Who runs an operation: the queue's thread, which is woken for it and runs it while the caller
+// keeps computing (the overlap), or the caller itself, when it wait()s for an operation the thread
+// has not started while the thread is idle: it then runs the queue from its head up to its own
+// operation, on its own thread. An operation pushed with `caller_waits` (a blocking collective)
+// does not wake the thread at all: waking a sleeping thread costs the waker ~5-10 us in a VM, and
+// the caller is about to run it anyway (or the busy thread takes it next). Order and exclusion are
+// the same either way: only the head of the queue is ever taken, and only while nobody runs one.
+// This needs MPI_THREAD_MULTIPLE (MPI calls from more than one thread), like the thread itself.
 #pragma once
 #include <atomic>
 #include <condition_variable>
@@ -15,7 +23,10 @@
 
 namespace sg::comm {
 
-// Completed by the queue's thread when its operation has run; wait() rethrows the operation's error.
+class WorkQueue;
+struct QueueState;
+
+// Completed when its operation has run; wait() rethrows the operation's error.
 class QueuedWork : public Work {
  public:
   void finish(std::exception_ptr err);
@@ -23,6 +34,8 @@ class QueuedWork : public Work {
   bool test() override { return done_.load(std::memory_order_acquire); }
 
  private:
+  friend class WorkQueue;
+  std::weak_ptr<QueueState> queue_;  // empty for run_inline; expired once the queue has stopped
   std::mutex mu_;
   std::condition_variable cv_;
   std::atomic<bool> done_{false};
@@ -37,19 +50,19 @@ class WorkQueue {
   WorkQueue& operator=(const WorkQueue&) = delete;
 
   // Queues `op`; its Work completes (with op's exception, if it throws) once it has run.
-  std::shared_ptr<Work> push(std::function<void()> op);
+  // caller_waits: the caller wait()s for it at once, so the thread is not woken for it.
+  std::shared_ptr<Work> push(std::function<void()> op, bool caller_waits = false);
   // Runs what is already queued (other ranks expect those collectives), then joins. Idempotent.
   void stop();
   // Runs `op` right here and returns its completed Work: the same contract, without a thread.
   static std::shared_ptr<Work> run_inline(const std::function<void()>& op);
+  // How many operations callers ran themselves in wait() (the rest ran on the thread).
+  int64_t run_by_callers() const;
 
  private:
   void loop();
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> tasks_;
-  bool stop_ = false;
-  std::thread thread_;  // last: starts once the queue exists
+  std::shared_ptr<QueueState> state_;
+  std::thread thread_;  // last: starts once the state exists
 };
 
 }  // namespace sg::comm

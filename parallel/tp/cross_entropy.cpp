@@ -49,13 +49,13 @@ Tensor vocab_parallel_cross_entropy(const Tensor& logits, const Tensor& targets,
     const Device dev = X.device();
     Tensor Xv = narrow(X, 1, 0, valid);
     m = valid > 0 ? contiguous(amax(Xv, 1)) : full({rows}, std::numeric_limits<float>::lowest(), dt, dev);
-    group.all_reduce(m, comm::ReduceOp::max)->wait();
+    group.all_reduce(m, comm::ReduceOp::max, comm::Sync::blocking);
     S = valid > 0 ? contiguous(sum(exp(sub(Xv, unsqueeze(m, 1))), {1})) : zeros({rows}, dt, dev);
-    group.all_reduce(S, comm::ReduceOp::sum)->wait();
+    group.all_reduce(S, comm::ReduceOp::sum, comm::Sync::blocking);
     flat_t = from_vector(flat, {rows}, dev);
     here_t = to(from_vector(here, {rows}, dev), dt);
     Tensor xt = contiguous(mul(reshape(embedding(reshape(X, {rows * Vl, 1}), flat_t), {rows}), here_t));
-    group.all_reduce(xt, comm::ReduceOp::sum)->wait();
+    group.all_reduce(xt, comm::ReduceOp::sum, comm::Sync::blocking);
     Tensor counted_t = to(from_vector(counted, {rows}, dev), dt);
     Tensor per_row = mul(sub(add(log(S), m), xt), counted_t);
     loss = mul(sum(per_row), factor);  // in the compute dtype (f32 for half logits), as cross_entropy

@@ -49,7 +49,7 @@ Split gpt_param_split(const std::string& name) {
 void sync_sequence_parallel_grads(const nn::Module& gpt, comm::ProcessGroup& group) {
   for (auto& [name, prm] : gpt.named_parameters()) {
     if (!gpt_param_split(name).replicated() || !prm.grad().defined()) continue;
-    group.all_reduce(prm.grad(), comm::ReduceOp::sum)->wait();
+    group.all_reduce(prm.grad(), comm::ReduceOp::sum, comm::Sync::blocking);
   }
 }
 

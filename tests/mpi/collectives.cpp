@@ -264,6 +264,35 @@ TEST_CASE("an all_reduce runs on the communication thread: the call returns, wai
   CHECK(std::isfinite(sum_squares(acc)));
 }
 
+TEST_CASE("blocking collectives have completed when the call returns, interleaved with async ones in issue order", "[comm]") {
+  auto pg = world();
+  const int n = pg->size(), r = pg->rank();
+  std::vector<Tensor> xs;
+  std::vector<std::shared_ptr<comm::Work>> works;
+  for (int k = 0; k < 6; ++k) {
+    xs.push_back(filled(r, 257 + k, DType::f32));
+    if (k % 2) {  // odd: blocking, behind the async one queued just before it
+      auto w = pg->all_reduce(xs.back(), ReduceOp::sum, comm::Sync::blocking);
+      CHECK(w->test());
+    } else {
+      works.push_back(pg->all_reduce(xs.back(), ReduceOp::sum));
+    }
+  }
+  for (auto& w : works) w->wait();
+  for (int k = 0; k < 6; ++k) {
+    std::vector<double> want;
+    for (int64_t i = 0; i < 257 + k; ++i) want.push_back(reduce_expected(ReduceOp::sum, n, i, DType::f32));
+    check_values(xs[size_t(k)], want);
+  }
+  Tensor chunk = filled(r, 5, DType::i64), all = zeros({5 * n}, DType::i64);
+  CHECK(pg->all_gather(all, chunk, comm::Sync::blocking)->test());
+  CHECK(to_vector<double>(all)[size_t(5 * (n - 1))] == value(n - 1, 0, DType::i64));
+  CHECK(pg->barrier(comm::Sync::blocking)->test());
+  // a refused call throws from the call itself, as the async form does
+  Tensor big = filled(r, 3, DType::f32);
+  CHECK_THROWS_WITH(pg->broadcast(big, n, comm::Sync::blocking), Catch::Contains("root " + std::to_string(n)));
+}
+
 TEST_CASE("split into even and odd ranks: each subgroup reduces only its own ranks", "[comm]") {
   auto pg = world();
   const int n = pg->size(), r = pg->rank();
