@@ -8,19 +8,14 @@
 
 #include "kernels/cpu/cpu.h"
 #include "kernels/cuda/common.cuh"
+#include "tests/random_values.h"
 
 namespace sg::emu_testing {
 
 namespace cu = sg::cuda;
 namespace cpu = sg::kernels::cpu;
 
-inline std::vector<float> randn(size_t n, uint32_t seed, float scale = 1.0f, float shift = 0.0f) {
-  std::mt19937 gen(seed);
-  std::normal_distribution<float> d(shift, scale);
-  std::vector<float> v(n);
-  for (auto& x : v) x = d(gen);
-  return v;
-}
+using sg::testing::randn;
 
 template <class T>
 constexpr DType dtype_of() {

@@ -8,6 +8,7 @@
 
 #include "autograd/ops.h"
 #include "kernels/ops.h"
+#include "tests/random_values.h"
 
 namespace sg::gpu_testing {
 
@@ -15,13 +16,7 @@ inline const Device gpu = Device::cuda(0), host = Device::cpu();
 inline const kernels::OpTable& G() { return kernels::table(gpu); }
 inline const kernels::OpTable& C() { return kernels::table(host); }
 
-inline std::vector<float> randn(size_t n, uint32_t seed, float scale = 1.0f, float shift = 0.0f) {
-  std::mt19937 gen(seed);
-  std::normal_distribution<float> d(shift, scale);
-  std::vector<float> v(n);
-  for (auto& x : v) x = d(gen);
-  return v;
-}
+using sg::testing::randn;
 
 // v stored as dt on dev.
 inline Tensor put(const std::vector<float>& v, DType dt, Device dev) {
