@@ -1,11 +1,19 @@
-// Causal flash attention forward on tensor cores (mma.sync m16n8k16, bf16 in, f32 accumulate),
-// head dim 64 or 128, bf16 storage only; the same contract as attention_forward in attention.cuh
-// (out '=' bf16 [B, H, T, D], lse '=' f32 [B, H, T]), which stays the path for f32 and the backward.
-// Schedule (FlashAttention-2): a block of 4 warps owns 64 query rows, 16 per warp; per tile of 32
+// Causal flash attention on tensor cores (mma.sync m16n8k16, bf16 in, f32 accumulate), head dim
+// 64 or 128, bf16 storage only; the same contract as attention.cuh (out '=' bf16 [B, H, T, D],
+// lse '=' f32 [B, H, T]; backward dq, dk, dv '='), which stays the path for f32 and other head dims.
+// Forward (FlashAttention-2): a block of 4 warps owns 64 query rows, 16 per warp; per tile of 32
 // keys each warp computes S = scale Q K^T (16 x 32) in registers, masks it, updates its running row
 // max m and sum l (the four lanes of a quad share a row), turns S into P = exp(S - m) and feeds P
 // as bf16 A fragments straight from the accumulators into O += P V. Rows are normalised once at
 // the end: O / l, lse = m + log l. P is rounded to bf16 for P V; l sums the unrounded P.
+// Backward, two kernels and no atomics (deterministic), with P rebuilt from the saved lse:
+//   dk/dv: a block owns 64 keys, 16 per warp, K and V held as A fragments; per tile of 32 queries
+//          S^T = K Q^T, P^T = exp(scale S^T - lse), dP^T = V dO^T, dS^T = P^T o (dP^T - Dv),
+//          dV += P^T dO, dK += scale dS^T Q;
+//   dq:    a block owns 64 queries like the forward; per tile of 32 keys S = Q K^T, P, dP = dO V^T,
+//          dS = P o (dP - Dv), dQ += scale dS K.
+// Dv = rowsum(dO o O) comes from attention.cuh's dot kernel. P and dS are rounded to bf16 as the
+// A operands of the second products.
 #pragma once
 #include "kernels/cuda/attention.cuh"
 #include "kernels/cuda/mma.cuh"
@@ -107,6 +115,164 @@ inline void attention_forward_tensor_cores(const kernels::AttentionArgs& a, Stre
     launch(attention_forward_tc_kernel<D>, dim3(blocks_for(a.T, kTcRows), unsigned(a.B * a.H)), dim3(kTcThreads), 0,
            stream, static_cast<bf16*>(a.out), static_cast<float*>(a.lse), static_cast<const bf16*>(a.q),
            static_cast<const bf16*>(a.k), static_cast<const bf16*>(a.v), a.T, float(a.scale), a.causal);
+  };
+  if (a.D == 64) body(std::integral_constant<int, 64>{});
+  else body(std::integral_constant<int, 128>{});
+}
+
+// Loads a [kTcKeys] slice of a per-row f32 vector (rows past T: 0) into shared memory.
+SG_DEVICE void stage_row_values(float* dst, const float* src, int64_t r0, int64_t rows) {
+  for (int e = int(threadIdx.x); e < kTcKeys; e += int(blockDim.x)) dst[e] = r0 + e < rows ? src[r0 + e] : 0.0f;
+}
+
+template <int D>
+__global__ void __launch_bounds__(kTcThreads) attention_dkdv_tc_kernel(bf16* dk, bf16* dv, const bf16* q,
+                                                                 const bf16* k, const bf16* v, const bf16* dout,
+                                                                 const float* lse, const float* dvec, int64_t T_,
+                                                                 float scale, bool causal) {
+  constexpr int ld = D + 8;
+  SG_SHARED(bf16, kv, kTcRows * ld);  // this block's keys, then its values
+  SG_SHARED(bf16, qs, kTcKeys * ld);
+  SG_SHARED(bf16, dos, kTcKeys * ld);
+  SG_SHARED(float, lse_s, kTcKeys);
+  SG_SHARED(float, dvec_s, kTcKeys);
+  const int64_t head = int64_t(blockIdx.y) * T_ * D, key0 = int64_t(blockIdx.x) * kTcRows;
+  const float* lse_h = lse + int64_t(blockIdx.y) * T_;
+  const float* dvec_h = dvec + int64_t(blockIdx.y) * T_;
+  const int warp = int(threadIdx.x) / 32, t = mma_thread_in_group();
+  const int64_t keys[2] = {key0 + warp * 16 + mma_group(), key0 + warp * 16 + mma_group() + 8};
+
+  FragA kf[D / 16], vf[D / 16];
+  stage_rows_bf16<D>(kv, ld, k + head, key0, kTcRows, T_);
+  __syncthreads();
+  for (int kk = 0; kk < D / 16; ++kk) kf[kk] = load_a_row_major(kv + warp * 16 * ld + 16 * kk, ld);
+  __syncthreads();
+  stage_rows_bf16<D>(kv, ld, v + head, key0, kTcRows, T_);
+  __syncthreads();
+  for (int kk = 0; kk < D / 16; ++kk) vf[kk] = load_a_row_major(kv + warp * 16 * ld + 16 * kk, ld);
+
+  FragC dkc[D / 8], dvc[D / 8];
+  // Queries before this block's first key see none of its keys.
+  const int64_t first = causal ? key0 / kTcKeys * kTcKeys : 0;
+  for (int64_t i0 = first; i0 < T_; i0 += kTcKeys) {
+    __syncthreads();  // the previous tile is no longer read
+    stage_rows_bf16<D>(qs, ld, q + head, i0, kTcKeys, T_);
+    stage_rows_bf16<D>(dos, ld, dout + head, i0, kTcKeys, T_);
+    stage_row_values(lse_s, lse_h, i0, T_);
+    stage_row_values(dvec_s, dvec_h, i0, T_);
+    __syncthreads();
+
+    FragC st[kTcKeys / 8], dpt[kTcKeys / 8];  // S^T and dP^T: 16 keys x 32 queries
+    for (int n = 0; n < kTcKeys / 8; ++n)
+      for (int kk = 0; kk < D / 16; ++kk) {
+        mma(st[n], kf[kk], load_b_col_major(qs + n * 8 * ld + 16 * kk, ld));
+        mma(dpt[n], vf[kk], load_b_col_major(dos + n * 8 * ld + 16 * kk, ld));
+      }
+    for (int n = 0; n < kTcKeys / 8; ++n)
+      for (int i = 0; i < 4; ++i) {
+        const int c = 8 * n + 2 * t + (i & 1);
+        const int64_t query = i0 + c, key = keys[i / 2];
+        const bool hidden = query >= T_ || key >= T_ || (causal && key > query);
+        const float p = hidden ? 0.0f : expf(st[n].x[i] * scale - lse_s[c]);
+        st[n].x[i] = p;                              // P^T
+        dpt[n].x[i] = p * (dpt[n].x[i] - dvec_s[c]);  // dS^T
+      }
+    for (int kk = 0; kk < kTcKeys / 16; ++kk) {
+      const FragA p = a_from_accumulators(st[2 * kk], st[2 * kk + 1]);
+      const FragA ds = a_from_accumulators(dpt[2 * kk], dpt[2 * kk + 1]);
+      for (int dn = 0; dn < D / 8; ++dn) {
+        mma(dvc[dn], p, load_b_row_major(dos + 16 * kk * ld + 8 * dn, ld));
+        mma(dkc[dn], ds, load_b_row_major(qs + 16 * kk * ld + 8 * dn, ld));
+      }
+    }
+  }
+  for (int dn = 0; dn < D / 8; ++dn)
+    for (int i = 0; i < 4; ++i) {
+      const int64_t key = keys[i / 2];
+      if (key >= T_) continue;
+      const int64_t at = head + key * D + 8 * dn + 2 * t + (i & 1);
+      dk[at] = from_f32<bf16>(scale * dkc[dn].x[i]);
+      dv[at] = from_f32<bf16>(dvc[dn].x[i]);
+    }
+}
+
+template <int D>
+__global__ void __launch_bounds__(kTcThreads) attention_dq_tc_kernel(bf16* dq, const bf16* q, const bf16* k,
+                                                               const bf16* v, const bf16* dout, const float* lse,
+                                                               const float* dvec, int64_t T_, float scale,
+                                                               bool causal) {
+  constexpr int ld = D + 8;
+  SG_SHARED(bf16, rows_s, kTcRows * ld);  // this block's queries, then its output gradients
+  SG_SHARED(bf16, ks, kTcKeys * ld);
+  SG_SHARED(bf16, vs, kTcKeys * ld);
+  const int64_t head = int64_t(blockIdx.y) * T_ * D, row0 = int64_t(blockIdx.x) * kTcRows;
+  const int warp = int(threadIdx.x) / 32, t = mma_thread_in_group();
+  const int64_t rows[2] = {row0 + warp * 16 + mma_group(), row0 + warp * 16 + mma_group() + 8};
+  float row_lse[2], row_dvec[2];
+  for (int h = 0; h < 2; ++h) {
+    const bool live = rows[h] < T_;
+    row_lse[h] = live ? lse[int64_t(blockIdx.y) * T_ + rows[h]] : 0.0f;
+    row_dvec[h] = live ? dvec[int64_t(blockIdx.y) * T_ + rows[h]] : 0.0f;
+  }
+
+  FragA qf[D / 16], dof[D / 16];
+  stage_rows_bf16<D>(rows_s, ld, q + head, row0, kTcRows, T_);
+  __syncthreads();
+  for (int kk = 0; kk < D / 16; ++kk) qf[kk] = load_a_row_major(rows_s + warp * 16 * ld + 16 * kk, ld);
+  __syncthreads();
+  stage_rows_bf16<D>(rows_s, ld, dout + head, row0, kTcRows, T_);
+  __syncthreads();
+  for (int kk = 0; kk < D / 16; ++kk) dof[kk] = load_a_row_major(rows_s + warp * 16 * ld + 16 * kk, ld);
+
+  FragC dqc[D / 8];
+  const int64_t last = causal ? (row0 + kTcRows < T_ ? row0 + kTcRows : T_) : T_;
+  for (int64_t j0 = 0; j0 < last; j0 += kTcKeys) {
+    __syncthreads();
+    stage_rows_bf16<D>(ks, ld, k + head, j0, kTcKeys, T_);
+    stage_rows_bf16<D>(vs, ld, v + head, j0, kTcKeys, T_);
+    __syncthreads();
+
+    FragC s[kTcKeys / 8], dp[kTcKeys / 8];  // S and dP: 16 queries x 32 keys
+    for (int n = 0; n < kTcKeys / 8; ++n)
+      for (int kk = 0; kk < D / 16; ++kk) {
+        mma(s[n], qf[kk], load_b_col_major(ks + n * 8 * ld + 16 * kk, ld));
+        mma(dp[n], dof[kk], load_b_col_major(vs + n * 8 * ld + 16 * kk, ld));
+      }
+    for (int n = 0; n < kTcKeys / 8; ++n)
+      for (int i = 0; i < 4; ++i) {
+        const int64_t key = j0 + 8 * n + 2 * t + (i & 1), row = rows[i / 2];
+        const bool hidden = key >= T_ || row >= T_ || (causal && key > row);
+        const float p = hidden ? 0.0f : expf(s[n].x[i] * scale - row_lse[i / 2]);
+        dp[n].x[i] = p * (dp[n].x[i] - row_dvec[i / 2]);  // dS
+      }
+    for (int kk = 0; kk < kTcKeys / 16; ++kk) {
+      const FragA ds = a_from_accumulators(dp[2 * kk], dp[2 * kk + 1]);
+      for (int dn = 0; dn < D / 8; ++dn) mma(dqc[dn], ds, load_b_row_major(ks + 16 * kk * ld + 8 * dn, ld));
+    }
+  }
+  for (int dn = 0; dn < D / 8; ++dn)
+    for (int i = 0; i < 4; ++i)
+      if (rows[i / 2] < T_) dq[head + rows[i / 2] * D + 8 * dn + 2 * t + (i & 1)] = from_f32<bf16>(scale * dqc[dn].x[i]);
+}
+
+// a.lse must be the forward's f32 lse; writes dq, dk, dv ('='). workspace:
+// attention_backward_workspace(a) f32 elements (Dv).
+inline void attention_backward_tensor_cores(const kernels::AttentionArgs& a, float* workspace, Stream stream) {
+  if (a.dtype != DType::bf16) kernels::unsupported("attention_backward (tensor cores)", a.dtype, "cuda");
+  SG_CHECK(tensor_core_head_dim(a.D), "attention_backward (tensor cores): head dim ", a.D,
+           " is not supported (64 or 128)");
+  auto body = [&](auto dim) {
+    constexpr int D = decltype(dim)::value;
+    const auto *q = static_cast<const bf16*>(a.q), *k = static_cast<const bf16*>(a.k), *v = static_cast<const bf16*>(a.v);
+    const auto* dout = static_cast<const bf16*>(a.dout);
+    const auto* lse = static_cast<const float*>(a.lse);
+    launch(attention_dot_kernel<bf16, D>, dim3(blocks_for(a.B * a.H * a.T, 256)), dim3(256), 0, stream, workspace,
+           static_cast<const bf16*>(a.out), dout, a.B * a.H * a.T);
+    const dim3 grid(blocks_for(a.T, kTcRows), unsigned(a.B * a.H)), block(kTcThreads);
+    launch(attention_dkdv_tc_kernel<D>, grid, block, 0, stream, static_cast<bf16*>(a.dk), static_cast<bf16*>(a.dv), q,
+           k, v, dout, lse, static_cast<const float*>(workspace), a.T, float(a.scale), a.causal);
+    launch(attention_dq_tc_kernel<D>, grid, block, 0, stream, static_cast<bf16*>(a.dq), q, k, v, dout, lse,
+           static_cast<const float*>(workspace), a.T, float(a.scale), a.causal);
   };
   if (a.D == 64) body(std::integral_constant<int, 64>{});
   else body(std::integral_constant<int, 128>{});

@@ -11,9 +11,8 @@
 // cross_entropy_backward recomputes lse from the logits (a bf16 lse would be off by up to 3% in
 // exp(x - lse)), and attention_backward re-runs the forward for an f32 lse for the same reason.
 //
-// Attention forward: bf16 at head dim 64 or 128 runs on tensor cores (attention_tc.cuh, also for
-// the backward's re-run); the rest on the FMA flash kernel (attention.cuh), which is also the
-// backward.
+// Attention: bf16 at head dim 64 or 128 runs on tensor cores (attention_tc.cuh), forward and
+// backward; f32 and the other head dims on the FMA flash kernels (attention.cuh).
 #include "core/storage.h"
 #include "kernels/cuda/adamw.cuh"
 #include "kernels/cuda/attention.cuh"
@@ -324,6 +323,7 @@ void attention_backward(const kernels::AttentionArgs& a) {
   f.out = out.as<void>();
   f.lse = lse.as<float>();
   attention_forward_any(f, o.stream);
+  if (tensor_core_head_dim(f.D)) return attention_backward_tensor_cores(f, work.as<float>(), o.stream);
   cuda::attention_backward(f, work.as<float>(), o.stream);
 }
 
