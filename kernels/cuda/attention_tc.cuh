@@ -33,6 +33,28 @@ SG_DEVICE void stage_rows_bf16(bf16* dst, int ld, const bf16* src, int64_t r0, i
   }
 }
 
+// This warp's 16 of the block's kTcRows rows [r0, r0 + kTcRows) of a [T, D] head, as A fragments
+// (one per 16 columns), staged through buf (kTcRows * (D + 8) bf16 of shared memory). Every thread
+// of the block takes part; buf may be reused as soon as it returns.
+template <int D>
+SG_DEVICE void load_warp_rows(FragA (&f)[D / 16], bf16* buf, const bf16* src, int64_t r0, int64_t rows) {
+  constexpr int ld = D + 8;
+  __syncthreads();  // buf is no longer read
+  stage_rows_bf16<D>(buf, ld, src, r0, kTcRows, rows);
+  __syncthreads();
+  const int warp = int(threadIdx.x) / 32;
+  for (int kk = 0; kk < D / 16; ++kk) f[kk] = load_a_row_major(buf + warp * 16 * ld + 16 * kk, ld);
+}
+
+// Runs body(integral_constant<int, D>) for the head dims the tensor-core kernels take.
+inline bool tensor_core_head_dim(int64_t D) { return D == 64 || D == 128; }
+template <class Body>
+void dispatch_tensor_core_head_dim(int64_t D, const char* op, Body&& body) {
+  SG_CHECK(tensor_core_head_dim(D), op, " (tensor cores): head dim ", D, " is not supported (64 or 128)");
+  if (D == 64) body(std::integral_constant<int, 64>{});
+  else body(std::integral_constant<int, 128>{});
+}
+
 template <int D>
 __global__ void __launch_bounds__(kTcThreads) attention_forward_tc_kernel(bf16* out, float* lse, const bf16* q,
                                                                    const bf16* k, const bf16* v, int64_t T_,
@@ -45,10 +67,8 @@ __global__ void __launch_bounds__(kTcThreads) attention_forward_tc_kernel(bf16* 
   const int warp = int(threadIdx.x) / 32, t = mma_thread_in_group();
   const int64_t rows[2] = {row0 + warp * 16 + mma_group(), row0 + warp * 16 + mma_group() + 8};
 
-  stage_rows_bf16<D>(qs, ld, q + head, row0, kTcRows, T_);
-  __syncthreads();
   FragA qf[D / 16];
-  for (int kk = 0; kk < D / 16; ++kk) qf[kk] = load_a_row_major(qs + warp * 16 * ld + 16 * kk, ld);
+  load_warp_rows<D>(qf, qs, q + head, row0, T_);
 
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   FragC o[D / 8];
@@ -105,19 +125,14 @@ __global__ void __launch_bounds__(kTcThreads) attention_forward_tc_kernel(bf16* 
 }
 
 // a.lse must be f32; writes out and lse ('='). bf16 only: tensor cores take no f32 operands here.
-inline bool tensor_core_head_dim(int64_t D) { return D == 64 || D == 128; }
-
 inline void attention_forward_tensor_cores(const kernels::AttentionArgs& a, Stream stream) {
   if (a.dtype != DType::bf16) kernels::unsupported("attention (tensor cores)", a.dtype, "cuda");
-  SG_CHECK(tensor_core_head_dim(a.D), "attention (tensor cores): head dim ", a.D, " is not supported (64 or 128)");
-  auto body = [&](auto dim) {
+  dispatch_tensor_core_head_dim(a.D, "attention", [&](auto dim) {
     constexpr int D = decltype(dim)::value;
     launch(attention_forward_tc_kernel<D>, dim3(blocks_for(a.T, kTcRows), unsigned(a.B * a.H)), dim3(kTcThreads), 0,
            stream, static_cast<bf16*>(a.out), static_cast<float*>(a.lse), static_cast<const bf16*>(a.q),
            static_cast<const bf16*>(a.k), static_cast<const bf16*>(a.v), a.T, float(a.scale), a.causal);
-  };
-  if (a.D == 64) body(std::integral_constant<int, 64>{});
-  else body(std::integral_constant<int, 128>{});
+  });
 }
 
 // Loads a [kTcKeys] slice of a per-row f32 vector (rows past T: 0) into shared memory.
@@ -143,13 +158,8 @@ __global__ void __launch_bounds__(kTcThreads) attention_dkdv_tc_kernel(bf16* dk,
   const int64_t keys[2] = {key0 + warp * 16 + mma_group(), key0 + warp * 16 + mma_group() + 8};
 
   FragA kf[D / 16], vf[D / 16];
-  stage_rows_bf16<D>(kv, ld, k + head, key0, kTcRows, T_);
-  __syncthreads();
-  for (int kk = 0; kk < D / 16; ++kk) kf[kk] = load_a_row_major(kv + warp * 16 * ld + 16 * kk, ld);
-  __syncthreads();
-  stage_rows_bf16<D>(kv, ld, v + head, key0, kTcRows, T_);
-  __syncthreads();
-  for (int kk = 0; kk < D / 16; ++kk) vf[kk] = load_a_row_major(kv + warp * 16 * ld + 16 * kk, ld);
+  load_warp_rows<D>(kf, kv, k + head, key0, T_);
+  load_warp_rows<D>(vf, kv, v + head, key0, T_);
 
   FragC dkc[D / 8], dvc[D / 8];
   // Queries before this block's first key see none of its keys.
@@ -216,13 +226,8 @@ __global__ void __launch_bounds__(kTcThreads) attention_dq_tc_kernel(bf16* dq, c
   }
 
   FragA qf[D / 16], dof[D / 16];
-  stage_rows_bf16<D>(rows_s, ld, q + head, row0, kTcRows, T_);
-  __syncthreads();
-  for (int kk = 0; kk < D / 16; ++kk) qf[kk] = load_a_row_major(rows_s + warp * 16 * ld + 16 * kk, ld);
-  __syncthreads();
-  stage_rows_bf16<D>(rows_s, ld, dout + head, row0, kTcRows, T_);
-  __syncthreads();
-  for (int kk = 0; kk < D / 16; ++kk) dof[kk] = load_a_row_major(rows_s + warp * 16 * ld + 16 * kk, ld);
+  load_warp_rows<D>(qf, rows_s, q + head, row0, T_);
+  load_warp_rows<D>(dof, rows_s, dout + head, row0, T_);
 
   FragC dqc[D / 8];
   const int64_t last = causal ? (row0 + kTcRows < T_ ? row0 + kTcRows : T_) : T_;
@@ -259,9 +264,7 @@ __global__ void __launch_bounds__(kTcThreads) attention_dq_tc_kernel(bf16* dq, c
 // attention_backward_workspace(a) f32 elements (Dv).
 inline void attention_backward_tensor_cores(const kernels::AttentionArgs& a, float* workspace, Stream stream) {
   if (a.dtype != DType::bf16) kernels::unsupported("attention_backward (tensor cores)", a.dtype, "cuda");
-  SG_CHECK(tensor_core_head_dim(a.D), "attention_backward (tensor cores): head dim ", a.D,
-           " is not supported (64 or 128)");
-  auto body = [&](auto dim) {
+  dispatch_tensor_core_head_dim(a.D, "attention_backward", [&](auto dim) {
     constexpr int D = decltype(dim)::value;
     const auto *q = static_cast<const bf16*>(a.q), *k = static_cast<const bf16*>(a.k), *v = static_cast<const bf16*>(a.v);
     const auto* dout = static_cast<const bf16*>(a.dout);
@@ -273,9 +276,7 @@ inline void attention_backward_tensor_cores(const kernels::AttentionArgs& a, flo
            k, v, dout, lse, static_cast<const float*>(workspace), a.T, float(a.scale), a.causal);
     launch(attention_dq_tc_kernel<D>, grid, block, 0, stream, static_cast<bf16*>(a.dq), q, k, v, dout, lse,
            static_cast<const float*>(workspace), a.T, float(a.scale), a.causal);
-  };
-  if (a.D == 64) body(std::integral_constant<int, 64>{});
-  else body(std::integral_constant<int, 128>{});
+  });
 }
 
 }  // namespace sg::cuda

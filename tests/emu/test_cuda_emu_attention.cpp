@@ -11,36 +11,56 @@
 using namespace sg;
 using namespace sg::emu_testing;
 
+namespace {
+
+// One attention problem: bf16-representable random inputs, the CPU table's f32 forward and
+// backward on them (the reference), and the same inputs and output buffers in storage type T for
+// a kernel, with the arguments for both sides.
+template <class T>
+struct AttentionCase {
+  std::vector<float> q, k, v, dout, out_ref, lse_ref, dq_ref, dk_ref, dv_ref;
+  std::vector<T> qs, ks, vs, dos, out, dq, dk, dv;
+  std::vector<float> lse;
+  kernels::AttentionArgs ref, g;
+  AttentionCase(int64_t Tn, int64_t D, bool causal, uint32_t seed) {
+    const int64_t B = 1, H = 2, n = B * H * Tn * D;
+    q = rounded<T>(randn(size_t(n), seed)), k = rounded<T>(randn(size_t(n), seed + 1));
+    v = rounded<T>(randn(size_t(n), seed + 2)), dout = rounded<T>(randn(size_t(n), seed + 3));
+    out_ref.resize(size_t(n)), lse_ref.resize(size_t(B * H * Tn)), dq_ref.resize(size_t(n));
+    dk_ref.resize(size_t(n)), dv_ref.resize(size_t(n));
+    ref.dtype = DType::f32, ref.B = B, ref.H = H, ref.T = Tn, ref.D = D, ref.causal = causal;
+    ref.scale = 1.0 / std::sqrt(double(D));
+    ref.q = q.data(), ref.k = k.data(), ref.v = v.data(), ref.out = out_ref.data(), ref.lse = lse_ref.data();
+    ref.dout = dout.data(), ref.dq = dq_ref.data(), ref.dk = dk_ref.data(), ref.dv = dv_ref.data();
+    cpu::attention(ref);
+    cpu::attention_backward(ref);
+
+    qs = to_storage<T>(q), ks = to_storage<T>(k), vs = to_storage<T>(v), dos = to_storage<T>(dout);
+    out.resize(size_t(n)), dq.resize(size_t(n)), dk.resize(size_t(n)), dv.resize(size_t(n));
+    lse.resize(size_t(B * H * Tn));
+    g = ref;
+    g.dtype = dtype_of<T>();
+    g.q = qs.data(), g.k = ks.data(), g.v = vs.data(), g.out = out.data(), g.lse = lse.data();
+    g.dout = dos.data(), g.dq = dq.data(), g.dk = dk.data(), g.dv = dv.data();
+  }
+  std::vector<float> workspace() const { return std::vector<float>(size_t(cu::attention_backward_workspace(g))); }
+};
+
+}  // namespace
+
 TEMPLATE_TEST_CASE("emu causal flash attention forward and backward match the CPU table", "[emu]", float, cu::bf16) {
   using T = TestType;
   for (auto [Tn, D] : {std::pair<int64_t, int64_t>{37, 64}, {70, 64}, {37, 128}, {37, 8}, {70, 16}, {37, 32}}) {
     INFO("T " << Tn << " D " << D);
-    const int64_t B = 1, H = 2, n = B * H * Tn * D;
-    const auto q = rounded<T>(randn(size_t(n), 60)), k = rounded<T>(randn(size_t(n), 61));
-    const auto v = rounded<T>(randn(size_t(n), 62)), dout = rounded<T>(randn(size_t(n), 63));
-    std::vector<float> out_ref(n), lse_ref(B * H * Tn), dq_ref(n), dk_ref(n), dv_ref(n);
-    kernels::AttentionArgs a;
-    a.dtype = DType::f32, a.B = B, a.H = H, a.T = Tn, a.D = D, a.causal = true, a.scale = 1.0 / std::sqrt(double(D));
-    a.q = q.data(), a.k = k.data(), a.v = v.data(), a.out = out_ref.data(), a.lse = lse_ref.data();
-    a.dout = dout.data(), a.dq = dq_ref.data(), a.dk = dk_ref.data(), a.dv = dv_ref.data();
-    cpu::attention(a);
-    cpu::attention_backward(a);
-
-    const auto qs = to_storage<T>(q), ks = to_storage<T>(k), vs = to_storage<T>(v), dos = to_storage<T>(dout);
-    std::vector<T> out(n), dq(n), dk(n), dv(n);
-    std::vector<float> lse(B * H * Tn);
-    kernels::AttentionArgs g = a;
-    g.dtype = dtype_of<T>();
-    g.q = qs.data(), g.k = ks.data(), g.v = vs.data(), g.out = out.data(), g.lse = lse.data();
-    g.dout = dos.data(), g.dq = dq.data(), g.dk = dk.data(), g.dv = dv.data();
-    cu::attention_forward(g, nullptr);
-    check_close(out, out_ref, 2.0);
-    check_close(lse, lse_ref, 1e-5, 1e-5);
-    std::vector<float> work(static_cast<size_t>(cu::attention_backward_workspace(g)));
-    cu::attention_backward(g, work.data(), nullptr);
-    check_close(dq, dq_ref, 4.0);
-    check_close(dk, dk_ref, 4.0);
-    check_close(dv, dv_ref, 4.0);
+    AttentionCase<T> c(Tn, D, true, 60);
+    cu::attention_forward(c.g, nullptr);
+    check_close(c.out, c.out_ref, 2.0);
+    check_close(c.lse, c.lse_ref, 1e-5, 1e-5);
+    auto work = c.workspace();
+    cu::attention_backward(c.g, work.data(), nullptr);
+    check_close(c.dq, c.dq_ref, 4.0);
+    check_close(c.dk, c.dk_ref, 4.0);
+    check_close(c.dv, c.dv_ref, 4.0);
   }
 }
 
@@ -56,24 +76,10 @@ TEST_CASE("emu tensor-core flash attention forward (mma m16n8k16, bf16) matches 
   for (auto [Tn, D, causal] : {std::tuple<int64_t, int64_t, bool>{37, 64, true}, {70, 64, true}, {37, 128, true},
                                {70, 128, true}, {45, 64, false}}) {
     INFO("T " << Tn << " D " << D << " causal " << causal);
-    const int64_t B = 1, H = 2, n = B * H * Tn * D;
-    const auto q = rounded<cu::bf16>(randn(size_t(n), 90)), k = rounded<cu::bf16>(randn(size_t(n), 91));
-    const auto v = rounded<cu::bf16>(randn(size_t(n), 92));
-    std::vector<float> out_ref(n), lse_ref(B * H * Tn);
-    kernels::AttentionArgs a;
-    a.dtype = DType::f32, a.B = B, a.H = H, a.T = Tn, a.D = D, a.causal = causal, a.scale = 1.0 / std::sqrt(double(D));
-    a.q = q.data(), a.k = k.data(), a.v = v.data(), a.out = out_ref.data(), a.lse = lse_ref.data();
-    cpu::attention(a);
-
-    const auto qs = to_storage<cu::bf16>(q), ks = to_storage<cu::bf16>(k), vs = to_storage<cu::bf16>(v);
-    std::vector<cu::bf16> out(n);
-    std::vector<float> lse(B * H * Tn);
-    kernels::AttentionArgs g = a;
-    g.dtype = DType::bf16;
-    g.q = qs.data(), g.k = ks.data(), g.v = vs.data(), g.out = out.data(), g.lse = lse.data();
-    cu::attention_forward_tensor_cores(g, nullptr);
-    check_close(out, out_ref, 2.0);  // P V takes P rounded to bf16, as FlashAttention-2 does
-    check_close(lse, lse_ref, 1e-5, 1e-5);
+    AttentionCase<cu::bf16> c(Tn, D, causal, 90);
+    cu::attention_forward_tensor_cores(c.g, nullptr);
+    check_close(c.out, c.out_ref, 2.0);  // P V takes P rounded to bf16, as FlashAttention-2 does
+    check_close(c.lse, c.lse_ref, 1e-5, 1e-5);
   }
 }
 
@@ -84,30 +90,13 @@ TEST_CASE("emu tensor-core flash attention backward (mma m16n8k16, bf16) matches
   for (auto [Tn, D, causal] : {std::tuple<int64_t, int64_t, bool>{37, 64, true}, {70, 64, true}, {70, 128, true},
                                {45, 64, false}}) {
     INFO("T " << Tn << " D " << D << " causal " << causal);
-    const int64_t B = 1, H = 2, n = B * H * Tn * D;
-    const auto q = rounded<cu::bf16>(randn(size_t(n), 93)), k = rounded<cu::bf16>(randn(size_t(n), 94));
-    const auto v = rounded<cu::bf16>(randn(size_t(n), 95)), dout = rounded<cu::bf16>(randn(size_t(n), 96));
-    std::vector<float> out_ref(n), lse_ref(B * H * Tn), dq_ref(n), dk_ref(n), dv_ref(n);
-    kernels::AttentionArgs a;
-    a.dtype = DType::f32, a.B = B, a.H = H, a.T = Tn, a.D = D, a.causal = causal, a.scale = 1.0 / std::sqrt(double(D));
-    a.q = q.data(), a.k = k.data(), a.v = v.data(), a.out = out_ref.data(), a.lse = lse_ref.data();
-    a.dout = dout.data(), a.dq = dq_ref.data(), a.dk = dk_ref.data(), a.dv = dv_ref.data();
-    cpu::attention(a);
-    cpu::attention_backward(a);
-
-    const auto qs = to_storage<cu::bf16>(q), ks = to_storage<cu::bf16>(k), vs = to_storage<cu::bf16>(v);
-    const auto dos = to_storage<cu::bf16>(dout);
-    std::vector<cu::bf16> out(n), dq(n, cu::bf16{}), dk(n), dv(n);
-    std::vector<float> lse(B * H * Tn), work(size_t(cu::attention_backward_workspace(a)));
-    kernels::AttentionArgs g = a;
-    g.dtype = DType::bf16;
-    g.q = qs.data(), g.k = ks.data(), g.v = vs.data(), g.out = out.data(), g.lse = lse.data();
-    g.dout = dos.data(), g.dq = dq.data(), g.dk = dk.data(), g.dv = dv.data();
-    cu::attention_forward_tensor_cores(g, nullptr);
-    cu::attention_backward_tensor_cores(g, work.data(), nullptr);
-    check_close(dv, dv_ref, 4.0);
-    check_close(dk, dk_ref, 4.0);
-    check_close(dq, dq_ref, 4.0);
+    AttentionCase<cu::bf16> c(Tn, D, causal, 93);
+    auto work = c.workspace();
+    cu::attention_forward_tensor_cores(c.g, nullptr);
+    cu::attention_backward_tensor_cores(c.g, work.data(), nullptr);
+    check_close(c.dv, c.dv_ref, 4.0);
+    check_close(c.dk, c.dk_ref, 4.0);
+    check_close(c.dq, c.dq_ref, 4.0);
   }
 }
 
