@@ -311,15 +311,11 @@ void build_backward(GraphBuilder& g, const Shape& s, cudnnDataType_t io, bool ca
 }
 
 cudnnHandle_t handle_for(Device d) {
-  static std::mutex mu;
-  static std::map<int, cudnnHandle_t> handles;
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = handles.find(d.index);
-  if (it != handles.end()) return it->second;
-  cudnnHandle_t h;
-  SG_CUDNN_CHECK(cudnnCreate(&h));
-  handles[d.index] = h;
-  return h;
+  return once_per_device<cudnnHandle_t>(d, [] {
+    cudnnHandle_t h;
+    SG_CUDNN_CHECK(cudnnCreate(&h));
+    return h;
+  });
 }
 
 // A built execution plan with everything it was built from.

@@ -33,15 +33,11 @@ std::atomic<bool> g_allow_tf32{false};
 constexpr size_t kWorkspaceBytes = size_t(32) << 20;
 
 cublasLtHandle_t handle_for(Device d) {
-  static std::mutex mu;
-  static std::map<int, cublasLtHandle_t> handles;
-  std::lock_guard<std::mutex> g(mu);
-  auto it = handles.find(d.index);
-  if (it != handles.end()) return it->second;
-  cublasLtHandle_t h;
-  SG_CUBLAS_CHECK(cublasLtCreate(&h));
-  handles[d.index] = h;
-  return h;
+  return once_per_device<cublasLtHandle_t>(d, [] {
+    cublasLtHandle_t h;
+    SG_CUBLAS_CHECK(cublasLtCreate(&h));
+    return h;
+  });
 }
 
 cudaDataType_t cuda_type(DType t, const char* op) {

@@ -97,16 +97,12 @@ Device device_of(const void* p, const char* op) {
 }
 
 cudaStream_t compute_stream(Device d) {
-  static std::mutex mu;
-  static std::map<int, cudaStream_t> streams;
-  std::lock_guard<std::mutex> g(mu);
-  auto it = streams.find(d.index);
-  if (it != streams.end()) return it->second;
-  SG_CUDA_CHECK(cudaSetDevice(d.index));
-  cudaStream_t s;
-  SG_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  streams[d.index] = s;
-  return s;
+  return once_per_device<cudaStream_t>(d, [&] {
+    SG_CUDA_CHECK(cudaSetDevice(d.index));
+    cudaStream_t s;
+    SG_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    return s;
+  });
 }
 
 namespace {

@@ -4,6 +4,8 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <map>
+#include <mutex>
 #include <string>
 
 #include "core/device.h"
@@ -21,6 +23,18 @@
 namespace sg::cuda {
 
 int device_count();  // 0 when there is no driver or no device (never throws)
+
+// One T per device (a stream, a library handle), made by create() on first use; thread-safe. Each
+// call site has its own table (create's type is part of the instantiation). Kept for the process.
+template <class T, class Create>
+T once_per_device(Device d, Create&& create) {
+  static std::mutex mu;
+  static std::map<int, T> made;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = made.find(d.index);
+  if (it != made.end()) return it->second;
+  return made[d.index] = create();
+}
 // The compute stream of a device: the stream kernels and copies are issued on.
 cudaStream_t compute_stream(Device d);
 // Registers the CUDA allocator and op table (idempotent); called on first use of a cuda device.
