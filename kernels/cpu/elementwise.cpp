@@ -162,28 +162,15 @@ static void convert_contiguous(void* dst, DType dt, const void* src, DType st, i
 
 // Row by row of the innermost dim: one memcpy per row when it is unit-strided.
 void scatter_strided(void* dst, const Dims& dst_strides, const void* src, DType dtype, const Dims& shape) {
-  const int64_t es = int64_t(dtype_size(dtype)), nd = int64_t(shape.size());
-  const int64_t inner = nd ? shape.back() : 1, inner_stride = nd ? dst_strides.back() : 1;
-  int64_t n = 1;
-  for (auto d : shape) n *= d;
-  if (n == 0) return;
-  const int64_t rows = n / inner;
+  const Dims* strides[1] = {&dst_strides};
+  const int64_t es = int64_t(dtype_size(dtype)), inner = shape.empty() ? 1 : shape.back();
+  const int64_t dinner = shape.empty() ? 0 : dst_strides.back();
   char* base = static_cast<char*>(dst);
   const char* from = static_cast<const char*>(src);
-#pragma omp parallel for schedule(static) if (n > 65536)
-  for (int64_t r = 0; r < rows; ++r) {
-    int64_t rem = r, off = 0;
-    for (int64_t d = nd - 2; d >= 0; --d) {
-      off += (rem % shape[size_t(d)]) * dst_strides[size_t(d)];
-      rem /= shape[size_t(d)];
-    }
-    const char* row = from + r * inner * es;
-    if (inner_stride == 1) {
-      std::memcpy(base + off * es, row, size_t(inner * es));
-    } else {
-      for (int64_t i = 0; i < inner; ++i) std::memcpy(base + (off + i * inner_stride) * es, row + i * es, size_t(es));
-    }
-  }
+  for_each_strided<1>(shape, strides, [&](int64_t o, const int64_t* offs) {
+    if (dinner == 1 || inner == 1) return (void)std::memcpy(base + offs[0] * es, from + o * es, size_t(inner * es));
+    for (int64_t i = 0; i < inner; ++i) std::memcpy(base + (offs[0] + i * dinner) * es, from + (o + i) * es, size_t(es));
+  });
 }
 
 void copy_strided(void* dst, DType dt, const void* src, DType st, const Dims& shape, const Dims& src_strides) {
