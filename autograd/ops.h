@@ -83,6 +83,10 @@ Tensor mean(const Tensor& a, std::vector<int64_t> dims, bool keepdim = false);
 Tensor amax(const Tensor& a, int64_t dim, bool keepdim = false);  // not differentiable
 Tensor sum_to(const Tensor& a, const Shape& shape);                // undo a broadcast
 double sum_squares(const Tensor& a);                                // f64 accumulate; for norms
+// sum_i weights[i] * sum_squares(xs[i]) (weights default to 1; undefined tensors count zero), with
+// one host round trip per device and dtype instead of one per tensor: squared global norms. On the
+// CPU the same bits as adding the single-tensor sum_squares in order.
+double sum_squares(const std::vector<Tensor>& xs, const std::vector<double>& weights = {});
 
 // ---- linear algebra ----
 // a [..., M, K] @ b [..., K, N] with broadcast batch dims; b may be 2-D.

@@ -748,15 +748,14 @@ parallel::FsdpOptions Trainer::fsdp_options() const {
 }
 
 double Trainer::model_parallel_grad_norm() {
-  double ss = 0;
+  std::vector<Tensor> grads;
   const bool first_stage = !pipe_ || pipe_->holds_stage(0);
   for (auto& [n, p] : master_) {
-    if (!p.grad().defined()) continue;
     if (n == "wte.weight" && !first_stage) continue;
     if (tp_ > 1 && parallel::tp::gpt_param_split(n).replicated() && groups_.tp->rank() != 0) continue;
-    ss += sum_squares(p.grad());
+    grads.push_back(p.grad());
   }
-  Tensor t = from_vector<double>({ss}, {1});
+  Tensor t = from_vector<double>({sum_squares(grads)}, {1});
   mp_metrics_->all_reduce(t, comm::ReduceOp::sum)->wait();
   return std::sqrt(item(t));
 }

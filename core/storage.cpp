@@ -22,7 +22,14 @@ Allocator*& slot(DeviceType t) {
   static Allocator* slots[kNumDeviceTypes] = {new CpuAllocator(), nullptr};
   return slots[int(t)];
 }
+Allocator*& pinned_slot() {
+  static Allocator* a = nullptr;
+  return a;
+}
 }  // namespace
+
+void register_pinned_allocator(Allocator* a) { pinned_slot() = a; }
+Allocator* pinned_allocator() { return pinned_slot(); }
 
 void register_allocator(DeviceType t, Allocator* a) { slot(t) = a; }
 
@@ -38,12 +45,21 @@ Storage::Storage(size_t nbytes, Device d, MemCategory c) : nbytes_(nbytes), devi
   Ledger::global().on_alloc(d, c, int64_t(nbytes));
 }
 
+Storage::Storage(size_t nbytes, Device d, MemCategory c, Pinned)
+    : nbytes_(nbytes), device_(d), category_(c), pinned_(pinned_allocator() != nullptr) {
+  SG_CHECK(d.is_cpu(), "pinned storage: page-locked memory is host memory; asked for ", d.str());
+  data_ = allocator()->allocate(nbytes, d);
+  Ledger::global().on_alloc(d, c, int64_t(nbytes));
+}
+
+Allocator* Storage::allocator() const { return pinned_ ? pinned_allocator() : allocator_for(device_.type); }
+
 Storage::Storage(void* external, size_t nbytes, Device d)
     : data_(external), nbytes_(nbytes), device_(d), category_(MemCategory::workspace), owned_(false) {}
 
 Storage::~Storage() {
   if (!owned_ || !data_) return;
-  allocator_for(device_.type)->deallocate(data_, nbytes_, device_);
+  allocator()->deallocate(data_, nbytes_, device_);
   Ledger::global().on_free(device_, category_, int64_t(nbytes_));
 }
 
@@ -57,7 +73,7 @@ void Storage::recategorize(MemCategory c) {
 void Storage::release() {
   SG_CHECK(owned_, "Storage::release: the storage wraps external memory");
   if (!data_) return;
-  allocator_for(device_.type)->deallocate(data_, nbytes_, device_);
+  allocator()->deallocate(data_, nbytes_, device_);
   Ledger::global().on_free(device_, category_, int64_t(nbytes_));
   data_ = nullptr;
   nbytes_ = 0;
@@ -66,7 +82,7 @@ void Storage::release() {
 void Storage::reallocate(size_t nbytes) {
   SG_CHECK(owned_, "Storage::reallocate: the storage wraps external memory");
   release();
-  data_ = allocator_for(device_.type)->allocate(nbytes, device_);
+  data_ = allocator()->allocate(nbytes, device_);
   nbytes_ = nbytes;
   Ledger::global().on_alloc(device_, category_, int64_t(nbytes));
 }

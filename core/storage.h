@@ -17,10 +17,18 @@ struct Allocator {
 };
 void register_allocator(DeviceType t, Allocator* a);
 Allocator* allocator_for(DeviceType t);
+// Page-locked host memory (the CUDA backend registers cudaHostAlloc's, cached): device copies to
+// and from it run at full bus bandwidth and can be asynchronous. Null when none is registered.
+void register_pinned_allocator(Allocator* a);
+Allocator* pinned_allocator();
 
 class Storage {
  public:
   Storage(size_t nbytes, Device d, MemCategory c);
+  // Host bytes, page-locked when a pinned allocator is registered (pinned() says which it got),
+  // ordinary host memory otherwise. d must be a CPU device.
+  struct Pinned {};
+  Storage(size_t nbytes, Device d, MemCategory c, Pinned);
   // Wraps memory someone else owns (never freed, never charged).
   Storage(void* external, size_t nbytes, Device d);
   ~Storage();
@@ -31,6 +39,7 @@ class Storage {
   size_t nbytes() const { return nbytes_; }
   Device device() const { return device_; }
   MemCategory category() const { return category_; }
+  bool pinned() const { return pinned_; }
   // Moves the bytes to another ledger category (a gathered buffer becoming a parameter, ...).
   void recategorize(MemCategory c);
   // Frees the bytes (data() null, nbytes() 0) while the Storage object lives on, so every handle
@@ -46,6 +55,8 @@ class Storage {
   Device device_;
   MemCategory category_;
   bool owned_ = true;
+  bool pinned_ = false;
+  Allocator* allocator() const;
 };
 
 }  // namespace sg

@@ -29,13 +29,23 @@ bool Layout::is_contiguous() const {
   return true;
 }
 
-Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
-  for (auto d : shape) SG_CHECK(d >= 0, "empty: negative dimension in shape ", shape_str(shape));
+namespace {
+template <class... Extra>
+Tensor empty_on(const char* op, const Shape& shape, DType dtype, Device device, Extra... extra) {
+  for (auto d : shape) SG_CHECK(d >= 0, op, ": negative dimension in shape ", shape_str(shape));
   auto impl = std::make_shared<TensorImpl>();
-  impl->storage = std::make_shared<Storage>(size_t(shape_numel(shape)) * dtype_size(dtype), device, MemScope::current());
+  impl->storage = std::make_shared<Storage>(size_t(shape_numel(shape)) * dtype_size(dtype), device, MemScope::current(),
+                                            extra...);
   impl->layout = Layout{shape, contiguous_strides(shape), 0};
   impl->dtype = dtype;
   return Tensor(impl);
+}
+}  // namespace
+
+Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) { return empty_on("empty", shape, dtype, device); }
+
+Tensor Tensor::empty_pinned(const Shape& shape, DType dtype) {
+  return empty_on("empty_pinned", shape, dtype, Device::cpu(), Storage::Pinned{});
 }
 
 Tensor Tensor::with_layout(const Layout& layout) const {

@@ -37,6 +37,9 @@ class Tensor {
 
   // Uninitialised memory, charged to the ledger category of the current MemScope.
   static Tensor empty(const Shape& shape, DType dtype = DType::f32, Device device = Device::cpu());
+  // Uninitialised host memory, page-locked when the CUDA backend is up (storage()->pinned()):
+  // staging buffers and offloaded state that travel to and from a GPU. Plain host memory otherwise.
+  static Tensor empty_pinned(const Shape& shape, DType dtype = DType::f32);
   // A new handle on the same bytes with another layout (no autograd edge: see sg::view ops).
   Tensor with_layout(const Layout& layout) const;
 

@@ -41,6 +41,18 @@ void select_attention(const std::string& name, Device d) {
 #endif
 }
 
+void check_adamw_batch(const AdamWArgs* args, int64_t count, const char* device) {
+  for (int64_t i = 1; i < count; ++i) {
+    const AdamWArgs &a = args[0], &b = args[i];
+    SG_CHECK(b.dtype == a.dtype && b.lr == a.lr && b.beta1 == a.beta1 && b.beta2 == a.beta2 && b.eps == a.eps &&
+                 b.grad_scale == a.grad_scale && b.step == a.step,
+             "adamw_many (", device, "): tensor ", i, " of ", count, " has dtype/lr/betas/eps/grad_scale/step (",
+             dtype_name(b.dtype), ", ", b.lr, ", ", b.beta1, ", ", b.beta2, ", ", b.eps, ", ", b.grad_scale, ", ", b.step,
+             ") unlike tensor 0's (", dtype_name(a.dtype), ", ", a.lr, ", ", a.beta1, ", ", a.beta2, ", ", a.eps, ", ",
+             a.grad_scale, ", ", a.step, "); only weight_decay may differ");
+  }
+}
+
 void unsupported(const char* op, DType dtype, const char* device) {
   throw Error(str("op '", op, "' does not support dtype ", dtype_name(dtype), " on ", device));
 }

@@ -112,6 +112,15 @@ struct OpTable {
                  uint64_t first) = nullptr;
   // In-place AdamW (decoupled weight decay) on one tensor.
   void (*adamw)(const AdamWArgs& a) = nullptr;
+  // The same update on many tensors of this device at once (a GPU does it in one launch per batch
+  // of tensors instead of one per tensor). The tensors share dtype, lr, betas, eps, grad_scale and
+  // step; weight_decay may differ (biases and gains take none). Entries that differ are refused.
+  void (*adamw_many)(const AdamWArgs* args, int64_t count) = nullptr;
+  // sum over i of weights[i] * (sum of squares of the ns[i] contiguous elements at xs[i]), all of
+  // one dtype, returned to the host: the squared global norm with one device round trip. The CPU
+  // accumulates each tensor in f64 exactly as reduce(sum_squares) on f64 does; a GPU in f32.
+  double (*sum_squares_many)(DType dtype, const void* const* xs, const int64_t* ns, const double* weights,
+                             int64_t count) = nullptr;
   // Byte copies between this device and host memory (null on the CPU, which is the host).
   void (*copy_to_host)(void* host_dst, const void* dev_src, size_t bytes, Device d) = nullptr;
   void (*copy_from_host)(void* dev_dst, const void* host_src, size_t bytes, Device d) = nullptr;
@@ -125,6 +134,10 @@ const OpTable& table(Device d);
 // fused attention on the CUDA device d). Refuses cudnn, saying why, for a CPU device or a build
 // without CUDA kernels or cuDNN.
 void select_attention(const std::string& name, Device d);
+
+// Throws, naming the device and the entry, when args[1..count) differ from args[0] in anything
+// but weight_decay (adamw_many's contract).
+void check_adamw_batch(const AdamWArgs* args, int64_t count, const char* device);
 
 [[noreturn]] void unsupported(const char* op, DType dtype, const char* device);
 

@@ -1,5 +1,6 @@
 #include "optim/optim.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "autograd/ops.h"
@@ -21,29 +22,52 @@ AdamW::AdamW(NamedTensors params, AdamWConfig cfg) : params_(std::move(params)),
 void AdamW::step(double lr, double grad_scale) {
   autograd::NoGradGuard ng;
   ++step_;
+  AdamWBatch batch(cfg_, lr, grad_scale, step_);
   for (size_t i = 0; i < params_.size(); ++i) {
     const Tensor& p = params_[i].second;
-    Tensor g = p.grad();
-    if (!g.defined()) continue;
+    if (!p.grad().defined()) continue;
     SG_CHECK(p.is_contiguous(), "AdamW: parameter '", params_[i].first, "' is not contiguous");
-    g = contiguous(g);
-    if (g.dtype() != p.dtype()) g = to(g, p.dtype());
-    kernels::AdamWArgs a;
-    a.dtype = p.dtype();
-    a.n = p.numel();
-    a.param = p.data_ptr();
-    a.grad = g.data_ptr();
-    a.m = m_[i].data_ptr();
-    a.v = v_[i].data_ptr();
-    a.lr = lr;
-    a.beta1 = cfg_.beta1;
-    a.beta2 = cfg_.beta2;
-    a.eps = cfg_.eps;
-    a.weight_decay = decays(p) ? cfg_.weight_decay : 0.0;
-    a.grad_scale = grad_scale;
-    a.step = step_;
-    SG_KERNEL(p.device(), adamw)(a);
+    batch.add(p, p.grad(), m_[i], v_[i], decays(p));
   }
+  batch.run();
+}
+
+AdamWBatch::AdamWBatch(const AdamWConfig& cfg, double lr, double grad_scale, int64_t step)
+    : cfg_(cfg), lr_(lr), grad_scale_(grad_scale), step_(step) {}
+
+void AdamWBatch::add(const Tensor& param, Tensor grad, const Tensor& m, const Tensor& v, bool decay) {
+  SG_CHECK(param.is_contiguous() && m.is_contiguous() && v.is_contiguous(),
+           "AdamW: the parameter and its moments must be contiguous");
+  SG_CHECK(grad.numel() == param.numel() && m.numel() == param.numel() && v.numel() == param.numel(),
+           "AdamW: parameter ", param.describe(), " with gradient ", grad.describe(), " and moments ", m.describe(),
+           ", ", v.describe(), ": element counts differ");
+  grad = contiguous(grad);
+  if (grad.dtype() != param.dtype()) grad = to(grad, param.dtype());
+  kernels::AdamWArgs a;
+  a.dtype = param.dtype();
+  a.n = param.numel();
+  a.param = param.data_ptr();
+  a.grad = grad.data_ptr();
+  a.m = m.data_ptr();
+  a.v = v.data_ptr();
+  a.lr = lr_;
+  a.beta1 = cfg_.beta1;
+  a.beta2 = cfg_.beta2;
+  a.eps = cfg_.eps;
+  a.weight_decay = decay ? cfg_.weight_decay : 0.0;
+  a.grad_scale = grad_scale_;
+  a.step = step_;
+  keep_.push_back(std::move(grad));
+  auto it = std::find_if(groups_.begin(), groups_.end(),
+                         [&](const Group& g) { return g.device == param.device() && g.args[0].dtype == a.dtype; });
+  if (it == groups_.end()) it = groups_.insert(groups_.end(), Group{param.device(), {}});
+  it->args.push_back(a);
+}
+
+void AdamWBatch::run() {
+  for (const Group& g : groups_) SG_KERNEL(g.device, adamw_many)(g.args.data(), int64_t(g.args.size()));
+  groups_.clear();
+  keep_.clear();
 }
 
 NamedTensors AdamW::state() const {
@@ -91,10 +115,9 @@ void SGD::step(double lr, double grad_scale) {
 }
 
 double global_grad_norm(const std::vector<Tensor>& params) {
-  double ss = 0;
-  for (const auto& p : params)
-    if (p.grad().defined()) ss += sum_squares(p.grad());
-  return std::sqrt(ss);
+  std::vector<Tensor> grads;
+  for (const auto& p : params) grads.push_back(p.grad());  // undefined ones count zero
+  return std::sqrt(sum_squares(grads));
 }
 
 double clip_coefficient(double norm, double max_norm) {

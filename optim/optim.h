@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "kernels/ops.h"
 
 namespace sg::optim {
 
@@ -35,6 +36,30 @@ class AdamW {
   std::vector<Tensor> m_, v_;
   AdamWConfig cfg_;
   int64_t step_ = 0;
+};
+
+// One step's AdamW updates, gathered by add() and applied by run() with one adamw_many call per
+// device and dtype (on a GPU one launch per batch of tensors, not one per parameter). Every optimizer that
+// runs AdamW (AdamW, ZeRO, FSDP) goes through it.
+class AdamWBatch {
+ public:
+  AdamWBatch(const AdamWConfig& cfg, double lr, double grad_scale, int64_t step);
+  // param, m, v: contiguous, same dtype (f32/f64), device and element count; grad is made
+  // contiguous and cast to param's dtype here, and kept alive until run(). decay: whether this
+  // tensor takes the weight decay (AdamW::decays of the parameter it belongs to).
+  void add(const Tensor& param, Tensor grad, const Tensor& m, const Tensor& v, bool decay);
+  void run();
+
+ private:
+  AdamWConfig cfg_;
+  double lr_, grad_scale_;
+  int64_t step_;
+  std::vector<Tensor> keep_;  // the converted gradients
+  struct Group {
+    Device device;
+    std::vector<kernels::AdamWArgs> args;  // one dtype
+  };
+  std::vector<Group> groups_;
 };
 
 struct SGDConfig {

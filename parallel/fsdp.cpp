@@ -12,6 +12,13 @@
 namespace sg::parallel {
 
 namespace {
+// Memory on `where` for what travels to and from the `compute` device: page-locked host memory
+// when the one is the host and the other a GPU (the offloaded shards and masters, the gradients
+// going to the host step), so those copies run at full bus bandwidth.
+Tensor transfer_buffer(const Shape& shape, DType dtype, Device where, Device compute) {
+  return where.is_cpu() && compute.is_cuda() ? Tensor::empty_pinned(shape, dtype) : empty(shape, dtype, where);
+}
+
 // A 1-D handle on a whole storage: it reads storage->data() at each use, so it follows the
 // storage through release() and reallocate().
 Tensor over(const std::shared_ptr<Storage>& s, int64_t n, DType dtype) {
@@ -157,7 +164,7 @@ FullyShardedDataParallel::FullyShardedDataParallel(nn::GPT& model, std::shared_p
     if (shard_) {
       {
         MemScope scope(MemCategory::param);
-        u.shard_param = empty({u.shard}, dtype_, opt_.offload_params ? *opt_.offload_optimizer : dev);
+        u.shard_param = transfer_buffer({u.shard}, dtype_, opt_.offload_params ? *opt_.offload_optimizer : dev, dev);
       }
       copy_(u.shard_param, narrow(u.full, 0, r * u.shard, u.shard));
       u.flat->release();
@@ -180,7 +187,7 @@ FullyShardedDataParallel::FullyShardedDataParallel(nn::GPT& model, std::shared_p
       const Device odev = opt_.offload_optimizer.value_or(dev);  // offloaded: an f32 master there too
       u.m = zeros({u.shard}, DType::f32, odev);
       u.v = zeros({u.shard}, DType::f32, odev);
-      if (half(dtype_) || opt_.offload_optimizer) u.master = empty({u.shard}, DType::f32, odev);
+      if (half(dtype_) || opt_.offload_optimizer) u.master = transfer_buffer({u.shard}, DType::f32, odev, dev);
     }
     if (u.master.defined()) copy_(u.master, u.shard_param);
     u.marked.assign(u.params.size(), 0);
@@ -386,8 +393,9 @@ void FullyShardedDataParallel::finish_gradients() {
 double FullyShardedDataParallel::grad_norm() {
   autograd::NoGradGuard ng;
   reap(true);
-  double ss = 0;
-  for (auto& u : units_) ss += sum_squares(u.grad_shard);  // padding is zero
+  std::vector<Tensor> shards;
+  for (auto& u : units_) shards.push_back(u.grad_shard);  // padding is zero
+  double ss = sum_squares(shards);
   if (shard_) {  // replicas hold the same shards: summing over one shard group covers every element once
     Tensor t = from_vector<double>({ss}, {1});
     shard_->all_reduce(t, comm::ReduceOp::sum)->wait();
@@ -400,45 +408,40 @@ double FullyShardedDataParallel::grad_sum_squares(const GradWeight& weight) {
   autograd::NoGradGuard ng;
   reap(true);
   if (replicate_ && replicate_->rank() != 0) return 0;  // the first replica speaks for all
-  double ss = 0;
+  std::vector<Tensor> pieces;
+  std::vector<double> weights;
   for (auto& u : units_)
     for (const Segment& s : u.segments) {
-      const double w = weight ? weight(u.params[s.param].first) : 1.0;
-      if (w != 0) ss += w * sum_squares(narrow(u.grad_shard, 0, s.at, s.len));
+      pieces.push_back(narrow(u.grad_shard, 0, s.at, s.len));
+      weights.push_back(weight ? weight(u.params[s.param].first) : 1.0);
     }
-  return ss;
+  return sum_squares(pieces, weights);
 }
 
 void FullyShardedDataParallel::step(double lr, double grad_scale) {
   autograd::NoGradGuard ng;
   reap(true);
   ++step_;
+  optim::AdamWBatch batch(adam_, lr, grad_scale, step_);
   for (auto& u : units_)
     for (const Segment& s : u.segments) {
       Tensor g = narrow(u.grad_shard, 0, s.at, s.len);
       if (g.dtype() != DType::f32) g = to(g, DType::f32);
       if (g.device() != u.m.device()) {  // offloaded: the gradient goes to the host for the step
         MemScope scope(MemCategory::comm_buffer);
-        g = to(g, u.m.device());
+        Tensor host = transfer_buffer(g.shape(), g.dtype(), u.m.device(), g.device());
+        copy_(host, g);
+        g = host;
       }
       Tensor target = u.master.defined() ? narrow(u.master, 0, s.at, s.len) : narrow(u.shard_param, 0, s.at, s.len);
-      kernels::AdamWArgs a;
-      a.dtype = DType::f32;
-      a.n = s.len;
-      a.param = target.data_ptr();
-      a.grad = g.data_ptr();
-      a.m = u.m.data<float>() + s.at;
-      a.v = u.v.data<float>() + s.at;
-      a.lr = lr;
-      a.beta1 = adam_.beta1;
-      a.beta2 = adam_.beta2;
-      a.eps = adam_.eps;
-      a.weight_decay = optim::AdamW::decays(u.params[s.param].second) ? adam_.weight_decay : 0.0;
-      a.grad_scale = grad_scale;
-      a.step = step_;
-      SG_KERNEL(u.m.device(), adamw)(a);
-      if (u.master.defined()) copy_(narrow(u.shard_param, 0, s.at, s.len), target);  // round to the compute dtype
+      batch.add(target, g, narrow(u.m, 0, s.at, s.len), narrow(u.v, 0, s.at, s.len),
+                optim::AdamW::decays(u.params[s.param].second));
     }
+  batch.run();
+  for (auto& u : units_)  // round the f32 masters to the compute dtype
+    if (u.master.defined())
+      for (const Segment& s : u.segments)
+        copy_(narrow(u.shard_param, 0, s.at, s.len), narrow(u.master, 0, s.at, s.len));
 }
 
 void FullyShardedDataParallel::zero_grad() {

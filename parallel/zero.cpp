@@ -209,16 +209,17 @@ void ZeroOptimizer::reduce_now() {
 
 double ZeroOptimizer::grad_sum_squares(const GradWeight& weight) const {
   autograd::NoGradGuard ng;
-  double ss = 0;
+  std::vector<Tensor> pieces;
+  std::vector<double> weights;
   for (const Segment& s : segments_) {  // the padding has no segment and is zero anyway
     const auto& [name, p] = params_[s.param];
     const double w = weight ? weight(name) : 1.0;
     if (w == 0) continue;
-    Tensor g = opt_.stage == 2 ? narrow(grad_shard_, 0, s.at, s.len)
-                               : (p.grad().defined() ? piece(p.grad(), s.lo, s.len) : Tensor());
-    if (g.defined()) ss += w * sum_squares(g);
+    pieces.push_back(opt_.stage == 2 ? narrow(grad_shard_, 0, s.at, s.len)
+                                     : (p.grad().defined() ? piece(p.grad(), s.lo, s.len) : Tensor()));
+    weights.push_back(w);
   }
-  return ss;
+  return sum_squares(pieces, weights);
 }
 
 double ZeroOptimizer::grad_norm() {
@@ -231,30 +232,17 @@ double ZeroOptimizer::grad_norm() {
 void ZeroOptimizer::step(double lr, double grad_scale) {
   autograd::NoGradGuard ng;
   ++step_;
+  optim::AdamWBatch batch(adam_, lr, grad_scale, step_);
   for (const Segment& s : segments_) {
     const Tensor& p = params_[s.param].second;
     Tensor g = opt_.stage == 2 ? narrow(grad_shard_, 0, s.at, s.len)
                                : (p.grad().defined() ? piece(p.grad(), s.lo, s.len) : Tensor());
     if (!g.defined()) continue;
-    if (g.dtype() != DType::f32) g = to(g, DType::f32);
-    g = contiguous(g);
     Tensor target = master_.defined() ? narrow(master_, 0, s.at, s.len) : piece(p, s.lo, s.len);
-    kernels::AdamWArgs a;
-    a.dtype = DType::f32;
-    a.n = s.len;
-    a.param = target.data_ptr();
-    a.grad = g.data_ptr();
-    a.m = m_.data<float>() + s.at;
-    a.v = v_.data<float>() + s.at;
-    a.lr = lr;
-    a.beta1 = adam_.beta1;
-    a.beta2 = adam_.beta2;
-    a.eps = adam_.eps;
-    a.weight_decay = optim::AdamW::decays(p) ? adam_.weight_decay : 0.0;  // the per-segment mask
-    a.grad_scale = grad_scale;
-    a.step = step_;
-    SG_KERNEL(p.device(), adamw)(a);
+    // the weight decay is masked per segment, by the parameter it belongs to
+    batch.add(target, g, narrow(m_, 0, s.at, s.len), narrow(v_, 0, s.at, s.len), optim::AdamW::decays(p));
   }
+  batch.run();
   // All-gather the updated shards, stripe by stripe, one stripe in flight while the previous one
   // is scattered into the parameters.
   const int N = group_->size(), r = group_->rank();

@@ -771,6 +771,25 @@ TEST_CASE("in-place updates and sum_squares: never recorded, exact on every layo
   CHECK(count_targets(from_vector<int32_t>({3, -100, 0, -100}, {2, 2}), -100) == 2);
 }
 
+TEST_CASE("sum_squares over many tensors: the per-tensor sums added in order, weighted, undefined ones zero",
+          "[ops]") {
+  // One tensor above the CPU's blocked threshold (2 * 65536), a strided view, a bf16 one, an empty one.
+  const std::vector<Tensor> xs = {randn({300, 500}, 1, 1), transpose(randn({7, 9}, 2, 1), 0, 1),
+                                  to(randn({33}, 3, 1), DType::bf16), zeros({0}), Tensor(), randn({5}, 4, 1)};
+  const std::vector<double> w = {1, 0.5, 1, 1, 1, 0};
+  double want = 0, want_w = 0;
+  for (size_t i = 0; i < xs.size(); ++i)
+    if (xs[i].defined()) {
+      want += sum_squares(xs[i]);
+      want_w += w[i] * sum_squares(xs[i]);
+    }
+  CHECK(sum_squares(xs) == want);  // the same bits, not merely close
+  CHECK(sum_squares(xs, w) == want_w);
+  CHECK(want_w != want);
+  CHECK(sum_squares(std::vector<Tensor>{}) == 0.0);
+  REQUIRE_THROWS_WITH(sum_squares(xs, {1.0}), Contains("sum_squares: 1 weights for 6 tensors"));
+}
+
 TEST_CASE("ops that may hand back their input never turn a leaf into a recorded output", "[ops]") {
   autograd::Tape tape;
   autograd::TapeScope scope(tape);

@@ -57,6 +57,35 @@ TEST_CASE("AdamW: grad_scale scales the gradient before the moments", "[optim]")
   REQUIRE(to_vector<double>(a) == to_vector<double>(b));
 }
 
+TEST_CASE("AdamW: f32 and f64 parameters in one optimizer step as they do alone", "[optim]") {
+  // One adamw_many call per (device, dtype): mixing dtypes must neither be refused nor mix updates.
+  auto make = [](DType dt, uint64_t seed) {
+    Tensor p = to(randn({4, 3}, seed, 1), dt);
+    p.set_requires_grad(true);
+    return p;
+  };
+  Tensor a = make(DType::f32, 1), b = make(DType::f64, 2), a1 = make(DType::f32, 1), b1 = make(DType::f64, 2);
+  optim::AdamWConfig cfg;
+  cfg.weight_decay = 0.1;
+  optim::AdamW both({{"a", a}, {"b", b}}, cfg), only_a({{"a", a1}}, cfg), only_b({{"b", b1}}, cfg);
+  for (int s = 0; s < 3; ++s) {
+    for (Tensor* p : {&a, &a1}) p->set_grad(to(randn({4, 3}, 10 + s, 1), DType::bf16));  // cast to f32 for the step
+    for (Tensor* p : {&b, &b1}) p->set_grad(to(randn({4, 3}, 20 + s, 1), DType::f64));
+    both.step(1e-2);
+    only_a.step(1e-2);
+    only_b.step(1e-2);
+  }
+  CHECK(to_vector<float>(a) == to_vector<float>(a1));
+  CHECK(to_vector<double>(b) == to_vector<double>(b1));
+  CHECK(to_vector<float>(a) != to_vector<float>(make(DType::f32, 1)));
+}
+
+TEST_CASE("AdamWBatch refuses a gradient whose element count is not the parameter's", "[optim]") {
+  Tensor p = zeros({6}), m = zeros({6}), v = zeros({6});
+  optim::AdamWBatch batch({}, 1e-3, 1.0, 1);
+  REQUIRE_THROWS_WITH(batch.add(p, zeros({5}), m, v, true), Catch::Contains("element counts differ"));
+}
+
 TEST_CASE("SGD with momentum: PyTorch's buffer update", "[optim]") {
   Tensor p = param({1}, 1.0);
   optim::SGD opt({{"p", p}}, {0.9, 0.0});

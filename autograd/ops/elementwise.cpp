@@ -317,4 +317,37 @@ double sum_squares(const Tensor& a) {
   return item(out);
 }
 
+double sum_squares(const std::vector<Tensor>& xs, const std::vector<double>& weights) {
+  SG_CHECK(weights.empty() || weights.size() == xs.size(), "sum_squares: ", weights.size(), " weights for ", xs.size(),
+           " tensors");
+  autograd::NoGradGuard ng;
+  // One sum_squares_many call per (device, dtype), in order of first appearance.
+  struct Group {
+    Device device;
+    DType dtype;
+    std::vector<Tensor> keep;  // the contiguous operands, alive until the call
+    std::vector<const void*> ptrs;
+    std::vector<int64_t> ns;
+    std::vector<double> weights;
+  };
+  std::vector<Group> groups;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const double w = weights.empty() ? 1.0 : weights[i];
+    if (!xs[i].defined() || w == 0 || xs[i].numel() == 0) continue;
+    Tensor x = detail::operand(xs[i]);
+    auto g = std::find_if(groups.begin(), groups.end(),
+                          [&](const Group& g) { return g.device == x.device() && g.dtype == x.dtype(); });
+    if (g == groups.end()) g = groups.insert(groups.end(), Group{x.device(), x.dtype(), {}, {}, {}, {}});
+    g->ptrs.push_back(x.data_ptr());
+    g->ns.push_back(x.numel());
+    g->weights.push_back(w);
+    g->keep.push_back(std::move(x));
+  }
+  double total = 0;
+  for (const Group& g : groups)
+    total += SG_KERNEL(g.device, sum_squares_many)(g.dtype, g.ptrs.data(), g.ns.data(), g.weights.data(),
+                                                   int64_t(g.ptrs.size()));
+  return total;
+}
+
 }  // namespace sg

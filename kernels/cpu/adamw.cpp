@@ -40,4 +40,9 @@ void adamw(const AdamWArgs& a) {
   });
 }
 
+void adamw_many(const AdamWArgs* args, int64_t count) {
+  check_adamw_batch(args, count, "cpu");
+  for (int64_t i = 0; i < count; ++i) adamw(args[i]);
+}
+
 }  // namespace sg::kernels::cpu

@@ -28,6 +28,7 @@ void binary(Binary op, DType dtype, void* out, const void* a, const Dims& as, co
 void unary(Unary op, DType dtype, void* out, const void* x, int64_t n, double alpha);
 void unary_backward(Unary op, DType dtype, void* dx, const void* dy, const void* x, int64_t n);
 void reduce(Reduce op, DType dtype, void* out, const void* x, int64_t outer, int64_t n, int64_t inner);
+double sum_squares_many(DType dtype, const void* const* xs, const int64_t* ns, const double* weights, int64_t count);
 void random(DType dtype, void* out, int64_t n, bool normal, double a, double b, uint64_t seed, uint64_t stream,
             uint64_t first);
 void dropout(DType dtype, void* out, const void* x, int64_t n, double p, uint64_t seed, uint64_t stream);
@@ -53,5 +54,6 @@ void embedding_backward(DType dtype, DType idx_dtype, void* dweight, const void*
 void attention(const AttentionArgs& a);
 void attention_backward(const AttentionArgs& a);
 void adamw(const AdamWArgs& a);
+void adamw_many(const AdamWArgs* args, int64_t count);
 
 }  // namespace sg::kernels::cpu

@@ -262,34 +262,43 @@ void unary_backward(Unary op, DType dtype, void* dx, const void* dy, const void*
   });
 }
 
+namespace {
+// The f64 sum (or sum of squares) of n contiguous values in index order; above 2 * kBlock values,
+// fixed blocks whose partials are added in block order, so the bits do not depend on the thread
+// count.
+template <class T>
+double sum_f64(const T* p, int64_t n, bool squares) {
+  constexpr int64_t kBlock = 65536;
+  auto run = [&](const T* q, int64_t len) {
+    double acc = 0;
+    if (squares)
+      for (int64_t k = 0; k < len; ++k) acc += double(q[k]) * double(q[k]);
+    else
+      for (int64_t k = 0; k < len; ++k) acc += double(q[k]);
+    return acc;
+  };
+  if (n <= 2 * kBlock) return run(p, n);
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  std::vector<double> partial(size_t(blocks), 0.0);
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < blocks; ++b) partial[size_t(b)] = run(p + b * kBlock, std::min(kBlock, n - b * kBlock));
+  double acc = 0;
+  for (double v : partial) acc += v;
+  return acc;
+}
+}  // namespace
+
 // Every output accumulates its n inputs in index order (in f64 for sums), whatever the thread
 // count; threads split the outputs (column chunks of x[outer, n, inner]). A single full reduction
-// (outer = inner = 1) is split into fixed blocks whose f64 partials are added in block order, so it
-// too is independent of the thread count.
+// (outer = inner = 1) is split as sum_f64 does, so it too is independent of the thread count.
 void reduce(Reduce op, DType dtype, void* out, const void* x, int64_t outer, int64_t n, int64_t inner) {
   dispatch_float(dtype, "reduce", [&](auto tag) {
     using T = decltype(tag);
     auto* o = static_cast<T*>(out);
     auto* p = static_cast<const T*>(x);
     const bool big = outer * n * inner > 32768;
-    if (outer == 1 && inner == 1 && op != Reduce::max && n > 2 * 65536) {
-      constexpr int64_t kBlock = 65536;
-      const int64_t blocks = (n + kBlock - 1) / kBlock;
-      std::vector<double> partial(size_t(blocks), 0.0);
-#pragma omp parallel for schedule(static)
-      for (int64_t b = 0; b < blocks; ++b) {
-        const T* q = p + b * kBlock;
-        const int64_t len = std::min(kBlock, n - b * kBlock);
-        double acc = 0;
-        if (op == Reduce::sum)
-          for (int64_t k = 0; k < len; ++k) acc += double(q[k]);
-        else
-          for (int64_t k = 0; k < len; ++k) acc += double(q[k]) * double(q[k]);
-        partial[size_t(b)] = acc;
-      }
-      double acc = 0;
-      for (double v : partial) acc += v;
-      o[0] = T(acc);
+    if (outer == 1 && inner == 1 && op != Reduce::max) {
+      o[0] = T(sum_f64(p, n, op == Reduce::sum_squares));
       return;
     }
     if (inner == 1) {  // one row of x[outer, n] per output
@@ -364,6 +373,15 @@ void dropout(DType dtype, void* out, const void* x, int64_t n, double p, uint64_
 #pragma omp parallel for schedule(static) if (n > 16384)
     for (int64_t i = 0; i < n; ++i) o[i] = Philox::uniform(seed, stream, uint64_t(i)) >= pf ? in[i] * scale : T(0);
   });
+}
+
+double sum_squares_many(DType dtype, const void* const* xs, const int64_t* ns, const double* weights, int64_t count) {
+  double total = 0;
+  dispatch_float(dtype, "sum_squares_many", [&](auto tag) {
+    using T = decltype(tag);
+    for (int64_t i = 0; i < count; ++i) total += weights[i] * sum_f64(static_cast<const T*>(xs[i]), ns[i], true);
+  });
+  return total;
 }
 
 }  // namespace sg::kernels::cpu

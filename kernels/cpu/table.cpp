@@ -13,6 +13,7 @@ const OpTable* cpu_table() {
     o.unary = cpu::unary;
     o.unary_backward = cpu::unary_backward;
     o.reduce = cpu::reduce;
+    o.sum_squares_many = cpu::sum_squares_many;
     o.gemm = cpu::gemm;
     o.softmax = cpu::softmax;
     o.softmax_backward = cpu::softmax_backward;
@@ -29,6 +30,7 @@ const OpTable* cpu_table() {
     o.attention_backward = cpu::attention_backward;
     o.random = cpu::random;
     o.adamw = cpu::adamw;
+    o.adamw_many = cpu::adamw_many;
     return o;
   }();
   return &t;

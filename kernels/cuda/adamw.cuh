@@ -1,4 +1,5 @@
-// Fused AdamW (decoupled weight decay) over many tensors in one launch, in place. Parameters and
+// Fused AdamW (decoupled weight decay) over many tensors in one launch, in place; each tensor has
+// its own weight decay (biases and gains take none), the rest is shared. Parameters and
 // gradients are f32 or bf16 (bf16 weights are updated in f32 and rounded back); moments are f32.
 // Per element, in the CPU table's order (the order PyTorch uses):
 //   g *= grad_scale;  p *= 1 - lr wd;  m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2;
@@ -16,15 +17,16 @@ struct AdamWTensor {
   float* m = nullptr;
   float* v = nullptr;
   int64_t n = 0;
+  double weight_decay = 0;
 };
 
 struct AdamWHyper {
-  double lr = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0, grad_scale = 1.0;
+  double lr = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, grad_scale = 1.0;
   int64_t step = 1;  // 1-based
 };
 
 struct AdamWConstants {  // what every element needs, precomputed on the host in double
-  float decay, step_size, bc2_sqrt, b1, b2, eps, grad_scale;
+  float step_size, bc2_sqrt, b1, b2, eps, grad_scale;
 };
 
 template <class T>
@@ -34,6 +36,7 @@ struct AdamWList {
   const T* grad[kMaxTensorsPerLaunch];
   float* m[kMaxTensorsPerLaunch];
   float* v[kMaxTensorsPerLaunch];
+  float decay[kMaxTensorsPerLaunch];  // 1 - lr * weight_decay
 };
 
 template <class T>
@@ -49,16 +52,15 @@ __global__ void adamw_kernel(AdamWList<T> list, AdamWConstants k) {
     const float vi = k.b2 * v[i] + ((1.0f - k.b2) * gi) * gi;
     m[i] = mi;
     v[i] = vi;
-    p[i] = from_f32<T>(to_f32(p[i]) * k.decay - k.step_size * mi / (sqrtf(vi) / k.bc2_sqrt + k.eps));
+    p[i] = from_f32<T>(to_f32(p[i]) * list.decay[t] - k.step_size * mi / (sqrtf(vi) / k.bc2_sqrt + k.eps));
   }
 }
 
 template <class T>
 void adamw_multi(const std::vector<AdamWTensor>& tensors, const AdamWHyper& h, Stream stream) {
   const double bc1 = 1.0 - std::pow(h.beta1, double(h.step)), bc2 = 1.0 - std::pow(h.beta2, double(h.step));
-  const AdamWConstants k{float(1.0 - h.lr * h.weight_decay), float(h.lr / bc1), float(std::sqrt(bc2)),
-                         float(h.beta1),                     float(h.beta2),    float(h.eps),
-                         float(h.grad_scale)};
+  const AdamWConstants k{float(h.lr / bc1), float(std::sqrt(bc2)), float(h.beta1),
+                         float(h.beta2),      float(h.eps),           float(h.grad_scale)};
   for (size_t first = 0; first < tensors.size(); first += kMaxTensorsPerLaunch) {
     AdamWList<T> list;
     for (size_t i = first; i < tensors.size() && i < first + kMaxTensorsPerLaunch; ++i) {
@@ -67,17 +69,28 @@ void adamw_multi(const std::vector<AdamWTensor>& tensors, const AdamWHyper& h, S
       list.grad[j] = static_cast<const T*>(tensors[i].grad);
       list.m[j] = tensors[i].m;
       list.v[j] = tensors[i].v;
+      list.decay[j] = float(1.0 - h.lr * tensors[i].weight_decay);
       list.chunks.add(tensors[i].n);
     }
-    launch(adamw_kernel<T>, dim3(unsigned(list.chunks.chunks())), dim3(kTensorThreads), 0, stream, list, k);
+    if (list.chunks.chunks() > 0)
+      launch(adamw_kernel<T>, dim3(unsigned(list.chunks.chunks())), dim3(kTensorThreads), 0, stream, list, k);
   }
 }
 
-// The op-table entry: one f32 tensor.
-inline void adamw(const kernels::AdamWArgs& a, Stream stream) {
+// The op-table entries (f32 master weights): one tensor, or many sharing all but weight decay.
+inline void adamw_many(const kernels::AdamWArgs* args, int64_t count, Stream stream) {
+  if (count == 0) return;
+  kernels::check_adamw_batch(args, count, "cuda");
+  const kernels::AdamWArgs& a = args[0];
   if (a.dtype != DType::f32) kernels::unsupported("adamw", a.dtype, "cuda");
-  adamw_multi<float>({AdamWTensor{a.param, a.grad, static_cast<float*>(a.m), static_cast<float*>(a.v), a.n}},
-                     AdamWHyper{a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.grad_scale, a.step}, stream);
+  std::vector<AdamWTensor> list;
+  for (int64_t i = 0; i < count; ++i)
+    if (args[i].n)
+      list.push_back({args[i].param, args[i].grad, static_cast<float*>(args[i].m), static_cast<float*>(args[i].v),
+                      args[i].n, args[i].weight_decay});
+  adamw_multi<float>(list, AdamWHyper{a.lr, a.beta1, a.beta2, a.eps, a.grad_scale, a.step}, stream);
 }
+
+inline void adamw(const kernels::AdamWArgs& a, Stream stream) { adamw_many(&a, 1, stream); }
 
 }  // namespace sg::cuda

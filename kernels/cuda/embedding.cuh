@@ -1,12 +1,21 @@
 // Embedding on the device: row gather forward, deterministic scatter-add backward.
 //   forward:  out[i, :] = weight[idx[i], :]            ('='; 128-bit packs when rows are aligned)
 //   backward: dweight[idx[i], :] += dout[i, :]          ('+=')
-// The backward gives every column to one thread, which walks the tokens in index order: the sum
-// for each table row is formed in exactly the CPU's order, with no float atomics, so results do
-// not depend on scheduling. (Its parallelism is C columns; a sort of the indices by row would
-// expose more, at the cost of a workspace.)
+// The backward first sorts the token positions by row, stably (CUB's radix sort on the GPU; a
+// std::stable_sort under the emulation, where memory is the host's), then gives each run of equal
+// rows x 128 columns to one block: a thread adds its column of the run's dout rows in position
+// order. Every table row's sum is thus formed in exactly the CPU's order, with no float atomics,
+// so results do not depend on scheduling, and the work spreads over (distinct rows x C) threads
+// instead of C threads walking all n tokens.
 #pragma once
+#include <algorithm>
+#include <numeric>
+#include <vector>
+
 #include "kernels/cuda/classifier.cuh"  // dispatch_index
+#ifdef __CUDACC__
+#include <cub/device/device_radix_sort.cuh>
+#endif
 
 namespace sg::cuda {
 
@@ -27,14 +36,68 @@ __global__ void embedding_forward_kernel(T* out, const I* idx, const T* weight, 
   for (int64_t c = packs * N + threadIdx.x; c < C; c += blockDim.x) o[c] = w[c];
 }
 
+// Called with rows[] sorted stably and pos[] the matching token positions: block (k, y) works only
+// when k starts a run of equal rows; its threads take columns y*blockDim.x + threadIdx.x.
 template <class T, class I>
-__global__ void embedding_backward_kernel(T* dweight, const T* dout, const I* idx, int64_t n, int64_t C) {
-  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+__global__ void embedding_backward_kernel(T* dweight, const T* dout, const I* rows, const int* pos, int64_t n,
+                                          int64_t C) {
+  const int64_t k = blockIdx.x;
+  if (k > 0 && rows[k] == rows[k - 1]) return;
+  const int64_t c = int64_t(blockIdx.y) * blockDim.x + threadIdx.x;
   if (c >= C) return;
-  for (int64_t i = 0; i < n; ++i) {
-    T* d = dweight + int64_t(idx[i]) * C + c;
-    *d = from_f32<T>(to_f32(*d) + to_f32(dout[i * C + c]));
-  }
+  const I r = rows[k];
+  T* d = dweight + int64_t(r) * C + c;
+  float acc = to_f32(*d);
+  for (int64_t j = k; j < n && rows[j] == r; ++j) acc += to_f32(dout[int64_t(pos[j]) * C + c]);
+  *d = from_f32<T>(acc);
+}
+
+static __global__ void positions_kernel(int* pos, int64_t n) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) pos[i] = int(i);
+}
+
+// The workspace of embedding_backward for n indices: sorted rows, positions in and out, and the
+// sort's own scratch; each piece 256-byte aligned.
+struct EmbeddingSortSpace {
+  size_t rows = 0, pos_in = 0, pos_out = 0, sort = 0, sort_bytes = 0, total = 0;
+};
+template <class I>
+EmbeddingSortSpace embedding_sort_space(int64_t n) {
+  auto up = [](size_t b) { return (b + 255) / 256 * 256; };
+  EmbeddingSortSpace s;
+#ifdef __CUDACC__
+  SG_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, s.sort_bytes, static_cast<const I*>(nullptr),
+                                                static_cast<I*>(nullptr), static_cast<const int*>(nullptr),
+                                                static_cast<int*>(nullptr), int(n)));
+#endif
+  s.pos_in = up(size_t(n) * sizeof(I));
+  s.pos_out = s.pos_in + up(size_t(n) * sizeof(int));
+  s.sort = s.pos_out + up(size_t(n) * sizeof(int));
+  s.total = s.sort + up(s.sort_bytes);
+  return s;
+}
+
+inline size_t embedding_backward_workspace(DType idx_dtype, int64_t n) {
+  size_t bytes = 0;
+  dispatch_index(idx_dtype, "embedding_backward", [&](auto itag) { bytes = embedding_sort_space<decltype(itag)>(n).total; });
+  return bytes;
+}
+
+// rows_out, pos_out = (idx, 0..n-1) sorted by idx, stably.
+template <class I>
+void sort_rows(I* rows_out, int* pos_out, const I* idx, int* pos_in, int64_t n, void* scratch, size_t scratch_bytes,
+               Stream stream) {
+  launch(positions_kernel, dim3(blocks_for(n, 256)), dim3(256), 0, stream, pos_in, n);
+#ifdef __CUDACC__
+  SG_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(scratch, scratch_bytes, idx, rows_out, pos_in, pos_out, int(n), 0,
+                                                int(sizeof(I) * 8), stream));
+#else
+  (void)scratch, (void)scratch_bytes, (void)stream;
+  std::copy(pos_in, pos_in + n, pos_out);
+  std::stable_sort(pos_out, pos_out + n, [&](int a, int b) { return idx[a] < idx[b]; });
+  for (int64_t k = 0; k < n; ++k) rows_out[k] = idx[pos_out[k]];
+#endif
 }
 
 inline void embedding_forward(DType dtype, DType idx_dtype, void* out, const void* idx, const void* weight, int64_t n,
@@ -50,14 +113,22 @@ inline void embedding_forward(DType dtype, DType idx_dtype, void* out, const voi
   });
 }
 
+// workspace: embedding_backward_workspace(idx_dtype, n) bytes, 256-byte aligned.
 inline void embedding_backward(DType dtype, DType idx_dtype, void* dweight, const void* dout, const void* idx,
-                               int64_t n, int64_t C, Stream stream) {
+                               int64_t n, int64_t C, void* workspace, Stream stream) {
+  SG_CHECK(n < (int64_t(1) << 31), "embedding_backward (cuda): ", n, " indices; at most 2^31 - 1 per call");
   dispatch_storage(dtype, "embedding_backward", [&](auto tag) {
     dispatch_index(idx_dtype, "embedding_backward", [&](auto itag) {
       using T = decltype(tag);
       using I = decltype(itag);
-      launch(embedding_backward_kernel<T, I>, dim3(blocks_for(C, 128)), dim3(128), 0, stream,
-             static_cast<T*>(dweight), static_cast<const T*>(dout), static_cast<const I*>(idx), n, C);
+      const EmbeddingSortSpace sp = embedding_sort_space<I>(n);
+      auto* base = static_cast<unsigned char*>(workspace);
+      auto* rows = reinterpret_cast<I*>(base);
+      auto *pos_in = reinterpret_cast<int*>(base + sp.pos_in), *pos_out = reinterpret_cast<int*>(base + sp.pos_out);
+      sort_rows(rows, pos_out, static_cast<const I*>(idx), pos_in, n, base + sp.sort, sp.sort_bytes, stream);
+      launch(embedding_backward_kernel<T, I>, dim3(unsigned(n), blocks_for(C, 128)), dim3(128), 0, stream,
+             static_cast<T*>(dweight), static_cast<const T*>(dout), static_cast<const I*>(rows),
+             static_cast<const int*>(pos_out), n, C);
     });
   });
 }

@@ -1,5 +1,6 @@
-// Global gradient norm on the device: the squared L2 norm of many tensors, in two deterministic
-// passes: (1) one block per kTensorChunk chunk writes its sum of squares to partial[chunk];
+// Global gradient norm on the device: the squared L2 norm of many tensors, each with a weight (0 or
+// 1 for the mesh's "count this replica once"), in two deterministic passes: (1) one block per
+// kTensorChunk chunk writes its weighted sum of squares to partial[chunk];
 // (2) one block adds the partials in a fixed order. Same bits on every run; the squared norm is
 // what shards all-reduce before the square root (clipping by global norm).
 #pragma once
@@ -10,12 +11,14 @@ namespace sg::cuda {
 struct NormTensor {
   const void* data = nullptr;
   int64_t n = 0;
+  float weight = 1.0f;
 };
 
 template <class T>
 struct NormList {
   TensorChunks chunks;
   const T* data[kMaxTensorsPerLaunch];
+  float weight[kMaxTensorsPerLaunch];
 };
 
 template <class T>
@@ -29,7 +32,7 @@ __global__ void norm_partial_kernel(NormList<T> list, float* partial) {
     acc += x * x;
   }
   acc = block_reduce<false>(acc, scratch);
-  if (threadIdx.x == 0) partial[blockIdx.x] = acc;
+  if (threadIdx.x == 0) partial[blockIdx.x] = acc * list.weight[t];
 }
 
 static __global__ void sum_partials_kernel(float* out, const float* partial, int64_t n) {
@@ -47,7 +50,7 @@ inline int64_t global_norm_workspace(const std::vector<NormTensor>& tensors) {
   return chunks;
 }
 
-// *out = sum over the tensors of sum x^2 ('='). T: the tensors' storage type.
+// *out = sum over the tensors of weight * sum x^2 ('='). T: the tensors' storage type.
 template <class T>
 void global_norm_squared(float* out, const std::vector<NormTensor>& tensors, float* workspace, Stream stream) {
   int64_t written = 0;
@@ -55,10 +58,12 @@ void global_norm_squared(float* out, const std::vector<NormTensor>& tensors, flo
     NormList<T> list;
     for (size_t i = first; i < tensors.size() && i < first + kMaxTensorsPerLaunch; ++i) {
       list.data[list.chunks.count] = static_cast<const T*>(tensors[i].data);
+      list.weight[list.chunks.count] = tensors[i].weight;
       list.chunks.add(tensors[i].n);
     }
-    launch(norm_partial_kernel<T>, dim3(unsigned(list.chunks.chunks())), dim3(kTensorThreads), 0, stream, list,
-           workspace + written);
+    if (list.chunks.chunks() > 0)
+      launch(norm_partial_kernel<T>, dim3(unsigned(list.chunks.chunks())), dim3(kTensorThreads), 0, stream, list,
+             workspace + written);
     written += list.chunks.chunks();
   }
   launch(sum_partials_kernel, dim3(1), dim3(256), 0, stream, out, static_cast<const float*>(workspace), written);

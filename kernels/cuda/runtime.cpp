@@ -3,8 +3,10 @@
 #include <atomic>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <vector>
 
+#include "core/block_cache.h"
 #include "core/storage.h"
 #include "kernels/ops.h"
 
@@ -21,54 +23,80 @@ int device_count() {
 
 namespace {
 
-// Caching allocator: freed blocks are kept per (device, rounded size) and handed out again, so
-// steady-state training does no cudaMalloc/cudaFree. Sizes round up to 512 B below 1 MiB and to
-// 2 MiB above. Blocks are reused on the compute stream only, so stream order keeps reuse safe.
-class CachingAllocator : public Allocator {
+// Device memory: cudaMalloc through a BlockCache, so steady-state training does no
+// cudaMalloc/cudaFree. Every block is allocated, used and freed in the order of the compute
+// stream; the NCCL backend's communication stream is ordered after it by events and its Work
+// holds the tensors it uses until its completion event, so a block is never handed out again
+// while another stream may still touch it.
+class DeviceAllocator : public Allocator {
  public:
+  DeviceAllocator()
+      : cache_(
+            [](size_t bytes, int device) -> void* {
+              SG_CUDA_CHECK(cudaSetDevice(device));
+              void* p = nullptr;
+              const cudaError_t err = cudaMalloc(&p, bytes);
+              if (err == cudaErrorMemoryAllocation) {
+                (void)cudaGetLastError();
+                return nullptr;
+              }
+              SG_CUDA_CHECK(err);
+              return p;
+            },
+            [](void* p, int device) {
+              (void)cudaSetDevice(device);
+              (void)cudaFree(p);
+            }) {}
   void* allocate(size_t bytes, Device d) override {
-    const size_t size = round(bytes);
-    std::lock_guard<std::mutex> g(mu_);
-    auto& pool = free_[{d.index, size}];
-    if (!pool.empty()) {
-      void* p = pool.back();
-      pool.pop_back();
-      return p;
-    }
-    const int visible = device_count();
+    static const int visible = device_count();  // fixed for the life of the process
     SG_CHECK(d.index < visible, "cuda allocator: ", d.str(), " is not available (", visible,
              " CUDA devices visible to this process)");
-    SG_CUDA_CHECK(cudaSetDevice(d.index));
-    void* p = nullptr;
-    cudaError_t err = cudaMalloc(&p, size);
-    if (err == cudaErrorMemoryAllocation) {  // give the cache back and try once more
-      (void)cudaGetLastError();
-      release_all_locked();
-      err = cudaMalloc(&p, size);
-    }
-    SG_CHECK(err == cudaSuccess, "cuda allocator: cannot allocate ", bytes, " bytes on ", d.str(), ": ",
-             cudaGetErrorString(err));
+    void* p = cache_.take(bytes, d.index);
+    SG_CHECK(p, "cuda allocator: cannot allocate ", bytes, " bytes on ", d.str(), ": out of memory (",
+             cache_.reserved_bytes(), " bytes already held by shardgrad's cache)");
     return p;
   }
-  void deallocate(void* p, size_t bytes, Device d) override {
-    std::lock_guard<std::mutex> g(mu_);
-    free_[{d.index, round(bytes)}].push_back(p);
-  }
+  void deallocate(void* p, size_t bytes, Device d) override { cache_.give(p, bytes, d.index); }
+  std::optional<int> owner(const void* p) const { return cache_.owner(p); }
 
  private:
-  static size_t round(size_t b) {
-    if (b == 0) b = 1;
-    const size_t q = b < (size_t(1) << 20) ? 512 : (size_t(2) << 20);
-    return (b + q - 1) / q * q;
-  }
-  void release_all_locked() {
-    for (auto& [key, blocks] : free_)
-      for (void* p : blocks) cudaFree(p);
-    free_.clear();
-  }
-  std::mutex mu_;
-  std::map<std::pair<int, size_t>, std::vector<void*>> free_;
+  BlockCache cache_;
 };
+
+// Page-locked host memory: cudaHostAlloc through a BlockCache (registering host memory is slow,
+// milliseconds, and synchronises the device). Host copies to and from it are synchronous here,
+// so a freed block is idle by the time it is handed out again.
+class PinnedAllocator : public Allocator {
+ public:
+  PinnedAllocator()
+      : cache_(
+            [](size_t bytes, int) -> void* {
+              void* p = nullptr;
+              const cudaError_t err = cudaHostAlloc(&p, bytes, cudaHostAllocPortable);
+              if (err == cudaErrorMemoryAllocation) {
+                (void)cudaGetLastError();
+                return nullptr;
+              }
+              SG_CUDA_CHECK(err);
+              return p;
+            },
+            [](void* p, int) { (void)cudaFreeHost(p); }) {}
+  void* allocate(size_t bytes, Device) override {
+    void* p = cache_.take(bytes, 0);
+    SG_CHECK(p, "pinned host allocator: cannot page-lock ", bytes, " bytes (", cache_.reserved_bytes(),
+             " bytes already held); lower the pinned memory use or raise the locked-memory limit (ulimit -l)");
+    return p;
+  }
+  void deallocate(void* p, size_t bytes, Device) override { cache_.give(p, bytes, 0); }
+
+ private:
+  BlockCache cache_;
+};
+
+DeviceAllocator* device_allocator() {
+  static auto* a = new DeviceAllocator();  // kept for the process: blocks may be freed at exit
+  return a;
+}
 
 void to_host(void* host_dst, const void* dev_src, size_t bytes, Device d) {
   SG_CUDA_CHECK(cudaSetDevice(d.index));
@@ -87,6 +115,10 @@ void from_host(void* dev_dst, const void* host_src, size_t bytes, Device d) {
 }  // namespace
 
 Device device_of(const void* p, const char* op) {
+  if (const std::optional<int> d = device_allocator()->owner(p)) {  // no driver query for our own blocks
+    SG_CUDA_CHECK(cudaSetDevice(*d));
+    return Device::cuda(*d);
+  }
   cudaPointerAttributes at{};
   const cudaError_t err = cudaPointerGetAttributes(&at, p);
   if (err != cudaSuccess) (void)cudaGetLastError();
@@ -127,7 +159,8 @@ AttentionBackend attention_backend() { return g_attention; }
 void ensure_registered() {
   static std::once_flag once;
   std::call_once(once, [] {
-    register_allocator(DeviceType::cuda, new CachingAllocator());
+    register_allocator(DeviceType::cuda, device_allocator());
+    if (device_count() > 0) register_pinned_allocator(new PinnedAllocator());
     static kernels::OpTable t;
     t.device_name = "cuda";
     t.copy_to_host = to_host;

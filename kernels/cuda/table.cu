@@ -21,6 +21,7 @@
 #include "kernels/cuda/dropout.cuh"
 #include "kernels/cuda/elementwise.cuh"
 #include "kernels/cuda/embedding.cuh"
+#include "kernels/cuda/global_norm.cuh"
 #include "kernels/cuda/layernorm.cuh"
 #include "kernels/cuda/reduce.cuh"
 #include "kernels/cuda/softmax.cuh"
@@ -225,7 +226,9 @@ void embedding(DType dtype, DType idx_dtype, void* out, const void* idx, const v
 void embedding_backward(DType dtype, DType idx_dtype, void* dweight, const void* dout, const void* idx, int64_t n,
                         int64_t C) {
   if (n * C == 0) return;
-  cuda::embedding_backward(dtype, idx_dtype, dweight, dout, idx, n, C, on(dweight, "embedding_backward").stream);
+  const On o = on(dweight, "embedding_backward");
+  const Scratch work(embedding_backward_workspace(idx_dtype, n), o.dev);
+  cuda::embedding_backward(dtype, idx_dtype, dweight, dout, idx, n, C, work.as<void>(), o.stream);
 }
 
 void cross_entropy(DType dtype, DType tgt_dtype, void* loss, void* lse, const void* logits, const void* targets,
@@ -271,6 +274,29 @@ void random(DType dtype, void* out, int64_t n, bool normal, double a, double b, 
 void adamw(const kernels::AdamWArgs& a) {
   if (a.n == 0) return;
   cuda::adamw(a, on(a.param, "adamw").stream);
+}
+
+void adamw_many(const kernels::AdamWArgs* args, int64_t count) {
+  if (count == 0) return;
+  cuda::adamw_many(args, count, on(args[0].param, "adamw_many").stream);
+}
+
+// One f32 accumulator on the device, one copy back: a single host round trip for the whole list.
+double sum_squares_many(DType dtype, const void* const* xs, const int64_t* ns, const double* weights, int64_t count) {
+  std::vector<NormTensor> list;
+  for (int64_t i = 0; i < count; ++i)
+    if (ns[i] && weights[i] != 0) list.push_back({xs[i], ns[i], float(weights[i])});
+  if (list.empty()) return 0;
+  const On o = on(list[0].data, "sum_squares_many");
+  const Scratch work(size_t(global_norm_workspace(list) + 1) * sizeof(float), o.dev);
+  float* total = work.as<float>();
+  dispatch_storage(dtype, "sum_squares_many", [&](auto tag) {
+    global_norm_squared<decltype(tag)>(total, list, total + 1, o.stream);
+  });
+  float host = 0;
+  SG_CUDA_CHECK(cudaMemcpyAsync(&host, total, sizeof(float), cudaMemcpyDeviceToHost, o.stream));
+  SG_CUDA_CHECK(cudaStreamSynchronize(o.stream));
+  return host;
 }
 
 // The forward on the fastest kernel that takes it; f.lse is f32.
@@ -350,6 +376,8 @@ void fill_kernel_table(kernels::OpTable& t) {
   t.dropout = entry::dropout;
   t.random = entry::random;
   t.adamw = entry::adamw;
+  t.adamw_many = entry::adamw_many;
+  t.sum_squares_many = entry::sum_squares_many;
   t.attention = entry::attention;
   t.attention_backward = entry::attention_backward;
 }

@@ -138,13 +138,11 @@ void PipelineExecutor::reduce_tied_embedding() {
 }
 
 double PipelineExecutor::grad_sum_squares() const {
-  double ss = 0;
+  std::vector<Tensor> grads;
   const bool first = holds_stage(0);
-  for (const auto& [name, p] : owned_) {
-    if (name == "wte.weight" && !first) continue;  // counted once, on the first stage
-    if (p.grad().defined()) ss += sum_squares(p.grad());
-  }
-  return ss;
+  for (const auto& [name, p] : owned_)
+    if (name != "wte.weight" || first) grads.push_back(p.grad());  // wte counted once, on the first stage
+  return sum_squares(grads);
 }
 
 }  // namespace sg::parallel::pp

@@ -351,12 +351,29 @@ TEMPLATE_TEST_CASE("emu embedding gathers rows and its backward sums repeated ro
     CHECK(bad == 0);
     check_close(out, out_ref, 0.0);  // a gather: exact
     auto dw = to_storage<T>(dw0);
-    cu::embedding_backward(dtype_of<T>(), DType::i64, dw.data(), douts.data(), idx.data(), n, C, nullptr);
+    std::vector<uint64_t> work((cu::embedding_backward_workspace(DType::i64, n) + 7) / 8);
+    cu::embedding_backward(dtype_of<T>(), DType::i64, dw.data(), douts.data(), idx.data(), n, C, work.data(), nullptr);
     if constexpr (std::is_same_v<T, float>) {
       REQUIRE(to_float(dw) == dw_ref);  // the CPU's order: bit-identical
     } else {
       check_close(dw, dw_ref, 8.0);
     }
+  }
+  // int32 indices, 300 tokens over 17 rows (long runs after the sort), C over two column blocks.
+  const int64_t n2 = 300, C2 = 150, rows2 = 17;
+  std::vector<int32_t> idx2(n2);
+  for (int64_t i = 0; i < n2; ++i) idx2[size_t(i)] = int32_t((i * 7 + i / 13) % rows2);
+  const auto dout2 = rounded<T>(randn(n2 * C2, 31));
+  std::vector<float> dw2_ref = rounded<T>(randn(rows2 * C2, 32));
+  auto dw2 = to_storage<T>(dw2_ref);
+  cpu::embedding_backward(DType::f32, DType::i32, dw2_ref.data(), dout2.data(), idx2.data(), n2, C2);
+  std::vector<uint64_t> work((cu::embedding_backward_workspace(DType::i32, n2) + 7) / 8);
+  cu::embedding_backward(dtype_of<T>(), DType::i32, dw2.data(), to_storage<T>(dout2).data(), idx2.data(), n2, C2,
+                         work.data(), nullptr);
+  if constexpr (std::is_same_v<T, float>) {
+    REQUIRE(to_float(dw2) == dw2_ref);
+  } else {
+    check_close(dw2, dw2_ref, 8.0);
   }
 }
 
@@ -394,10 +411,9 @@ TEMPLATE_TEST_CASE("emu dropout and Philox fills draw the CPU table's numbers", 
 
 // ---------------------------------------------------------------- AdamW, global norm
 
-TEST_CASE("emu multi-tensor AdamW matches the CPU table on every tensor", "[emu]") {
-  // 30 tensors (two launches), sizes with tails, one empty.
+TEST_CASE("emu multi-tensor AdamW (the adamw_many entry) matches the CPU table on every tensor", "[emu]") {
+  // 30 tensors (two launches), sizes with tails, one empty; every third takes no weight decay.
   std::vector<std::vector<float>> p, g, m, v, p_ref, m_ref, v_ref;
-  std::vector<cu::AdamWTensor> list;
   for (int t = 0; t < 30; ++t) {
     const size_t n = t == 4 ? 0 : size_t(37 * t + 5 + (t == 7 ? 9000 : 0));
     p.push_back(randn(n, 100 + t));
@@ -407,24 +423,32 @@ TEST_CASE("emu multi-tensor AdamW matches the CPU table on every tensor", "[emu]
     for (auto& x : v.back()) x = x * x;
   }
   p_ref = p, m_ref = m, v_ref = v;
-  const cu::AdamWHyper h{3e-3, 0.9, 0.95, 1e-8, 0.1, 0.5, 7};
+  std::vector<kernels::AdamWArgs> args, ref;
   for (size_t t = 0; t < p.size(); ++t) {
     kernels::AdamWArgs a;
     a.dtype = DType::f32;
     a.n = int64_t(p[t].size());
+    a.lr = 3e-3, a.beta1 = 0.9, a.beta2 = 0.95, a.eps = 1e-8, a.weight_decay = t % 3 ? 0.1 : 0.0;
+    a.grad_scale = 0.5, a.step = 7;
     a.param = p_ref[t].data(), a.grad = g[t].data(), a.m = m_ref[t].data(), a.v = v_ref[t].data();
-    a.lr = h.lr, a.beta1 = h.beta1, a.beta2 = h.beta2, a.eps = h.eps, a.weight_decay = h.weight_decay;
-    a.grad_scale = h.grad_scale, a.step = h.step;
-    cpu::adamw(a);
-    list.push_back({p[t].data(), g[t].data(), m[t].data(), v[t].data(), a.n});
+    ref.push_back(a);
+    a.param = p[t].data(), a.m = m[t].data(), a.v = v[t].data();
+    args.push_back(a);
   }
-  cu::adamw_multi<float>(list, h, nullptr);
+  cpu::adamw_many(ref.data(), int64_t(ref.size()));
+  cu::adamw_many(args.data(), int64_t(args.size()), nullptr);
   for (size_t t = 0; t < p.size(); ++t) {
     INFO("tensor " << t);
     check_close(p[t], p_ref[t], 1e-6, 1e-7);
     check_close(m[t], m_ref[t], 1e-6, 1e-7);
     check_close(v[t], v_ref[t], 1e-6, 1e-9);
   }
+  // Only weight_decay may differ between tensors: anything else is refused, naming the tensor.
+  args[5].step = 8;
+  REQUIRE_THROWS_WITH(cu::adamw_many(args.data(), int64_t(args.size()), nullptr),
+                      Catch::Contains("tensor 5 of 30"));
+  REQUIRE_THROWS_WITH(cpu::adamw_many(args.data(), int64_t(args.size())),
+                      Catch::Contains("only weight_decay may differ"));
 }
 
 TEST_CASE("emu AdamW on bf16 weights with f32 moments follows the f32 update", "[emu]") {
@@ -437,26 +461,28 @@ TEST_CASE("emu AdamW on bf16 weights with f32 moments follows the f32 update", "
   cpu::adamw(a);
   auto pb = to_storage<cu::bf16>(p);
   const auto gb = to_storage<cu::bf16>(g);
-  cu::adamw_multi<cu::bf16>({{pb.data(), gb.data(), m.data(), v.data(), n}}, {1e-2, 0.9, 0.999, 1e-8, 0.1, 1.0, 1},
+  cu::adamw_multi<cu::bf16>({{pb.data(), gb.data(), m.data(), v.data(), n, 0.1}}, {1e-2, 0.9, 0.999, 1e-8, 1.0, 1},
                             nullptr);
   check_close(pb, p_ref);
   check_close(m, m_ref, 1e-6, 1e-7);
 }
 
-TEMPLATE_TEST_CASE("emu global norm of many tensors is the CPU sum of squares, the same bits every run", "[emu]",
-                   float, cu::bf16) {
+TEMPLATE_TEST_CASE("emu global norm of many weighted tensors is the CPU sum of squares, the same bits every run",
+                   "[emu]", float, cu::bf16) {
   using T = TestType;
   std::vector<std::vector<T>> data;
   std::vector<cu::NormTensor> list;
   double want = 0;
   for (int t = 0; t < 27; ++t) {
     const auto x = rounded<T>(randn(size_t(t == 3 ? 10000 : 13 * t + 1), 500 + t));
+    const float weight = t % 4 == 1 ? 0.0f : t % 4 == 2 ? 0.5f : 1.0f;
     std::vector<float> partial(1);
     cpu::reduce(kernels::Reduce::sum_squares, DType::f32, partial.data(), x.data(), 1, int64_t(x.size()), 1);
-    want += partial[0];
+    want += weight * partial[0];
     data.push_back(to_storage<T>(x));
+    list.push_back({nullptr, int64_t(x.size()), weight});
   }
-  for (auto& d : data) list.push_back({d.data(), int64_t(d.size())});
+  for (size_t t = 0; t < data.size(); ++t) list[t].data = data[t].data();
   std::vector<float> work(static_cast<size_t>(cu::global_norm_workspace(list)));
   float got = -1, again = -2;
   cu::global_norm_squared<T>(&got, list, work.data(), nullptr);

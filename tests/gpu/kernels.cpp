@@ -349,6 +349,74 @@ TEST_CASE("adamw matches the CPU over several steps", "[gpu][kernels]") {
   check_close(get(gv), get(cv), 1e-5, 1e-7);
 }
 
+TEST_CASE("adamw_many and sum_squares_many match the CPU on many tensors in one call", "[gpu][kernels]") {
+  // 30 tensors (two launches of the multi-tensor kernels), one empty, weight decay on every other.
+  std::vector<Tensor> gp, gg, gm, gv, cp, cg, cm, cv;
+  std::vector<kernels::AdamWArgs> ga, ca;
+  std::vector<const void*> gptr, cptr;
+  std::vector<int64_t> ns;
+  std::vector<double> w;
+  for (int t = 0; t < 30; ++t) {
+    const int64_t n = t == 3 ? 0 : 97 * t + 11 + (t == 8 ? 20000 : 0);
+    const auto p = randn(size_t(n), 600 + t), g = randn(size_t(n), 700 + t);
+    gp.push_back(put(p, DType::f32, gpu)), gg.push_back(put(g, DType::f32, gpu));
+    cp.push_back(put(p, DType::f32, host)), cg.push_back(put(g, DType::f32, host));
+    gm.push_back(buffer(n, DType::f32, gpu)), gv.push_back(buffer(n, DType::f32, gpu));
+    cm.push_back(buffer(n, DType::f32, host)), cv.push_back(buffer(n, DType::f32, host));
+    kernels::AdamWArgs a;
+    a.dtype = DType::f32, a.n = n, a.lr = 1e-2, a.weight_decay = t % 2 ? 0.1 : 0.0, a.grad_scale = 0.5, a.step = 3;
+    kernels::AdamWArgs c = a;
+    a.param = gp[t].data_ptr(), a.grad = gg[t].data_ptr(), a.m = gm[t].data_ptr(), a.v = gv[t].data_ptr();
+    c.param = cp[t].data_ptr(), c.grad = cg[t].data_ptr(), c.m = cm[t].data_ptr(), c.v = cv[t].data_ptr();
+    ga.push_back(a), ca.push_back(c);
+    gptr.push_back(gg[t].data_ptr()), cptr.push_back(cg[t].data_ptr()), ns.push_back(n), w.push_back(t % 5 ? 1.0 : 0.0);
+  }
+  G().adamw_many(ga.data(), int64_t(ga.size()));
+  C().adamw_many(ca.data(), int64_t(ca.size()));
+  for (size_t t = 0; t < gp.size(); ++t) {
+    INFO("tensor " << t);
+    check_close(get(gp[t]), get(cp[t]), 1e-5, 1e-6);
+    check_close(get(gv[t]), get(cv[t]), 1e-5, 1e-7);
+  }
+  const double got = G().sum_squares_many(DType::f32, gptr.data(), ns.data(), w.data(), int64_t(ns.size()));
+  const double want = C().sum_squares_many(DType::f32, cptr.data(), ns.data(), w.data(), int64_t(ns.size()));
+  CHECK(got == Approx(want).epsilon(1e-5));
+  CHECK(got == G().sum_squares_many(DType::f32, gptr.data(), ns.data(), w.data(), int64_t(ns.size())));  // same bits
+}
+
+TEST_CASE("pinned host tensors are page-locked, cached, and carry data to and from the device", "[gpu][kernels]") {
+  (void)G();  // brings the CUDA backend up, which registers the pinned allocator
+  REQUIRE(pinned_allocator() != nullptr);
+  void* first = nullptr;
+  {
+    Tensor h = Tensor::empty_pinned({1000}, DType::f32);
+    REQUIRE(h.storage()->pinned());
+    cudaPointerAttributes at{};
+    REQUIRE(cudaPointerGetAttributes(&at, h.data_ptr()) == cudaSuccess);
+    CHECK(at.type == cudaMemoryTypeHost);
+    first = h.data_ptr();
+    const auto v = randn(1000, 90);
+    copy_(h, from_vector(v, {1000}));
+    Tensor d = to(h, gpu);
+    Tensor back = Tensor::empty_pinned({1000}, DType::f32);
+    copy_(back, mul(d, 2.0));
+    const auto got = to_vector<float>(back);
+    for (size_t i = 0; i < v.size(); ++i) REQUIRE(got[i] == 2.0f * v[i]);
+  }  // back, then h, go back to the cache; the last one in is the first one out
+  Tensor again = Tensor::empty_pinned({1000}, DType::f32);
+  CHECK(again.data_ptr() == first);
+}
+
+TEST_CASE("ops on views at an offset into a block find their device without a driver query", "[gpu][kernels]") {
+  // device_of answers from the caching allocator's block map, interior pointers included.
+  Tensor x = put(randn(4096, 91), DType::f32, gpu);
+  Tensor v = narrow(x, 0, 1234, 1000);
+  CHECK(cuda::device_of(v.data_ptr(), "test") == gpu);
+  check_close(get(mul(v, 3.0)), get(mul(narrow(to(x, host), 0, 1234, 1000), 3.0)), 0, 0);
+  int local = 0;
+  CHECK_THROWS_WITH(cuda::device_of(&local, "test op"), Catch::Contains("test op (cuda): pointer"));
+}
+
 TEST_CASE("causal flash attention, forward and backward, matches the CPU", "[gpu][kernels]") {
   const int64_t B = 2, H = 3, T = 77;
   for (int64_t D : {8, 16, 32, 64, 128})  // bf16 at 64 and 128: the tensor-core forward
