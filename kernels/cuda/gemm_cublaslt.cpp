@@ -11,6 +11,7 @@
 #include <atomic>
 #include <map>
 #include <mutex>
+#include <tuple>
 
 #include "core/storage.h"
 #include "kernels/cuda/runtime.h"
@@ -75,6 +76,36 @@ void make_layout(cublasLtMatrixLayout_t* l, cudaDataType_t t, int64_t rows, int6
   }
 }
 
+// The largest power of two, at most 256, that divides every non-null address: what the chosen
+// algorithm may assume (a view at an odd offset must not get a kernel that needs 16-byte loads).
+uint32_t min_alignment(std::initializer_list<const void*> ptrs) {
+  uintptr_t bits = 256;
+  for (const void* p : ptrs)
+    if (p) bits |= reinterpret_cast<uintptr_t>(p);
+  return uint32_t(bits & (~bits + 1));  // the lowest set bit
+}
+
+// Everything the heuristic's answer depends on: device, types, shapes, leading dimensions,
+// batching, epilogue and alignment.
+using AlgoKey = std::tuple<int, int, int, bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                           int64_t, int64_t, int64_t, int, uint32_t>;
+
+// cublasLtMatmulAlgoGetHeuristic costs tens of microseconds of host time; a training step repeats
+// the same few dozen GEMM shapes hundreds of times, so each shape asks once per process.
+template <class Find>
+cublasLtMatmulAlgo_t cached_algo(const AlgoKey& key, Find find) {
+  static std::mutex mu;
+  static std::map<AlgoKey, cublasLtMatmulAlgo_t> algos;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = algos.find(key);
+    if (it != algos.end()) return it->second;
+  }
+  const cublasLtMatmulAlgo_t algo = find();  // outside the lock: it may throw
+  std::lock_guard<std::mutex> lock(mu);
+  return algos.emplace(key, algo).first->second;
+}
+
 struct Epilogue {
   cublasLtEpilogue_t kind = CUBLASLT_EPILOGUE_DEFAULT;
   const void* bias = nullptr;
@@ -121,20 +152,29 @@ void matmul(const kernels::GemmArgs& g, const Epilogue& ep, const char* op) {
   make_layout(&desc.c, t, g.N, g.M, g.ldc, g.batch, g.stride_c);
 
   const Storage workspace(kWorkspaceBytes, d, MemCategory::workspace);
-  SG_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&desc.pref));
-  const uint64_t ws = kWorkspaceBytes;
-  SG_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(desc.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
-                                                       sizeof(ws)));
   cublasLtHandle_t h = handle_for(d);
-  cublasLtMatmulHeuristicResult_t best{};
-  int found = 0;
-  SG_CUBLAS_CHECK(
-      cublasLtMatmulAlgoGetHeuristic(h, desc.op, desc.a, desc.b, desc.c, desc.c, desc.pref, 1, &best, &found));
-  SG_CHECK(found > 0, op, " (cuBLASLt): no algorithm for ", dtype_name(g.dtype), " M=", g.M, " N=", g.N, " K=", g.K,
-           " batch=", g.batch, " lda=", g.lda, " ldb=", g.ldb, " ldc=", g.ldc);
+  const uint32_t align = min_alignment({g.A, g.B, g.C, ep.bias, ep.aux});
+  const AlgoKey key{d.index, int(g.dtype), int(compute), g.trans_a, g.trans_b, g.M, g.N, g.K, g.lda, g.ldb, g.ldc,
+                    g.batch, g.stride_a, g.stride_b, g.stride_c, int(ep.kind), align};
+  const cublasLtMatmulAlgo_t algo = cached_algo(key, [&] {
+    SG_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&desc.pref));
+    const uint64_t ws = kWorkspaceBytes;
+    SG_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(desc.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
+                                                         sizeof(ws)));
+    for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
+      SG_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(desc.pref, attr, &align, sizeof(align)));
+    cublasLtMatmulHeuristicResult_t best{};
+    int found = 0;
+    SG_CUBLAS_CHECK(
+        cublasLtMatmulAlgoGetHeuristic(h, desc.op, desc.a, desc.b, desc.c, desc.c, desc.pref, 1, &best, &found));
+    SG_CHECK(found > 0, op, " (cuBLASLt): no algorithm for ", dtype_name(g.dtype), " M=", g.M, " N=", g.N, " K=", g.K,
+             " batch=", g.batch, " lda=", g.lda, " ldb=", g.ldb, " ldc=", g.ldc, " alignment ", align, " bytes");
+    return best.algo;
+  });
   const float alpha = float(g.alpha), beta = float(g.beta);
   SG_CUBLAS_CHECK(cublasLtMatmul(h, desc.op, &alpha, g.B, desc.a, g.A, desc.b, &beta, g.C, desc.c, g.C, desc.c,
-                                 &best.algo, workspace.data(), kWorkspaceBytes, stream));
+                                 &algo, workspace.data(), kWorkspaceBytes, stream));
 }
 
 }  // namespace
