@@ -82,10 +82,10 @@ Tensor mean(const Tensor& a);
 Tensor mean(const Tensor& a, std::vector<int64_t> dims, bool keepdim = false);
 Tensor amax(const Tensor& a, int64_t dim, bool keepdim = false);  // not differentiable
 Tensor sum_to(const Tensor& a, const Shape& shape);                // undo a broadcast
-double sum_squares(const Tensor& a);                                // f64 accumulate; for norms
+double sum_squares(const Tensor& a);                                // f64 on the CPU, f32 on a GPU
 // sum_i weights[i] * sum_squares(xs[i]) (weights default to 1; undefined tensors count zero), with
 // one host round trip per device and dtype instead of one per tensor: squared global norms. On the
-// CPU the same bits as adding the single-tensor sum_squares in order.
+// CPU, for tensors of one dtype, the same bits as adding the single-tensor sum_squares in order.
 double sum_squares(const std::vector<Tensor>& xs, const std::vector<double>& weights = {});
 
 // ---- linear algebra ----

@@ -307,21 +307,17 @@ Tensor sum_to(const Tensor& a, const Shape& shape) {
 }
 
 double sum_squares(const Tensor& a) {
-  autograd::NoGradGuard ng;
-  Tensor x = detail::operand(a);
-  // Global norms in f64 on the CPU: order-insensitive enough to compare layouts. A device reduces
-  // in its kernel's f32 accumulation (the CUDA reduce is deterministic, one fixed tree).
-  if (x.dtype() == DType::f32 && x.device().is_cpu()) x = to(x, DType::f64);
-  Tensor out = empty({1}, x.dtype(), x.device());
-  SG_KERNEL(x.device(), reduce)(kernels::Reduce::sum_squares, x.dtype(), out.data_ptr(), x.data_ptr(), 1, x.numel(), 1);
-  return item(out);
+  SG_CHECK(a.defined(), "sum_squares: undefined tensor");
+  return sum_squares(std::vector<Tensor>{a});
 }
 
 double sum_squares(const std::vector<Tensor>& xs, const std::vector<double>& weights) {
   SG_CHECK(weights.empty() || weights.size() == xs.size(), "sum_squares: ", weights.size(), " weights for ", xs.size(),
            " tensors");
   autograd::NoGradGuard ng;
-  // One sum_squares_many call per (device, dtype), in order of first appearance.
+  // One sum_squares_many call per (device, dtype), in order of first appearance. The CPU entry
+  // accumulates in f64 (order-insensitive enough to compare layouts); a device in its kernel's f32
+  // (deterministic: one fixed tree).
   struct Group {
     Device device;
     DType dtype;

@@ -9,8 +9,6 @@
 // instead of C threads walking all n tokens.
 #pragma once
 #include <algorithm>
-#include <numeric>
-#include <vector>
 
 #include "kernels/cuda/classifier.cuh"  // dispatch_index
 #ifdef __CUDACC__
@@ -57,10 +55,10 @@ static __global__ void positions_kernel(int* pos, int64_t n) {
   if (i < n) pos[i] = int(i);
 }
 
-// The workspace of embedding_backward for n indices: sorted rows, positions in and out, and the
-// sort's own scratch; each piece 256-byte aligned.
+// The workspace of embedding_backward for n indices, byte offsets of its 256-byte aligned pieces:
+// the sorted rows (at 0), the positions in and out, and the sort's own scratch.
 struct EmbeddingSortSpace {
-  size_t rows = 0, pos_in = 0, pos_out = 0, sort = 0, sort_bytes = 0, total = 0;
+  size_t pos_in = 0, pos_out = 0, sort = 0, sort_bytes = 0, total = 0;
 };
 template <class I>
 EmbeddingSortSpace embedding_sort_space(int64_t n) {

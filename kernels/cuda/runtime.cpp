@@ -23,6 +23,18 @@ int device_count() {
 
 namespace {
 
+// What a BlockCache wants from a raw allocation that wrote *p and returned err: *p, or nullptr when
+// the driver is out of memory (the sticky error cleared); any other failure throws. (p is read
+// here, after the call, not passed by value beside it: argument order is unspecified.)
+void* null_if_out_of_memory(cudaError_t err, void* const* p) {
+  if (err == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  SG_CUDA_CHECK(err);
+  return *p;
+}
+
 // Device memory: cudaMalloc through a BlockCache, so steady-state training does no
 // cudaMalloc/cudaFree. Every block is allocated, used and freed in the order of the compute
 // stream; the NCCL backend's communication stream is ordered after it by events and its Work
@@ -35,13 +47,7 @@ class DeviceAllocator : public Allocator {
             [](size_t bytes, int device) -> void* {
               SG_CUDA_CHECK(cudaSetDevice(device));
               void* p = nullptr;
-              const cudaError_t err = cudaMalloc(&p, bytes);
-              if (err == cudaErrorMemoryAllocation) {
-                (void)cudaGetLastError();
-                return nullptr;
-              }
-              SG_CUDA_CHECK(err);
-              return p;
+              return null_if_out_of_memory(cudaMalloc(&p, bytes), &p);
             },
             [](void* p, int device) {
               (void)cudaSetDevice(device);
@@ -72,13 +78,7 @@ class PinnedAllocator : public Allocator {
       : cache_(
             [](size_t bytes, int) -> void* {
               void* p = nullptr;
-              const cudaError_t err = cudaHostAlloc(&p, bytes, cudaHostAllocPortable);
-              if (err == cudaErrorMemoryAllocation) {
-                (void)cudaGetLastError();
-                return nullptr;
-              }
-              SG_CUDA_CHECK(err);
-              return p;
+              return null_if_out_of_memory(cudaHostAlloc(&p, bytes, cudaHostAllocPortable), &p);
             },
             [](void* p, int) { (void)cudaFreeHost(p); }) {}
   void* allocate(size_t bytes, Device) override {
