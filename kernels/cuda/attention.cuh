@@ -1,7 +1,8 @@
 // Causal flash attention on the device, forward and backward, tiled with an online softmax
-// (FlashAttention-2's schedule), head dim 8, 16, 32, 64 or 128, f32 / bf16 storage, f32 math. This version
-// uses plain FMAs, one thread per query (forward, dq) or key (dk, dv) row with K/V or Q/dO tiles
-// staged in shared memory; the tensor-core (mma.sync m16n8k16) version is still to come.
+// (FlashAttention-2's schedule), head dim 8, 16, 32, 64 or 128, f32 / bf16 / f16 storage, f32 math.
+// This version uses plain FMAs, one thread per query (forward, dq) or key (dk, dv) row with K/V or
+// Q/dO tiles staged in shared memory; the tensor-core (mma.sync m16n8k16) version, bf16 and f16 at
+// head dim 64 or 128, is attention_tc.cuh.
 // q, k, v, out, dout: [B, H, T, D] contiguous; lse: [B, H, T] f32, saved by the forward.
 //   forward:  S = scale Q K^T (causal), lse = rowwise logsumexp S, O = softmax(S) V
 //   backward: P = exp(S - lse), Dv = rowsum(dO o O), dS = P o (dO V^T - Dv),
@@ -180,7 +181,7 @@ inline void attention_forward(const kernels::AttentionArgs& a, Stream stream) {
              0, stream, static_cast<T*>(a.out), static_cast<float*>(a.lse), static_cast<const T*>(a.q),
              static_cast<const T*>(a.k), static_cast<const T*>(a.v), a.T, float(a.scale), a.causal);
     });
-  }, false);
+  });
 }
 
 // Workspace (f32 elements) of the backward: one per query row.
@@ -203,7 +204,7 @@ inline void attention_backward(const kernels::AttentionArgs& a, float* workspace
       launch(attention_dq_kernel<T, D>, grid, block, 0, stream, static_cast<T*>(a.dq), q, k, v, dout, lse, dvec, a.T,
              float(a.scale), a.causal);
     });
-  }, false);
+  });
 }
 
 }  // namespace sg::cuda

@@ -1,19 +1,21 @@
-// Causal flash attention on tensor cores (mma.sync m16n8k16, bf16 in, f32 accumulate), head dim
-// 64 or 128, bf16 storage only; the same contract as attention.cuh (out '=' bf16 [B, H, T, D],
-// lse '=' f32 [B, H, T]; backward dq, dk, dv '='), which stays the path for f32 and other head dims.
+// Causal flash attention on tensor cores (mma.sync m16n8k16, bf16 or f16 in, f32 accumulate), head
+// dim 64 or 128, bf16 or f16 storage (the element type E of every kernel); the same contract as
+// attention.cuh (out '=' E [B, H, T, D], lse '=' f32 [B, H, T]; backward dq, dk, dv '='), which
+// stays the path for f32 and other head dims.
 // Forward (FlashAttention-2): a block of 4 warps owns 64 query rows, 16 per warp; per tile of 32
 // keys each warp computes S = scale Q K^T (16 x 32) in registers, masks it, updates its running row
 // max m and sum l (the four lanes of a quad share a row), turns S into P = exp(S - m) and feeds P
-// as bf16 A fragments straight from the accumulators into O += P V. Rows are normalised once at
-// the end: O / l, lse = m + log l. P is rounded to bf16 for P V; l sums the unrounded P.
+// as A fragments of E straight from the accumulators into O += P V. Rows are normalised once at
+// the end: O / l, lse = m + log l. P is rounded to E for P V; l sums the unrounded P.
 // Backward, two kernels and no atomics (deterministic), with P rebuilt from the saved lse:
 //   dk/dv: a block owns 64 keys, 16 per warp, K and V held as A fragments; per tile of 32 queries
 //          S^T = K Q^T, P^T = exp(scale S^T - lse), dP^T = V dO^T, dS^T = P^T o (dP^T - Dv),
 //          dV += P^T dO, dK += scale dS^T Q;
 //   dq:    a block owns 64 queries like the forward; per tile of 32 keys S = Q K^T, P, dP = dO V^T,
 //          dS = P o (dP - Dv), dQ += scale dS K.
-// Dv = rowsum(dO o O) comes from attention.cuh's dot kernel. P and dS are rounded to bf16 as the
-// A operands of the second products.
+// Dv = rowsum(dO o O) comes from attention.cuh's dot kernel. P and dS are rounded to E as the
+// A operands of the second products (P lies in [0, 1]; dS, like the stored gradients, must fit in
+// E's range, which for f16 ends at 65504).
 #pragma once
 #include "kernels/cuda/attention.cuh"
 #include "kernels/cuda/mma.cuh"
@@ -25,58 +27,66 @@ constexpr int kTcKeys = 32;  // keys per shared-memory tile
 constexpr int kTcThreads = 128;  // kTcRows / 16 warps
 
 // Rows [r0, r0 + count) of a [T, D] head into shared memory with row stride ld (rows past T: 0).
-template <int D>
-SG_DEVICE void stage_rows_bf16(bf16* dst, int ld, const bf16* src, int64_t r0, int count, int64_t rows) {
+template <class E, int D>
+SG_DEVICE void stage_rows(E* dst, int ld, const E* src, int64_t r0, int count, int64_t rows) {
   for (int e = int(threadIdx.x); e < count * D; e += int(blockDim.x)) {
     const int r = e / D, c = e % D;
-    dst[r * ld + c] = r0 + r < rows ? src[(r0 + r) * D + c] : from_f32<bf16>(0.0f);
+    dst[r * ld + c] = r0 + r < rows ? src[(r0 + r) * D + c] : from_f32<E>(0.0f);
   }
 }
 
 // This warp's 16 of the block's kTcRows rows [r0, r0 + kTcRows) of a [T, D] head, as A fragments
-// (one per 16 columns), staged through buf (kTcRows * (D + 8) bf16 of shared memory). Every thread
-// of the block takes part; buf may be reused as soon as it returns.
-template <int D>
-SG_DEVICE void load_warp_rows(FragA (&f)[D / 16], bf16* buf, const bf16* src, int64_t r0, int64_t rows) {
+// (one per 16 columns), staged through buf (kTcRows * (D + 8) elements of shared memory). Every
+// thread of the block takes part; buf may be reused as soon as it returns.
+template <class E, int D>
+SG_DEVICE void load_warp_rows(FragA<E> (&f)[D / 16], E* buf, const E* src, int64_t r0, int64_t rows) {
   constexpr int ld = D + 8;
   __syncthreads();  // buf is no longer read
-  stage_rows_bf16<D>(buf, ld, src, r0, kTcRows, rows);
+  stage_rows<E, D>(buf, ld, src, r0, kTcRows, rows);
   __syncthreads();
   const int warp = int(threadIdx.x) / 32;
   for (int kk = 0; kk < D / 16; ++kk) f[kk] = load_a_row_major(buf + warp * 16 * ld + 16 * kk, ld);
 }
 
-// Runs body(integral_constant<int, D>) for the head dims the tensor-core kernels take.
 inline bool tensor_core_head_dim(int64_t D) { return D == 64 || D == 128; }
+inline bool tensor_core_dtype(DType dt) { return dt == DType::bf16 || dt == DType::f16; }
+
+// Runs body(E{}, integral_constant<int, D>) for the element types (bf16, f16) and head dims the
+// tensor-core kernels take; refuses the others, naming them. tc_op: the op, "(tensor cores)" added.
 template <class Body>
-void dispatch_tensor_core_head_dim(int64_t D, const char* op, Body&& body) {
-  SG_CHECK(tensor_core_head_dim(D), op, " (tensor cores): head dim ", D, " is not supported (64 or 128)");
-  if (D == 64) body(std::integral_constant<int, 64>{});
-  else body(std::integral_constant<int, 128>{});
+void dispatch_tensor_cores(DType dtype, int64_t D, const char* tc_op, Body&& body) {
+  if (!tensor_core_dtype(dtype)) kernels::unsupported(tc_op, dtype, "cuda");
+  SG_CHECK(tensor_core_head_dim(D), tc_op, ": head dim ", D, " is not supported (64 or 128)");
+  auto with_dim = [&](auto tag) {
+    if (D == 64) body(tag, std::integral_constant<int, 64>{});
+    else body(tag, std::integral_constant<int, 128>{});
+  };
+  if (dtype == DType::bf16) with_dim(bf16{});
+  else with_dim(f16{});
 }
 
-template <int D>
-__global__ void __launch_bounds__(kTcThreads) attention_forward_tc_kernel(bf16* out, float* lse, const bf16* q,
-                                                                   const bf16* k, const bf16* v, int64_t T_,
-                                                                   float scale, bool causal) {
+template <class E, int D>
+__global__ void __launch_bounds__(kTcThreads) attention_forward_tc_kernel(E* out, float* lse, const E* q, const E* k,
+                                                                          const E* v, int64_t T_, float scale,
+                                                                          bool causal) {
   constexpr int ld = D + 8;  // padding staggers rows across shared-memory banks; keeps pairs 4-byte aligned
-  SG_SHARED(bf16, qs, kTcRows * ld);
-  SG_SHARED(bf16, ks, kTcKeys * ld);
-  SG_SHARED(bf16, vs, kTcKeys * ld);
+  SG_SHARED(E, qs, kTcRows * ld);
+  SG_SHARED(E, ks, kTcKeys * ld);
+  SG_SHARED(E, vs, kTcKeys * ld);
   const int64_t head = int64_t(blockIdx.y) * T_ * D, row0 = int64_t(blockIdx.x) * kTcRows;
   const int warp = int(threadIdx.x) / 32, t = mma_thread_in_group();
   const int64_t rows[2] = {row0 + warp * 16 + mma_group(), row0 + warp * 16 + mma_group() + 8};
 
-  FragA qf[D / 16];
-  load_warp_rows<D>(qf, qs, q + head, row0, T_);
+  FragA<E> qf[D / 16];
+  load_warp_rows<E, D>(qf, qs, q + head, row0, T_);
 
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   FragC o[D / 8];
   const int64_t last = causal ? (row0 + kTcRows < T_ ? row0 + kTcRows : T_) : T_;
   for (int64_t j0 = 0; j0 < last; j0 += kTcKeys) {
     __syncthreads();  // the previous tile is no longer read
-    stage_rows_bf16<D>(ks, ld, k + head, j0, kTcKeys, T_);
-    stage_rows_bf16<D>(vs, ld, v + head, j0, kTcKeys, T_);
+    stage_rows<E, D>(ks, ld, k + head, j0, kTcKeys, T_);
+    stage_rows<E, D>(vs, ld, v + head, j0, kTcKeys, T_);
     __syncthreads();
 
     FragC s[kTcKeys / 8];
@@ -108,7 +118,7 @@ __global__ void __launch_bounds__(kTcThreads) attention_forward_tc_kernel(bf16* 
     for (int dn = 0; dn < D / 8; ++dn)
       for (int i = 0; i < 4; ++i) o[dn].x[i] *= correction[i / 2];
     for (int kk = 0; kk < kTcKeys / 16; ++kk) {
-      const FragA p = a_from_accumulators(s[2 * kk], s[2 * kk + 1]);
+      const FragA<E> p = a_from_accumulators<E>(s[2 * kk], s[2 * kk + 1]);
       for (int dn = 0; dn < D / 8; ++dn) mma(o[dn], p, load_b_row_major(vs + 16 * kk * ld + 8 * dn, ld));
     }
   }
@@ -119,19 +129,19 @@ __global__ void __launch_bounds__(kTcThreads) attention_forward_tc_kernel(bf16* 
   }
   for (int dn = 0; dn < D / 8; ++dn)
     for (int i = 0; i < 4; ++i)
-      if (rows[i / 2] < T_) out[head + rows[i / 2] * D + 8 * dn + 2 * t + (i & 1)] = from_f32<bf16>(o[dn].x[i] / l[i / 2]);
+      if (rows[i / 2] < T_) out[head + rows[i / 2] * D + 8 * dn + 2 * t + (i & 1)] = from_f32<E>(o[dn].x[i] / l[i / 2]);
   for (int h = 0; h < 2; ++h)
     if (t == 0 && rows[h] < T_) lse[int64_t(blockIdx.y) * T_ + rows[h]] = m[h] + logf(l[h]);
 }
 
-// a.lse must be f32; writes out and lse ('='). bf16 only: tensor cores take no f32 operands here.
+// a.lse must be f32; writes out and lse ('='). bf16 or f16: tensor cores take no f32 operands here.
 inline void attention_forward_tensor_cores(const kernels::AttentionArgs& a, Stream stream) {
-  if (a.dtype != DType::bf16) kernels::unsupported("attention (tensor cores)", a.dtype, "cuda");
-  dispatch_tensor_core_head_dim(a.D, "attention", [&](auto dim) {
+  dispatch_tensor_cores(a.dtype, a.D, "attention (tensor cores)", [&](auto tag, auto dim) {
+    using E = decltype(tag);
     constexpr int D = decltype(dim)::value;
-    launch(attention_forward_tc_kernel<D>, dim3(blocks_for(a.T, kTcRows), unsigned(a.B * a.H)), dim3(kTcThreads), 0,
-           stream, static_cast<bf16*>(a.out), static_cast<float*>(a.lse), static_cast<const bf16*>(a.q),
-           static_cast<const bf16*>(a.k), static_cast<const bf16*>(a.v), a.T, float(a.scale), a.causal);
+    launch(attention_forward_tc_kernel<E, D>, dim3(blocks_for(a.T, kTcRows), unsigned(a.B * a.H)), dim3(kTcThreads),
+           0, stream, static_cast<E*>(a.out), static_cast<float*>(a.lse), static_cast<const E*>(a.q),
+           static_cast<const E*>(a.k), static_cast<const E*>(a.v), a.T, float(a.scale), a.causal);
   });
 }
 
@@ -140,15 +150,15 @@ SG_DEVICE void stage_row_values(float* dst, const float* src, int64_t r0, int64_
   for (int e = int(threadIdx.x); e < kTcKeys; e += int(blockDim.x)) dst[e] = r0 + e < rows ? src[r0 + e] : 0.0f;
 }
 
-template <int D>
-__global__ void __launch_bounds__(kTcThreads) attention_dkdv_tc_kernel(bf16* dk, bf16* dv, const bf16* q,
-                                                                 const bf16* k, const bf16* v, const bf16* dout,
-                                                                 const float* lse, const float* dvec, int64_t T_,
-                                                                 float scale, bool causal) {
+template <class E, int D>
+__global__ void __launch_bounds__(kTcThreads) attention_dkdv_tc_kernel(E* dk, E* dv, const E* q, const E* k,
+                                                                       const E* v, const E* dout, const float* lse,
+                                                                       const float* dvec, int64_t T_, float scale,
+                                                                       bool causal) {
   constexpr int ld = D + 8;
-  SG_SHARED(bf16, kv, kTcRows * ld);  // this block's keys, then its values
-  SG_SHARED(bf16, qs, kTcKeys * ld);
-  SG_SHARED(bf16, dos, kTcKeys * ld);
+  SG_SHARED(E, kv, kTcRows * ld);  // this block's keys, then its values
+  SG_SHARED(E, qs, kTcKeys * ld);
+  SG_SHARED(E, dos, kTcKeys * ld);
   SG_SHARED(float, lse_s, kTcKeys);
   SG_SHARED(float, dvec_s, kTcKeys);
   const int64_t head = int64_t(blockIdx.y) * T_ * D, key0 = int64_t(blockIdx.x) * kTcRows;
@@ -157,17 +167,17 @@ __global__ void __launch_bounds__(kTcThreads) attention_dkdv_tc_kernel(bf16* dk,
   const int warp = int(threadIdx.x) / 32, t = mma_thread_in_group();
   const int64_t keys[2] = {key0 + warp * 16 + mma_group(), key0 + warp * 16 + mma_group() + 8};
 
-  FragA kf[D / 16], vf[D / 16];
-  load_warp_rows<D>(kf, kv, k + head, key0, T_);
-  load_warp_rows<D>(vf, kv, v + head, key0, T_);
+  FragA<E> kf[D / 16], vf[D / 16];
+  load_warp_rows<E, D>(kf, kv, k + head, key0, T_);
+  load_warp_rows<E, D>(vf, kv, v + head, key0, T_);
 
   FragC dkc[D / 8], dvc[D / 8];
   // Queries before this block's first key see none of its keys.
   const int64_t first = causal ? key0 / kTcKeys * kTcKeys : 0;
   for (int64_t i0 = first; i0 < T_; i0 += kTcKeys) {
     __syncthreads();  // the previous tile is no longer read
-    stage_rows_bf16<D>(qs, ld, q + head, i0, kTcKeys, T_);
-    stage_rows_bf16<D>(dos, ld, dout + head, i0, kTcKeys, T_);
+    stage_rows<E, D>(qs, ld, q + head, i0, kTcKeys, T_);
+    stage_rows<E, D>(dos, ld, dout + head, i0, kTcKeys, T_);
     stage_row_values(lse_s, lse_h, i0, T_);
     stage_row_values(dvec_s, dvec_h, i0, T_);
     __syncthreads();
@@ -188,8 +198,8 @@ __global__ void __launch_bounds__(kTcThreads) attention_dkdv_tc_kernel(bf16* dk,
         dpt[n].x[i] = p * (dpt[n].x[i] - dvec_s[c]);  // dS^T
       }
     for (int kk = 0; kk < kTcKeys / 16; ++kk) {
-      const FragA p = a_from_accumulators(st[2 * kk], st[2 * kk + 1]);
-      const FragA ds = a_from_accumulators(dpt[2 * kk], dpt[2 * kk + 1]);
+      const FragA<E> p = a_from_accumulators<E>(st[2 * kk], st[2 * kk + 1]);
+      const FragA<E> ds = a_from_accumulators<E>(dpt[2 * kk], dpt[2 * kk + 1]);
       for (int dn = 0; dn < D / 8; ++dn) {
         mma(dvc[dn], p, load_b_row_major(dos + 16 * kk * ld + 8 * dn, ld));
         mma(dkc[dn], ds, load_b_row_major(qs + 16 * kk * ld + 8 * dn, ld));
@@ -201,20 +211,20 @@ __global__ void __launch_bounds__(kTcThreads) attention_dkdv_tc_kernel(bf16* dk,
       const int64_t key = keys[i / 2];
       if (key >= T_) continue;
       const int64_t at = head + key * D + 8 * dn + 2 * t + (i & 1);
-      dk[at] = from_f32<bf16>(scale * dkc[dn].x[i]);
-      dv[at] = from_f32<bf16>(dvc[dn].x[i]);
+      dk[at] = from_f32<E>(scale * dkc[dn].x[i]);
+      dv[at] = from_f32<E>(dvc[dn].x[i]);
     }
 }
 
-template <int D>
-__global__ void __launch_bounds__(kTcThreads) attention_dq_tc_kernel(bf16* dq, const bf16* q, const bf16* k,
-                                                               const bf16* v, const bf16* dout, const float* lse,
-                                                               const float* dvec, int64_t T_, float scale,
-                                                               bool causal) {
+template <class E, int D>
+__global__ void __launch_bounds__(kTcThreads) attention_dq_tc_kernel(E* dq, const E* q, const E* k, const E* v,
+                                                                     const E* dout, const float* lse,
+                                                                     const float* dvec, int64_t T_, float scale,
+                                                                     bool causal) {
   constexpr int ld = D + 8;
-  SG_SHARED(bf16, rows_s, kTcRows * ld);  // this block's queries, then its output gradients
-  SG_SHARED(bf16, ks, kTcKeys * ld);
-  SG_SHARED(bf16, vs, kTcKeys * ld);
+  SG_SHARED(E, rows_s, kTcRows * ld);  // this block's queries, then its output gradients
+  SG_SHARED(E, ks, kTcKeys * ld);
+  SG_SHARED(E, vs, kTcKeys * ld);
   const int64_t head = int64_t(blockIdx.y) * T_ * D, row0 = int64_t(blockIdx.x) * kTcRows;
   const int warp = int(threadIdx.x) / 32, t = mma_thread_in_group();
   const int64_t rows[2] = {row0 + warp * 16 + mma_group(), row0 + warp * 16 + mma_group() + 8};
@@ -225,16 +235,16 @@ __global__ void __launch_bounds__(kTcThreads) attention_dq_tc_kernel(bf16* dq, c
     row_dvec[h] = live ? dvec[int64_t(blockIdx.y) * T_ + rows[h]] : 0.0f;
   }
 
-  FragA qf[D / 16], dof[D / 16];
-  load_warp_rows<D>(qf, rows_s, q + head, row0, T_);
-  load_warp_rows<D>(dof, rows_s, dout + head, row0, T_);
+  FragA<E> qf[D / 16], dof[D / 16];
+  load_warp_rows<E, D>(qf, rows_s, q + head, row0, T_);
+  load_warp_rows<E, D>(dof, rows_s, dout + head, row0, T_);
 
   FragC dqc[D / 8];
   const int64_t last = causal ? (row0 + kTcRows < T_ ? row0 + kTcRows : T_) : T_;
   for (int64_t j0 = 0; j0 < last; j0 += kTcKeys) {
     __syncthreads();
-    stage_rows_bf16<D>(ks, ld, k + head, j0, kTcKeys, T_);
-    stage_rows_bf16<D>(vs, ld, v + head, j0, kTcKeys, T_);
+    stage_rows<E, D>(ks, ld, k + head, j0, kTcKeys, T_);
+    stage_rows<E, D>(vs, ld, v + head, j0, kTcKeys, T_);
     __syncthreads();
 
     FragC s[kTcKeys / 8], dp[kTcKeys / 8];  // S and dP: 16 queries x 32 keys
@@ -251,30 +261,30 @@ __global__ void __launch_bounds__(kTcThreads) attention_dq_tc_kernel(bf16* dq, c
         dp[n].x[i] = p * (dp[n].x[i] - row_dvec[i / 2]);  // dS
       }
     for (int kk = 0; kk < kTcKeys / 16; ++kk) {
-      const FragA ds = a_from_accumulators(dp[2 * kk], dp[2 * kk + 1]);
+      const FragA<E> ds = a_from_accumulators<E>(dp[2 * kk], dp[2 * kk + 1]);
       for (int dn = 0; dn < D / 8; ++dn) mma(dqc[dn], ds, load_b_row_major(ks + 16 * kk * ld + 8 * dn, ld));
     }
   }
   for (int dn = 0; dn < D / 8; ++dn)
     for (int i = 0; i < 4; ++i)
-      if (rows[i / 2] < T_) dq[head + rows[i / 2] * D + 8 * dn + 2 * t + (i & 1)] = from_f32<bf16>(scale * dqc[dn].x[i]);
+      if (rows[i / 2] < T_) dq[head + rows[i / 2] * D + 8 * dn + 2 * t + (i & 1)] = from_f32<E>(scale * dqc[dn].x[i]);
 }
 
 // a.lse must be the forward's f32 lse; writes dq, dk, dv ('='). workspace:
 // attention_backward_workspace(a) f32 elements (Dv).
 inline void attention_backward_tensor_cores(const kernels::AttentionArgs& a, float* workspace, Stream stream) {
-  if (a.dtype != DType::bf16) kernels::unsupported("attention_backward (tensor cores)", a.dtype, "cuda");
-  dispatch_tensor_core_head_dim(a.D, "attention_backward", [&](auto dim) {
+  dispatch_tensor_cores(a.dtype, a.D, "attention_backward (tensor cores)", [&](auto tag, auto dim) {
+    using E = decltype(tag);
     constexpr int D = decltype(dim)::value;
-    const auto *q = static_cast<const bf16*>(a.q), *k = static_cast<const bf16*>(a.k), *v = static_cast<const bf16*>(a.v);
-    const auto* dout = static_cast<const bf16*>(a.dout);
+    const auto *q = static_cast<const E*>(a.q), *k = static_cast<const E*>(a.k), *v = static_cast<const E*>(a.v);
+    const auto* dout = static_cast<const E*>(a.dout);
     const auto* lse = static_cast<const float*>(a.lse);
-    launch(attention_dot_kernel<bf16, D>, dim3(blocks_for(a.B * a.H * a.T, 256)), dim3(256), 0, stream, workspace,
-           static_cast<const bf16*>(a.out), dout, a.B * a.H * a.T);
+    launch(attention_dot_kernel<E, D>, dim3(blocks_for(a.B * a.H * a.T, 256)), dim3(256), 0, stream, workspace,
+           static_cast<const E*>(a.out), dout, a.B * a.H * a.T);
     const dim3 grid(blocks_for(a.T, kTcRows), unsigned(a.B * a.H)), block(kTcThreads);
-    launch(attention_dkdv_tc_kernel<D>, grid, block, 0, stream, static_cast<bf16*>(a.dk), static_cast<bf16*>(a.dv), q,
+    launch(attention_dkdv_tc_kernel<E, D>, grid, block, 0, stream, static_cast<E*>(a.dk), static_cast<E*>(a.dv), q,
            k, v, dout, lse, static_cast<const float*>(workspace), a.T, float(a.scale), a.causal);
-    launch(attention_dq_tc_kernel<D>, grid, block, 0, stream, static_cast<bf16*>(a.dq), q, k, v, dout, lse,
+    launch(attention_dq_tc_kernel<E, D>, grid, block, 0, stream, static_cast<E*>(a.dq), q, k, v, dout, lse,
            static_cast<const float*>(workspace), a.T, float(a.scale), a.causal);
   });
 }

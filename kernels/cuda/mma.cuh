@@ -1,14 +1,14 @@
-// Warp-level tensor-core MMA: D = A B + C with A 16x16 and B 16x8 in bf16, C and D 16x8 in f32
-// (mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, sm_80+). Under nvcc it is one inline PTX
-// instruction; under kernels/emu the warp's 32 lanes pool their fragments and compute the same
-// product (sg::emu::mma_m16n8k16_bf16).
+// Warp-level tensor-core MMA: D = A B + C with A 16x16 and B 16x8 in bf16 or f16 (the element type
+// E of the fragments), C and D 16x8 in f32 (mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.
+// {bf16,f16}.f32, sm_80+). Under nvcc it is one inline PTX instruction; under kernels/emu the warp's
+// 32 lanes pool their fragments and compute the same product (sg::emu::mma_m16n8k16_bf16 / _f16).
 //
-// Fragment layout (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type"), per
-// lane with g = lane / 4 (groupID) and t = lane % 4 (threadID_in_group):
-//   A (row-major 16x16), 4 registers of two bf16, lower column in the low half:
+// Fragment layout (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type"; the same
+// for both element types), per lane with g = lane / 4 (groupID) and t = lane % 4 (threadID_in_group):
+//   A (row-major 16x16), 4 registers of two elements, lower column in the low half:
 //     a.x[0] = A[g][2t, 2t+1]      a.x[1] = A[g+8][2t, 2t+1]
 //     a.x[2] = A[g][2t+8, 2t+9]    a.x[3] = A[g+8][2t+8, 2t+9]
-//   B (16x8, "col": k runs along a register), 2 registers of two bf16, lower k in the low half:
+//   B (16x8, "col": k runs along a register), 2 registers of two elements, lower k in the low half:
 //     b.x[0] = B[2t, 2t+1][g]      b.x[1] = B[2t+8, 2t+9][g]
 //   C, D (16x8 f32):
 //     c.x[0], c.x[1] = C[g][2t, 2t+1]      c.x[2], c.x[3] = C[g+8][2t, 2t+1]
@@ -19,9 +19,13 @@
 
 namespace sg::cuda {
 
+// The A and B fragments carry their element type E (bf16 or f16) so that mma() picks the matching
+// instruction; the registers are the same 32-bit pairs either way.
+template <class E>
 struct FragA {
   uint32_t x[4];
 };
+template <class E>
 struct FragB {
   uint32_t x[2];
 };
@@ -29,20 +33,29 @@ struct FragC {
   float x[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 };
 
-// Two bf16 as one 32-bit register, lo in the low half.
-SG_DEVICE uint32_t pack_bf16x2(bf16 lo, bf16 hi) {
+// The 16 bits of a bf16 or f16.
+template <class E>
+SG_DEVICE uint32_t half_bits(E v) {
 #ifdef __CUDACC__
-  return uint32_t(__bfloat16_as_ushort(lo)) | uint32_t(__bfloat16_as_ushort(hi)) << 16;
+  if constexpr (std::is_same_v<E, bf16>) return __bfloat16_as_ushort(v);
+  else return __half_as_ushort(v);
 #else
-  return uint32_t(lo.bits) | uint32_t(hi.bits) << 16;
+  return v.bits;
 #endif
 }
+
+// Two elements as one 32-bit register, lo in the low half.
+template <class E>
+SG_DEVICE uint32_t pack_x2(E lo, E hi) {
+  return half_bits(lo) | half_bits(hi) << 16;
+}
 // p[0] and p[1] (p 4-byte aligned) as one register.
-SG_DEVICE uint32_t load_bf16x2(const bf16* p) {
+template <class E>
+SG_DEVICE uint32_t load_x2(const E* p) {
 #ifdef __CUDACC__
   return *reinterpret_cast<const uint32_t*>(p);
 #else
-  return pack_bf16x2(p[0], p[1]);
+  return pack_x2(p[0], p[1]);
 #endif
 }
 
@@ -50,36 +63,38 @@ SG_DEVICE int mma_group() { return int(threadIdx.x) % 32 / 4; }
 SG_DEVICE int mma_thread_in_group() { return int(threadIdx.x) % 4; }
 
 // A from a row-major 16x16 tile: element (r, c) at a[r * ld + c]; ld even.
-SG_DEVICE FragA load_a_row_major(const bf16* a, int ld) {
+template <class E>
+SG_DEVICE FragA<E> load_a_row_major(const E* a, int ld) {
   const int g = mma_group(), t = mma_thread_in_group();
-  FragA f;
-  f.x[0] = load_bf16x2(a + g * ld + 2 * t);
-  f.x[1] = load_bf16x2(a + (g + 8) * ld + 2 * t);
-  f.x[2] = load_bf16x2(a + g * ld + 2 * t + 8);
-  f.x[3] = load_bf16x2(a + (g + 8) * ld + 2 * t + 8);
+  FragA<E> f;
+  f.x[0] = load_x2(a + g * ld + 2 * t);
+  f.x[1] = load_x2(a + (g + 8) * ld + 2 * t);
+  f.x[2] = load_x2(a + g * ld + 2 * t + 8);
+  f.x[3] = load_x2(a + (g + 8) * ld + 2 * t + 8);
   return f;
 }
 
 // B (k x n = 16x8) stored n-major: element (k, n) at b[n * ld + k]; ld even. This is K as stored
 // ([key][dim]) when computing Q K^T.
-SG_DEVICE FragB load_b_col_major(const bf16* b, int ld) {
+template <class E>
+SG_DEVICE FragB<E> load_b_col_major(const E* b, int ld) {
   const int g = mma_group(), t = mma_thread_in_group();
-  FragB f;
-  f.x[0] = load_bf16x2(b + g * ld + 2 * t);
-  f.x[1] = load_bf16x2(b + g * ld + 2 * t + 8);
+  FragB<E> f;
+  f.x[0] = load_x2(b + g * ld + 2 * t);
+  f.x[1] = load_x2(b + g * ld + 2 * t + 8);
   return f;
 }
 
 // B (k x n = 16x8) stored k-major: element (k, n) at b[k * ld + n]. This is V as stored
 // ([key][dim]) when computing P V; the pairs along k are gathered from two rows.
-SG_DEVICE FragB load_b_row_major(const bf16* b, int ld) {
+template <class E>
+SG_DEVICE FragB<E> load_b_row_major(const E* b, int ld) {
   const int g = mma_group(), t = mma_thread_in_group();
-  FragB f;
-  f.x[0] = pack_bf16x2(b[(2 * t) * ld + g], b[(2 * t + 1) * ld + g]);
-  f.x[1] = pack_bf16x2(b[(2 * t + 8) * ld + g], b[(2 * t + 9) * ld + g]);
+  FragB<E> f;
+  f.x[0] = pack_x2(b[(2 * t) * ld + g], b[(2 * t + 1) * ld + g]);
+  f.x[1] = pack_x2(b[(2 * t + 8) * ld + g], b[(2 * t + 9) * ld + g]);
   return f;
 }
-
 // C from / D to a row-major 16x8 f32 tile: element (r, c) at p[r * ld + c].
 SG_DEVICE FragC load_c_row_major(const float* p, int ld) {
   const int g = mma_group(), t = mma_thread_in_group();
@@ -99,32 +114,40 @@ SG_DEVICE void store_c_row_major(float* p, int ld, const FragC& f) {
 }
 
 // The A fragment of a 16x16 tile whose left and right 16x8 halves are accumulators `left` and
-// `right`, rounded to bf16. The C layout of two adjacent n-tiles is the A layout of one k-tile,
+// `right`, rounded to E. The C layout of two adjacent n-tiles is the A layout of one k-tile,
 // so a softmax P computed in registers feeds P V without a trip through shared memory.
-SG_DEVICE FragA a_from_accumulators(const FragC& left, const FragC& right) {
-  FragA f;
-  f.x[0] = pack_bf16x2(from_f32<bf16>(left.x[0]), from_f32<bf16>(left.x[1]));
-  f.x[1] = pack_bf16x2(from_f32<bf16>(left.x[2]), from_f32<bf16>(left.x[3]));
-  f.x[2] = pack_bf16x2(from_f32<bf16>(right.x[0]), from_f32<bf16>(right.x[1]));
-  f.x[3] = pack_bf16x2(from_f32<bf16>(right.x[2]), from_f32<bf16>(right.x[3]));
+template <class E>
+SG_DEVICE FragA<E> a_from_accumulators(const FragC& left, const FragC& right) {
+  FragA<E> f;
+  f.x[0] = pack_x2(from_f32<E>(left.x[0]), from_f32<E>(left.x[1]));
+  f.x[1] = pack_x2(from_f32<E>(left.x[2]), from_f32<E>(left.x[3]));
+  f.x[2] = pack_x2(from_f32<E>(right.x[0]), from_f32<E>(right.x[1]));
+  f.x[3] = pack_x2(from_f32<E>(right.x[2]), from_f32<E>(right.x[3]));
   return f;
 }
 
 // d = a b + d, in place (the accumulator is both C and D).
-SG_DEVICE void mma(FragC& d, const FragA& a, const FragB& b) {
+template <class E>
+SG_DEVICE void mma(FragC& d, const FragA<E>& a, const FragB<E>& b) {
+  static_assert(std::is_same_v<E, bf16> || std::is_same_v<E, f16>, "mma: bf16 or f16 operands");
 #ifdef __CUDACC__
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d.x[0]), "+f"(d.x[1]), "+f"(d.x[2]), "+f"(d.x[3])
-      : "r"(a.x[0]), "r"(a.x[1]), "r"(a.x[2]), "r"(a.x[3]), "r"(b.x[0]), "r"(b.x[1]));
+// One statement per element type: the instruction names the type, and asm takes only a literal.
+#define SG_MMA_M16N8K16(type)                                                                                \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." type "." type                                       \
+               ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"                     \
+               : "+f"(d.x[0]), "+f"(d.x[1]), "+f"(d.x[2]), "+f"(d.x[3])                                      \
+               : "r"(a.x[0]), "r"(a.x[1]), "r"(a.x[2]), "r"(a.x[3]), "r"(b.x[0]), "r"(b.x[1]))
+  if constexpr (std::is_same_v<E, bf16>) SG_MMA_M16N8K16("bf16");
+  else SG_MMA_M16N8K16("f16");
+#undef SG_MMA_M16N8K16
 #elif defined(__CUDA_ARCH__)
-  __trap();  // bf16 mma.sync needs sm_80 or newer
+  __trap();  // m16n8k16 mma.sync needs sm_80 or newer
 #endif
 #else
   float out[4];
-  emu::mma_m16n8k16_bf16(out, a.x, b.x, d.x);
+  if constexpr (std::is_same_v<E, bf16>) emu::mma_m16n8k16_bf16(out, a.x, b.x, d.x);
+  else emu::mma_m16n8k16_f16(out, a.x, b.x, d.x);
   for (int i = 0; i < 4; ++i) d.x[i] = out[i];
 #endif
 }

@@ -270,17 +270,20 @@ inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 
 namespace sg::emu {
 
-// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 d, a, b, c  (D = A B + C; A 16x16, B 16x8,
-// C and D 16x8). Each lane passes its own fragment registers; the fragments of the warp meet in a
-// per-warp scratch (a warp barrier on each side), every lane rebuilds A, B and C from the layout
-// of the PTX ISA ("Matrix Fragments for mma.m16n8k16 with floating point type"), and takes back
-// the four elements of D its lane owns. With g = lane / 4 and t = lane % 4:
-//   A: a[i], i < 8, two bf16 per register, low half first:
+// mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32 d, a, b, c  (D = A B + C;
+// A 16x16, B 16x8, C and D 16x8). Each lane passes its own fragment registers; the fragments of the
+// warp meet in a per-warp scratch (a warp barrier on each side), every lane rebuilds A, B and C
+// from the layout of the PTX ISA ("Matrix Fragments for mma.m16n8k16 with floating point type"),
+// and takes back the four elements of D its lane owns. With g = lane / 4 and t = lane % 4:
+//   A: a[i], i < 8, two halves (bf16 or f16) per register, low half first:
 //      row g for i in {0,1,4,5}, g + 8 otherwise; col 2t + (i & 1), + 8 for i >= 4
 //   B: b[i], i < 4: row (k) 2t + (i & 1), + 8 for i >= 2; col (n) g
 //   C, D: c[i], i < 4: row g for i < 2, g + 8 otherwise; col 2t + (i & 1)
-// The products of bf16 values are exact in f32; the sum runs in f32 in k order after C.
-inline void mma_m16n8k16_bf16(float d[4], const uint32_t a[4], const uint32_t b[2], const float c[4]) {
+// The products of two bf16 or two f16 are exact in f32 (8 or 11 significant bits each, and f16's
+// range squared stays normal in f32); the sum runs in f32 in k order after C. The element types
+// differ only in how `widen` turns a 16-bit half into f32.
+template <float (*widen)(uint16_t)>
+void mma_m16n8k16(float d[4], const uint32_t a[4], const uint32_t b[2], const float c[4]) {
   ThreadState& t = this_thread;
   if (std::min(32, t.grid->threads - 32 * t.warp) != 32) fail("mma.sync needs all 32 lanes of the warp");
   uint32_t* warp = t.grid->warp_fragments.data() + size_t(t.warp) * 32 * 10;
@@ -290,7 +293,7 @@ inline void mma_m16n8k16_bf16(float d[4], const uint32_t a[4], const uint32_t b[
   for (int r = 0; r < 4; ++r) std::memcpy(&mine[6 + r], &c[r], 4);
   Barrier& barrier = *t.grid->warp_barriers[size_t(t.warp)];
   barrier.wait("mma.sync");
-  auto half = [](uint32_t word, int i) { return bf16_to_f32(uint16_t(i & 1 ? word >> 16 : word & 0xffffu)); };
+  auto half = [](uint32_t word, int i) { return widen(uint16_t(i & 1 ? word >> 16 : word & 0xffffu)); };
   float A[16][16], B[16][8], C[16][8];
   for (int lane = 0; lane < 32; ++lane) {
     const int g = lane / 4, tig = lane % 4;
@@ -311,6 +314,12 @@ inline void mma_m16n8k16_bf16(float d[4], const uint32_t a[4], const uint32_t b[
     d[i] = s;
   }
   barrier.wait("mma.sync");  // no lane overwrites its fragments while another still reads them
+}
+inline void mma_m16n8k16_bf16(float d[4], const uint32_t a[4], const uint32_t b[2], const float c[4]) {
+  mma_m16n8k16<bf16_to_f32>(d, a, b, c);
+}
+inline void mma_m16n8k16_f16(float d[4], const uint32_t a[4], const uint32_t b[2], const float c[4]) {
+  mma_m16n8k16<f16_to_f32>(d, a, b, c);
 }
 
 }  // namespace sg::emu

@@ -1,7 +1,8 @@
 // The tensor-core wrapper (kernels/cuda/mma.cuh) under emulation: every lane loads only the
 // fragment elements the PTX ISA assigns it, the emulated mma.sync pools them by that layout, and
-// D must equal A B + C computed directly. A load helper or an emulated layout that disagrees with
-// the documented one scrambles D, so these tests fail.
+// D must equal A B + C computed directly, for bf16 and for f16 operands. A load helper or an
+// emulated layout that disagrees with the documented one scrambles D, and an f16 half widened as
+// bf16 (or the reverse) gives values of another magnitude altogether, so these tests fail.
 #include <catch2/catch.hpp>
 
 #include "kernels/cuda/mma.cuh"
@@ -14,23 +15,25 @@ namespace {
 
 // Two warps per block, each with its own matrices: a [16][16], b as given by b_k_major ([k][n] when
 // true, [n][k] otherwise), c and d [16][8].
-__global__ void mma_kernel(float* d, const cu::bf16* a, const cu::bf16* b, const float* c, bool b_k_major) {
+template <class E>
+__global__ void mma_kernel(float* d, const E* a, const E* b, const float* c, bool b_k_major) {
   const int w = int(threadIdx.x) / 32;
-  const cu::FragA fa = cu::load_a_row_major(a + w * 256, 16);
-  const cu::FragB fb = b_k_major ? cu::load_b_row_major(b + w * 128, 8) : cu::load_b_col_major(b + w * 128, 16);
+  const cu::FragA<E> fa = cu::load_a_row_major(a + w * 256, 16);
+  const cu::FragB<E> fb = b_k_major ? cu::load_b_row_major(b + w * 128, 8) : cu::load_b_col_major(b + w * 128, 16);
   cu::FragC acc = cu::load_c_row_major(c + w * 128, 8);
   cu::mma(acc, fa, fb);
   cu::store_c_row_major(d + w * 128, 8, acc);
 }
 
-// One warp: S = A B1 as two 16x8 tiles (B1 [16][16], k-major), P = bf16(S) re-used as an A
+// One warp: S = A B1 as two 16x8 tiles (B1 [16][16], k-major), P = E(S) re-used as an A
 // fragment straight from the accumulators, D = P B2 (B2 [16][8], k-major).
-__global__ void chained_mma_kernel(float* d, const cu::bf16* a, const cu::bf16* b1, const cu::bf16* b2) {
-  const cu::FragA fa = cu::load_a_row_major(a, 16);
+template <class E>
+__global__ void chained_mma_kernel(float* d, const E* a, const E* b1, const E* b2) {
+  const cu::FragA<E> fa = cu::load_a_row_major(a, 16);
   cu::FragC left, right, out;
   cu::mma(left, fa, cu::load_b_row_major(b1, 16));
   cu::mma(right, fa, cu::load_b_row_major(b1 + 8, 16));
-  cu::mma(out, cu::a_from_accumulators(left, right), cu::load_b_row_major(b2, 8));
+  cu::mma(out, cu::a_from_accumulators<E>(left, right), cu::load_b_row_major(b2, 8));
   cu::store_c_row_major(d, 8, out);
 }
 
@@ -49,10 +52,14 @@ std::vector<float> matmul(const std::vector<float>& x, const std::vector<float>&
 
 }  // namespace
 
-TEST_CASE("emu mma m16n8k16 bf16: D = A B + C with each lane holding its documented fragments", "[emu]") {
+// The products of two bf16 or two f16 are exact in f32, so D differs from the f64 reference only by
+// the f32 sum.
+TEMPLATE_TEST_CASE("emu mma m16n8k16: D = A B + C with each lane holding its documented fragments", "[emu]",
+                   cu::bf16, cu::f16) {
+  using E = TestType;
   const bool b_k_major = GENERATE(false, true);
   INFO((b_k_major ? "B loaded k-major (load_b_row_major)" : "B loaded n-major (load_b_col_major)"));
-  const auto a = rounded<cu::bf16>(randn(2 * 256, 70)), b = rounded<cu::bf16>(randn(2 * 128, 71));
+  const auto a = rounded<E>(randn(2 * 256, 70)), b = rounded<E>(randn(2 * 128, 71));
   const auto c = randn(2 * 128, 72);
   std::vector<float> d(2 * 128), want;
   // b holds B [16][8] per warp in the layout the kernel is told; the reference needs [k][n].
@@ -63,19 +70,23 @@ TEST_CASE("emu mma m16n8k16 bf16: D = A B + C with each lane holding its documen
     const auto dw = matmul(aw, bw, 16, 16, 8, c.data() + w * 128);
     want.insert(want.end(), dw.begin(), dw.end());
   }
-  const auto as = to_storage<cu::bf16>(a), bs = to_storage<cu::bf16>(b);
-  cu::launch(mma_kernel, dim3(1), dim3(64), 0, nullptr, d.data(), as.data(), bs.data(), c.data(), b_k_major);
+  const auto as = to_storage<E>(a), bs = to_storage<E>(b);
+  cu::launch(mma_kernel<E>, dim3(1), dim3(64), 0, nullptr, d.data(), as.data(), bs.data(), c.data(), b_k_major);
   check_close(d, want, 1e-5, 1e-4);
 }
 
-TEST_CASE("emu mma: accumulators of two n-tiles re-used as the A fragment of the next mma (P V)", "[emu]") {
-  const auto a = rounded<cu::bf16>(randn(256, 80)), b1 = rounded<cu::bf16>(randn(256, 81));
-  const auto b2 = rounded<cu::bf16>(randn(128, 82));
-  const auto p = rounded<cu::bf16>(matmul(a, b1, 16, 16, 16));
+TEMPLATE_TEST_CASE("emu mma: accumulators of two n-tiles re-used as the A fragment of the next mma (P V)", "[emu]",
+                   cu::bf16, cu::f16) {
+  using E = TestType;
+  const auto a = rounded<E>(randn(256, 80)), b1 = rounded<E>(randn(256, 81));
+  const auto b2 = rounded<E>(randn(128, 82));
+  const auto p = rounded<E>(matmul(a, b1, 16, 16, 16));
   const auto want = matmul(p, b2, 16, 16, 8);
   std::vector<float> d(128);
-  const auto as = to_storage<cu::bf16>(a), b1s = to_storage<cu::bf16>(b1), b2s = to_storage<cu::bf16>(b2);
-  cu::launch(chained_mma_kernel, dim3(1), dim3(32), 0, nullptr, d.data(), as.data(), b1s.data(), b2s.data());
-  // S is rounded to bf16 on both sides; a last-bit difference in S can flip one rounding of P.
-  check_close(d, want, 1e-2, 5e-2);
+  const auto as = to_storage<E>(a), b1s = to_storage<E>(b1), b2s = to_storage<E>(b2);
+  cu::launch(chained_mma_kernel<E>, dim3(1), dim3(32), 0, nullptr, d.data(), as.data(), b1s.data(), b2s.data());
+  // S is rounded to E on both sides; a last-bit difference in S can flip one rounding of P, by one
+  // unit in the last place of E (2^-8 relative for bf16, 2^-11 for f16).
+  const double rtol = std::is_same_v<E, cu::bf16> ? 1e-2 : 1.5e-3;
+  check_close(d, want, rtol, 5 * rtol);
 }
