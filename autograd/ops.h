@@ -93,11 +93,19 @@ double sum_squares(const std::vector<Tensor>& xs, const std::vector<double>& wei
 Tensor matmul(const Tensor& a, const Tensor& b);
 // y = x W^T + b with W [out, in] (PyTorch's nn.Linear layout); b may be undefined.
 Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b);
+// gelu(linear(x, w, b)) in one GEMM (the bias and GELU in its epilogue; the same values on the CPU,
+// bit for bit); keeps the pre-activation for the backward, as gelu would.
+Tensor linear_gelu(const Tensor& x, const Tensor& w, const Tensor& b);
 
 // ---- neural-network ops ----
 Tensor softmax(const Tensor& x);      // over the last dim
 Tensor log_softmax(const Tensor& x);  // over the last dim
 Tensor layernorm(const Tensor& x, const Tensor& w, const Tensor& b, double eps = 1e-5);
+// The residual add and the LayerNorm after it in one pass: {r, y} with r = x + residual and
+// y = layernorm(r, w, b, eps). Same values as add then layernorm (bit for bit on the CPU in f32 and
+// f64); on a GPU the sum is stored once and read back once instead of written, read, and read again.
+std::pair<Tensor, Tensor> add_layernorm(const Tensor& x, const Tensor& residual, const Tensor& w, const Tensor& b,
+                                        double eps = 1e-5);
 Tensor rmsnorm(const Tensor& x, const Tensor& w, double eps = 1e-6);
 Tensor embedding(const Tensor& weight, const Tensor& idx);  // weight [V, C], idx int -> [..., C]
 

@@ -29,6 +29,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <functional>
+#include <tuple>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -178,10 +179,9 @@ Tensor profiled_loss(const nn::GPT& m, const Tensor& idx, const Tensor& tgt, Tim
     Tensor y = timed(t, "attention", [&] { return attention(q, k, v, true); });
     y = timed(t, "views", [&] { return reshape(permute(y, {0, 2, 1, 3}), {B, T, C}); });
     Tensor a = timed(t, "linear", [&] { return blk->attn->c_proj->forward(y); });
-    x = timed(t, "add", [&] { return add(x, a); });
-    Tensor h2 = timed(t, "layernorm", [&] { return blk->ln_2->forward(x); });
-    Tensor f = timed(t, "linear", [&] { return blk->mlp->c_fc->forward(h2); });
-    Tensor g = timed(t, "gelu", [&] { return gelu(f); });
+    Tensor h2;
+    std::tie(x, h2) = timed(t, "add_layernorm", [&] { return blk->ln_2->forward_add(x, a); });
+    Tensor g = timed(t, "linear_gelu", [&] { return blk->mlp->c_fc->forward_gelu(h2); });
     Tensor p = timed(t, "linear", [&] { return blk->mlp->c_proj->forward(g); });
     x = timed(t, "add", [&] { return add(x, p); });
   }

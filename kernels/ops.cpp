@@ -53,6 +53,14 @@ void check_adamw_batch(const AdamWArgs* args, int64_t count, const char* device)
   }
 }
 
+void check_gemm_epilogue(const GemmArgs& g, const char* device) {
+  if (!g.bias && !g.gelu && !g.pre_gelu) return;
+  SG_CHECK(g.batch == 1 && g.ldc == g.N, "gemm (", device, "): a bias or GELU epilogue needs one contiguous C (batch ",
+           g.batch, ", ldc ", g.ldc, ", N ", g.N, ")");
+  SG_CHECK(!g.gelu || g.beta == 0.0, "gemm (", device, "): the GELU epilogue needs beta = 0, got ", g.beta);
+  SG_CHECK(!g.pre_gelu || g.gelu, "gemm (", device, "): pre_gelu given without gelu");
+}
+
 void unsupported(const char* op, DType dtype, const char* device) {
   throw Error(str("op '", op, "' does not support dtype ", dtype_name(dtype), " on ", device));
 }

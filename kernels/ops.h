@@ -19,6 +19,12 @@ enum class Binary : uint8_t { add, sub, mul, div, max, min };
 enum class Unary : uint8_t { neg, exp, log, sqrt, rsqrt, tanh, relu, gelu, silu, abs, scale, add_scalar, pow, square };
 enum class Reduce : uint8_t { sum, max, sum_squares };
 
+// The dtype of per-row statistics and per-row losses (layernorm's mean and rstd, rmsnorm's rstd,
+// cross_entropy's loss, lse and dloss, attention's lse): f64 for f64 data, f32 for f32, bf16 and
+// f16. A half-precision lse or rstd would be too coarse for the backward (exp(x - lse) off by up
+// to 3% in bf16), and f32 costs no conversion pass on a device that computes in f32.
+inline DType stats_dtype(DType data) { return data == DType::f64 ? DType::f64 : DType::f32; }
+
 struct GemmArgs {
   DType dtype;
   bool trans_a = false, trans_b = false;  // row-major: C[M,N] = alpha * op(A)[M,K] op(B)[K,N] + beta * C
@@ -31,6 +37,13 @@ struct GemmArgs {
   int64_t ldc = 0;
   double alpha = 1.0, beta = 0.0;
   int64_t batch = 1, stride_a = 0, stride_b = 0, stride_c = 0;  // batched: element strides between matrices
+  // Epilogue (one matrix, C contiguous: batch 1, ldc == N): bias [N] (dtype) added to every row of
+  // alpha op(A) op(B) + beta C; then, with gelu (beta 0), C = GELU (tanh form) of that, the value
+  // before GELU also stored to pre_gelu ([M, N]) when given, for the backward. A linear layer's
+  // forward in one call: a GPU does it in the GEMM's epilogue instead of extra passes over C.
+  const void* bias = nullptr;
+  bool gelu = false;
+  void* pre_gelu = nullptr;
 };
 
 struct AttentionArgs {
@@ -78,12 +91,22 @@ struct OpTable {
   void (*softmax)(DType dtype, void* y, const void* x, int64_t rows, int64_t cols, bool log) = nullptr;
   void (*softmax_backward)(DType dtype, void* dx, const void* dy, const void* y, int64_t rows, int64_t cols,
                            bool log) = nullptr;
-  // LayerNorm over C: saves mean and rstd per row. Backward: dx, dw, db all '=' (not '+=').
+  // LayerNorm over C: saves mean and rstd per row (stats_dtype). Backward: dx, dw, db all '='.
   void (*layernorm)(DType dtype, void* y, void* mean, void* rstd, const void* x, const void* w, const void* b,
                     int64_t rows, int64_t C, double eps) = nullptr;
   void (*layernorm_backward)(DType dtype, void* dx, void* dw, void* db, const void* dy, const void* x,
                              const void* w, const void* mean, const void* rstd, int64_t rows, int64_t C) = nullptr;
-  // RMSNorm: y = x * rstd * w. Backward: dx, dw '='.
+  // The residual add fused into the LayerNorm after it (one pass over the residual stream, not
+  // two): r = x + residual ('=', in dtype), then y = LayerNorm(r) of r as stored, as above.
+  // Backward: dx = dr + (LayerNorm's input gradient at r) ('='), the gradient of both x and
+  // residual; dr (the gradient reaching r itself) may be null for zero and may be dx. dw, db '='.
+  void (*residual_layernorm)(DType dtype, void* r, void* y, void* mean, void* rstd, const void* x,
+                             const void* residual, const void* w, const void* b, int64_t rows, int64_t C,
+                             double eps) = nullptr;
+  void (*residual_layernorm_backward)(DType dtype, void* dx, void* dw, void* db, const void* dr, const void* dy,
+                                      const void* r, const void* w, const void* mean, const void* rstd, int64_t rows,
+                                      int64_t C) = nullptr;
+  // RMSNorm: y = x * rstd * w (rstd in stats_dtype). Backward: dx, dw '='.
   void (*rmsnorm)(DType dtype, void* y, void* rstd, const void* x, const void* w, int64_t rows, int64_t C,
                   double eps) = nullptr;
   void (*rmsnorm_backward)(DType dtype, void* dx, void* dw, const void* dy, const void* x, const void* w,
@@ -95,8 +118,8 @@ struct OpTable {
                              int64_t n, int64_t C) = nullptr;
   // Fused softmax + cross-entropy over logits[rows, Vp] using only the first V columns (padded
   // vocabulary). loss[r] = logsumexp - logit[target]; rows whose target == ignore_index get loss 0.
-  // lse[r] is saved. Backward: dlogits = (softmax - onehot) * dloss[r] ('='); padded columns and
-  // ignored rows get 0.
+  // lse[r] is saved. loss, lse and dloss are in stats_dtype. Backward: dlogits = (softmax - onehot)
+  // * dloss[r] ('='); padded columns and ignored rows get 0.
   void (*cross_entropy)(DType dtype, DType tgt_dtype, void* loss, void* lse, const void* logits, const void* targets,
                         int64_t rows, int64_t Vp, int64_t V, int64_t ignore_index) = nullptr;
   void (*cross_entropy_backward)(DType dtype, DType tgt_dtype, void* dlogits, const void* dloss, const void* logits,
@@ -134,6 +157,9 @@ const OpTable& table(Device d);
 // fused attention on the CUDA device d). Refuses cudnn, saying why, for a CPU device or a build
 // without CUDA kernels or cuDNN.
 void select_attention(const std::string& name, Device d);
+
+// Throws, naming the device, when a GEMM's epilogue (bias, gelu, pre_gelu) breaks GemmArgs' rules.
+void check_gemm_epilogue(const GemmArgs& g, const char* device);
 
 // Throws, naming the device and the entry, when args[1..count) differ from args[0] in anything
 // but weight_decay (adamw_many's contract).

@@ -89,7 +89,7 @@ MLP::MLP(const GPTConfig& c, DType dtype, Device device) {
   c_proj = register_module("c_proj", std::make_shared<Linear>(4 * c.n_embd, c.n_embd, true, dtype, device));
 }
 
-Tensor MLP::forward(const Tensor& x) const { return c_proj->forward(gelu(c_fc->forward(x))); }
+Tensor MLP::forward(const Tensor& x) const { return c_proj->forward(c_fc->forward_gelu(x)); }
 
 Block::Block(const GPTConfig& c, DType dtype, Device device, std::shared_ptr<comm::ProcessGroup> tp_group)
     : dropout(c.dropout) {
@@ -105,8 +105,8 @@ Tensor Block::forward(const Tensor& x, Recompute rc) const {
   auto body = [this, rc](const autograd::TensorList& in) {
     const bool sel = rc == Recompute::selective;
     Tensor a = attn ? attn->forward(ln_1->forward(in[0]), sel) : tp_attn->forward(ln_1->forward(in[0]), sel);
-    Tensor h = add(in[0], a);
-    Tensor m = mlp ? mlp->forward(ln_2->forward(h)) : tp_mlp->forward(ln_2->forward(h));
+    auto [h, normed] = ln_2->forward_add(in[0], a);  // h = x + attn, normed = ln_2(h): one fused op
+    Tensor m = mlp ? mlp->forward(normed) : tp_mlp->forward(normed);
     return autograd::TensorList{add(h, dropout > 0 ? sg::dropout(m, dropout) : m)};
   };
   if (pre_forward) pre_forward();

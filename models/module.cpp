@@ -57,6 +57,7 @@ Linear::Linear(int64_t in, int64_t out, bool has_bias, DType dtype, Device devic
   if (has_bias) bias = register_parameter("bias", {out}, dtype, device);
 }
 Tensor Linear::forward(const Tensor& x) const { return linear(x, weight, bias); }
+Tensor Linear::forward_gelu(const Tensor& x) const { return linear_gelu(x, weight, bias); }
 
 Embedding::Embedding(int64_t num, int64_t dim, DType dtype, Device device) {
   weight = register_parameter("weight", {num, dim}, dtype, device);
@@ -69,6 +70,9 @@ LayerNorm::LayerNorm(int64_t dim, double eps_, DType dtype, Device device) : eps
   fill_(weight, 1.0);
 }
 Tensor LayerNorm::forward(const Tensor& x) const { return layernorm(x, weight, bias, eps); }
+std::pair<Tensor, Tensor> LayerNorm::forward_add(const Tensor& x, const Tensor& residual) const {
+  return add_layernorm(x, residual, weight, bias, eps);
+}
 
 }  // namespace sg::nn
 

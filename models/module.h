@@ -54,6 +54,7 @@ class Linear : public Module {
  public:
   Linear(int64_t in, int64_t out, bool bias, DType dtype = DType::f32, Device device = Device::cpu());
   Tensor forward(const Tensor& x) const;
+  Tensor forward_gelu(const Tensor& x) const;  // gelu(forward(x)) in one op (sg::linear_gelu)
   const char* type_name() const override { return "Linear"; }
   Tensor weight, bias;
   int64_t in_features, out_features;
@@ -71,6 +72,8 @@ class LayerNorm : public Module {
  public:
   explicit LayerNorm(int64_t dim, double eps = 1e-5, DType dtype = DType::f32, Device device = Device::cpu());
   Tensor forward(const Tensor& x) const;
+  // {x + residual, forward(x + residual)} in one fused op (sg::add_layernorm).
+  std::pair<Tensor, Tensor> forward_add(const Tensor& x, const Tensor& residual) const;
   const char* type_name() const override { return "LayerNorm"; }
   Tensor weight, bias;
   double eps;

@@ -13,6 +13,7 @@
 #include "autograd/ops.h"
 #include "autograd/tape.h"
 #include "core/philox.h"
+#include "kernels/ops.h"
 
 using namespace sg;
 using autograd::TensorList;
@@ -465,6 +466,12 @@ std::vector<OpCase> all_op_cases() {
         [](R r) { return linear_ref(r[0], r[1], &r[2]); });
   L.add("linear without bias", {N({3, 5}), N({4, 5})}, [](V x) { return linear(x[0], x[1], Tensor()); },
         [](R r) { return linear_ref(r[0], r[1], nullptr); });
+  L.add("linear_gelu with bias", {N({2, 3, 5}), N({4, 5}), N({4})}, [](V x) { return linear_gelu(x[0], x[1], x[2]); },
+        [](R r) { return each(linear_ref(r[0], r[1], &r[2]), gelu_ref); })
+      .half = true;
+  L.add("linear_gelu without bias, of a transposed input", {N({5, 3}), N({4, 5})},
+        [](V x) { return linear_gelu(transpose(x[0], 0, 1), x[1], Tensor()); },
+        [](R r) { return each(linear_ref(permute_ref(r[0], {1, 0}), r[1], nullptr), gelu_ref); });
 
   // Neural-network ops.
   L.add("softmax", {N(S)}, [](V x) { return softmax(x[0]); }, [](R r) { return softmax_ref(r[0], false); });
@@ -476,6 +483,21 @@ std::vector<OpCase> all_op_cases() {
       .half = true;
   L.add("layernorm without bias", {N(S), N({7})}, [](V x) { return layernorm(x[0], x[1], Tensor(), 1e-3); },
         [](R r) { return layernorm_ref(r[0], r[1], nullptr, 1e-3); });
+  auto plus_ref = [](const Ref& a, const Ref& b) { return zip(a, b, [](double u, double v) { return u + v; }); };
+  L.add("add_layernorm: the normalised sum", {N(S), N(S), N({7}), N({7})},
+        [](V x) { return add_layernorm(x[0], x[1], x[2], x[3]).second; },
+        [=](R r) { return layernorm_ref(plus_ref(r[0], r[1]), r[2], &r[3], 1e-5); })
+      .half = true;
+  // both outputs used: the sum's own gradient (dr) joins the LayerNorm's in the fused backward
+  L.add("add_layernorm: the sum and its norm", {N(S), N({3, 5, 7}), N({7})},
+        [](V x) {
+          auto [r, y] = add_layernorm(x[0], x[1], x[2], Tensor(), 1e-3);
+          return add(mul(r, 0.5), y);
+        },
+        [=](R r) {
+          Ref sum = plus_ref(r[0], r[1]);
+          return plus_ref(each(sum, [](double v) { return 0.5 * v; }), layernorm_ref(sum, r[2], nullptr, 1e-3));
+        });
   L.add("layernorm of a narrowed view", {N({3, 9}), N({7}), N({7})}, [](V x) { return layernorm(narrow(x[0], 1, 1, 7), x[1], x[2]); },
         [](R r) { return layernorm_ref(narrow_ref(r[0], 1, 1, 7), r[1], &r[2], 1e-5); });
   L.add("rmsnorm", {N(S), N({7})}, [](V x) { return rmsnorm(x[0], x[1]); }, [](R r) { return rmsnorm_ref(r[0], r[1], 1e-6); });
@@ -709,6 +731,83 @@ TEST_CASE("to(dtype) round trips keep values representable in the target and cas
   tape.backward({y}, {G});
   auto g = to_vector<double>(leaf.grad()), gv = to_vector<double>(G);
   for (size_t i = 0; i < g.size(); ++i) CHECK(g[i] == round_significand(gv[i], 8));  // the gradient passes as bf16
+}
+
+TEST_CASE("add_layernorm is add then layernorm, bit for bit, forward and backward, on the CPU", "[ops]") {
+  for (DType dt : {DType::f32, DType::f64}) {
+    INFO(dtype_name(dt));
+    auto run = [&](bool fused) {
+      Tensor x = randn({4, 3, 10}, 7, 1, 0, 1, dt), a = randn({4, 3, 10}, 7, 2, 0, 1, dt);
+      Tensor w = randn({10}, 7, 3, 1, 0.2, dt), b = randn({10}, 7, 4, 0, 0.2, dt);
+      for (Tensor* t : {&x, &a, &w, &b}) t->set_requires_grad(true);
+      autograd::Tape tape;
+      Tensor loss;
+      {
+        autograd::TapeScope s(tape);
+        Tensor h, y;
+        if (fused) {
+          std::tie(h, y) = add_layernorm(x, a, w, b);
+        } else {
+          h = add(x, a);
+          y = layernorm(h, w, b);
+        }
+        // the block's shape: the sum goes on (times a weight) beside the normalised branch
+        loss = sum(mul(add(h, mul(y, y)), randn({4, 3, 10}, 7, 5, 0, 1, dt)));
+      }
+      tape.backward(loss);
+      return std::vector<Tensor>{loss, x.grad(), a.grad(), w.grad(), b.grad()};
+    };
+    const auto fused = run(true), plain = run(false);
+    for (size_t i = 0; i < fused.size(); ++i) {
+      INFO("result " << i);
+      CHECK(to_vector<double>(to(fused[i], DType::f64)) == to_vector<double>(to(plain[i], DType::f64)));
+    }
+  }
+  Tensor x = zeros({2, 4}), w = ones({4});
+  REQUIRE_THROWS_WITH(add_layernorm(x, zeros({2, 5}), w, Tensor()), Contains("add_layernorm: residual"));
+  REQUIRE_THROWS_WITH(add_layernorm(x, x, ones({3}), Tensor()), Contains("add_layernorm: weight [3]"));
+}
+
+TEST_CASE("linear_gelu is linear then gelu, bit for bit, forward and backward, on the CPU", "[ops]") {
+  for (DType dt : {DType::f32, DType::f64}) {
+    INFO(dtype_name(dt));
+    auto run = [&](bool fused) {
+      Tensor x = randn({6, 40}, 9, 1, 0, 1, dt), w = randn({24, 40}, 9, 2, 0, 0.3, dt), b = randn({24}, 9, 3, 0, 1, dt);
+      for (Tensor* t : {&x, &w, &b}) t->set_requires_grad(true);
+      autograd::Tape tape;
+      Tensor loss;
+      {
+        autograd::TapeScope s(tape);
+        Tensor y = fused ? linear_gelu(x, w, b) : gelu(linear(x, w, b));
+        loss = sum(mul(y, randn({6, 24}, 9, 4, 0, 1, dt)));
+      }
+      tape.backward(loss);
+      return std::vector<Tensor>{loss, x.grad(), w.grad(), b.grad()};
+    };
+    const auto fused = run(true), plain = run(false);
+    for (size_t i = 0; i < fused.size(); ++i) {
+      INFO("result " << i);
+      CHECK(to_vector<double>(to(fused[i], DType::f64)) == to_vector<double>(to(plain[i], DType::f64)));
+    }
+  }
+  REQUIRE_THROWS_WITH(linear_gelu(zeros({2, 3}), zeros({4, 5}), Tensor()), Contains("linear_gelu: input [2,3]"));
+}
+
+TEST_CASE("the CPU gemm refuses an epilogue it cannot apply, naming it", "[ops]") {
+  std::vector<float> a(6, 1.0f), b(6, 1.0f), c(4, 0.0f), bias(2, 1.0f);
+  kernels::GemmArgs g;
+  g.dtype = DType::f32;
+  g.M = 2, g.N = 2, g.K = 3, g.A = a.data(), g.lda = 3, g.B = b.data(), g.ldb = 2, g.C = c.data(), g.ldc = 2;
+  g.bias = bias.data();
+  g.gelu = true;
+  g.beta = 1.0;
+  REQUIRE_THROWS_WITH(SG_KERNEL(Device::cpu(), gemm)(g), Contains("gemm (cpu): the GELU epilogue needs beta = 0"));
+  g.beta = 0.0;
+  g.ldc = 3;
+  REQUIRE_THROWS_WITH(SG_KERNEL(Device::cpu(), gemm)(g), Contains("needs one contiguous C"));
+  g.ldc = 2;
+  SG_KERNEL(Device::cpu(), gemm)(g);
+  CHECK(c[0] == Approx(0.5 * 4 * (1 + std::tanh(0.7978845608028654 * (4 + 0.044715 * 64)))));
 }
 
 TEST_CASE("bf16 and f16 tensors keep their dtype through a small model on the CPU", "[ops]") {

@@ -92,38 +92,56 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
   return out;
 }
 
-Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
-  detail::check_same_device("linear", x, w);
-  SG_CHECK(w.dim() == 2, "linear: weight must be [out, in], got ", shape_str(w.shape()));
+namespace {
+
+// linear (gelu false) and linear_gelu: one GEMM with the bias (and GELU) in its epilogue. The GELU
+// form saves the pre-activation, which its backward needs.
+Tensor linear_impl(const char* op, const Tensor& x, const Tensor& w, const Tensor& b, bool gelu) {
+  detail::check_same_device(op, x, w);
+  SG_CHECK(w.dim() == 2, op, ": weight must be [out, in], got ", shape_str(w.shape()));
   const int64_t in = w.size(1), outf = w.size(0);
-  SG_CHECK(x.dim() >= 1 && x.size(-1) == in, "linear: input ", shape_str(x.shape()), " does not match weight ",
+  SG_CHECK(x.dim() >= 1 && x.size(-1) == in, op, ": input ", shape_str(x.shape()), " does not match weight ",
            shape_str(w.shape()), " (", x.size(-1), " != ", in, ")");
-  SG_CHECK(x.dtype() == w.dtype(), "linear: input dtype ", dtype_name(x.dtype()), " but weight dtype ",
+  SG_CHECK(x.dtype() == w.dtype(), op, ": input dtype ", dtype_name(x.dtype()), " but weight dtype ",
            dtype_name(w.dtype()));
-  SG_CHECK(!b.defined() || (b.dim() == 1 && b.size(0) == outf), "linear: bias ", shape_str(b.shape()),
+  SG_CHECK(!b.defined() || (b.dim() == 1 && b.size(0) == outf), op, ": bias ", shape_str(b.shape()),
            " does not match ", outf, " outputs");
-  const int64_t rows = x.numel() / in;
+  const int64_t rows = x.numel() / std::max<int64_t>(in, 1);
   Shape s = x.shape();
   s.back() = outf;
-  Tensor out;
+  const bool grad = needs_grad({x, w, b});  // asked before the guard below turns recording off
+  Tensor out, pre;
   {
     autograd::NoGradGuard ng;
-    Tensor X = detail::operand(x), W = detail::operand(w);
+    Tensor X = detail::operand(x), W = detail::operand(w), B = b.defined() ? detail::operand(b) : Tensor();
     out = empty(s, X.dtype(), x.device());
-    bool acc = false;
-    if (b.defined()) {  // y starts as the broadcast bias; the GEMM accumulates onto it (beta = 1)
-      Tensor B = detail::operand(b);
-      copy_(out, expand(B, s));
-      acc = true;
+    kernels::GemmArgs g;
+    g.dtype = X.dtype();
+    g.trans_b = true;  // out [rows, out] = x [rows, in] W^T
+    g.M = rows, g.N = outf, g.K = in;
+    g.A = X.data_ptr(), g.lda = in;
+    g.B = W.data_ptr(), g.ldb = in;
+    g.C = out.data_ptr(), g.ldc = outf;
+    g.bias = B.defined() ? B.data_ptr() : nullptr;
+    g.gelu = gelu;
+    if (gelu && grad) {
+      pre = empty(s, X.dtype(), x.device());
+      g.pre_gelu = pre.data_ptr();
     }
-    gemm_into(out, X, false, W, true, 1, rows, outf, in, 0, 0, acc);
+    SG_KERNEL(out.device(), gemm)(g);
     out = detail::narrow_result(out, x.dtype());
   }
-  if (needs_grad({x, w, b})) {
+  if (grad) {
     Tensor kx = detach(x), kw = detach(w);
     bool gx = x.requires_grad(), gw = w.requires_grad(), gb = b.defined() && b.requires_grad();
-    record("linear", {x, w, b}, {out}, [kx, kw, gx, gw, gb, rows, in, outf](const TensorList& g) {
+    record(op, {x, w, b}, {out}, [kx, kw, pre, gx, gw, gb, rows, in, outf](const TensorList& g) {
       Tensor G = detail::operand(g[0]);
+      if (pre.defined()) {  // through the GELU first: d(pre) = dy * gelu'(pre)
+        Tensor dpre = empty(pre.shape(), pre.dtype(), pre.device());
+        SG_KERNEL(pre.device(), unary_backward)(kernels::Unary::gelu, pre.dtype(), dpre.data_ptr(), G.data_ptr(),
+                                                pre.data_ptr(), pre.numel());
+        G = dpre;
+      }
       Tensor dx, dw, db;
       if (gx) {  // dx [rows, in] = dy [rows, out] @ W [out, in]
         Tensor W = detail::operand(kw);
@@ -142,6 +160,14 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
     });
   }
   return out;
+}
+
+}  // namespace
+
+Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) { return linear_impl("linear", x, w, b, false); }
+
+Tensor linear_gelu(const Tensor& x, const Tensor& w, const Tensor& b) {
+  return linear_impl("linear_gelu", x, w, b, true);
 }
 
 }  // namespace sg

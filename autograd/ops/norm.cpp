@@ -8,41 +8,92 @@ using autograd::needs_grad;
 using autograd::record;
 using detail::TensorList;
 
-Tensor layernorm(const Tensor& x, const Tensor& w, const Tensor& b, double eps) {
-  detail::check_floating("layernorm", x);
-  const int64_t C = x.size(-1), rows = x.numel() / std::max<int64_t>(C, 1);
-  SG_CHECK(w.dim() == 1 && w.size(0) == C, "layernorm: weight ", shape_str(w.shape()), " does not match input ",
+namespace {
+
+void check_layernorm_args(const char* op, const Tensor& x, const Tensor& w, const Tensor& b) {
+  detail::check_floating(op, x);
+  const int64_t C = x.size(-1);
+  SG_CHECK(w.dim() == 1 && w.size(0) == C, op, ": weight ", shape_str(w.shape()), " does not match input ",
            shape_str(x.shape()));
-  SG_CHECK(!b.defined() || (b.dim() == 1 && b.size(0) == C), "layernorm: bias ", shape_str(b.shape()),
+  SG_CHECK(!b.defined() || (b.dim() == 1 && b.size(0) == C), op, ": bias ", shape_str(b.shape()),
            " does not match input ", shape_str(x.shape()));
-  Tensor y, X, W, mean, rstd;
+}
+
+// The forward of layernorm (residual undefined) or add_layernorm: runs the kernel, records the
+// node, returns {r, y} (r undefined without a residual).
+std::pair<Tensor, Tensor> layernorm_impl(const char* op, const Tensor& x, const Tensor& residual, const Tensor& w,
+                                         const Tensor& b, double eps) {
+  const bool fused = residual.defined();
+  const int64_t C = x.size(-1), rows = x.numel() / std::max<int64_t>(C, 1);
+  Tensor r, y, X, W, mean, rstd;
   {
     autograd::NoGradGuard ng;
     X = detail::operand(x);
     W = detail::operand(w);
     Tensor B = b.defined() ? detail::operand(b) : Tensor();
+    const DType st = kernels::stats_dtype(X.dtype());
     y = empty(X.shape(), X.dtype(), X.device());
-    mean = empty({rows}, X.dtype(), X.device());
-    rstd = empty({rows}, X.dtype(), X.device());
-    SG_KERNEL(x.device(), layernorm)(X.dtype(), y.data_ptr(), mean.data_ptr(), rstd.data_ptr(), X.data_ptr(),
-                                     W.data_ptr(), B.defined() ? B.data_ptr() : nullptr, rows, C, eps);
+    mean = empty({rows}, st, X.device());
+    rstd = empty({rows}, st, X.device());
+    if (fused) {
+      const Tensor Res = detail::operand(residual);
+      r = empty(X.shape(), X.dtype(), X.device());
+      SG_KERNEL(x.device(), residual_layernorm)(X.dtype(), r.data_ptr(), y.data_ptr(), mean.data_ptr(),
+                                                rstd.data_ptr(), X.data_ptr(), Res.data_ptr(), W.data_ptr(),
+                                                B.defined() ? B.data_ptr() : nullptr, rows, C, eps);
+      X = r;  // the backward normalises the sum
+    } else {
+      SG_KERNEL(x.device(), layernorm)(X.dtype(), y.data_ptr(), mean.data_ptr(), rstd.data_ptr(), X.data_ptr(),
+                                       W.data_ptr(), B.defined() ? B.data_ptr() : nullptr, rows, C, eps);
+    }
     y = detail::narrow_result(y, x.dtype());
+    if (fused) r = detail::narrow_result(r, x.dtype());
   }
-  if (needs_grad({x, w, b})) {
-    DType want = x.dtype();
-    bool has_b = b.defined();
-    record("layernorm", {x, w, b}, {y}, [X, W, mean, rstd, rows, C, want, has_b](const TensorList& g) {
-      Tensor G = detail::operand(g[0]);
+  const TensorList inputs = fused ? TensorList{x, residual, w, b} : TensorList{x, w, b};
+  if (needs_grad(inputs)) {
+    const DType want = x.dtype();
+    const bool has_b = b.defined();
+    X = detach(X);
+    auto backward = [X, W, mean, rstd, rows, C, want, has_b, fused](const TensorList& g) {
+      const Tensor& g_y = g[fused ? 1 : 0];
       Tensor dx = empty(X.shape(), X.dtype(), X.device()), dw = empty({C}, X.dtype(), X.device());
       Tensor db = has_b ? empty({C}, X.dtype(), X.device()) : Tensor();
-      SG_KERNEL(X.device(), layernorm_backward)(X.dtype(), dx.data_ptr(), dw.data_ptr(), has_b ? db.data_ptr() : nullptr,
-                                                G.data_ptr(), X.data_ptr(), W.data_ptr(), mean.data_ptr(),
-                                                rstd.data_ptr(), rows, C);
-      return TensorList{detail::narrow_result(dx, want), detail::narrow_result(dw, want),
-                        has_b ? detail::narrow_result(db, want) : Tensor()};
-    });
+      const Tensor G = g_y.defined() ? detail::operand(g_y) : zeros(X.shape(), X.dtype(), X.device());
+      if (fused) {
+        const Tensor DR = g[0].defined() ? detail::operand(g[0]) : Tensor();
+        SG_KERNEL(X.device(), residual_layernorm_backward)(
+            X.dtype(), dx.data_ptr(), dw.data_ptr(), has_b ? db.data_ptr() : nullptr,
+            DR.defined() ? DR.data_ptr() : nullptr, G.data_ptr(), X.data_ptr(), W.data_ptr(), mean.data_ptr(),
+            rstd.data_ptr(), rows, C);
+      } else {
+        SG_KERNEL(X.device(), layernorm_backward)(X.dtype(), dx.data_ptr(), dw.data_ptr(),
+                                                  has_b ? db.data_ptr() : nullptr, G.data_ptr(), X.data_ptr(),
+                                                  W.data_ptr(), mean.data_ptr(), rstd.data_ptr(), rows, C);
+      }
+      dx = detail::narrow_result(dx, want);
+      Tensor dwn = detail::narrow_result(dw, want), dbn = has_b ? detail::narrow_result(db, want) : Tensor();
+      return fused ? TensorList{dx, dx, dwn, dbn} : TensorList{dx, dwn, dbn};
+    };
+    if (fused) record(op, inputs, {r, y}, backward);
+    else record(op, inputs, {y}, backward);
   }
-  return y;
+  return {r, y};
+}
+
+}  // namespace
+
+Tensor layernorm(const Tensor& x, const Tensor& w, const Tensor& b, double eps) {
+  check_layernorm_args("layernorm", x, w, b);
+  return layernorm_impl("layernorm", x, Tensor(), w, b, eps).second;
+}
+
+std::pair<Tensor, Tensor> add_layernorm(const Tensor& x, const Tensor& residual, const Tensor& w, const Tensor& b,
+                                        double eps) {
+  check_layernorm_args("add_layernorm", x, w, b);
+  detail::check_same_device("add_layernorm", x, residual);
+  SG_CHECK(residual.shape() == x.shape() && residual.dtype() == x.dtype(), "add_layernorm: residual ",
+           residual.describe(), " must match the input ", x.describe());
+  return layernorm_impl("add_layernorm", x, residual, w, b, eps);
 }
 
 Tensor rmsnorm(const Tensor& x, const Tensor& w, double eps) {
@@ -56,7 +107,7 @@ Tensor rmsnorm(const Tensor& x, const Tensor& w, double eps) {
     X = detail::operand(x);
     W = detail::operand(w);
     y = empty(X.shape(), X.dtype(), X.device());
-    rstd = empty({rows}, X.dtype(), X.device());
+    rstd = empty({rows}, kernels::stats_dtype(X.dtype()), X.device());
     SG_KERNEL(x.device(), rmsnorm)(X.dtype(), y.data_ptr(), rstd.data_ptr(), X.data_ptr(), W.data_ptr(), rows, C, eps);
     y = detail::narrow_result(y, x.dtype());
   }

@@ -64,13 +64,14 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, const CrossEnt
   {
     autograd::NoGradGuard ng;
     X = detail::operand(logits);
-    Tensor per_row = empty({rows}, X.dtype(), X.device());
-    lse = empty({rows}, X.dtype(), X.device());
+    // Per-row losses and lse in f32 for bf16/f16 logits (kernels::stats_dtype): the loss is f32 as
+    // under autocast (a loss scaled for fp16, x 65536, would overflow at 65504 in f16).
+    const DType st = kernels::stats_dtype(X.dtype());
+    Tensor per_row = empty({rows}, st, X.device());
+    lse = empty({rows}, st, X.device());
     SG_KERNEL(X.device(), cross_entropy)(X.dtype(), tg.dtype(), per_row.data_ptr(), lse.data_ptr(), X.data_ptr(),
                                          tg.data_ptr(), rows, Vp, V, opt.ignore_index);
-    // The loss is f32 for bf16/f16 logits, as under autocast: a loss scaled for fp16 (x 65536)
-    // would overflow at 65504 in f16.
-    loss = mul(sum(is_half(per_row.dtype()) ? to(per_row, DType::f32) : per_row), factor);
+    loss = mul(sum(per_row), factor);
   }
   if (needs_grad({logits})) {
     Tensor kx = detach(X);
@@ -79,7 +80,7 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, const CrossEnt
     DType want = logits.dtype();
     record("cross_entropy", {logits}, {loss}, [kx, tg, lse, rows, Vp, V, ignore, factor, shape, want](const TensorList& g) {
       // dloss per row = upstream scalar * factor
-      Tensor d = full({rows}, item(g[0]) * factor, kx.dtype(), kx.device());
+      Tensor d = full({rows}, item(g[0]) * factor, lse.dtype(), kx.device());
       Tensor dx = empty(shape, kx.dtype(), kx.device());
       SG_KERNEL(kx.device(), cross_entropy_backward)(kx.dtype(), tg.dtype(), dx.data_ptr(), d.data_ptr(), kx.data_ptr(),
                                                      lse.data_ptr(), tg.data_ptr(), rows, Vp, V, ignore);

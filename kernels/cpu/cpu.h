@@ -44,6 +44,11 @@ void layernorm(DType dtype, void* y, void* mean, void* rstd, const void* x, cons
                int64_t rows, int64_t C, double eps);
 void layernorm_backward(DType dtype, void* dx, void* dw, void* db, const void* dy, const void* x, const void* w,
                         const void* mean, const void* rstd, int64_t rows, int64_t C);
+void residual_layernorm(DType dtype, void* r, void* y, void* mean, void* rstd, const void* x, const void* residual,
+                        const void* w, const void* b, int64_t rows, int64_t C, double eps);
+void residual_layernorm_backward(DType dtype, void* dx, void* dw, void* db, const void* dr, const void* dy,
+                                 const void* r, const void* w, const void* mean, const void* rstd, int64_t rows,
+                                 int64_t C);
 void rmsnorm(DType dtype, void* y, void* rstd, const void* x, const void* w, int64_t rows, int64_t C, double eps);
 void rmsnorm_backward(DType dtype, void* dx, void* dw, const void* dy, const void* x, const void* w,
                       const void* rstd, int64_t rows, int64_t C);

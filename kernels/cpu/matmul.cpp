@@ -1,6 +1,7 @@
 // GEMM and batched GEMM on Eigen. One large GEMM uses Eigen's own OpenMP threading; a batch of
 // small ones is spread over threads with one single-threaded GEMM each.
 #include <Eigen/Core>
+#include <algorithm>
 
 #include "kernels/cpu/cpu.h"
 
@@ -37,6 +38,7 @@ void gemm_one(const GemmArgs& g, const T* A, const T* B, T* C) {
 }  // namespace
 
 void gemm(const GemmArgs& g) {
+  check_gemm_epilogue(g, "cpu");
   dispatch_float(g.dtype, "gemm", [&](auto tag) {
     using T = decltype(tag);
     auto* A = static_cast<const T*>(g.A);
@@ -44,6 +46,13 @@ void gemm(const GemmArgs& g) {
     auto* C = static_cast<T*>(g.C);
     if (g.batch == 1) {
       gemm_one<T>(g, A, B, C);
+      // The epilogue as the separate ops would do it: the same values, bit for bit.
+      if (g.bias) MMap<T>(C, g.M, g.N, Eigen::OuterStride<>(g.ldc)).rowwise() +=
+                  Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(static_cast<const T*>(g.bias), g.N);
+      if (g.gelu) {
+        if (g.pre_gelu) std::copy(C, C + g.M * g.N, static_cast<T*>(g.pre_gelu));
+        unary(Unary::gelu, g.dtype, C, g.pre_gelu ? g.pre_gelu : C, g.M * g.N, 0);
+      }
     } else {
 #pragma omp parallel for schedule(static)
       for (int64_t i = 0; i < g.batch; ++i) gemm_one<T>(g, A + i * g.stride_a, B + i * g.stride_b, C + i * g.stride_c);

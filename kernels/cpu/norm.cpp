@@ -8,19 +8,28 @@
 
 namespace sg::kernels::cpu {
 
-void layernorm(DType dtype, void* y, void* mean, void* rstd, const void* x, const void* w, const void* b,
-               int64_t rows, int64_t C, double eps) {
-  dispatch_float(dtype, "layernorm", [&](auto tag) {
+namespace {
+
+// LayerNorm of x, or of r = x + residual stored into r_out first (the statistics use r as stored).
+void layernorm_rows(const char* op, DType dtype, void* r_out, void* y, void* mean, void* rstd, const void* x,
+                    const void* residual, const void* w, const void* b, int64_t rows, int64_t C, double eps) {
+  dispatch_float(dtype, op, [&](auto tag) {
     using T = decltype(tag);
     auto* Y = static_cast<T*>(y);
     auto* M = static_cast<T*>(mean);
     auto* R = static_cast<T*>(rstd);
     auto* X = static_cast<const T*>(x);
+    auto* Res = static_cast<const T*>(residual);
     auto* W = static_cast<const T*>(w);
     auto* Bb = static_cast<const T*>(b);
 #pragma omp parallel for schedule(static) if (rows * C > 16384)
     for (int64_t r = 0; r < rows; ++r) {
       const T* xr = X + r * C;
+      if (Res) {
+        T* rr = static_cast<T*>(r_out) + r * C;
+        for (int64_t i = 0; i < C; ++i) rr[i] = xr[i] + Res[r * C + i];
+        xr = rr;
+      }
       T m = 0;
       for (int64_t i = 0; i < C; ++i) m += xr[i];
       m /= T(C);
@@ -36,14 +45,16 @@ void layernorm(DType dtype, void* y, void* mean, void* rstd, const void* x, cons
   });
 }
 
-// dx = rstd * (dy*w - mean(dy*w) - xhat * mean(dy*w*xhat)); dw = sum dy*xhat; db = sum dy. ('=')
-void layernorm_backward(DType dtype, void* dx, void* dw, void* db, const void* dy, const void* x, const void* w,
-                        const void* mean, const void* rstd, int64_t rows, int64_t C) {
-  dispatch_float(dtype, "layernorm_backward", [&](auto tag) {
+// dx = (dr +) rstd * (dy*w - mean(dy*w) - xhat * mean(dy*w*xhat)); dw = sum dy*xhat; db = sum dy. ('=')
+void layernorm_backward_rows(const char* op, DType dtype, void* dx, void* dw, void* db, const void* dr,
+                             const void* dy, const void* x, const void* w, const void* mean, const void* rstd,
+                             int64_t rows, int64_t C) {
+  dispatch_float(dtype, op, [&](auto tag) {
     using T = decltype(tag);
     auto* DX = static_cast<T*>(dx);
     auto* DW = static_cast<T*>(dw);
     auto* DB = static_cast<T*>(db);
+    auto* DR = static_cast<const T*>(dr);
     auto* DY = static_cast<const T*>(dy);
     auto* X = static_cast<const T*>(x);
     auto* W = static_cast<const T*>(w);
@@ -59,6 +70,7 @@ void layernorm_backward(DType dtype, void* dx, void* dw, void* db, const void* d
     {
       T* dw_local = partial.data() + size_t(omp_get_thread_num()) * size_t(2 * C);
       T* db_local = dw_local + C;
+      std::vector<T> row(DR ? size_t(C) : 0);
 #pragma omp for schedule(static)
       for (int64_t r = 0; r < rows; ++r) {
         const T* g = DY + r * C;
@@ -75,11 +87,16 @@ void layernorm_backward(DType dtype, void* dx, void* dw, void* db, const void* d
         }
         mean_g /= T(C);
         mean_gx /= T(C);
-        T* o = DX + r * C;
+        // With DR the row's gradient is rounded into `row` first, then added: the same two roundings
+        // as the tape adding the two gradients (one fused multiply-add would round once), and DR
+        // may be DX.
+        T* o = DR ? row.data() : DX + r * C;
         for (int64_t i = 0; i < C; ++i) {
           T xhat = (xr[i] - m) * s;
           o[i] = s * (g[i] * W[i] - mean_g - xhat * mean_gx);
         }
+        if (DR)
+          for (int64_t i = 0; i < C; ++i) DX[r * C + i] = DR[r * C + i] + row[size_t(i)];
       }
     }
     for (int t = 0; t < nt; ++t) {
@@ -89,6 +106,30 @@ void layernorm_backward(DType dtype, void* dx, void* dw, void* db, const void* d
         for (int64_t i = 0; i < C; ++i) DB[i] += dw_local[C + i];
     }
   });
+}
+
+}  // namespace
+
+void layernorm(DType dtype, void* y, void* mean, void* rstd, const void* x, const void* w, const void* b,
+               int64_t rows, int64_t C, double eps) {
+  layernorm_rows("layernorm", dtype, nullptr, y, mean, rstd, x, nullptr, w, b, rows, C, eps);
+}
+
+void layernorm_backward(DType dtype, void* dx, void* dw, void* db, const void* dy, const void* x, const void* w,
+                        const void* mean, const void* rstd, int64_t rows, int64_t C) {
+  layernorm_backward_rows("layernorm_backward", dtype, dx, dw, db, nullptr, dy, x, w, mean, rstd, rows, C);
+}
+
+void residual_layernorm(DType dtype, void* r, void* y, void* mean, void* rstd, const void* x, const void* residual,
+                        const void* w, const void* b, int64_t rows, int64_t C, double eps) {
+  SG_CHECK(r && residual, "residual_layernorm: needs the residual and the buffer for the sum");
+  layernorm_rows("residual_layernorm", dtype, r, y, mean, rstd, x, residual, w, b, rows, C, eps);
+}
+
+void residual_layernorm_backward(DType dtype, void* dx, void* dw, void* db, const void* dr, const void* dy,
+                                 const void* r, const void* w, const void* mean, const void* rstd, int64_t rows,
+                                 int64_t C) {
+  layernorm_backward_rows("residual_layernorm_backward", dtype, dx, dw, db, dr, dy, r, w, mean, rstd, rows, C);
 }
 
 void rmsnorm(DType dtype, void* y, void* rstd, const void* x, const void* w, int64_t rows, int64_t C, double eps) {

@@ -19,6 +19,8 @@ const OpTable* cpu_table() {
     o.softmax_backward = cpu::softmax_backward;
     o.layernorm = cpu::layernorm;
     o.layernorm_backward = cpu::layernorm_backward;
+    o.residual_layernorm = cpu::residual_layernorm;
+    o.residual_layernorm_backward = cpu::residual_layernorm_backward;
     o.rmsnorm = cpu::rmsnorm;
     o.rmsnorm_backward = cpu::rmsnorm_backward;
     o.embedding = cpu::embedding;

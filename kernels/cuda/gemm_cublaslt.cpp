@@ -106,14 +106,19 @@ cublasLtMatmulAlgo_t cached_algo(const AlgoKey& key, Find find) {
   return algos.emplace(key, algo).first->second;
 }
 
-struct Epilogue {
-  cublasLtEpilogue_t kind = CUBLASLT_EPILOGUE_DEFAULT;
-  const void* bias = nullptr;
-  void* aux = nullptr;  // GELU_AUX: the pre-activation, [ldaux = m] column-major
-};
+// GemmArgs' epilogue in cuBLASLt's terms. The bias is one value per column of row-major C, i.e.
+// per row of the column-major result, which is what cuBLASLt's bias vector is; the pre-activation
+// (aux) is column-major with leading dimension m = N, i.e. row-major [M, N].
+cublasLtEpilogue_t epilogue_of(const kernels::GemmArgs& g) {
+  if (g.gelu) {
+    if (g.bias) return g.pre_gelu ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_BIAS;
+    return g.pre_gelu ? CUBLASLT_EPILOGUE_GELU_AUX : CUBLASLT_EPILOGUE_GELU;
+  }
+  return g.bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
+}
 
 // The one path every GEMM takes. Row-major semantics as in kernels::GemmArgs.
-void matmul(const kernels::GemmArgs& g, const Epilogue& ep, const char* op) {
+void matmul(const kernels::GemmArgs& g, const char* op) {
   SG_CHECK(g.M >= 0 && g.N >= 0 && g.K >= 0 && g.batch >= 1, op, ": bad sizes M=", g.M, " N=", g.N, " K=", g.K,
            " batch=", g.batch);
   if (g.M == 0 || g.N == 0) return;
@@ -134,14 +139,17 @@ void matmul(const kernels::GemmArgs& g, const Epilogue& ep, const char* op) {
   const cublasOperation_t tb = g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, ta = g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   SG_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSA, &tb, sizeof(tb)));
   SG_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSB, &ta, sizeof(ta)));
-  if (ep.kind != CUBLASLT_EPILOGUE_DEFAULT) {
-    SG_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &ep.kind, sizeof(ep.kind)));
+  const cublasLtEpilogue_t epilogue = epilogue_of(g);
+  if (epilogue != CUBLASLT_EPILOGUE_DEFAULT) {
     SG_CUBLAS_CHECK(
-        cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &ep.bias, sizeof(ep.bias)));
-    if (ep.aux) {
+        cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
+    if (g.bias)
+      SG_CUBLAS_CHECK(
+          cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof(g.bias)));
+    if (g.pre_gelu) {
       const int64_t ld = g.N;
-      SG_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &ep.aux,
-                                                     sizeof(ep.aux)));
+      SG_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &g.pre_gelu,
+                                                     sizeof(g.pre_gelu)));
       SG_CUBLAS_CHECK(
           cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld, sizeof(ld)));
     }
@@ -153,9 +161,9 @@ void matmul(const kernels::GemmArgs& g, const Epilogue& ep, const char* op) {
 
   const Storage workspace(kWorkspaceBytes, d, MemCategory::workspace);
   cublasLtHandle_t h = handle_for(d);
-  const uint32_t align = min_alignment({g.A, g.B, g.C, ep.bias, ep.aux});
+  const uint32_t align = min_alignment({g.A, g.B, g.C, g.bias, g.pre_gelu});
   const AlgoKey key{d.index, int(g.dtype), int(compute), g.trans_a, g.trans_b, g.M, g.N, g.K, g.lda, g.ldb, g.ldc,
-                    g.batch, g.stride_a, g.stride_b, g.stride_c, int(ep.kind), align};
+                    g.batch, g.stride_a, g.stride_b, g.stride_c, int(epilogue), align};
   const cublasLtMatmulAlgo_t algo = cached_algo(key, [&] {
     SG_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&desc.pref));
     const uint64_t ws = kWorkspaceBytes;
@@ -182,24 +190,16 @@ void matmul(const kernels::GemmArgs& g, const Epilogue& ep, const char* op) {
 void set_allow_tf32(bool allow) { g_allow_tf32 = allow; }
 bool allow_tf32() { return g_allow_tf32; }
 
-void gemm(const kernels::GemmArgs& a) { matmul(a, Epilogue{}, "gemm"); }
+void gemm(const kernels::GemmArgs& a) {
+  kernels::check_gemm_epilogue(a, "cuda");
+  SG_CHECK(epilogue_fits(a), "gemm (cuda): cuBLASLt's epilogue needs a 16-byte aligned bias and pre_gelu, and N (",
+           a.N, ") a multiple of 8 with pre_gelu");
+  matmul(a, "gemm");
+}
 
-void gemm_bias_gelu(DType dtype, void* out, void* pre_gelu, const void* x, const void* w, const void* bias, int64_t M,
-                    int64_t N, int64_t K) {
-  SG_CHECK(!pre_gelu || N % 8 == 0, "gemm_bias_gelu: cuBLASLt needs N (", N,
-           ") to be a multiple of 8 to save the pre-activation");
-  kernels::GemmArgs g;
-  g.dtype = dtype;
-  g.trans_b = true;  // out = x w^T
-  g.M = M, g.N = N, g.K = K;
-  g.A = x, g.lda = K;
-  g.B = w, g.ldb = K;
-  g.C = out, g.ldc = N;
-  Epilogue ep;
-  ep.kind = pre_gelu ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_BIAS;
-  ep.bias = bias;  // one per column of row-major out = one per row of the column-major result
-  ep.aux = pre_gelu;
-  matmul(g, ep, "gemm_bias_gelu");
+bool epilogue_fits(const kernels::GemmArgs& a) {
+  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  return aligned(a.bias) && aligned(a.pre_gelu) && (!a.pre_gelu || a.N % 8 == 0);
 }
 
 }  // namespace sg::cuda

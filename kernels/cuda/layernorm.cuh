@@ -3,7 +3,7 @@
 // thousands); statistics in f32; mean and rstd saved as f32 per row.
 //   forward:  r = x (+ residual);  xhat = (r - mean) rstd;  y = xhat w + b
 //             (RMSNorm: xhat = r rstd, rstd = 1/sqrt(mean(r^2) + eps), no mean, no bias)
-//   backward: dx (= or +=) rstd (dy w - mean(dy w) - xhat mean(dy w xhat))   (RMS: no mean(dy w))
+//   backward: dx = (dr +) rstd (dy w - mean(dy w) - xhat mean(dy w xhat))   (RMS: no mean(dy w))
 //             dw = sum_rows dy xhat, db = sum_rows dy  ('='), in a fixed order: per-chunk partial
 //             sums over kRowsPerChunk rows, then the chunks in order (no atomics)
 #pragma once
@@ -51,8 +51,8 @@ __global__ void norm_forward_kernel(T* y, float* mean, float* rstd, T* residual_
 }
 
 template <class T, bool kRms>
-__global__ void norm_backward_dx_kernel(T* dx, const T* dy, const T* x, const T* w, const float* mean,
-                                        const float* rstd, int64_t rows, int64_t C, bool accumulate) {
+__global__ void norm_backward_dx_kernel(T* dx, const T* dr, const T* dy, const T* x, const T* w, const float* mean,
+                                        const float* rstd, int64_t rows, int64_t C) {
   const int lane = int(threadIdx.x) % 32;
   const int64_t row = int64_t(blockIdx.x) * kNormWarps + int(threadIdx.x) / 32;
   if (row >= rows) return;
@@ -67,10 +67,11 @@ __global__ void norm_backward_dx_kernel(T* dx, const T* dy, const T* x, const T*
   mean_g = kRms ? 0.0f : warp_sum(mean_g) / float(C);
   mean_gx = warp_sum(mean_gx) / float(C);
   T* o = dx + row * C;
+  const T* a = dr ? dr + row * C : nullptr;  // may be o: each lane reads its element before writing it
   for (int64_t i = lane; i < C; i += 32) {
     const float xhat = (to_f32(xr[i]) - m) * s;
     const float d = s * (to_f32(g[i]) * to_f32(w[i]) - mean_g - xhat * mean_gx);
-    o[i] = from_f32<T>(accumulate ? to_f32(o[i]) + d : d);
+    o[i] = from_f32<T>(a ? to_f32(a[i]) + d : d);
   }
 }
 
@@ -117,10 +118,10 @@ void norm_forward(T* y, float* mean, float* rstd, T* residual_out, const T* x, c
 }
 
 template <class T, bool kRms>
-void norm_backward(T* dx, T* dw, T* db, const T* dy, const T* x, const T* w, const float* mean, const float* rstd,
-                   int64_t rows, int64_t C, bool accumulate, float* workspace, Stream stream) {
+void norm_backward(T* dx, T* dw, T* db, const T* dr, const T* dy, const T* x, const T* w, const float* mean,
+                   const float* rstd, int64_t rows, int64_t C, float* workspace, Stream stream) {
   launch(norm_backward_dx_kernel<T, kRms>, dim3(blocks_for(rows, kNormWarps)), dim3(32 * kNormWarps), 0, stream, dx,
-         dy, x, w, mean, rstd, rows, C, accumulate);
+         dr, dy, x, w, mean, rstd, rows, C);
   const unsigned chunks = unsigned((rows + kRowsPerChunk - 1) / kRowsPerChunk);
   launch(norm_backward_partial_kernel<T, kRms>, dim3(blocks_for(C, 128), chunks), dim3(128), 0, stream, workspace, dy,
          x, mean, rstd, rows, C);
@@ -147,16 +148,18 @@ void residual_layernorm_forward(T* residual_out, T* y, float* mean, float* rstd,
 template <class T>
 void layernorm_backward(T* dx, T* dw, T* db, const T* dy, const T* x, const T* w, const float* mean,
                         const float* rstd, int64_t rows, int64_t C, float* workspace, Stream stream) {
-  norm_backward<T, false>(dx, dw, db, dy, x, w, mean, rstd, rows, C, false, workspace, stream);
+  norm_backward<T, false>(dx, dw, db, static_cast<const T*>(nullptr), dy, x, w, mean, rstd, rows, C, workspace,
+                          stream);
 }
 
-// Backward of residual_layernorm_forward: the residual stream's gradient dresidual already holds
-// the gradient from later blocks, and gets the LayerNorm's input gradient added ('+='); it is the
-// gradient of both x and residual. dw, db '='. x is the saved residual_out.
+// Backward of residual_layernorm_forward: dx = dr + the LayerNorm's input gradient ('='), the
+// gradient of both x and residual; dr is the gradient that reached residual_out from later in the
+// network (null for none; it may be dx). dw, db '='. r is the saved residual_out.
 template <class T>
-void residual_layernorm_backward(T* dresidual, T* dw, T* db, const T* dy, const T* x, const T* w, const float* mean,
-                                 const float* rstd, int64_t rows, int64_t C, float* workspace, Stream stream) {
-  norm_backward<T, false>(dresidual, dw, db, dy, x, w, mean, rstd, rows, C, true, workspace, stream);
+void residual_layernorm_backward(T* dx, T* dw, T* db, const T* dr, const T* dy, const T* r, const T* w,
+                                 const float* mean, const float* rstd, int64_t rows, int64_t C, float* workspace,
+                                 Stream stream) {
+  norm_backward<T, false>(dx, dw, db, dr, dy, r, w, mean, rstd, rows, C, workspace, stream);
 }
 
 template <class T>
@@ -169,8 +172,8 @@ void rmsnorm_forward(T* y, float* rstd, const T* x, const T* w, int64_t rows, in
 template <class T>
 void rmsnorm_backward(T* dx, T* dw, const T* dy, const T* x, const T* w, const float* rstd, int64_t rows, int64_t C,
                       float* workspace, Stream stream) {
-  norm_backward<T, true>(dx, dw, static_cast<T*>(nullptr), dy, x, w, static_cast<const float*>(nullptr), rstd, rows, C,
-                         false, workspace, stream);
+  norm_backward<T, true>(dx, dw, static_cast<T*>(nullptr), static_cast<const T*>(nullptr), dy, x, w,
+                         static_cast<const float*>(nullptr), rstd, rows, C, workspace, stream);
 }
 
 }  // namespace sg::cuda

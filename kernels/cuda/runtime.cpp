@@ -167,7 +167,6 @@ void ensure_registered() {
     t.copy_from_host = from_host;
 #ifdef SG_CUDA_KERNELS
     fill_kernel_table(t);
-    t.gemm = gemm;
 #endif
     // Without SG_CUDA_KERNELS every other op on a cuda tensor fails naming the op and the device.
     kernels::register_table(DeviceType::cuda, &t);

@@ -53,22 +53,21 @@ void set_attention_backend(AttentionBackend b);
 AttentionBackend attention_backend();
 
 #ifdef SG_CUDA_KERNELS
-// kernels/cuda/table.cu: every kernel entry of the CUDA op table (all but gemm and the copies).
+// kernels/cuda/table.cu: every kernel entry of the CUDA op table (all but the host copies).
 void fill_kernel_table(kernels::OpTable& t);
 
-// kernels/cuda/gemm_cublaslt.cpp: the op table's gemm through cuBLASLt on the compute stream.
-// f32 (TF32 tensor cores only when allowed below), bf16 and f16 with f32 accumulation.
+// kernels/cuda/gemm_cublaslt.cpp: GEMM through cuBLASLt on the compute stream, bias and GELU
+// epilogues included. f32 (TF32 tensor cores only when allowed below), bf16 and f16 with f32
+// accumulation; cuBLASLt's GELU is the tanh form GPT-2 uses (tests/gpu/kernels.cpp checks it).
 void gemm(const kernels::GemmArgs& a);
 // TF32 for f32 GEMMs: ~10-bit mantissa products, several times faster. Off by default, so f32
 // results match the CPU to f32 rounding.
 void set_allow_tf32(bool allow);
 bool allow_tf32();
-// Row-major out[M, N] = gelu(x[M, K] w[N, K]^T + bias[N]) in one cuBLASLt call (the bias+GELU
-// epilogue), the forward of a linear layer followed by GELU; bf16, f16 or f32. cuBLASLt's GELU is
-// taken to be the tanh form GPT-2 uses; tests/gpu/kernels.cpp checks that against the CPU.
-// pre_gelu, when given ([M, N], same dtype, N a multiple of 8), receives x w^T + bias.
-void gemm_bias_gelu(DType dtype, void* out, void* pre_gelu, const void* x, const void* w, const void* bias,
-                    int64_t M, int64_t N, int64_t K);
+// Whether cuBLASLt takes a's epilogue as given: the bias and pre-activation 16-byte aligned, and
+// N a multiple of 8 when the pre-activation is stored. gemm() refuses an epilogue that does not
+// fit; the op table's gemm entry (table.cu) runs such an epilogue as separate kernels instead.
+bool epilogue_fits(const kernels::GemmArgs& a);
 #endif
 
 #ifdef SG_WITH_CUDNN

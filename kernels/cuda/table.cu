@@ -4,15 +4,11 @@
 // blocks are reused only on the compute stream, so a scratch buffer may be released as soon as
 // the launches that use it are enqueued.
 //
-// Per-row statistics: the kernels keep mean, rstd, lse and loss in f32, while the op table types
-// them as the input dtype. For f32 the buffers pass straight through. For bf16 (and f16 where a
-// kernel takes it) the kernels write f32 scratch that is then rounded into the table's buffers,
-// and backward entries widen them again; two backwards do better than reuse the rounded values:
-// cross_entropy_backward recomputes lse from the logits (a bf16 lse would be off by up to 3% in
-// exp(x - lse)), and attention_backward re-runs the forward for an f32 lse for the same reason.
+// Per-row statistics (mean, rstd, loss, lse, dloss) are f32 for every dtype, as the op table's
+// kernels::stats_dtype says, so the kernels read and write the callers' buffers directly.
 //
-// Attention: bf16 at head dim 64 or 128 runs on tensor cores (attention_tc.cuh), forward and
-// backward; f32 and the other head dims on the FMA flash kernels (attention.cuh).
+// Attention: bf16 and f16 at head dim 64 or 128 run on tensor cores (attention_tc.cuh), forward
+// and backward; f32 and the other head dims on the FMA flash kernels (attention.cuh).
 #include "core/storage.h"
 #include "kernels/cuda/adamw.cuh"
 #include "kernels/cuda/attention.cuh"
@@ -157,57 +153,83 @@ void softmax_backward(DType dtype, void* dx, const void* dy, const void* y, int6
   cuda::softmax_backward(dtype, dx, dy, y, rows, cols, log, on(dx, "softmax_backward").stream);
 }
 
-void layernorm(DType dtype, void* y, void* mean, void* rstd, const void* x, const void* w, const void* b, int64_t rows,
-               int64_t C, double eps) {
+// cuBLASLt fuses the bias and GELU into the GEMM when they fit its rules (epilogue_fits); otherwise
+// the GEMM runs bare and the epilogue follows as elementwise kernels, with the same values.
+void gemm(const kernels::GemmArgs& g) {
+  if (epilogue_fits(g)) return cuda::gemm(g);
+  kernels::check_gemm_epilogue(g, "cuda");
+  kernels::GemmArgs bare = g;
+  bare.bias = nullptr;
+  bare.gelu = false;
+  bare.pre_gelu = nullptr;
+  void* pre = g.pre_gelu ? g.pre_gelu : g.C;  // where the value before GELU lands
+  bare.C = pre;
+  cuda::gemm(bare);
+  const cudaStream_t stream = on(g.C, "gemm").stream;
+  if (g.bias) cuda::binary(Binary::add, g.dtype, pre, pre, {g.N, 1}, g.bias, {0, 1}, {g.M, g.N}, stream);
+  if (g.gelu) cuda::unary(Unary::gelu, g.dtype, g.C, pre, g.M * g.N, 0, stream);
+}
+
+// The norms' mean and rstd are f32 for every dtype these kernels take (kernels::stats_dtype).
+float* stats(const void* p) { return static_cast<float*>(const_cast<void*>(p)); }
+
+// With residual null this is the plain layernorm (r is not written).
+void residual_layernorm(DType dtype, void* r, void* y, void* mean, void* rstd, const void* x, const void* residual,
+                        const void* w, const void* b, int64_t rows, int64_t C, double eps) {
   if (rows * C == 0) return;
   const On o = on(y, "layernorm");
-  const F32Rows m(mean, dtype, rows, o, false, "layernorm"), r(rstd, dtype, rows, o, false, "layernorm");
   dispatch_storage(dtype, "layernorm", [&](auto tag) {
     using T = decltype(tag);
-    layernorm_forward<T>(static_cast<T*>(y), m.get(), r.get(), static_cast<const T*>(x), static_cast<const T*>(w),
-                         static_cast<const T*>(b), rows, C, eps, o.stream);
+    norm_forward<T, false>(static_cast<T*>(y), stats(mean), stats(rstd), static_cast<T*>(r), static_cast<const T*>(x),
+                           static_cast<const T*>(residual), static_cast<const T*>(w), static_cast<const T*>(b), rows,
+                           C, eps, o.stream);
   });
-  m.store();
-  r.store();
+}
+
+void layernorm(DType dtype, void* y, void* mean, void* rstd, const void* x, const void* w, const void* b, int64_t rows,
+               int64_t C, double eps) {
+  residual_layernorm(dtype, nullptr, y, mean, rstd, x, nullptr, w, b, rows, C, eps);
+}
+
+void residual_layernorm_backward(DType dtype, void* dx, void* dw, void* db, const void* dr, const void* dy,
+                                 const void* x, const void* w, const void* mean, const void* rstd, int64_t rows,
+                                 int64_t C) {
+  if (rows * C == 0) return;
+  const On o = on(dx, "layernorm_backward");
+  const Scratch work(size_t(norm_backward_workspace(rows, C)) * sizeof(float), o.dev);
+  dispatch_storage(dtype, "layernorm_backward", [&](auto tag) {
+    using T = decltype(tag);
+    norm_backward<T, false>(static_cast<T*>(dx), static_cast<T*>(dw), static_cast<T*>(db), static_cast<const T*>(dr),
+                            static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(w), stats(mean),
+                            stats(rstd), rows, C, work.as<float>(), o.stream);
+  });
 }
 
 void layernorm_backward(DType dtype, void* dx, void* dw, void* db, const void* dy, const void* x, const void* w,
                         const void* mean, const void* rstd, int64_t rows, int64_t C) {
-  if (rows * C == 0) return;
-  const On o = on(dx, "layernorm_backward");
-  const F32Rows m(mean, dtype, rows, o, true, "layernorm_backward"), r(rstd, dtype, rows, o, true, "layernorm_backward");
-  const Scratch work(size_t(norm_backward_workspace(rows, C)) * sizeof(float), o.dev);
-  dispatch_storage(dtype, "layernorm_backward", [&](auto tag) {
-    using T = decltype(tag);
-    cuda::layernorm_backward<T>(static_cast<T*>(dx), static_cast<T*>(dw), static_cast<T*>(db),
-                                static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(w), m.get(),
-                                r.get(), rows, C, work.as<float>(), o.stream);
-  });
+  residual_layernorm_backward(dtype, dx, dw, db, nullptr, dy, x, w, mean, rstd, rows, C);
 }
 
 void rmsnorm(DType dtype, void* y, void* rstd, const void* x, const void* w, int64_t rows, int64_t C, double eps) {
   if (rows * C == 0) return;
   const On o = on(y, "rmsnorm");
-  const F32Rows r(rstd, dtype, rows, o, false, "rmsnorm");
   dispatch_storage(dtype, "rmsnorm", [&](auto tag) {
     using T = decltype(tag);
-    rmsnorm_forward<T>(static_cast<T*>(y), r.get(), static_cast<const T*>(x), static_cast<const T*>(w), rows, C, eps,
-                       o.stream);
+    rmsnorm_forward<T>(static_cast<T*>(y), stats(rstd), static_cast<const T*>(x), static_cast<const T*>(w), rows, C,
+                       eps, o.stream);
   });
-  r.store();
 }
 
 void rmsnorm_backward(DType dtype, void* dx, void* dw, const void* dy, const void* x, const void* w, const void* rstd,
                       int64_t rows, int64_t C) {
   if (rows * C == 0) return;
   const On o = on(dx, "rmsnorm_backward");
-  const F32Rows r(rstd, dtype, rows, o, true, "rmsnorm_backward");
   const Scratch work(size_t(norm_backward_workspace(rows, C)) * sizeof(float), o.dev);
   dispatch_storage(dtype, "rmsnorm_backward", [&](auto tag) {
     using T = decltype(tag);
     cuda::rmsnorm_backward<T>(static_cast<T*>(dx), static_cast<T*>(dw), static_cast<const T*>(dy),
-                              static_cast<const T*>(x), static_cast<const T*>(w), r.get(), rows, C, work.as<float>(),
-                              o.stream);
+                              static_cast<const T*>(x), static_cast<const T*>(w), stats(rstd), rows, C,
+                              work.as<float>(), o.stream);
   });
 }
 
@@ -235,12 +257,9 @@ void cross_entropy(DType dtype, DType tgt_dtype, void* loss, void* lse, const vo
                    int64_t rows, int64_t Vp, int64_t V, int64_t ignore_index) {
   if (rows == 0) return;
   const On o = on(loss, "cross_entropy");
-  const F32Rows l(loss, dtype, rows, o, false, "cross_entropy"), s(lse, dtype, rows, o, false, "cross_entropy");
   const Counter bad(o);
-  cuda::cross_entropy(dtype, tgt_dtype, l.get(), s.get(), logits, targets, rows, Vp, V, ignore_index, bad.ptr(),
+  cuda::cross_entropy(dtype, tgt_dtype, stats(loss), stats(lse), logits, targets, rows, Vp, V, ignore_index, bad.ptr(),
                       o.stream);
-  l.store();
-  s.store();
   if (const int count = bad.read())
     throw Error(str("cross_entropy (cuda): ", count, " of ", rows, " targets out of range [0, ", V,
                     ") and not ignore_index (", ignore_index, ")"));
@@ -250,14 +269,8 @@ void cross_entropy_backward(DType dtype, DType tgt_dtype, void* dlogits, const v
                             const void* lse, const void* targets, int64_t rows, int64_t Vp, int64_t V,
                             int64_t ignore_index) {
   if (rows * Vp == 0) return;
-  const On o = on(dlogits, "cross_entropy_backward");
-  const F32Rows d(dloss, dtype, rows, o, true, "cross_entropy_backward");
-  if (dtype == DType::f32)
-    return cuda::cross_entropy_backward(dtype, tgt_dtype, dlogits, d.get(), logits, static_cast<const float*>(lse),
-                                        targets, rows, Vp, V, ignore_index, o.stream);
-  // A half lse is too coarse for exp(x - lse): recompute it in f32 in the same pass.
-  classifier_forward_backward(dtype, tgt_dtype, nullptr, nullptr, dlogits, logits, targets, d.get(), rows, Vp, V,
-                              ignore_index, nullptr, o.stream);
+  cuda::cross_entropy_backward(dtype, tgt_dtype, dlogits, stats(dloss), logits, stats(lse), targets, rows, Vp, V,
+                               ignore_index, on(dlogits, "cross_entropy_backward").stream);
 }
 
 void dropout(DType dtype, void* out, const void* x, int64_t n, double p, uint64_t seed, uint64_t stream) {
@@ -301,7 +314,7 @@ double sum_squares_many(DType dtype, const void* const* xs, const int64_t* ns, c
 
 // The forward on the fastest kernel that takes it; f.lse is f32.
 void attention_forward_any(const kernels::AttentionArgs& f, cudaStream_t stream) {
-  if (f.dtype == DType::bf16 && tensor_core_head_dim(f.D)) return attention_forward_tensor_cores(f, stream);
+  if (tensor_core_dtype(f.dtype) && tensor_core_head_dim(f.D)) return attention_forward_tensor_cores(f, stream);
   attention_forward(f, stream);
 }
 
@@ -315,7 +328,7 @@ void attention(const kernels::AttentionArgs& a) {
     return lse.store();
   }
 #endif
-  if (a.dtype != DType::f32 && a.dtype != DType::bf16) kernels::unsupported("attention", a.dtype, "cuda");
+  if (a.dtype != DType::f32 && !is_half(a.dtype)) kernels::unsupported("attention", a.dtype, "cuda");
   const On o = on(a.out, "attention");
   const F32Rows lse(a.lse, a.dtype, a.B * a.H * a.T, o, false, "attention");
   kernels::AttentionArgs f = a;
@@ -338,11 +351,11 @@ void attention_backward(const kernels::AttentionArgs& a) {
     return cudnn_attention_backward(f, lse.as<float>(), o.dev, o.stream);
   }
 #endif
-  if (a.dtype != DType::f32 && a.dtype != DType::bf16) kernels::unsupported("attention_backward", a.dtype, "cuda");
+  if (a.dtype != DType::f32 && !is_half(a.dtype)) kernels::unsupported("attention_backward", a.dtype, "cuda");
   const On o = on(a.dq, "attention_backward");
   const Scratch work(size_t(attention_backward_workspace(a)) * sizeof(float), o.dev);
   if (a.dtype == DType::f32) return cuda::attention_backward(a, work.as<float>(), o.stream);
-  // A bf16 lse is too coarse for exp(s - lse): re-run the forward for an f32 one (and its out).
+  // A bf16 or f16 lse is too coarse for exp(s - lse): re-run the forward for an f32 one (and its out).
   const int64_t rows = a.B * a.H * a.T;
   const Scratch lse(size_t(rows) * sizeof(float), o.dev), out(size_t(rows * a.D) * dtype_size(a.dtype), o.dev);
   kernels::AttentionArgs f = a;
@@ -356,6 +369,7 @@ void attention_backward(const kernels::AttentionArgs& a) {
 }  // namespace entry
 
 void fill_kernel_table(kernels::OpTable& t) {
+  t.gemm = entry::gemm;
   t.copy_strided = entry::copy_strided;
   t.scatter_strided = entry::scatter_strided;
   t.fill = entry::fill;
@@ -367,6 +381,8 @@ void fill_kernel_table(kernels::OpTable& t) {
   t.softmax_backward = entry::softmax_backward;
   t.layernorm = entry::layernorm;
   t.layernorm_backward = entry::layernorm_backward;
+  t.residual_layernorm = entry::residual_layernorm;
+  t.residual_layernorm_backward = entry::residual_layernorm_backward;
   t.rmsnorm = entry::rmsnorm;
   t.rmsnorm_backward = entry::rmsnorm_backward;
   t.embedding = entry::embedding;

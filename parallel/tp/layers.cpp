@@ -66,10 +66,16 @@ ColumnParallelLinear::ColumnParallelLinear(int64_t in, int64_t out, bool has_bia
   if (has_bias) bias = register_parameter("bias", {local}, dtype, device);
 }
 
-Tensor ColumnParallelLinear::forward(const Tensor& x) const {
-  Tensor y = linear(sequence_parallel ? all_gather_seq(x, *group) : copy_to_region(x, *group), weight, bias);
-  return gather_output ? gather_from_region(y, *group) : y;
+namespace {
+Tensor column_parallel(const ColumnParallelLinear& l, const Tensor& x, bool gelu) {
+  Tensor in = l.sequence_parallel ? all_gather_seq(x, *l.group) : copy_to_region(x, *l.group);
+  Tensor y = gelu ? linear_gelu(in, l.weight, l.bias) : linear(in, l.weight, l.bias);
+  return l.gather_output ? gather_from_region(y, *l.group) : y;  // GELU is elementwise: before or after
 }
+}  // namespace
+
+Tensor ColumnParallelLinear::forward(const Tensor& x) const { return column_parallel(*this, x, false); }
+Tensor ColumnParallelLinear::forward_gelu(const Tensor& x) const { return column_parallel(*this, x, true); }
 
 void ColumnParallelLinear::load_full(const nn::Linear& full) {
   autograd::NoGradGuard ng;
@@ -157,7 +163,7 @@ ParallelMLP::ParallelMLP(const nn::GPTConfig& c, GroupPtr group, DType dtype, De
   c_fc->sequence_parallel = c_proj->sequence_parallel = c.sequence_parallel;
 }
 
-Tensor ParallelMLP::forward(const Tensor& x) const { return c_proj->forward(gelu(c_fc->forward(x))); }
+Tensor ParallelMLP::forward(const Tensor& x) const { return c_proj->forward(c_fc->forward_gelu(x)); }
 
 void ParallelMLP::load_full(const nn::MLP& full) {
   c_fc->load_full(*full.c_fc);

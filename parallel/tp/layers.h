@@ -59,6 +59,7 @@ class ColumnParallelLinear : public nn::Module {
   ColumnParallelLinear(int64_t in, int64_t out, bool bias, GroupPtr group, bool gather_output = false,
                        int64_t parts = 1, DType dtype = DType::f32, Device device = Device::cpu());
   Tensor forward(const Tensor& x) const;
+  Tensor forward_gelu(const Tensor& x) const;  // gelu(forward(x)), the GELU fused into the GEMM
   void load_full(const nn::Linear& full);
   const char* type_name() const override { return "ColumnParallelLinear"; }
   Tensor weight, bias;  // [out/p, in], [out/p]

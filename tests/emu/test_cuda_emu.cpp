@@ -301,12 +301,23 @@ TEMPLATE_TEST_CASE("emu residual layernorm equals the add then the CPU layernorm
                                  bs.data(), rows, C, 1e-5, nullptr);
   check_close(r, sum);
   check_close(y, y_ref, 4.0);
+  // dr in place (dx aliases it), dr apart from dx, and no dr at all
   auto dres = to_storage<T>(dres0);
-  cu::residual_layernorm_backward(dres.data(), dw.data(), db.data(), dys.data(), r.data(), ws.data(), mean.data(),
-                                  rstd.data(), rows, C, work.data(), nullptr);
+  cu::residual_layernorm_backward(dres.data(), dw.data(), db.data(), static_cast<const T*>(dres.data()), dys.data(),
+                                  r.data(), ws.data(), mean.data(), rstd.data(), rows, C, work.data(), nullptr);
   check_close(dres, dx_ref, 4.0);
   check_close(dw, dw_ref, 8.0);
   check_close(db, db_ref, 8.0);
+  const auto dr = to_storage<T>(dres0);
+  std::vector<T> dx(rows * C);
+  cu::residual_layernorm_backward(dx.data(), dw.data(), db.data(), dr.data(), dys.data(), r.data(), ws.data(),
+                                  mean.data(), rstd.data(), rows, C, work.data(), nullptr);
+  check_close(dx, dx_ref, 4.0);
+  check_close(dr, rounded<T>(dres0));  // read, not written
+  cu::residual_layernorm_backward(dx.data(), dw.data(), db.data(), static_cast<const T*>(nullptr), dys.data(),
+                                  r.data(), ws.data(), mean.data(), rstd.data(), rows, C, work.data(), nullptr);
+  for (size_t i = 0; i < dx_ref.size(); ++i) dx_ref[i] -= dres0[i];
+  check_close(dx, dx_ref, 4.0);
 }
 
 TEMPLATE_TEST_CASE("emu rmsnorm forward and backward match the CPU table", "[emu]", float, cu::bf16) {
