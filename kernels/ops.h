@@ -53,7 +53,7 @@ struct AttentionArgs {
   double scale = 0;  // usually 1/sqrt(D)
   const void *q = nullptr, *k = nullptr, *v = nullptr;
   void* out = nullptr;
-  void* lse = nullptr;  // [B, H, T] f32/f64 log-sum-exp of each softmax row, saved for backward
+  void* lse = nullptr;  // [B, H, T] log-sum-exp of each softmax row (stats_dtype), saved for backward
   // backward (all '=' outputs)
   const void* dout = nullptr;
   void *dq = nullptr, *dk = nullptr, *dv = nullptr;

@@ -32,7 +32,7 @@ Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
     V = detail::operand(v);
     a.dtype = Q.dtype();
     out = empty(Q.shape(), Q.dtype(), Q.device());
-    lse = empty({a.B, a.H, a.T}, Q.dtype(), Q.device());
+    lse = empty({a.B, a.H, a.T}, kernels::stats_dtype(Q.dtype()), Q.device());
     a.q = Q.data_ptr();
     a.k = K.data_ptr();
     a.v = V.data_ptr();

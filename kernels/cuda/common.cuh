@@ -117,16 +117,13 @@ SG_DEVICE float block_reduce(float v, float* scratch) {
   return kMax ? warp_max(v) : warp_sum(v);
 }
 
-// Runs body(T{}) for the storage types the kernels take: f32, bf16, f16 (f16 only where allowed).
+// Runs body(T{}) for the storage types the kernels take: f32, bf16, f16.
 template <class Body>
-void dispatch_storage(DType dtype, const char* op, Body&& body, bool allow_f16 = true) {
+void dispatch_storage(DType dtype, const char* op, Body&& body) {
   switch (dtype) {
     case DType::f32: body(float{}); break;
     case DType::bf16: body(bf16{}); break;
-    case DType::f16:
-      if (!allow_f16) kernels::unsupported(op, dtype, "cuda");
-      body(f16{});
-      break;
+    case DType::f16: body(f16{}); break;
     default: kernels::unsupported(op, dtype, "cuda");
   }
 }

@@ -4,8 +4,9 @@
 // blocks are reused only on the compute stream, so a scratch buffer may be released as soon as
 // the launches that use it are enqueued.
 //
-// Per-row statistics (mean, rstd, loss, lse, dloss) are f32 for every dtype, as the op table's
-// kernels::stats_dtype says, so the kernels read and write the callers' buffers directly.
+// Per-row statistics (norm mean and rstd; cross-entropy loss, lse, dloss; attention lse) are f32
+// for every dtype, as the op table's kernels::stats_dtype says: the kernels read and write the
+// callers' buffers directly, and backwards reuse what the forward saved.
 //
 // Attention: bf16 and f16 at head dim 64 or 128 run on tensor cores (attention_tc.cuh), forward
 // and backward; f32 and the other head dims on the FMA flash kernels (attention.cuh).
@@ -65,39 +66,6 @@ class Counter {
  private:
   Scratch s_;
   cudaStream_t stream_;
-};
-
-void convert(void* dst, DType dt, const void* src, DType st, int64_t n, cudaStream_t stream) {
-  copy_strided(dst, dt, src, st, Dims{n}, Dims{1}, stream);
-}
-
-// The f32 view of n per-row statistics stored as dt (see the top of this file): the buffer itself
-// for f32, else scratch, filled from the buffer when `load`, written back to it by store().
-class F32Rows {
- public:
-  F32Rows(const void* buf, DType dt, int64_t n, const On& o, bool load, const char* op)
-      : buf_(const_cast<void*>(buf)), dt_(dt), n_(n), stream_(o.stream) {
-    if (!buf || dt == DType::f32) {
-      f32_ = static_cast<float*>(buf_);
-      return;
-    }
-    if (!is_half(dt)) kernels::unsupported(op, dt, "cuda");
-    scratch_ = std::make_unique<Scratch>(size_t(n) * sizeof(float), o.dev);
-    f32_ = scratch_->as<float>();
-    if (load) convert(f32_, DType::f32, buf_, dt_, n_, stream_);
-  }
-  float* get() const { return f32_; }
-  void store() const {
-    if (scratch_) convert(buf_, dt_, f32_, DType::f32, n_, stream_);
-  }
-
- private:
-  void* buf_;
-  DType dt_;
-  int64_t n_;
-  cudaStream_t stream_;
-  std::unique_ptr<Scratch> scratch_;
-  float* f32_ = nullptr;
 };
 
 }  // namespace
@@ -318,52 +286,34 @@ void attention_forward_any(const kernels::AttentionArgs& f, cudaStream_t stream)
   attention_forward(f, stream);
 }
 
+// a.lse is f32 for every dtype (kernels::stats_dtype): the backward reads the forward's own lse and
+// out, so nothing runs twice.
 void attention(const kernels::AttentionArgs& a) {
   if (a.B * a.H * a.T == 0) return;
 #ifdef SG_WITH_CUDNN
   if (attention_backend() == AttentionBackend::cudnn) {
     const On o = on(a.out, "attention (cudnn)");
-    const F32Rows lse(a.lse, a.dtype, a.B * a.H * a.T, o, false, "attention (cudnn)");
-    cudnn_attention_forward(a, lse.get(), o.dev, o.stream);
-    return lse.store();
+    return cudnn_attention_forward(a, stats(a.lse), o.dev, o.stream);
   }
 #endif
   if (a.dtype != DType::f32 && !is_half(a.dtype)) kernels::unsupported("attention", a.dtype, "cuda");
-  const On o = on(a.out, "attention");
-  const F32Rows lse(a.lse, a.dtype, a.B * a.H * a.T, o, false, "attention");
-  kernels::AttentionArgs f = a;
-  f.lse = lse.get();
-  attention_forward_any(f, o.stream);
-  lse.store();
+  attention_forward_any(a, on(a.out, "attention").stream);
 }
 
 void attention_backward(const kernels::AttentionArgs& a) {
   if (a.B * a.H * a.T == 0) return;
 #ifdef SG_WITH_CUDNN
   if (attention_backend() == AttentionBackend::cudnn) {
-    // As below: a half lse is too coarse for exp(s - lse), so the forward runs again for f32 stats.
     const On o = on(a.dq, "attention_backward (cudnn)");
-    const int64_t rows = a.B * a.H * a.T;
-    const Scratch lse(size_t(rows) * sizeof(float), o.dev), out(size_t(rows * a.D) * dtype_size(a.dtype), o.dev);
-    kernels::AttentionArgs f = a;
-    f.out = out.as<void>();
-    cudnn_attention_forward(f, lse.as<float>(), o.dev, o.stream);
-    return cudnn_attention_backward(f, lse.as<float>(), o.dev, o.stream);
+    return cudnn_attention_backward(a, stats(a.lse), o.dev, o.stream);
   }
 #endif
   if (a.dtype != DType::f32 && !is_half(a.dtype)) kernels::unsupported("attention_backward", a.dtype, "cuda");
   const On o = on(a.dq, "attention_backward");
   const Scratch work(size_t(attention_backward_workspace(a)) * sizeof(float), o.dev);
-  if (a.dtype == DType::f32) return cuda::attention_backward(a, work.as<float>(), o.stream);
-  // A bf16 or f16 lse is too coarse for exp(s - lse): re-run the forward for an f32 one (and its out).
-  const int64_t rows = a.B * a.H * a.T;
-  const Scratch lse(size_t(rows) * sizeof(float), o.dev), out(size_t(rows * a.D) * dtype_size(a.dtype), o.dev);
-  kernels::AttentionArgs f = a;
-  f.out = out.as<void>();
-  f.lse = lse.as<float>();
-  attention_forward_any(f, o.stream);
-  if (tensor_core_head_dim(f.D)) return attention_backward_tensor_cores(f, work.as<float>(), o.stream);
-  cuda::attention_backward(f, work.as<float>(), o.stream);
+  if (tensor_core_dtype(a.dtype) && tensor_core_head_dim(a.D))
+    return attention_backward_tensor_cores(a, work.as<float>(), o.stream);
+  cuda::attention_backward(a, work.as<float>(), o.stream);
 }
 
 }  // namespace entry

@@ -50,9 +50,10 @@ TEST_CASE("the tiny GPT trains on cuda:0 with the CPU's losses (f32) and close t
   CHECK(max_rel(gpu, cpu, "cuda:0 f32 vs cpu f32") < 1e-4);
   const auto bf16 = losses(single, "--device cuda:0 --dtype bf16", dir, "bf16");
   CHECK(max_rel(bf16, gpu, "cuda:0 bf16 vs cuda:0 f32") < 3e-2);
-  // fp16 attention runs on cuDNN (the hand-written kernels store f32 and bf16).
-  const auto fp16 = losses(single, "--device cuda:0 --dtype fp16 --attention cudnn", dir, "fp16");
-  CHECK(max_rel(fp16, gpu, "cuda:0 fp16 (loss scaling, cudnn) vs cuda:0 f32") < 3e-2);
+  const auto fp16 = losses(single, "--device cuda:0 --dtype fp16", dir, "fp16");
+  CHECK(max_rel(fp16, gpu, "cuda:0 fp16 (loss scaling, flash) vs cuda:0 f32") < 3e-2);
+  const auto fp16_cudnn = losses(single, "--device cuda:0 --dtype fp16 --attention cudnn", dir, "fp16_cudnn");
+  CHECK(max_rel(fp16_cudnn, gpu, "cuda:0 fp16 (loss scaling, cudnn) vs cuda:0 f32") < 3e-2);
   const auto bf16_cudnn = losses(single, "--device cuda:0 --dtype bf16 --attention cudnn", dir, "bf16_cudnn");
   CHECK(max_rel(bf16_cudnn, gpu, "cuda:0 bf16 (cudnn) vs cuda:0 f32") < 3e-2);
   CHECK(gpu.back() < gpu.front());
