@@ -1,7 +1,9 @@
 // Causal flash attention on tensor cores (mma.sync m16n8k16, bf16 or f16 in, f32 accumulate), head
 // dim 64 or 128, bf16 or f16 storage (the element type E of every kernel); the same contract as
 // attention.cuh (out '=' E [B, H, T, D], lse '=' f32 [B, H, T]; backward dq, dk, dv '='), which
-// stays the path for f32 and other head dims.
+// stays the path for f32 and other head dims. The same layout too: q, k, v, dq, dk, dv at the
+// strides a.q_layout(), out and dout at a.o_layout() (HeadLayout), the head dim contiguous; lse and
+// the Dv workspace contiguous [B, H, T] f32.
 // Forward (FlashAttention-2): a block of 4 warps owns 64 query rows, 16 per warp; per tile of 32
 // keys each warp computes S = scale Q K^T (16 x 32) in registers, masks it, updates its running row
 // max m and sum l (the four lanes of a quad share a row), turns S into P = exp(S - m) and feeds P
@@ -26,23 +28,24 @@ constexpr int kTcRows = 64;  // query rows per block: 16 per warp, 4 warps
 constexpr int kTcKeys = 32;  // keys per shared-memory tile
 constexpr int kTcThreads = 128;  // kTcRows / 16 warps
 
-// Rows [r0, r0 + count) of a [T, D] head into shared memory with row stride ld (rows past T: 0).
+// Rows [r0, r0 + count) of a [T, D] head whose rows lie st elements apart into shared memory with
+// row stride ld (rows past T: 0).
 template <class E, int D>
-SG_DEVICE void stage_rows(E* dst, int ld, const E* src, int64_t r0, int count, int64_t rows) {
+SG_DEVICE void stage_rows(E* dst, int ld, const E* src, int64_t st, int64_t r0, int count, int64_t rows) {
   for (int e = int(threadIdx.x); e < count * D; e += int(blockDim.x)) {
     const int r = e / D, c = e % D;
-    dst[r * ld + c] = r0 + r < rows ? src[(r0 + r) * D + c] : from_f32<E>(0.0f);
+    dst[r * ld + c] = r0 + r < rows ? src[(r0 + r) * st + c] : from_f32<E>(0.0f);
   }
 }
 
-// This warp's 16 of the block's kTcRows rows [r0, r0 + kTcRows) of a [T, D] head, as A fragments
-// (one per 16 columns), staged through buf (kTcRows * (D + 8) elements of shared memory). Every
-// thread of the block takes part; buf may be reused as soon as it returns.
+// This warp's 16 of the block's kTcRows rows [r0, r0 + kTcRows) of a [T, D] head with row stride
+// st, as A fragments (one per 16 columns), staged through buf (kTcRows * (D + 8) elements of shared
+// memory). Every thread of the block takes part; buf may be reused as soon as it returns.
 template <class E, int D>
-SG_DEVICE void load_warp_rows(FragA<E> (&f)[D / 16], E* buf, const E* src, int64_t r0, int64_t rows) {
+SG_DEVICE void load_warp_rows(FragA<E> (&f)[D / 16], E* buf, const E* src, int64_t st, int64_t r0, int64_t rows) {
   constexpr int ld = D + 8;
   __syncthreads();  // buf is no longer read
-  stage_rows<E, D>(buf, ld, src, r0, kTcRows, rows);
+  stage_rows<E, D>(buf, ld, src, st, r0, kTcRows, rows);
   __syncthreads();
   const int warp = int(threadIdx.x) / 32;
   for (int kk = 0; kk < D / 16; ++kk) f[kk] = load_a_row_major(buf + warp * 16 * ld + 16 * kk, ld);
@@ -67,26 +70,26 @@ void dispatch_tensor_cores(DType dtype, int64_t D, const char* tc_op, Body&& bod
 
 template <class E, int D>
 __global__ void __launch_bounds__(kTcThreads) attention_forward_tc_kernel(E* out, float* lse, const E* q, const E* k,
-                                                                          const E* v, int64_t T_, float scale,
-                                                                          bool causal) {
+                                                                          const E* v, HeadLayout ql, HeadLayout ol,
+                                                                          int64_t T_, float scale, bool causal) {
   constexpr int ld = D + 8;  // padding staggers rows across shared-memory banks; keeps pairs 4-byte aligned
   SG_SHARED(E, qs, kTcRows * ld);
   SG_SHARED(E, ks, kTcKeys * ld);
   SG_SHARED(E, vs, kTcKeys * ld);
-  const int64_t head = int64_t(blockIdx.y) * T_ * D, row0 = int64_t(blockIdx.x) * kTcRows;
+  const int64_t bh = blockIdx.y, qh = ql.head(bh), oh = ol.head(bh), row0 = int64_t(blockIdx.x) * kTcRows;
   const int warp = int(threadIdx.x) / 32, t = mma_thread_in_group();
   const int64_t rows[2] = {row0 + warp * 16 + mma_group(), row0 + warp * 16 + mma_group() + 8};
 
   FragA<E> qf[D / 16];
-  load_warp_rows<E, D>(qf, qs, q + head, row0, T_);
+  load_warp_rows<E, D>(qf, qs, q + qh, ql.st, row0, T_);
 
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   FragC o[D / 8];
   const int64_t last = causal ? (row0 + kTcRows < T_ ? row0 + kTcRows : T_) : T_;
   for (int64_t j0 = 0; j0 < last; j0 += kTcKeys) {
     __syncthreads();  // the previous tile is no longer read
-    stage_rows<E, D>(ks, ld, k + head, j0, kTcKeys, T_);
-    stage_rows<E, D>(vs, ld, v + head, j0, kTcKeys, T_);
+    stage_rows<E, D>(ks, ld, k + qh, ql.st, j0, kTcKeys, T_);
+    stage_rows<E, D>(vs, ld, v + qh, ql.st, j0, kTcKeys, T_);
     __syncthreads();
 
     FragC s[kTcKeys / 8];
@@ -129,9 +132,10 @@ __global__ void __launch_bounds__(kTcThreads) attention_forward_tc_kernel(E* out
   }
   for (int dn = 0; dn < D / 8; ++dn)
     for (int i = 0; i < 4; ++i)
-      if (rows[i / 2] < T_) out[head + rows[i / 2] * D + 8 * dn + 2 * t + (i & 1)] = from_f32<E>(o[dn].x[i] / l[i / 2]);
+      if (rows[i / 2] < T_)
+        out[oh + rows[i / 2] * ol.st + 8 * dn + 2 * t + (i & 1)] = from_f32<E>(o[dn].x[i] / l[i / 2]);
   for (int h = 0; h < 2; ++h)
-    if (t == 0 && rows[h] < T_) lse[int64_t(blockIdx.y) * T_ + rows[h]] = m[h] + logf(l[h]);
+    if (t == 0 && rows[h] < T_) lse[bh * T_ + rows[h]] = m[h] + logf(l[h]);
 }
 
 // a.lse must be f32; writes out and lse ('='). bf16 or f16: tensor cores take no f32 operands here.
@@ -141,7 +145,8 @@ inline void attention_forward_tensor_cores(const kernels::AttentionArgs& a, Stre
     constexpr int D = decltype(dim)::value;
     launch(attention_forward_tc_kernel<E, D>, dim3(blocks_for(a.T, kTcRows), unsigned(a.B * a.H)), dim3(kTcThreads),
            0, stream, static_cast<E*>(a.out), static_cast<float*>(a.lse), static_cast<const E*>(a.q),
-           static_cast<const E*>(a.k), static_cast<const E*>(a.v), a.T, float(a.scale), a.causal);
+           static_cast<const E*>(a.k), static_cast<const E*>(a.v), q_heads(a), o_heads(a), a.T, float(a.scale),
+           a.causal);
   });
 }
 
@@ -153,7 +158,8 @@ SG_DEVICE void stage_row_values(float* dst, const float* src, int64_t r0, int64_
 template <class E, int D>
 __global__ void __launch_bounds__(kTcThreads) attention_dkdv_tc_kernel(E* dk, E* dv, const E* q, const E* k,
                                                                        const E* v, const E* dout, const float* lse,
-                                                                       const float* dvec, int64_t T_, float scale,
+                                                                       const float* dvec, HeadLayout ql,
+                                                                       HeadLayout ol, int64_t T_, float scale,
                                                                        bool causal) {
   constexpr int ld = D + 8;
   SG_SHARED(E, kv, kTcRows * ld);  // this block's keys, then its values
@@ -161,23 +167,23 @@ __global__ void __launch_bounds__(kTcThreads) attention_dkdv_tc_kernel(E* dk, E*
   SG_SHARED(E, dos, kTcKeys * ld);
   SG_SHARED(float, lse_s, kTcKeys);
   SG_SHARED(float, dvec_s, kTcKeys);
-  const int64_t head = int64_t(blockIdx.y) * T_ * D, key0 = int64_t(blockIdx.x) * kTcRows;
-  const float* lse_h = lse + int64_t(blockIdx.y) * T_;
-  const float* dvec_h = dvec + int64_t(blockIdx.y) * T_;
+  const int64_t bh = blockIdx.y, qh = ql.head(bh), oh = ol.head(bh), key0 = int64_t(blockIdx.x) * kTcRows;
+  const float* lse_h = lse + bh * T_;
+  const float* dvec_h = dvec + bh * T_;
   const int warp = int(threadIdx.x) / 32, t = mma_thread_in_group();
   const int64_t keys[2] = {key0 + warp * 16 + mma_group(), key0 + warp * 16 + mma_group() + 8};
 
   FragA<E> kf[D / 16], vf[D / 16];
-  load_warp_rows<E, D>(kf, kv, k + head, key0, T_);
-  load_warp_rows<E, D>(vf, kv, v + head, key0, T_);
+  load_warp_rows<E, D>(kf, kv, k + qh, ql.st, key0, T_);
+  load_warp_rows<E, D>(vf, kv, v + qh, ql.st, key0, T_);
 
   FragC dkc[D / 8], dvc[D / 8];
   // Queries before this block's first key see none of its keys.
   const int64_t first = causal ? key0 / kTcKeys * kTcKeys : 0;
   for (int64_t i0 = first; i0 < T_; i0 += kTcKeys) {
     __syncthreads();  // the previous tile is no longer read
-    stage_rows<E, D>(qs, ld, q + head, i0, kTcKeys, T_);
-    stage_rows<E, D>(dos, ld, dout + head, i0, kTcKeys, T_);
+    stage_rows<E, D>(qs, ld, q + qh, ql.st, i0, kTcKeys, T_);
+    stage_rows<E, D>(dos, ld, dout + oh, ol.st, i0, kTcKeys, T_);
     stage_row_values(lse_s, lse_h, i0, T_);
     stage_row_values(dvec_s, dvec_h, i0, T_);
     __syncthreads();
@@ -210,7 +216,7 @@ __global__ void __launch_bounds__(kTcThreads) attention_dkdv_tc_kernel(E* dk, E*
     for (int i = 0; i < 4; ++i) {
       const int64_t key = keys[i / 2];
       if (key >= T_) continue;
-      const int64_t at = head + key * D + 8 * dn + 2 * t + (i & 1);
+      const int64_t at = qh + key * ql.st + 8 * dn + 2 * t + (i & 1);
       dk[at] = from_f32<E>(scale * dkc[dn].x[i]);
       dv[at] = from_f32<E>(dvc[dn].x[i]);
     }
@@ -219,32 +225,33 @@ __global__ void __launch_bounds__(kTcThreads) attention_dkdv_tc_kernel(E* dk, E*
 template <class E, int D>
 __global__ void __launch_bounds__(kTcThreads) attention_dq_tc_kernel(E* dq, const E* q, const E* k, const E* v,
                                                                      const E* dout, const float* lse,
-                                                                     const float* dvec, int64_t T_, float scale,
+                                                                     const float* dvec, HeadLayout ql,
+                                                                     HeadLayout ol, int64_t T_, float scale,
                                                                      bool causal) {
   constexpr int ld = D + 8;
   SG_SHARED(E, rows_s, kTcRows * ld);  // this block's queries, then its output gradients
   SG_SHARED(E, ks, kTcKeys * ld);
   SG_SHARED(E, vs, kTcKeys * ld);
-  const int64_t head = int64_t(blockIdx.y) * T_ * D, row0 = int64_t(blockIdx.x) * kTcRows;
+  const int64_t bh = blockIdx.y, qh = ql.head(bh), oh = ol.head(bh), row0 = int64_t(blockIdx.x) * kTcRows;
   const int warp = int(threadIdx.x) / 32, t = mma_thread_in_group();
   const int64_t rows[2] = {row0 + warp * 16 + mma_group(), row0 + warp * 16 + mma_group() + 8};
   float row_lse[2], row_dvec[2];
   for (int h = 0; h < 2; ++h) {
     const bool live = rows[h] < T_;
-    row_lse[h] = live ? lse[int64_t(blockIdx.y) * T_ + rows[h]] : 0.0f;
-    row_dvec[h] = live ? dvec[int64_t(blockIdx.y) * T_ + rows[h]] : 0.0f;
+    row_lse[h] = live ? lse[bh * T_ + rows[h]] : 0.0f;
+    row_dvec[h] = live ? dvec[bh * T_ + rows[h]] : 0.0f;
   }
 
   FragA<E> qf[D / 16], dof[D / 16];
-  load_warp_rows<E, D>(qf, rows_s, q + head, row0, T_);
-  load_warp_rows<E, D>(dof, rows_s, dout + head, row0, T_);
+  load_warp_rows<E, D>(qf, rows_s, q + qh, ql.st, row0, T_);
+  load_warp_rows<E, D>(dof, rows_s, dout + oh, ol.st, row0, T_);
 
   FragC dqc[D / 8];
   const int64_t last = causal ? (row0 + kTcRows < T_ ? row0 + kTcRows : T_) : T_;
   for (int64_t j0 = 0; j0 < last; j0 += kTcKeys) {
     __syncthreads();
-    stage_rows<E, D>(ks, ld, k + head, j0, kTcKeys, T_);
-    stage_rows<E, D>(vs, ld, v + head, j0, kTcKeys, T_);
+    stage_rows<E, D>(ks, ld, k + qh, ql.st, j0, kTcKeys, T_);
+    stage_rows<E, D>(vs, ld, v + qh, ql.st, j0, kTcKeys, T_);
     __syncthreads();
 
     FragC s[kTcKeys / 8], dp[kTcKeys / 8];  // S and dP: 16 queries x 32 keys
@@ -267,7 +274,7 @@ __global__ void __launch_bounds__(kTcThreads) attention_dq_tc_kernel(E* dq, cons
   }
   for (int dn = 0; dn < D / 8; ++dn)
     for (int i = 0; i < 4; ++i)
-      if (rows[i / 2] < T_) dq[head + rows[i / 2] * D + 8 * dn + 2 * t + (i & 1)] = from_f32<E>(scale * dqc[dn].x[i]);
+      if (rows[i / 2] < T_) dq[qh + rows[i / 2] * ql.st + 8 * dn + 2 * t + (i & 1)] = from_f32<E>(scale * dqc[dn].x[i]);
 }
 
 // a.lse must be the forward's f32 lse; writes dq, dk, dv ('='). workspace:
@@ -279,13 +286,14 @@ inline void attention_backward_tensor_cores(const kernels::AttentionArgs& a, flo
     const auto *q = static_cast<const E*>(a.q), *k = static_cast<const E*>(a.k), *v = static_cast<const E*>(a.v);
     const auto* dout = static_cast<const E*>(a.dout);
     const auto* lse = static_cast<const float*>(a.lse);
+    const HeadLayout ql = q_heads(a), ol = o_heads(a);
     launch(attention_dot_kernel<E, D>, dim3(blocks_for(a.B * a.H * a.T, 256)), dim3(256), 0, stream, workspace,
-           static_cast<const E*>(a.out), dout, a.B * a.H * a.T);
+           static_cast<const E*>(a.out), dout, ol, a.T, a.B * a.H * a.T);
     const dim3 grid(blocks_for(a.T, kTcRows), unsigned(a.B * a.H)), block(kTcThreads);
     launch(attention_dkdv_tc_kernel<E, D>, grid, block, 0, stream, static_cast<E*>(a.dk), static_cast<E*>(a.dv), q,
-           k, v, dout, lse, static_cast<const float*>(workspace), a.T, float(a.scale), a.causal);
+           k, v, dout, lse, static_cast<const float*>(workspace), ql, ol, a.T, float(a.scale), a.causal);
     launch(attention_dq_tc_kernel<E, D>, grid, block, 0, stream, static_cast<E*>(a.dq), q, k, v, dout, lse,
-           static_cast<const float*>(workspace), a.T, float(a.scale), a.causal);
+           static_cast<const float*>(workspace), ql, ol, a.T, float(a.scale), a.causal);
   });
 }
 

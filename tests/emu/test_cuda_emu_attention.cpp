@@ -1,9 +1,11 @@
 // Flash attention (kernels/cuda/attention.cuh, attention_tc.cuh) under emulation against the CPU
 // table's attention: FMA kernels at head dims 8 to 128, f32, bf16 and f16; tensor-core forward and
-// backward at 64 and 128, bf16 and f16; sequence lengths that are not a multiple of the tiles.
+// backward at 64 and 128, bf16 and f16; sequence lengths that are not a multiple of the tiles; q, k,
+// v contiguous or packed in one [B, T, 3 H D] projection with out [B, T, H D] (AttentionArgs' strides).
 // Tolerances scale with the storage type's precision (tol<T>() in support.h: f16's is 8 times
 // tighter than bf16's, 2^3 for its 3 more mantissa bits).
 #include <catch2/catch.hpp>
+#include <limits>
 #include <tuple>
 
 #include "kernels/cuda/attention.cuh"
@@ -17,15 +19,15 @@ namespace {
 
 // One attention problem: random inputs representable in T, the CPU table's f32 forward and
 // backward on them (the reference), and the same inputs and output buffers in storage type T for
-// a kernel, with the arguments for both sides.
+// a kernel, with the arguments for both sides. All contiguous [B, H, T, D].
 template <class T>
 struct AttentionCase {
   std::vector<float> q, k, v, dout, out_ref, lse_ref, dq_ref, dk_ref, dv_ref;
   std::vector<T> qs, ks, vs, dos, out, dq, dk, dv;
   std::vector<float> lse;
   kernels::AttentionArgs ref, g;
-  AttentionCase(int64_t Tn, int64_t D, bool causal, uint32_t seed) {
-    const int64_t B = 1, H = 2, n = B * H * Tn * D;
+  AttentionCase(int64_t Tn, int64_t D, bool causal, uint32_t seed, int64_t B = 1, int64_t H = 2) {
+    const int64_t n = B * H * Tn * D;
     q = rounded<T>(randn(size_t(n), seed)), k = rounded<T>(randn(size_t(n), seed + 1));
     v = rounded<T>(randn(size_t(n), seed + 2)), dout = rounded<T>(randn(size_t(n), seed + 3));
     out_ref.resize(size_t(n)), lse_ref.resize(size_t(B * H * Tn)), dq_ref.resize(size_t(n));
@@ -44,6 +46,60 @@ struct AttentionCase {
     g.dtype = dtype_of<T>();
     g.q = qs.data(), g.k = ks.data(), g.v = vs.data(), g.out = out.data(), g.lse = lse.data();
     g.dout = dos.data(), g.dq = dq.data(), g.dk = dk.data(), g.dv = dv.data();
+  }
+  std::vector<float> workspace() const { return std::vector<float>(size_t(cu::attention_backward_workspace(g))); }
+};
+
+// An AttentionCase's inputs as a GPT passes them: q, k, v the three parts of one packed
+// [B, T, 3, H, D] projection (q_strides (3 T H D, D, 3 H D)), dq, dk, dv the three parts of one
+// gradient buffer of that shape, out and dout [B, T, H, D] (o_strides (T H D, D, H D)). The outputs
+// start as NaN, so an element no kernel writes fails the comparison; unpack() gathers one part of a
+// packed buffer back into contiguous [B, H, T, D], element by element, for the reference's order.
+template <class T>
+struct PackedAttention {
+  int64_t B, H, Tn, D;
+  std::vector<T> qkv, dqkv, out, dout;
+  std::vector<float> lse;
+  kernels::AttentionArgs g;
+  explicit PackedAttention(const AttentionCase<T>& c) : B(c.g.B), H(c.g.H), Tn(c.g.T), D(c.g.D) {
+    const T nan = cu::from_f32<T>(std::numeric_limits<float>::quiet_NaN());
+    const size_t n = size_t(B * H * Tn * D);
+    qkv.assign(3 * n, nan), dqkv.assign(3 * n, nan), out.assign(n, nan), dout.assign(n, nan);
+    lse.assign(size_t(B * H * Tn), std::numeric_limits<float>::quiet_NaN());
+    pack(qkv, 3, 0, c.qs), pack(qkv, 3, 1, c.ks), pack(qkv, 3, 2, c.vs), pack(dout, 1, 0, c.dos);
+    const int64_t HD = H * D;
+    g = c.g;
+    g.q = qkv.data(), g.k = qkv.data() + HD, g.v = qkv.data() + 2 * HD;
+    g.dq = dqkv.data(), g.dk = dqkv.data() + HD, g.dv = dqkv.data() + 2 * HD;
+    g.out = out.data(), g.dout = dout.data(), g.lse = lse.data();
+    g.q_strides[0] = 3 * Tn * HD, g.q_strides[1] = D, g.q_strides[2] = 3 * HD;
+    g.o_strides[0] = Tn * HD, g.o_strides[1] = D, g.o_strides[2] = HD;
+  }
+  // Element (b, h, t, d) of part p of a [B, T, parts, H, D] buffer, and the same of [B, H, T, D].
+  size_t packed_at(int parts, int p, int64_t b, int64_t h, int64_t t, int64_t d) const {
+    return size_t(((b * Tn + t) * parts + p) * H * D + h * D + d);
+  }
+  size_t contiguous_at(int64_t b, int64_t h, int64_t t, int64_t d) const {
+    return size_t(((b * H + h) * Tn + t) * D + d);
+  }
+  template <class F>
+  void each(F&& f) const {
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t t = 0; t < Tn; ++t)
+          for (int64_t d = 0; d < D; ++d) f(b, h, t, d);
+  }
+  void pack(std::vector<T>& dst, int parts, int p, const std::vector<T>& src) const {
+    each([&](auto b, auto h, auto t, auto d) {
+      dst[packed_at(parts, p, b, h, t, d)] = src[contiguous_at(b, h, t, d)];
+    });
+  }
+  std::vector<T> unpack(const std::vector<T>& src, int parts, int p) const {
+    std::vector<T> dst(size_t(B * H * Tn * D));
+    each([&](auto b, auto h, auto t, auto d) {
+      dst[contiguous_at(b, h, t, d)] = src[packed_at(parts, p, b, h, t, d)];
+    });
+    return dst;
   }
   std::vector<float> workspace() const { return std::vector<float>(size_t(cu::attention_backward_workspace(g))); }
 };
@@ -72,6 +128,27 @@ TEMPLATE_TEST_CASE("emu causal flash attention forward and backward match the CP
     check_close(c.dq, c.dq_ref, 4.0);
     check_close(c.dk, c.dk_ref, 4.0);
     check_close(c.dv, c.dv_ref, 4.0);
+  }
+}
+
+// B = 2, H = 3 so that a wrong (b, h) split of the grid's head index fails, T = 77 ends inside a
+// tile; out's layout differs from q's, so using one family's strides for the other fails too.
+TEMPLATE_TEST_CASE("emu flash attention reads q, k, v from a packed [B, T, 3 H D] projection and writes out "
+                   "[B, T, H D] and dq, dk, dv into a packed gradient",
+                   "[emu]", float, cu::bf16, cu::f16) {
+  using T = TestType;
+  for (auto [D, causal] : {std::pair<int64_t, bool>{16, true}, {64, true}, {128, true}, {32, false}}) {
+    INFO("D " << D << " causal " << causal);
+    const AttentionCase<T> c(77, D, causal, 70, 2, 3);
+    PackedAttention<T> p(c);
+    cu::attention_forward(p.g, nullptr);
+    check_close(p.unpack(p.out, 1, 0), c.out_ref, 2.0);
+    check_close(p.lse, c.lse_ref, 1e-5, 1e-5);
+    auto work = p.workspace();
+    cu::attention_backward(p.g, work.data(), nullptr);
+    check_close(p.unpack(p.dqkv, 3, 0), c.dq_ref, 4.0);
+    check_close(p.unpack(p.dqkv, 3, 1), c.dk_ref, 4.0);
+    check_close(p.unpack(p.dqkv, 3, 2), c.dv_ref, 4.0);
   }
 }
 
@@ -112,6 +189,27 @@ TEMPLATE_TEST_CASE("emu tensor-core flash attention backward (mma m16n8k16) matc
     check_close(c.dv, c.dv_ref, tc_scale<E>(4.0));
     check_close(c.dk, c.dk_ref, tc_scale<E>(4.0));
     check_close(c.dq, c.dq_ref, tc_scale<E>(4.0));
+  }
+}
+
+// The packed GPT layout of the FMA test above through the tensor-core forward and backward (causal,
+// as a GPT runs it; the contiguous tests above cover the non-causal masking).
+TEMPLATE_TEST_CASE("emu tensor-core flash attention reads a packed [B, T, 3 H D] projection and writes out "
+                   "[B, T, H D] and a packed gradient",
+                   "[emu]", cu::bf16, cu::f16) {
+  using E = TestType;
+  for (int64_t D : {64, 128}) {
+    INFO("D " << D);
+    const AttentionCase<E> c(77, D, true, 95, 2, 3);
+    PackedAttention<E> p(c);
+    cu::attention_forward_tensor_cores(p.g, nullptr);
+    check_close(p.unpack(p.out, 1, 0), c.out_ref, tc_scale<E>(2.0));
+    check_close(p.lse, c.lse_ref, 1e-5, 1e-5);
+    auto work = p.workspace();
+    cu::attention_backward_tensor_cores(p.g, work.data(), nullptr);
+    check_close(p.unpack(p.dqkv, 3, 0), c.dq_ref, tc_scale<E>(4.0));
+    check_close(p.unpack(p.dqkv, 3, 1), c.dk_ref, tc_scale<E>(4.0));
+    check_close(p.unpack(p.dqkv, 3, 2), c.dv_ref, tc_scale<E>(4.0));
   }
 }
 
