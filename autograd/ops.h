@@ -123,6 +123,11 @@ int64_t count_targets(const Tensor& targets, int64_t ignore_index);
 Tensor dropout(const Tensor& x, double p);
 // Causal (or full) attention on q, k, v [B, H, T, D]; scale defaults to 1/sqrt(D).
 Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal = true, double scale = 0);
+// Causal self-attention straight from a packed projection qkv [B, T, 3C] (q, k, v side by side,
+// each C = n_head * D split into heads along C, as GPT-2's c_attn lays them out) to y [B, T, C]
+// with the heads merged: the kernels read and write those layouts in place, so the head split and
+// merge copies, forward and backward, do not exist. Same values as attention() on the split heads.
+Tensor attention_qkv(const Tensor& qkv, int64_t n_head, bool causal = true, double scale = 0);
 
 // The generator dropout draws from: (seed, next stream). Recompute saves and restores it so a
 // re-run region draws the same masks.

@@ -65,6 +65,14 @@ void Tape::clear() {
 }
 
 namespace {
+// Whether g is the only handle on its bytes: one Tensor object, not a view, its storage held by no
+// other tensor. A backward that returns the same gradient for two inputs (add) or passes its
+// incoming gradient through fails the test, and that gradient is copied as before.
+bool sole_owner(const Tensor& g) {
+  return g.impl_ptr().use_count() == 1 && g.storage().use_count() == 1 && g.offset() == 0 && g.is_contiguous() &&
+         g.nbytes() == g.storage()->nbytes() && g.storage()->category() != MemCategory::param;
+}
+
 void accumulate(Tensor& slot, const Tensor& g) {
   if (!g.defined()) return;
   slot = slot.defined() ? sg::add(slot, g) : g;
@@ -141,8 +149,13 @@ void Tape::run(const TensorList& outputs, const TensorList& grad_outputs, const 
     if (!g.defined()) return;
     Tensor& slot = leaf->grad;
     if (!slot.defined()) {
-      MemScope scope(MemCategory::grad);
-      slot = sg::clone(g);
+      if (sole_owner(g)) {  // nobody else can see g's bytes: keep them instead of copying
+        g.storage()->recategorize(MemCategory::grad);
+        slot = g;
+      } else {
+        MemScope scope(MemCategory::grad);
+        slot = sg::clone(g);
+      }
     } else {
       sg::add_(slot, g);
     }
@@ -165,7 +178,7 @@ void Tape::run(const TensorList& outputs, const TensorList& grad_outputs, const 
     }
     for (size_t k = 0; k < n.edges.size(); ++k) {
       const Edge& e = n.edges[k];
-      const Tensor g = any ? in_grads[k] : Tensor();
+      const Tensor g = any ? std::move(in_grads[k]) : Tensor();  // moved: g alone may own it
       if (e.producer) {
         if (g.defined()) accumulate(e.producer->grad_outputs[size_t(e.output_nr)], g);
       } else if (e.leaf) {

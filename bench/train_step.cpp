@@ -164,20 +164,13 @@ auto timed(Timings& t, const std::string& kind, F&& f) {
 
 // GPT::loss, call by call, with each op kind timed (same modules, same ops, same order).
 Tensor profiled_loss(const nn::GPT& m, const Tensor& idx, const Tensor& tgt, Timings& t) {
-  const int64_t B = idx.size(0), T = idx.size(1), C = m.config.n_embd, H = m.config.n_head, D = C / H;
+  const int64_t T = idx.size(1), H = m.config.n_head;
   Tensor pos = arange(T, DType::i64, idx.device());
   Tensor x = timed(t, "embedding", [&] { return add(m.wte->forward(idx), m.wpe->forward(pos)); });
   for (const auto& blk : m.h) {
     Tensor h1 = timed(t, "layernorm", [&] { return blk->ln_1->forward(x); });
     Tensor qkv = timed(t, "linear", [&] { return blk->attn->c_attn->forward(h1); });
-    auto heads = [&](int64_t part) {
-      return permute(reshape(narrow(qkv, 2, part * C, C), {B, T, H, D}), {0, 2, 1, 3});
-    };
-    Tensor q = timed(t, "views", [&] { return heads(0); });
-    Tensor k = timed(t, "views", [&] { return heads(1); });
-    Tensor v = timed(t, "views", [&] { return heads(2); });
-    Tensor y = timed(t, "attention", [&] { return attention(q, k, v, true); });
-    y = timed(t, "views", [&] { return reshape(permute(y, {0, 2, 1, 3}), {B, T, C}); });
+    Tensor y = timed(t, "attention", [&] { return attention_qkv(qkv, H); });
     Tensor a = timed(t, "linear", [&] { return blk->attn->c_proj->forward(y); });
     Tensor h2;
     std::tie(x, h2) = timed(t, "add_layernorm", [&] { return blk->ln_2->forward_add(x, a); });

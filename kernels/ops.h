@@ -48,7 +48,24 @@ struct GemmArgs {
 
 struct AttentionArgs {
   DType dtype;
-  int64_t B = 0, H = 0, T = 0, D = 0;  // q, k, v, out: [B, H, T, D] contiguous
+  int64_t B = 0, H = 0, T = 0, D = 0;  // q, k, v, out: [B, H, T, D], the head dim contiguous
+  // Element strides of the batch, head and time dims: q_strides for q, k, v, dq, dk, dv; o_strides
+  // for out and dout. All zero means contiguous [B, H, T, D]: (H T D, T D, D). A model whose q, k
+  // and v are the three parts of one [B, T, 3 H D] projection passes pointers into it as they are,
+  // q_strides = (3 T H D, D, 3 H D), and an out of [B, T, H D], o_strides = (T H D, D, H D): no
+  // head split or merge copies, forward or backward (sg::attention_qkv).
+  int64_t q_strides[3] = {0, 0, 0};
+  int64_t o_strides[3] = {0, 0, 0};
+  // The strides in use: the given ones, or the contiguous [B, H, T, D] ones when all are zero.
+  struct Strides {
+    int64_t b, h, t;
+  };
+  Strides q_layout() const { return layout(q_strides); }
+  Strides o_layout() const { return layout(o_strides); }
+  Strides layout(const int64_t (&s)[3]) const {
+    if (s[0] == 0 && s[1] == 0 && s[2] == 0) return {H * T * D, T * D, D};
+    return {s[0], s[1], s[2]};
+  }
   bool causal = true;
   double scale = 0;  // usually 1/sqrt(D)
   const void *q = nullptr, *k = nullptr, *v = nullptr;

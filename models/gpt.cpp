@@ -70,13 +70,10 @@ CausalSelfAttention::CausalSelfAttention(const GPTConfig& c, DType dtype, Device
 }
 
 Tensor causal_attention(const Tensor& qkv, int64_t n_head, bool recompute_core) {
-  const int64_t B = qkv.size(0), T = qkv.size(1), C = qkv.size(2) / 3, H = n_head, D = C / H;
-  auto heads = [&](int64_t part) { return permute(reshape(narrow(qkv, 2, part * C, C), {B, T, H, D}), {0, 2, 1, 3}); };
-  auto core = [](const autograd::TensorList& in) { return autograd::TensorList{attention(in[0], in[1], in[2], true)}; };
-  autograd::TensorList qkv_heads{heads(0), heads(1), heads(2)};
-  // selective recompute: only the attention core is re-run in backward (its saved q, k, v, out go)
-  Tensor y = recompute_core ? autograd::recompute(core, qkv_heads, {})[0] : core(qkv_heads)[0];
-  return reshape(permute(y, {0, 2, 1, 3}), {B, T, C});
+  // straight from the packed [B, T, 3C] projection to [B, T, C]: no head split or merge copies
+  auto core = [n_head](const autograd::TensorList& in) { return autograd::TensorList{attention_qkv(in[0], n_head)}; };
+  // selective recompute: only the attention core is re-run in backward (its saved out and lse go)
+  return recompute_core ? autograd::recompute(core, {qkv}, {})[0] : core({qkv})[0];
 }
 
 Tensor CausalSelfAttention::forward(const Tensor& x, bool recompute_core) const {

@@ -14,6 +14,7 @@ using namespace sg;
 namespace {
 // malloc with a budget, counting calls: what cudaMalloc looks like to the cache.
 struct FakeRaw {
+  explicit FakeRaw(size_t budget_bytes) : budget(budget_bytes) {}
   size_t budget = 0, used = 0;
   int allocs = 0, frees = 0;
   std::map<void*, size_t> live;

@@ -431,6 +431,15 @@ std::vector<OpCase> all_op_cases() {
         [](R r) { return cat_ref({r[0], r[1], r[2]}, 1); });
   L.add("cat along dim -1 of views", {N({3, 5}), N({5, 3})}, [](V x) { return cat({x[0], transpose(x[1], 0, 1)}, -1); },
         [](R r) { return cat_ref({r[0], permute_ref(r[1], {1, 0})}, 1); });
+  L.add("chunk: every part used, along the last dim", {N({3, 5, 9})},
+        [](V x) {
+          auto c = chunk(x[0], 3, -1);
+          return add(mul(c[0], c[1]), mul(c[2], 2.0));
+        },
+        [](R r) {
+          Ref a = narrow_ref(r[0], 2, 0, 3), b = narrow_ref(r[0], 2, 3, 3), c = narrow_ref(r[0], 2, 6, 3);
+          return zip(zip(a, b, [](double u, double v) { return u * v; }), c, [](double u, double v) { return u + 2 * v; });
+        });
   L.add("chunk: the middle of three slices", {N({3, 6, 7})}, [](V x) { return chunk(x[0], 3, 1)[1]; },
         [](R r) { return narrow_ref(r[0], 1, 2, 2); });
   L.add("clone of a permuted view", {N(S)}, [](V x) { return clone(permute(x[0], {2, 1, 0})); },
@@ -522,6 +531,16 @@ std::vector<OpCase> all_op_cases() {
   L.add("attention causal over 37 positions (more than one block of query rows)",
         {N({1, 1, 37, 2}), N({1, 1, 37, 2}), N({1, 1, 37, 2})}, [](V x) { return attention(x[0], x[1], x[2], true); },
         [](R r) { return attention_ref(r[0], r[1], r[2], true, 0); });
+  L.add("attention_qkv: packed [B, T, 3C] in, [B, T, C] out, 2 heads", {N({2, 5, 18})},
+        [](V x) { return attention_qkv(x[0], 2); },
+        [](R r) {
+          auto heads = [&](int64_t part) {
+            return permute_ref(Ref{{2, 5, 2, 3}, narrow_ref(r[0], 2, part * 6, 6).v}, {0, 2, 1, 3});
+          };
+          Ref y = attention_ref(heads(0), heads(1), heads(2), true, 0);
+          return Ref{{2, 5, 6}, permute_ref(y, {0, 2, 1, 3}).v};
+        })
+      .half = true;
   L.add("attention with an explicit scale", {N({1, 3, 4, 2}), N({1, 3, 4, 2}), N({1, 3, 4, 2})},
         [](V x) { return attention(x[0], x[1], x[2], true, 0.8); }, [](R r) { return attention_ref(r[0], r[1], r[2], true, 0.8); });
   L.add("dropout p=0 is the identity", {N(S)}, [](V x) { return dropout(x[0], 0.0); }, [](R r) { return r[0]; });
@@ -766,6 +785,39 @@ TEST_CASE("add_layernorm is add then layernorm, bit for bit, forward and backwar
   Tensor x = zeros({2, 4}), w = ones({4});
   REQUIRE_THROWS_WITH(add_layernorm(x, zeros({2, 5}), w, Tensor()), Contains("add_layernorm: residual"));
   REQUIRE_THROWS_WITH(add_layernorm(x, x, ones({3}), Tensor()), Contains("add_layernorm: weight [3]"));
+}
+
+TEST_CASE("attention_qkv on the packed projection is attention on the split heads, bit for bit, on the CPU", "[ops]") {
+  for (DType dt : {DType::f32, DType::f64}) {
+    INFO(dtype_name(dt));
+    const int64_t B = 2, T = 37, H = 3, D = 5, C = H * D;
+    auto run = [&](bool packed) {
+      Tensor qkv = randn({B, T, 3 * C}, 11, 1, 0, 1, dt);
+      qkv.set_requires_grad(true);
+      autograd::Tape tape;
+      Tensor loss;
+      {
+        autograd::TapeScope s(tape);
+        Tensor y;
+        if (packed) {
+          y = attention_qkv(qkv, H);
+        } else {
+          auto parts = chunk(qkv, 3, 2);
+          auto heads = [&](const Tensor& p) { return permute(reshape(p, {B, T, H, D}), {0, 2, 1, 3}); };
+          y = reshape(permute(attention(heads(parts[0]), heads(parts[1]), heads(parts[2])), {0, 2, 1, 3}), {B, T, C});
+        }
+        loss = sum(mul(y, randn({B, T, C}, 11, 2, 0, 1, dt)));
+      }
+      tape.backward(loss);
+      return std::vector<Tensor>{loss, qkv.grad()};
+    };
+    const auto packed = run(true), split = run(false);
+    for (size_t i = 0; i < packed.size(); ++i) {
+      INFO("result " << i);
+      CHECK(to_vector<double>(to(packed[i], DType::f64)) == to_vector<double>(to(split[i], DType::f64)));
+    }
+  }
+  REQUIRE_THROWS_WITH(attention_qkv(zeros({2, 4, 10}), 3), Contains("attention_qkv: qkv must be [B, T, 3C]"));
 }
 
 TEST_CASE("linear_gelu is linear then gelu, bit for bit, forward and backward, on the CPU", "[ops]") {

@@ -67,4 +67,60 @@ Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
   return result;
 }
 
+namespace {
+// p advanced by n elements of dtype t.
+void* advance(void* p, int64_t n, DType t) { return static_cast<char*>(p) + n * int64_t(dtype_size(t)); }
+}  // namespace
+
+Tensor attention_qkv(const Tensor& qkv, int64_t n_head, bool causal, double scale) {
+  SG_CHECK(qkv.dim() == 3 && n_head > 0 && qkv.size(2) % (3 * n_head) == 0, "attention_qkv: qkv must be [B, T, 3C] ",
+           "with C a multiple of ", n_head, " heads, got ", shape_str(qkv.shape()));
+  detail::check_floating("attention_qkv", qkv);
+  const int64_t B = qkv.size(0), T = qkv.size(1), C = qkv.size(2) / 3, H = n_head, D = C / H;
+  kernels::AttentionArgs a;
+  a.B = B, a.H = H, a.T = T, a.D = D;
+  a.causal = causal;
+  a.scale = scale > 0 ? scale : 1.0 / std::sqrt(double(D));
+  // [B, T, 3, H, D] read as three [B, H, T, D] tensors; y written as [B, T, H, D].
+  a.q_strides[0] = T * 3 * C, a.q_strides[1] = D, a.q_strides[2] = 3 * C;
+  a.o_strides[0] = T * C, a.o_strides[1] = D, a.o_strides[2] = C;
+  Tensor X, out, lse;
+  {
+    autograd::NoGradGuard ng;
+    X = detail::operand(qkv);
+    a.dtype = X.dtype();
+    out = empty({B, T, C}, X.dtype(), X.device());
+    lse = empty({B, H, T}, kernels::stats_dtype(X.dtype()), X.device());
+    a.q = X.data_ptr();
+    a.k = advance(X.data_ptr(), C, X.dtype());
+    a.v = advance(X.data_ptr(), 2 * C, X.dtype());
+    a.out = out.data_ptr();
+    a.lse = lse.data_ptr();
+    SG_KERNEL(X.device(), attention)(a);
+  }
+  Tensor result = detail::narrow_result(out, qkv.dtype());
+  if (needs_grad({qkv})) {
+    X = detach(X);
+    Tensor O = detach(out);
+    const DType want = qkv.dtype();
+    record("attention_qkv", {qkv}, {result}, [a, X, O, lse, want](const TensorList& g) mutable {
+      Tensor G = detail::operand(g[0]);
+      Tensor dqkv = empty(X.shape(), X.dtype(), X.device());  // every element written: q, k, v parts
+      const int64_t C = X.size(2) / 3;
+      a.q = X.data_ptr();
+      a.k = advance(X.data_ptr(), C, X.dtype());
+      a.v = advance(X.data_ptr(), 2 * C, X.dtype());
+      a.out = O.data_ptr();
+      a.lse = lse.data_ptr();
+      a.dout = G.data_ptr();
+      a.dq = dqkv.data_ptr();
+      a.dk = advance(dqkv.data_ptr(), C, X.dtype());
+      a.dv = advance(dqkv.data_ptr(), 2 * C, X.dtype());
+      SG_KERNEL(X.device(), attention_backward)(a);
+      return TensorList{detail::narrow_result(dqkv, want)};
+    });
+  }
+  return result;
+}
+
 }  // namespace sg

@@ -2,6 +2,8 @@
 // gradient back to the input's shape (reshape back, transpose back, pad a slice, sum a broadcast).
 #include <numeric>
 
+#include <algorithm>
+
 #include "autograd/ops/common.h"
 
 namespace sg {
@@ -215,8 +217,27 @@ std::vector<Tensor> chunk(const Tensor& t, int64_t n, int64_t dim) {
   dim = wrap_dim(dim, t.dim(), "chunk");
   const int64_t size = t.shape()[size_t(dim)];
   SG_CHECK(n > 0 && size % n == 0, "chunk: dim ", dim, " of size ", size, " does not split into ", n, " equal parts");
+  const int64_t part = size / n;
   std::vector<Tensor> out;
-  for (int64_t i = 0; i < n; ++i) out.push_back(narrow(t, dim, i * (size / n), size / n));
+  {
+    autograd::NoGradGuard ng;  // one node below for all the parts, not one narrow node each
+    for (int64_t i = 0; i < n; ++i) out.push_back(narrow(t, dim, i * part, part));
+  }
+  if (autograd::needs_grad({t})) {
+    // The parts tile the input: their gradients go straight into one buffer (a part without a
+    // gradient gets zeros), not into n zero-filled full-size tensors that the tape then adds.
+    Shape in_shape = t.shape();
+    autograd::record("chunk", {t}, out, [in_shape, dim, part](const TensorList& g) {
+      const Tensor& any = *std::find_if(g.begin(), g.end(), [](const Tensor& x) { return x.defined(); });
+      Tensor full = empty(in_shape, any.dtype(), any.device());
+      for (size_t i = 0; i < g.size(); ++i) {
+        Tensor slice = narrow(full, dim, int64_t(i) * part, part);
+        if (g[i].defined()) copy_(slice, g[i]);
+        else copy_(slice, zeros(slice.shape(), full.dtype(), full.device()));
+      }
+      return TensorList{full};
+    });
+  }
   return out;
 }
 

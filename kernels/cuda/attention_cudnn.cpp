@@ -9,12 +9,14 @@
 // and the backward graph rebuilds P = exp(S * scale - Stats) from the saved Stats, then
 //   dV = P^T dO,  dP = dO V^T,  dS = P * (dP - rowsum(dO * O)) * scale,  dK = dS^T Q,  dQ = dS K
 // with dQ accumulated in an f32 buffer (the `dQ_accum` the engine expects, zeroed first) and
-// copied out by an identity pointwise op. K (and V in backward) enter transposed, [B,H,D,T], as
-// strided views of the contiguous [B,H,T,D] buffers. Every tensor is 4-D; scalars are [1,1,1,1]
+// copied out by an identity pointwise op. Q, K, V, dQ, dK, dV take AttentionArgs' q layout and O,
+// dO its o layout (a packed [B,T,3,H,D] projection and a [B,T,H,D] output are strides here, no
+// copies); K (and V in backward) enter transposed, [B,H,D,T], as strided views of the same
+// buffers. dQ_accum is contiguous. Every tensor is 4-D; scalars are [1,1,1,1]
 // f32 passed by value. These are the shapes and types cuDNN 9's fused attention engines accept
 // (bf16/f16, head dim <= 128 and a multiple of 8).
 //
-// Built plans are cached per (device, B, H, T, D, dtype, causal, direction); the scale is a
+// Built plans are cached per (device, B, H, T, D, dtype, causal, direction, layouts); the scale is a
 // by-value scalar supplied at execution, so it is not part of the key. Workspace comes from the
 // caching allocator as `workspace` on the compute stream.
 #include <cudnn.h>
@@ -227,21 +229,24 @@ class GraphBuilder {
 
 struct Shape {
   int64_t B, H, T, D;
+  kernels::AttentionArgs::Strides q, o;  // layouts of q, k, v, dq, dk, dv and of out, dout
   Dims4 bhtd() const { return {B, H, T, D}; }
   Dims4 bhtt() const { return {B, H, T, T}; }
   Dims4 rows() const { return {B, H, T, 1}; }
-  // [B,H,D,T]: the transpose of a contiguous [B,H,T,D] buffer, as strides.
+  Dims4 q_strides() const { return {q.b, q.h, q.t, 1}; }
+  Dims4 o_strides() const { return {o.b, o.h, o.t, 1}; }
+  // [B,H,D,T]: the transpose of a q-layout [B,H,T,D] tensor, as strides.
   Dims4 bhdt() const { return {B, H, D, T}; }
-  Dims4 bhdt_strides() const { return {H * T * D, T * D, 1, D}; }
+  Dims4 q_transposed_strides() const { return {q.b, q.h, 1, q.t}; }
   // [B,H,T,T] transposed in its last two axes, as strides.
   Dims4 bhtt_transposed_strides() const { return {H * T * T, T * T, 1, T}; }
 };
 
 void build_forward(GraphBuilder& g, const Shape& s, cudnnDataType_t io, bool causal) {
-  auto Q = g.tensor(kQ, io, s.bhtd(), contiguous_strides(s.bhtd()), false);
-  auto KT = g.tensor(kK, io, s.bhdt(), s.bhdt_strides(), false);
-  auto V = g.tensor(kV, io, s.bhtd(), contiguous_strides(s.bhtd()), false);
-  auto O = g.tensor(kO, io, s.bhtd(), contiguous_strides(s.bhtd()), false);
+  auto Q = g.tensor(kQ, io, s.bhtd(), s.q_strides(), false);
+  auto KT = g.tensor(kK, io, s.bhdt(), s.q_transposed_strides(), false);
+  auto V = g.tensor(kV, io, s.bhtd(), s.q_strides(), false);
+  auto O = g.tensor(kO, io, s.bhtd(), s.o_strides(), false);
   auto stats = g.tensor(kStats, CUDNN_DATA_FLOAT, s.rows(), contiguous_strides(s.rows()), false);
   auto scale = g.scalar(kScale);
 
@@ -261,15 +266,15 @@ void build_forward(GraphBuilder& g, const Shape& s, cudnnDataType_t io, bool cau
 }
 
 void build_backward(GraphBuilder& g, const Shape& s, cudnnDataType_t io, bool causal) {
-  auto Q = g.tensor(kQ, io, s.bhtd(), contiguous_strides(s.bhtd()), false);
-  auto KT = g.tensor(kK, io, s.bhdt(), s.bhdt_strides(), false);
-  auto VT = g.tensor(kV, io, s.bhdt(), s.bhdt_strides(), false);
-  auto O = g.tensor(kO, io, s.bhtd(), contiguous_strides(s.bhtd()), false);
-  auto dO = g.tensor(kDO, io, s.bhtd(), contiguous_strides(s.bhtd()), false);
+  auto Q = g.tensor(kQ, io, s.bhtd(), s.q_strides(), false);
+  auto KT = g.tensor(kK, io, s.bhdt(), s.q_transposed_strides(), false);
+  auto VT = g.tensor(kV, io, s.bhdt(), s.q_transposed_strides(), false);
+  auto O = g.tensor(kO, io, s.bhtd(), s.o_strides(), false);
+  auto dO = g.tensor(kDO, io, s.bhtd(), s.o_strides(), false);
   auto stats = g.tensor(kStats, CUDNN_DATA_FLOAT, s.rows(), contiguous_strides(s.rows()), false);
-  auto dQ = g.tensor(kDQ, io, s.bhtd(), contiguous_strides(s.bhtd()), false);
-  auto dK = g.tensor(kDK, io, s.bhtd(), contiguous_strides(s.bhtd()), false);
-  auto dV = g.tensor(kDV, io, s.bhtd(), contiguous_strides(s.bhtd()), false);
+  auto dQ = g.tensor(kDQ, io, s.bhtd(), s.q_strides(), false);
+  auto dK = g.tensor(kDK, io, s.bhtd(), s.q_strides(), false);
+  auto dV = g.tensor(kDV, io, s.bhtd(), s.q_strides(), false);
   auto dQ_accum = g.tensor(kDQAccum, CUDNN_DATA_FLOAT, s.bhtd(), contiguous_strides(s.bhtd()), false, false, true);
   auto scale = g.scalar(kScale), one = g.scalar(kOne);
 
@@ -326,7 +331,7 @@ struct Plan {
   int64_t workspace = 0;
 };
 
-using PlanKey = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int, bool, bool>;
+using PlanKey = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int, bool, bool, std::array<int64_t, 6>>;
 
 // The first engine config cuDNN's heuristics rank highest that builds into a plan.
 void make_plan(Plan& p, cudnnHandle_t handle, const char* what) {
@@ -382,12 +387,14 @@ Plan& plan_for(const kernels::AttentionArgs& a, Device d, bool backward) {
   const char* what = backward ? "attention_backward (cudnn)" : "attention (cudnn)";
   SG_CHECK(a.D % 8 == 0 && a.D <= 128, what, ": head dim D = ", a.D,
            " is not supported (cuDNN's fused attention needs D <= 128 and a multiple of 8); use --attention flash");
-  const PlanKey key{d.index, a.B, a.H, a.T, a.D, int(a.dtype), a.causal, backward};
+  const kernels::AttentionArgs::Strides q = a.q_layout(), o = a.o_layout();
+  const PlanKey key{d.index, a.B, a.H, a.T, a.D, int(a.dtype), a.causal, backward,
+                    std::array<int64_t, 6>{q.b, q.h, q.t, o.b, o.h, o.t}};
   std::lock_guard<std::mutex> lock(mu);
   auto& slot = cache[key];
   if (slot) return *slot;
   auto p = std::make_unique<Plan>();
-  const Shape s{a.B, a.H, a.T, a.D};
+  const Shape s{a.B, a.H, a.T, a.D, q, o};
   if (backward)
     build_backward(p->graph, s, io, a.causal);
   else

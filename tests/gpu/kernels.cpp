@@ -7,6 +7,7 @@
 #include <cstdio>
 
 #include "autograd/ops.h"
+#include "autograd/tape.h"
 #include "kernels/cuda/runtime.h"
 #include "kernels/ops.h"
 #include "tests/gpu/support.h"
@@ -494,6 +495,45 @@ TEST_CASE("causal flash attention, forward and backward, matches the CPU", "[gpu
       check_close(get(gdk), get(cdk), tol, tol);
       check_close(get(gdv), get(cdv), tol, tol);
     }
+}
+
+// sg::attention_qkv: the kernels read q, k, v in place from the packed [B, T, 3C] projection and
+// write y as [B, T, C] and d(qkv) as one packed buffer (AttentionArgs' strides). On cuda:0 against
+// the CPU, through autograd, on the flash kernels (FMA at D = 32, tensor cores at D = 64) and cuDNN.
+TEST_CASE("attention_qkv on packed projections matches the CPU, forward and backward", "[gpu][kernels]") {
+  const int64_t B = 2, T = 77;
+  for (int64_t D : {32, 64})
+    for (DType dt : {DType::f32, DType::bf16, DType::f16})
+      for (bool cudnn : {false, true}) {
+        if (cudnn && (dt == DType::f32 || D != 64)) continue;
+#ifndef SG_WITH_CUDNN
+        if (cudnn) continue;
+#endif
+        INFO(dtype_name(dt) << " D " << D << (cudnn ? " cudnn" : " flash"));
+        const int64_t H = 3, C = H * D;
+        const double tol = dt == DType::f32 ? 2e-4 : dt == DType::bf16 ? 3e-2 : 5e-3;
+        const auto x = randn(size_t(B * T * 3 * C), 51), w = randn(size_t(B * T * C), 52);
+        auto run = [&](Device dev) {
+          const DType t = dev.is_cuda() ? dt : DType::f32;
+          Tensor qkv = reshape(put(dev.is_cuda() ? x : rounded(x, dt), t, dev), {B, T, 3 * C});
+          qkv.set_requires_grad(true);
+          autograd::Tape tape;
+          Tensor y;
+          {
+            autograd::TapeScope scope(tape);
+            y = attention_qkv(qkv, H);
+          }
+          Tensor dy = reshape(put(dev.is_cuda() ? w : rounded(w, dt), t, dev), {B, T, C});
+          tape.backward({y}, {dy});
+          return std::pair{get(y), get(qkv.grad())};
+        };
+        const auto cpu = run(host);
+        if (cudnn) cuda::set_attention_backend(cuda::AttentionBackend::cudnn);
+        const auto dev = run(gpu);
+        cuda::set_attention_backend(cuda::AttentionBackend::flash);
+        check_close(dev.first, rounded(cpu.first, dt), tol, tol);
+        check_close(dev.second, cpu.second, tol, tol);
+      }
 }
 
 #endif  // SG_CUDA_KERNELS
