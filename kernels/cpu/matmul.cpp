@@ -1,7 +1,6 @@
 // GEMM and batched GEMM on Eigen. One large GEMM uses Eigen's own OpenMP threading; a batch of
 // small ones is spread over threads with one single-threaded GEMM each.
 #include <Eigen/Core>
-#include <algorithm>
 
 #include "kernels/cpu/cpu.h"
 
@@ -45,14 +44,13 @@ void gemm(const GemmArgs& g) {
     auto* B = static_cast<const T*>(g.B);
     auto* C = static_cast<T*>(g.C);
     if (g.batch == 1) {
-      gemm_one<T>(g, A, B, C);
-      // The epilogue as the separate ops would do it: the same values, bit for bit.
-      if (g.bias) MMap<T>(C, g.M, g.N, Eigen::OuterStride<>(g.ldc)).rowwise() +=
+      // The epilogue as the separate ops would do it, the same values bit for bit: the product
+      // (and bias) lands in pre_gelu when one is wanted, GELU then reads it from there.
+      T* pre = g.gelu && g.pre_gelu ? static_cast<T*>(g.pre_gelu) : C;
+      gemm_one<T>(g, A, B, pre);
+      if (g.bias) MMap<T>(pre, g.M, g.N, Eigen::OuterStride<>(g.ldc)).rowwise() +=
                   Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(static_cast<const T*>(g.bias), g.N);
-      if (g.gelu) {
-        if (g.pre_gelu) std::copy(C, C + g.M * g.N, static_cast<T*>(g.pre_gelu));
-        unary(Unary::gelu, g.dtype, C, g.pre_gelu ? g.pre_gelu : C, g.M * g.N, 0);
-      }
+      if (g.gelu) unary(Unary::gelu, g.dtype, C, pre, g.M * g.N, 0);
     } else {
 #pragma omp parallel for schedule(static)
       for (int64_t i = 0; i < g.batch; ++i) gemm_one<T>(g, A + i * g.stride_a, B + i * g.stride_b, C + i * g.stride_c);
