@@ -80,7 +80,8 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, const CrossEnt
     DType want = logits.dtype();
     record("cross_entropy", {logits}, {loss}, [kx, tg, lse, rows, Vp, V, ignore, factor, shape, want](const TensorList& g) {
       // dloss per row = upstream scalar * factor
-      Tensor d = full({rows}, item(g[0]) * factor, lse.dtype(), kx.device());
+      // on the device, not through item(): reading the scalar would drain the GPU's queue here
+      Tensor d = contiguous(expand(reshape(mul(to(g[0], lse.dtype()), factor), {1}), {rows}));
       Tensor dx = empty(shape, kx.dtype(), kx.device());
       SG_KERNEL(kx.device(), cross_entropy_backward)(kx.dtype(), tg.dtype(), dx.data_ptr(), d.data_ptr(), kx.data_ptr(),
                                                      lse.data_ptr(), tg.data_ptr(), rows, Vp, V, ignore);

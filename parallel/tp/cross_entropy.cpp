@@ -68,7 +68,7 @@ Tensor vocab_parallel_cross_entropy(const Tensor& logits, const Tensor& targets,
     autograd::record("vocab_parallel_cross_entropy", {logits}, {loss},
                      [kx, m, S, flat_t, here_t, counted_t, rows, Vl, valid, factor, shape, want](const autograd::TensorList& g) {
       // dloss_row = upstream * factor for counted rows; dx = (softmax - onehot) * dloss_row.
-      Tensor d = mul(to(counted_t, kx.dtype()), item(g[0]) * factor);
+      Tensor d = mul(to(counted_t, kx.dtype()), mul(to(g[0], kx.dtype()), factor));  // on the device: no item()
       Tensor dx = contiguous(mul(div(exp(sub(kx, unsqueeze(m, 1))), unsqueeze(S, 1)), unsqueeze(d, 1)));
       if (valid < Vl) {  // padded columns: no probability, no gradient
         std::vector<double> real(size_t(Vl), 0.0);
