@@ -68,8 +68,13 @@ Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
 }
 
 namespace {
-// p advanced by n elements of dtype t.
-void* advance(void* p, int64_t n, DType t) { return static_cast<char*>(p) + n * int64_t(dtype_size(t)); }
+// Points q, k, v at the three parts (q, k, v or their gradients) of a packed [B, T, 3C] buffer.
+template <class P>
+void packed_parts(const Tensor& packed, P& q, P& k, P& v) {
+  char* p = static_cast<char*>(packed.data_ptr());
+  const int64_t part = packed.size(2) / 3 * int64_t(dtype_size(packed.dtype()));
+  q = p, k = p + part, v = p + 2 * part;
+}
 }  // namespace
 
 Tensor attention_qkv(const Tensor& qkv, int64_t n_head, bool causal, double scale) {
@@ -91,9 +96,7 @@ Tensor attention_qkv(const Tensor& qkv, int64_t n_head, bool causal, double scal
     a.dtype = X.dtype();
     out = empty({B, T, C}, X.dtype(), X.device());
     lse = empty({B, H, T}, kernels::stats_dtype(X.dtype()), X.device());
-    a.q = X.data_ptr();
-    a.k = advance(X.data_ptr(), C, X.dtype());
-    a.v = advance(X.data_ptr(), 2 * C, X.dtype());
+    packed_parts(X, a.q, a.k, a.v);
     a.out = out.data_ptr();
     a.lse = lse.data_ptr();
     SG_KERNEL(X.device(), attention)(a);
@@ -106,16 +109,11 @@ Tensor attention_qkv(const Tensor& qkv, int64_t n_head, bool causal, double scal
     record("attention_qkv", {qkv}, {result}, [a, X, O, lse, want](const TensorList& g) mutable {
       Tensor G = detail::operand(g[0]);
       Tensor dqkv = empty(X.shape(), X.dtype(), X.device());  // every element written: q, k, v parts
-      const int64_t C = X.size(2) / 3;
-      a.q = X.data_ptr();
-      a.k = advance(X.data_ptr(), C, X.dtype());
-      a.v = advance(X.data_ptr(), 2 * C, X.dtype());
+      packed_parts(X, a.q, a.k, a.v);
+      packed_parts(dqkv, a.dq, a.dk, a.dv);
       a.out = O.data_ptr();
       a.lse = lse.data_ptr();
       a.dout = G.data_ptr();
-      a.dq = dqkv.data_ptr();
-      a.dk = advance(dqkv.data_ptr(), C, X.dtype());
-      a.dv = advance(dqkv.data_ptr(), 2 * C, X.dtype());
       SG_KERNEL(X.device(), attention_backward)(a);
       return TensorList{detail::narrow_result(dqkv, want)};
     });

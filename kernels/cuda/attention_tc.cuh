@@ -51,6 +51,20 @@ SG_DEVICE void load_warp_rows(FragA<E> (&f)[D / 16], E* buf, const E* src, int64
   for (int kk = 0; kk < D / 16; ++kk) f[kk] = load_a_row_major(buf + warp * 16 * ld + 16 * kk, ld);
 }
 
+// acc[n] = a tile^T over the head dim: this warp's 16 rows (a, one fragment per 16 columns) against
+// the kTcKeys rows of a staged tile, 8 rows per accumulator (S = Q K^T and its kin).
+template <class E, int D>
+SG_DEVICE void mma_tile_t(FragC (&acc)[kTcKeys / 8], const FragA<E> (&a)[D / 16], const E* tile, int ld) {
+  for (int n = 0; n < kTcKeys / 8; ++n)
+    for (int kk = 0; kk < D / 16; ++kk) mma(acc[n], a[kk], load_b_col_major(tile + n * 8 * ld + 16 * kk, ld));
+}
+
+// acc[dn] += a rows of a staged tile, over the tile's 16 rows at `rows` (O += P V and its kin).
+template <class E, int D>
+SG_DEVICE void mma_rows(FragC (&acc)[D / 8], const FragA<E>& a, const E* rows, int ld) {
+  for (int dn = 0; dn < D / 8; ++dn) mma(acc[dn], a, load_b_row_major(rows + 8 * dn, ld));
+}
+
 inline bool tensor_core_head_dim(int64_t D) { return D == 64 || D == 128; }
 inline bool tensor_core_dtype(DType dt) { return dt == DType::bf16 || dt == DType::f16; }
 
@@ -93,8 +107,7 @@ __global__ void __launch_bounds__(kTcThreads) attention_forward_tc_kernel(E* out
     __syncthreads();
 
     FragC s[kTcKeys / 8];
-    for (int n = 0; n < kTcKeys / 8; ++n)
-      for (int kk = 0; kk < D / 16; ++kk) mma(s[n], qf[kk], load_b_col_major(ks + n * 8 * ld + 16 * kk, ld));
+    mma_tile_t<E, D>(s, qf, ks, ld);
 
     // Key 0 is in the first tile and visible to every row, so m is finite after it.
     float m_new[2] = {m[0], m[1]};
@@ -122,7 +135,7 @@ __global__ void __launch_bounds__(kTcThreads) attention_forward_tc_kernel(E* out
       for (int i = 0; i < 4; ++i) o[dn].x[i] *= correction[i / 2];
     for (int kk = 0; kk < kTcKeys / 16; ++kk) {
       const FragA<E> p = a_from_accumulators<E>(s[2 * kk], s[2 * kk + 1]);
-      for (int dn = 0; dn < D / 8; ++dn) mma(o[dn], p, load_b_row_major(vs + 16 * kk * ld + 8 * dn, ld));
+      mma_rows<E, D>(o, p, vs + 16 * kk * ld, ld);
     }
   }
 
@@ -189,11 +202,8 @@ __global__ void __launch_bounds__(kTcThreads) attention_dkdv_tc_kernel(E* dk, E*
     __syncthreads();
 
     FragC st[kTcKeys / 8], dpt[kTcKeys / 8];  // S^T and dP^T: 16 keys x 32 queries
-    for (int n = 0; n < kTcKeys / 8; ++n)
-      for (int kk = 0; kk < D / 16; ++kk) {
-        mma(st[n], kf[kk], load_b_col_major(qs + n * 8 * ld + 16 * kk, ld));
-        mma(dpt[n], vf[kk], load_b_col_major(dos + n * 8 * ld + 16 * kk, ld));
-      }
+    mma_tile_t<E, D>(st, kf, qs, ld);
+    mma_tile_t<E, D>(dpt, vf, dos, ld);
     for (int n = 0; n < kTcKeys / 8; ++n)
       for (int i = 0; i < 4; ++i) {
         const int c = 8 * n + 2 * t + (i & 1);
@@ -206,10 +216,8 @@ __global__ void __launch_bounds__(kTcThreads) attention_dkdv_tc_kernel(E* dk, E*
     for (int kk = 0; kk < kTcKeys / 16; ++kk) {
       const FragA<E> p = a_from_accumulators<E>(st[2 * kk], st[2 * kk + 1]);
       const FragA<E> ds = a_from_accumulators<E>(dpt[2 * kk], dpt[2 * kk + 1]);
-      for (int dn = 0; dn < D / 8; ++dn) {
-        mma(dvc[dn], p, load_b_row_major(dos + 16 * kk * ld + 8 * dn, ld));
-        mma(dkc[dn], ds, load_b_row_major(qs + 16 * kk * ld + 8 * dn, ld));
-      }
+      mma_rows<E, D>(dvc, p, dos + 16 * kk * ld, ld);
+      mma_rows<E, D>(dkc, ds, qs + 16 * kk * ld, ld);
     }
   }
   for (int dn = 0; dn < D / 8; ++dn)
@@ -255,11 +263,8 @@ __global__ void __launch_bounds__(kTcThreads) attention_dq_tc_kernel(E* dq, cons
     __syncthreads();
 
     FragC s[kTcKeys / 8], dp[kTcKeys / 8];  // S and dP: 16 queries x 32 keys
-    for (int n = 0; n < kTcKeys / 8; ++n)
-      for (int kk = 0; kk < D / 16; ++kk) {
-        mma(s[n], qf[kk], load_b_col_major(ks + n * 8 * ld + 16 * kk, ld));
-        mma(dp[n], dof[kk], load_b_col_major(vs + n * 8 * ld + 16 * kk, ld));
-      }
+    mma_tile_t<E, D>(s, qf, ks, ld);
+    mma_tile_t<E, D>(dp, dof, vs, ld);
     for (int n = 0; n < kTcKeys / 8; ++n)
       for (int i = 0; i < 4; ++i) {
         const int64_t key = j0 + 8 * n + 2 * t + (i & 1), row = rows[i / 2];
@@ -269,7 +274,7 @@ __global__ void __launch_bounds__(kTcThreads) attention_dq_tc_kernel(E* dq, cons
       }
     for (int kk = 0; kk < kTcKeys / 16; ++kk) {
       const FragA<E> ds = a_from_accumulators<E>(dp[2 * kk], dp[2 * kk + 1]);
-      for (int dn = 0; dn < D / 8; ++dn) mma(dqc[dn], ds, load_b_row_major(ks + 16 * kk * ld + 8 * dn, ld));
+      mma_rows<E, D>(dqc, ds, ks + 16 * kk * ld, ld);
     }
   }
   for (int dn = 0; dn < D / 8; ++dn)

@@ -137,7 +137,8 @@ void layernorm_forward(T* y, float* mean, float* rstd, const T* x, const T* w, c
                          eps, stream);
 }
 
-// residual_out = x + residual, then y = LayerNorm(residual_out): one pass instead of two.
+// residual_out = x + residual, then y = LayerNorm(residual_out): one pass instead of two. With
+// residual null it is layernorm_forward (residual_out not written).
 template <class T>
 void residual_layernorm_forward(T* residual_out, T* y, float* mean, float* rstd, const T* x, const T* residual,
                                 const T* w, const T* b, int64_t rows, int64_t C, double eps, Stream stream) {

@@ -148,9 +148,9 @@ void residual_layernorm(DType dtype, void* r, void* y, void* mean, void* rstd, c
   const On o = on(y, "layernorm");
   dispatch_storage(dtype, "layernorm", [&](auto tag) {
     using T = decltype(tag);
-    norm_forward<T, false>(static_cast<T*>(y), stats(mean), stats(rstd), static_cast<T*>(r), static_cast<const T*>(x),
-                           static_cast<const T*>(residual), static_cast<const T*>(w), static_cast<const T*>(b), rows,
-                           C, eps, o.stream);
+    residual_layernorm_forward<T>(static_cast<T*>(r), static_cast<T*>(y), stats(mean), stats(rstd),
+                                  static_cast<const T*>(x), static_cast<const T*>(residual), static_cast<const T*>(w),
+                                  static_cast<const T*>(b), rows, C, eps, o.stream);
   });
 }
 
@@ -167,9 +167,10 @@ void residual_layernorm_backward(DType dtype, void* dx, void* dw, void* db, cons
   const Scratch work(size_t(norm_backward_workspace(rows, C)) * sizeof(float), o.dev);
   dispatch_storage(dtype, "layernorm_backward", [&](auto tag) {
     using T = decltype(tag);
-    norm_backward<T, false>(static_cast<T*>(dx), static_cast<T*>(dw), static_cast<T*>(db), static_cast<const T*>(dr),
-                            static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(w), stats(mean),
-                            stats(rstd), rows, C, work.as<float>(), o.stream);
+    cuda::residual_layernorm_backward<T>(static_cast<T*>(dx), static_cast<T*>(dw), static_cast<T*>(db),
+                                         static_cast<const T*>(dr), static_cast<const T*>(dy), static_cast<const T*>(x),
+                                         static_cast<const T*>(w), stats(mean), stats(rstd), rows, C, work.as<float>(),
+                                         o.stream);
   });
 }
 
