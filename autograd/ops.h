@@ -96,6 +96,11 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b);
 // gelu(linear(x, w, b)) in one GEMM (the bias and GELU in its epilogue; the same values on the CPU,
 // bit for bit); keeps the pre-activation for the backward, as gelu would.
 Tensor linear_gelu(const Tensor& x, const Tensor& w, const Tensor& b);
+// A transformer's MLP, linear(linear_gelu(x, w1, b1), w2, b2), as one node (b1, b2 may be
+// undefined). The same forward values; the backward folds the GELU derivative and c_fc's bias
+// gradient into the GEMM that computes c_proj's input gradient, and each bias gradient into its
+// weight-gradient GEMM (bit for bit the two-op form's gradients on the CPU in f32 and f64).
+Tensor mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2);
 
 // ---- neural-network ops ----
 Tensor softmax(const Tensor& x);      // over the last dim

@@ -174,8 +174,7 @@ Tensor profiled_loss(const nn::GPT& m, const Tensor& idx, const Tensor& tgt, Tim
     Tensor a = timed(t, "linear", [&] { return blk->attn->c_proj->forward(y); });
     Tensor h2;
     std::tie(x, h2) = timed(t, "add_layernorm", [&] { return blk->ln_2->forward_add(x, a); });
-    Tensor g = timed(t, "linear_gelu", [&] { return blk->mlp->c_fc->forward_gelu(h2); });
-    Tensor p = timed(t, "linear", [&] { return blk->mlp->c_proj->forward(g); });
+    Tensor p = timed(t, "mlp", [&] { return blk->mlp->forward(h2); });
     x = timed(t, "add", [&] { return add(x, p); });
   }
   x = timed(t, "layernorm", [&] { return m.ln_f->forward(x); });

@@ -44,6 +44,19 @@ struct GemmArgs {
   const void* bias = nullptr;
   bool gelu = false;
   void* pre_gelu = nullptr;
+  // Backward epilogues, the gradients a linear layer's backward needs beside its GEMMs:
+  //  - dgelu_pre [M, N] (one contiguous C, beta 0, no forward epilogue): C = the product times
+  //    GELU'(dgelu_pre), the gradient through a GELU whose input was dgelu_pre (what the
+  //    forward's pre_gelu saved). The input gradient of an MLP's c_proj lands as c_fc's dpre.
+  //  - bias_grad [N] (same rules): the sum of C's M rows, after dgelu_pre: the bias gradient of
+  //    the layer whose output gradient C is.
+  //  - row_sums_a [M] (batch 1, A contiguous): the sum over k of op(A)[m, k]. A weight gradient
+  //    dW = dY^T X has op(A) = dY^T, so its row_sums_a is the bias gradient.
+  // Each is what the separate ops (unary_backward gelu, a sum over rows) would give, bit for bit
+  // on the CPU; a GPU folds them into the GEMM instead of extra passes over C or A.
+  const void* dgelu_pre = nullptr;
+  void* bias_grad = nullptr;
+  void* row_sums_a = nullptr;
 };
 
 struct AttentionArgs {
@@ -175,7 +188,8 @@ const OpTable& table(Device d);
 // without CUDA kernels or cuDNN.
 void select_attention(const std::string& name, Device d);
 
-// Throws, naming the device, when a GEMM's epilogue (bias, gelu, pre_gelu) breaks GemmArgs' rules.
+// Throws, naming the device, when a GEMM's epilogue (bias, gelu, pre_gelu, dgelu_pre, bias_grad,
+// row_sums_a) breaks GemmArgs' rules.
 void check_gemm_epilogue(const GemmArgs& g, const char* device);
 
 // Throws, naming the device and the entry, when args[1..count) differ from args[0] in anything

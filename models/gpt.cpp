@@ -86,7 +86,9 @@ MLP::MLP(const GPTConfig& c, DType dtype, Device device) {
   c_proj = register_module("c_proj", std::make_shared<Linear>(4 * c.n_embd, c.n_embd, true, dtype, device));
 }
 
-Tensor MLP::forward(const Tensor& x) const { return c_proj->forward(c_fc->forward_gelu(x)); }
+Tensor MLP::forward(const Tensor& x) const {
+  return mlp(x, c_fc->weight, c_fc->bias, c_proj->weight, c_proj->bias);  // one node: sg::mlp
+}
 
 Block::Block(const GPTConfig& c, DType dtype, Device device, std::shared_ptr<comm::ProcessGroup> tp_group)
     : dropout(c.dropout) {

@@ -481,6 +481,13 @@ std::vector<OpCase> all_op_cases() {
   L.add("linear_gelu without bias, of a transposed input", {N({5, 3}), N({4, 5})},
         [](V x) { return linear_gelu(transpose(x[0], 0, 1), x[1], Tensor()); },
         [](R r) { return each(linear_ref(permute_ref(r[0], {1, 0}), r[1], nullptr), gelu_ref); });
+  L.add("mlp with both biases", {N({2, 3, 5}), N({8, 5}), N({8}), N({4, 8}), N({4})},
+        [](V x) { return mlp(x[0], x[1], x[2], x[3], x[4]); },
+        [](R r) { return linear_ref(each(linear_ref(r[0], r[1], &r[2]), gelu_ref), r[3], &r[4]); })
+      .half = true;
+  L.add("mlp without biases, of a transposed input", {N({5, 3}), N({6, 5}), N({4, 6})},
+        [](V x) { return mlp(transpose(x[0], 0, 1), x[1], Tensor(), x[2], Tensor()); },
+        [](R r) { return linear_ref(each(linear_ref(permute_ref(r[0], {1, 0}), r[1], nullptr), gelu_ref), r[2], nullptr); });
 
   // Neural-network ops.
   L.add("softmax", {N(S)}, [](V x) { return softmax(x[0]); }, [](R r) { return softmax_ref(r[0], false); });
@@ -845,6 +852,107 @@ TEST_CASE("linear_gelu is linear then gelu, bit for bit, forward and backward, o
   REQUIRE_THROWS_WITH(linear_gelu(zeros({2, 3}), zeros({4, 5}), Tensor()), Contains("linear_gelu: input [2,3]"));
 }
 
+TEST_CASE("mlp is linear_gelu then linear, bit for bit, forward and backward, on the CPU", "[ops]") {
+  // c_proj with and without its bias (tensor parallelism adds it after the group's sum), and a
+  // frozen c_fc weight whose bias still trains (the bias gradient then comes from the dgelu GEMM
+  // alone) with an input that needs no gradient.
+  for (DType dt : {DType::f32, DType::f64})
+    for (int variant = 0; variant < 3; ++variant) {
+      INFO(dtype_name(dt) << " variant " << variant);
+      auto run = [&](bool fused) {
+        Tensor x = randn({2, 5, 24}, 19, 1, 0, 1, dt), w1 = randn({40, 24}, 19, 2, 0, 0.3, dt),
+               b1 = randn({40}, 19, 3, 0, 1, dt), w2 = randn({16, 40}, 19, 4, 0, 0.3, dt),
+               b2 = variant == 1 ? Tensor() : randn({16}, 19, 5, 0, 1, dt);
+        for (Tensor* t : {&x, &w1, &b1, &w2, &b2})
+          if (t->defined()) t->set_requires_grad(true);
+        if (variant == 2) x.set_requires_grad(false), w1.set_requires_grad(false);
+        autograd::Tape tape;
+        Tensor loss;
+        {
+          autograd::TapeScope s(tape);
+          Tensor y = fused ? mlp(x, w1, b1, w2, b2) : linear(linear_gelu(x, w1, b1), w2, b2);
+          loss = sum(mul(y, randn({2, 5, 16}, 19, 6, 0, 1, dt)));
+        }
+        tape.backward(loss);
+        std::vector<Tensor> r{loss};
+        for (Tensor* t : {&x, &w1, &b1, &w2, &b2})
+          if (t->defined() && t->requires_grad()) r.push_back(t->grad());
+        return r;
+      };
+      const auto fused = run(true), plain = run(false);
+      REQUIRE(fused.size() == plain.size());
+      for (size_t i = 0; i < fused.size(); ++i) {
+        INFO("result " << i);
+        REQUIRE(fused[i].defined());
+        CHECK(to_vector<double>(to(fused[i], DType::f64)) == to_vector<double>(to(plain[i], DType::f64)));
+      }
+    }
+  REQUIRE_THROWS_WITH(mlp(zeros({2, 5}), zeros({8, 5}), Tensor(), zeros({4, 6}), Tensor()),
+                      Contains("mlp: c_proj weight [4,6] does not take c_fc's 8 outputs"));
+  REQUIRE_THROWS_WITH(mlp(zeros({2, 5}), zeros({8, 5}), Tensor(), zeros({4, 8}), zeros({3})),
+                      Contains("mlp: c_proj bias"));
+  REQUIRE_THROWS_WITH(mlp(zeros({2, 6}), zeros({8, 5}), Tensor(), zeros({4, 8}), Tensor()),
+                      Contains("mlp (c_fc): input [2,6]"));
+}
+
+TEST_CASE("linear's bias gradient, from its weight-gradient GEMM, is the row sum of dy bit for bit", "[ops]") {
+  for (DType dt : {DType::f32, DType::f64}) {
+    INFO(dtype_name(dt));
+    Tensor x = randn({3, 7, 12}, 23, 1, 0, 1, dt), w = randn({9, 12}, 23, 2, 0, 0.3, dt), b = zeros({9}, dt);
+    Tensor dy = randn({3, 7, 9}, 23, 3, 0, 1, dt);
+    for (Tensor* t : {&x, &w, &b}) t->set_requires_grad(true);
+    autograd::Tape tape;
+    Tensor loss;
+    {
+      autograd::TapeScope s(tape);
+      loss = sum(mul(linear(x, w, b), dy));
+    }
+    tape.backward(loss);
+    CHECK(to_vector<double>(b.grad()) == to_vector<double>(sum(reshape(dy, {21, 9}), {0})));
+  }
+}
+
+// The backward epilogues against the separate ops, on the CPU table: C = (A B) * gelu'(pre) with its
+// column sums, and the row sums of op(A), transposed and not.
+TEST_CASE("the CPU gemm's backward epilogues are the separate ops' values", "[ops]") {
+  const int64_t M = 7, N = 10, K = 5;
+  const auto vec = [](const Tensor& t) { return to_vector<double>(t); };
+  for (DType dt : {DType::f32, DType::f64}) {
+    INFO(dtype_name(dt));
+    Tensor a = randn({M, K}, 29, 1, 0, 1, dt), at = contiguous(transpose(a, 0, 1)), b = randn({K, N}, 29, 2, 0, 1, dt);
+    Tensor pre = randn({M, N}, 29, 3, 0, 1.5, dt), c = empty({M, N}, dt), bg = empty({N}, dt), rs = empty({M}, dt);
+    kernels::GemmArgs g;
+    g.dtype = dt;
+    g.M = M, g.N = N, g.K = K, g.A = a.data_ptr(), g.lda = K, g.B = b.data_ptr(), g.ldb = N, g.C = c.data_ptr();
+    g.ldc = N;
+    g.dgelu_pre = pre.data_ptr();
+    g.bias_grad = bg.data_ptr();
+    SG_KERNEL(Device::cpu(), gemm)(g);
+    Tensor want = empty({M, N}, dt), ab = matmul(a, b);
+    SG_KERNEL(Device::cpu(), unary_backward)(kernels::Unary::gelu, dt, want.data_ptr(), ab.data_ptr(),
+                                             pre.data_ptr(), M * N);
+    CHECK(vec(c) == vec(want));
+    CHECK(vec(bg) == vec(sum(want, {0})));
+    // the derivative itself, not only the plumbing: GELU-tanh's, at one element, in double
+    const double p = vec(pre)[3], k = 0.7978845608028654, t = std::tanh(k * (p + 0.044715 * p * p * p));
+    const double dgelu = 0.5 * (1 + t) + 0.5 * p * (1 - t * t) * k * (1 + 3 * 0.044715 * p * p);
+    CHECK(vec(c)[3] == Approx(vec(ab)[3] * dgelu).epsilon(1e-5));
+
+    kernels::GemmArgs r;
+    r.dtype = dt;
+    r.M = M, r.N = N, r.K = K, r.B = b.data_ptr(), r.ldb = N, r.C = c.data_ptr(), r.ldc = N;
+    r.row_sums_a = rs.data_ptr();
+    r.A = a.data_ptr(), r.lda = K;
+    SG_KERNEL(Device::cpu(), gemm)(r);
+    CHECK(vec(rs) == vec(sum(a, {1})));
+    CHECK(vec(c) == vec(ab));
+    r.trans_a = true, r.A = at.data_ptr(), r.lda = M;
+    SG_KERNEL(Device::cpu(), gemm)(r);
+    CHECK(vec(rs) == vec(sum(at, {0})));
+    CHECK(vec(c) == vec(ab));
+  }
+}
+
 TEST_CASE("the CPU gemm refuses an epilogue it cannot apply, naming it", "[ops]") {
   std::vector<float> a(6, 1.0f), b(6, 1.0f), c(4, 0.0f), bias(2, 1.0f);
   kernels::GemmArgs g;
@@ -860,6 +968,18 @@ TEST_CASE("the CPU gemm refuses an epilogue it cannot apply, naming it", "[ops]"
   g.ldc = 2;
   SG_KERNEL(Device::cpu(), gemm)(g);
   CHECK(c[0] == Approx(0.5 * 4 * (1 + std::tanh(0.7978845608028654 * (4 + 0.044715 * 64)))));
+  // the backward epilogues: not with a forward one, not accumulating, A contiguous for row sums
+  std::vector<float> pre(4, 0.5f), sums(2, 0.0f);
+  g.dgelu_pre = pre.data();
+  REQUIRE_THROWS_WITH(SG_KERNEL(Device::cpu(), gemm)(g), Contains("a forward epilogue (bias, gelu) and a backward one"));
+  g.bias = nullptr, g.gelu = false;
+  g.bias_grad = sums.data();
+  g.beta = 1.0;
+  REQUIRE_THROWS_WITH(SG_KERNEL(Device::cpu(), gemm)(g), Contains("the dgelu and bias_grad epilogues need beta = 0"));
+  g.beta = 0.0, g.dgelu_pre = nullptr, g.bias_grad = nullptr;
+  g.row_sums_a = sums.data();
+  g.lda = 4;
+  REQUIRE_THROWS_WITH(SG_KERNEL(Device::cpu(), gemm)(g), Contains("row_sums_a needs one contiguous A (batch 1, lda 4, K 3)"));
 }
 
 TEST_CASE("bf16 and f16 tensors keep their dtype through a small model on the CPU", "[ops]") {

@@ -94,9 +94,59 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
 
 namespace {
 
-// linear (gelu false) and linear_gelu: one GEMM with the bias (and GELU) in its epilogue. The GELU
-// form saves the pre-activation, which its backward needs.
-Tensor linear_impl(const char* op, const Tensor& x, const Tensor& w, const Tensor& b, bool gelu) {
+// The forward GEMM of a linear layer: out [rows, out] = X [rows, in] W^T (+ bias) (then GELU, the
+// value before it stored to pre when pre is defined), on compute-dtype operands.
+void linear_gemm(const Tensor& out, const Tensor& X, const Tensor& W, const Tensor& B, bool gelu, const Tensor& pre) {
+  kernels::GemmArgs g;
+  g.dtype = X.dtype();
+  g.trans_b = true;
+  g.M = out.numel() / std::max<int64_t>(W.size(0), 1), g.N = W.size(0), g.K = W.size(1);
+  g.A = X.data_ptr(), g.lda = g.K;
+  g.B = W.data_ptr(), g.ldb = g.K;
+  g.C = out.data_ptr(), g.ldc = g.N;
+  g.bias = B.defined() ? B.data_ptr() : nullptr;
+  g.gelu = gelu;
+  g.pre_gelu = pre.defined() ? pre.data_ptr() : nullptr;
+  SG_KERNEL(out.device(), gemm)(g);
+}
+
+// What a linear layer's backward owes, given G = dy as a contiguous compute-dtype [rows, out]:
+// dx = G W (when gx), dW = G^T x with the bias gradient db = the sum of G's rows in the same
+// GEMM's epilogue (when gw; a separate sum when only gb). Results in the inputs' dtypes.
+struct LinearGrads {
+  Tensor dx, dw, db;
+};
+LinearGrads linear_grads(const Tensor& G, const Tensor& kx, const Tensor& kw, bool gx, bool gw, bool gb) {
+  const int64_t in = kw.size(1), outf = kw.size(0), rows = G.numel() / std::max<int64_t>(outf, 1);
+  LinearGrads r;
+  if (gx) {  // dx [rows, in] = dy [rows, out] @ W [out, in]
+    Tensor W = detail::operand(kw);
+    r.dx = empty(kx.shape(), G.dtype(), G.device());
+    gemm_into(r.dx, G, false, W, false, 1, rows, in, outf, 0, 0);
+    r.dx = detail::narrow_result(r.dx, kx.dtype());
+  }
+  if (gb) r.db = empty({outf}, G.dtype(), G.device());
+  if (gw) {  // dW [out, in] = dy^T [out, rows] @ x [rows, in]; db = the rows of dy^T summed
+    Tensor X = detail::operand(kx);
+    r.dw = empty({outf, in}, G.dtype(), G.device());
+    kernels::GemmArgs g;
+    g.dtype = G.dtype();
+    g.trans_a = true;
+    g.M = outf, g.N = in, g.K = rows;
+    g.A = G.data_ptr(), g.lda = outf;
+    g.B = X.data_ptr(), g.ldb = in;
+    g.C = r.dw.data_ptr(), g.ldc = in;
+    g.row_sums_a = gb ? r.db.data_ptr() : nullptr;
+    SG_KERNEL(G.device(), gemm)(g);
+    r.dw = detail::narrow_result(r.dw, kw.dtype());
+  } else if (gb) {
+    r.db = sum(reshape(G, {rows, outf}), {0});
+  }
+  if (gb) r.db = detail::narrow_result(r.db, kw.dtype());
+  return r;
+}
+
+void check_linear(const char* op, const Tensor& x, const Tensor& w, const Tensor& b) {
   detail::check_same_device(op, x, w);
   SG_CHECK(w.dim() == 2, op, ": weight must be [out, in], got ", shape_str(w.shape()));
   const int64_t in = w.size(1), outf = w.size(0);
@@ -106,35 +156,34 @@ Tensor linear_impl(const char* op, const Tensor& x, const Tensor& w, const Tenso
            dtype_name(w.dtype()));
   SG_CHECK(!b.defined() || (b.dim() == 1 && b.size(0) == outf), op, ": bias ", shape_str(b.shape()),
            " does not match ", outf, " outputs");
-  const int64_t rows = x.numel() / std::max<int64_t>(in, 1);
-  Shape s = x.shape();
-  s.back() = outf;
+  SG_CHECK(!b.defined() || b.device() == w.device(), op, ": bias on ", b.device().str(), ", weight on ",
+           w.device().str());
+}
+
+Shape with_last(Shape s, int64_t n) {
+  s.back() = n;
+  return s;
+}
+
+// linear (gelu false) and linear_gelu: one GEMM with the bias (and GELU) in its epilogue. The GELU
+// form saves the pre-activation, which its backward needs.
+Tensor linear_impl(const char* op, const Tensor& x, const Tensor& w, const Tensor& b, bool gelu) {
+  check_linear(op, x, w, b);
+  const Shape s = with_last(x.shape(), w.size(0));
   const bool grad = needs_grad({x, w, b});  // asked before the guard below turns recording off
   Tensor out, pre;
   {
     autograd::NoGradGuard ng;
     Tensor X = detail::operand(x), W = detail::operand(w), B = b.defined() ? detail::operand(b) : Tensor();
     out = empty(s, X.dtype(), x.device());
-    kernels::GemmArgs g;
-    g.dtype = X.dtype();
-    g.trans_b = true;  // out [rows, out] = x [rows, in] W^T
-    g.M = rows, g.N = outf, g.K = in;
-    g.A = X.data_ptr(), g.lda = in;
-    g.B = W.data_ptr(), g.ldb = in;
-    g.C = out.data_ptr(), g.ldc = outf;
-    g.bias = B.defined() ? B.data_ptr() : nullptr;
-    g.gelu = gelu;
-    if (gelu && grad) {
-      pre = empty(s, X.dtype(), x.device());
-      g.pre_gelu = pre.data_ptr();
-    }
-    SG_KERNEL(out.device(), gemm)(g);
+    if (gelu && grad) pre = empty(s, X.dtype(), x.device());
+    linear_gemm(out, X, W, B, gelu, pre);
     out = detail::narrow_result(out, x.dtype());
   }
   if (grad) {
     Tensor kx = detach(x), kw = detach(w);
     bool gx = x.requires_grad(), gw = w.requires_grad(), gb = b.defined() && b.requires_grad();
-    record(op, {x, w, b}, {out}, [kx, kw, pre, gx, gw, gb, rows, in, outf](const TensorList& g) {
+    record(op, {x, w, b}, {out}, [kx, kw, pre, gx, gw, gb](const TensorList& g) {
       Tensor G = detail::operand(g[0]);
       if (pre.defined()) {  // through the GELU first: d(pre) = dy * gelu'(pre)
         Tensor dpre = empty(pre.shape(), pre.dtype(), pre.device());
@@ -142,21 +191,8 @@ Tensor linear_impl(const char* op, const Tensor& x, const Tensor& w, const Tenso
                                                 pre.data_ptr(), pre.numel());
         G = dpre;
       }
-      Tensor dx, dw, db;
-      if (gx) {  // dx [rows, in] = dy [rows, out] @ W [out, in]
-        Tensor W = detail::operand(kw);
-        dx = empty(kx.shape(), G.dtype(), G.device());
-        gemm_into(dx, G, false, W, false, 1, rows, in, outf, 0, 0);
-        dx = detail::narrow_result(dx, kx.dtype());
-      }
-      if (gw) {  // dW [out, in] = dy^T [out, rows] @ x [rows, in]
-        Tensor X = detail::operand(kx);
-        dw = empty({outf, in}, G.dtype(), G.device());
-        gemm_into(dw, G, true, X, false, 1, outf, in, rows, 0, 0);
-        dw = detail::narrow_result(dw, kw.dtype());
-      }
-      if (gb) db = detail::narrow_result(sum(reshape(G, {rows, outf}), {0}), kw.dtype());
-      return TensorList{dx, dw, db};
+      LinearGrads r = linear_grads(G, kx, kw, gx, gw, gb);
+      return TensorList{r.dx, r.dw, r.db};
     });
   }
   return out;
@@ -168,6 +204,62 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) { return linear
 
 Tensor linear_gelu(const Tensor& x, const Tensor& w, const Tensor& b) {
   return linear_impl("linear_gelu", x, w, b, true);
+}
+
+Tensor mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2) {
+  check_linear("mlp (c_fc)", x, w1, b1);
+  SG_CHECK(w2.dim() == 2 && w2.size(1) == w1.size(0), "mlp: c_proj weight ", shape_str(w2.shape()),
+           " does not take c_fc's ", w1.size(0), " outputs");
+  SG_CHECK(w1.dtype() == w2.dtype() && w1.device() == w2.device(), "mlp: c_fc weight ", w1.describe(),
+           " and c_proj weight ", w2.describe(), " differ in dtype or device");
+  SG_CHECK(!b2.defined() || (b2.dim() == 1 && b2.size(0) == w2.size(0) && b2.device() == w2.device()),
+           "mlp: c_proj bias ", b2.describe(), " does not match ", w2.size(0), " outputs on ", w2.device().str());
+  const Shape sh = with_last(x.shape(), w1.size(0)), sy = with_last(x.shape(), w2.size(0));
+  const bool grad = needs_grad({x, w1, b1, w2, b2});
+  Tensor y, pre, h;
+  {
+    autograd::NoGradGuard ng;
+    Tensor X = detail::operand(x), W1 = detail::operand(w1), B1 = b1.defined() ? detail::operand(b1) : Tensor();
+    Tensor H = empty(sh, X.dtype(), x.device());
+    if (grad) pre = empty(sh, X.dtype(), x.device());
+    linear_gemm(H, X, W1, B1, true, pre);
+    // h as the two-op form would hand it on: in the input's dtype (what the backward keeps).
+    h = detail::narrow_result(H, x.dtype());
+    Tensor Hc = detail::operand(h), W2 = detail::operand(w2), B2 = b2.defined() ? detail::operand(b2) : Tensor();
+    y = empty(sy, Hc.dtype(), x.device());
+    linear_gemm(y, Hc, W2, B2, false, Tensor());
+    y = detail::narrow_result(y, x.dtype());
+  }
+  if (grad) {
+    Tensor kx = detach(x), kw1 = detach(w1), kw2 = detach(w2);
+    const bool gx = x.requires_grad(), gw1 = w1.requires_grad(), gb1 = b1.defined() && b1.requires_grad(),
+               gw2 = w2.requires_grad(), gb2 = b2.defined() && b2.requires_grad();
+    record("mlp", {x, w1, b1, w2, b2}, {y}, [kx, kw1, kw2, pre, h, gx, gw1, gb1, gw2, gb2](const TensorList& g) {
+      Tensor G = detail::operand(g[0]);
+      LinearGrads proj = linear_grads(G, h, kw2, false, gw2, gb2);
+      LinearGrads fc;
+      if (gx || gw1 || gb1) {
+        // d(pre) [rows, 4C] = dy [rows, C] @ W2 [C, 4C] times GELU'(pre), and c_fc's bias gradient
+        // (its rows summed) in the same GEMM.
+        Tensor W2 = detail::operand(kw2), dpre = empty(pre.shape(), pre.dtype(), pre.device());
+        const int64_t hidden = kw2.size(1), outf = kw2.size(0), rows = pre.numel() / std::max<int64_t>(hidden, 1);
+        Tensor db1 = gb1 ? empty({hidden}, pre.dtype(), pre.device()) : Tensor();
+        kernels::GemmArgs a;
+        a.dtype = pre.dtype();
+        a.M = rows, a.N = hidden, a.K = outf;
+        a.A = G.data_ptr(), a.lda = outf;
+        a.B = W2.data_ptr(), a.ldb = hidden;
+        a.C = dpre.data_ptr(), a.ldc = hidden;
+        a.dgelu_pre = pre.data_ptr();
+        a.bias_grad = gb1 ? db1.data_ptr() : nullptr;
+        SG_KERNEL(pre.device(), gemm)(a);
+        fc = linear_grads(dpre, kx, kw1, gx, gw1, false);
+        if (gb1) fc.db = detail::narrow_result(db1, kw1.dtype());
+      }
+      return TensorList{fc.dx, fc.dw, fc.db, proj.dw, proj.db};
+    });
+  }
+  return y;
 }
 
 }  // namespace sg

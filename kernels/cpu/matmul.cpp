@@ -51,6 +51,13 @@ void gemm(const GemmArgs& g) {
       if (g.bias) MMap<T>(pre, g.M, g.N, Eigen::OuterStride<>(g.ldc)).rowwise() +=
                   Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(static_cast<const T*>(g.bias), g.N);
       if (g.gelu) unary(Unary::gelu, g.dtype, C, pre, g.M * g.N, 0);
+      if (g.dgelu_pre) unary_backward(Unary::gelu, g.dtype, C, C, g.dgelu_pre, g.M * g.N);
+      if (g.bias_grad) reduce(Reduce::sum, g.dtype, g.bias_grad, C, 1, g.M, g.N);
+      // op(A) is [M, K]: stored [K, M] (a column sum) when transposed, [M, K] (row sums) when not.
+      if (g.row_sums_a) {
+        if (g.trans_a) reduce(Reduce::sum, g.dtype, g.row_sums_a, A, 1, g.K, g.M);
+        else reduce(Reduce::sum, g.dtype, g.row_sums_a, A, g.M, g.K, 1);
+      }
     } else {
 #pragma omp parallel for schedule(static)
       for (int64_t i = 0; i < g.batch; ++i) gemm_one<T>(g, A + i * g.stride_a, B + i * g.stride_b, C + i * g.stride_c);

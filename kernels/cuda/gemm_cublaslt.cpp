@@ -11,6 +11,7 @@
 #include <atomic>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <tuple>
 
 #include "core/storage.h"
@@ -92,24 +93,29 @@ using AlgoKey = std::tuple<int, int, int, bool, bool, int64_t, int64_t, int64_t,
 
 // cublasLtMatmulAlgoGetHeuristic costs tens of microseconds of host time; a training step repeats
 // the same few dozen GEMM shapes hundreds of times, so each shape asks once per process.
+// An empty answer (no algorithm for this epilogue) is remembered too.
 template <class Find>
-cublasLtMatmulAlgo_t cached_algo(const AlgoKey& key, Find find) {
+std::optional<cublasLtMatmulAlgo_t> cached_algo(const AlgoKey& key, Find find) {
   static std::mutex mu;
-  static std::map<AlgoKey, cublasLtMatmulAlgo_t> algos;
+  static std::map<AlgoKey, std::optional<cublasLtMatmulAlgo_t>> algos;
   {
     std::lock_guard<std::mutex> lock(mu);
     auto it = algos.find(key);
     if (it != algos.end()) return it->second;
   }
-  const cublasLtMatmulAlgo_t algo = find();  // outside the lock: it may throw
+  const std::optional<cublasLtMatmulAlgo_t> algo = find();  // outside the lock: it may throw
   std::lock_guard<std::mutex> lock(mu);
   return algos.emplace(key, algo).first->second;
 }
 
-// GemmArgs' epilogue in cuBLASLt's terms. The bias is one value per column of row-major C, i.e.
-// per row of the column-major result, which is what cuBLASLt's bias vector is; the pre-activation
-// (aux) is column-major with leading dimension m = N, i.e. row-major [M, N].
+// GemmArgs' epilogue in cuBLASLt's terms. The bias (and a bias gradient of C) is one value per
+// column of row-major C, i.e. per row of the column-major result, which is what cuBLASLt's bias
+// vector is; the pre-activation (aux) is column-major with leading dimension m = N, i.e.
+// row-major [M, N]. row_sums_a is BGRADB: our A is cuBLASLt's second operand ("B"), and its sum
+// over k has one value per column of the column-major result, i.e. per row of ours.
 cublasLtEpilogue_t epilogue_of(const kernels::GemmArgs& g) {
+  if (g.row_sums_a) return CUBLASLT_EPILOGUE_BGRADB;
+  if (g.dgelu_pre) return g.bias_grad ? CUBLASLT_EPILOGUE_DGELU_BGRAD : CUBLASLT_EPILOGUE_DGELU;
   if (g.gelu) {
     if (g.bias) return g.pre_gelu ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_BIAS;
     return g.pre_gelu ? CUBLASLT_EPILOGUE_GELU_AUX : CUBLASLT_EPILOGUE_GELU;
@@ -117,19 +123,24 @@ cublasLtEpilogue_t epilogue_of(const kernels::GemmArgs& g) {
   return g.bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
 }
 
-// The one path every GEMM takes. Row-major semantics as in kernels::GemmArgs.
-void matmul(const kernels::GemmArgs& g, const char* op) {
+// The one path every GEMM takes. Row-major semantics as in kernels::GemmArgs. Returns false,
+// having launched nothing, when cuBLASLt's heuristic offers no algorithm for a GEMM with an
+// epilogue (the caller runs the epilogue as separate kernels); throws when it offers none for a
+// plain one.
+bool matmul(const kernels::GemmArgs& g, const char* op) {
   SG_CHECK(g.M >= 0 && g.N >= 0 && g.K >= 0 && g.batch >= 1, op, ": bad sizes M=", g.M, " N=", g.N, " K=", g.K,
            " batch=", g.batch);
-  if (g.M == 0 || g.N == 0) return;
+  if (g.M == 0 || g.N == 0) return !g.bias_grad && !g.row_sums_a;  // those still owe their zeros
   const cudaDataType_t t = cuda_type(g.dtype, op);
   const Device d = device_of(g.C, op);
   const cudaStream_t stream = compute_stream(d);
+  const cublasLtEpilogue_t epilogue = epilogue_of(g);
   if (g.K == 0) {  // C = beta C: cuBLASLt refuses k = 0
+    if (epilogue != CUBLASLT_EPILOGUE_DEFAULT) return false;
     SG_CHECK(g.beta == 0.0 && g.ldc == g.N, op, ": K = 0 with beta != 0 or padded C is not supported on cuda");
     SG_CUDA_CHECK(cudaMemsetAsync(g.C, 0, size_t(g.batch == 1 ? g.M * g.ldc : g.batch * g.stride_c) *
                                                dtype_size(g.dtype), stream));
-    return;
+    return true;
   }
   const cublasComputeType_t compute =
       g.dtype == DType::f32 && allow_tf32() ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
@@ -139,17 +150,19 @@ void matmul(const kernels::GemmArgs& g, const char* op) {
   const cublasOperation_t tb = g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, ta = g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   SG_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSA, &tb, sizeof(tb)));
   SG_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_TRANSB, &ta, sizeof(ta)));
-  const cublasLtEpilogue_t epilogue = epilogue_of(g);
+  // The bias pointer is the bias read (forward) or the bias gradient written (backward).
+  const void* vector = g.row_sums_a ? g.row_sums_a : g.bias_grad ? g.bias_grad : g.bias;
+  const void* aux = g.dgelu_pre ? g.dgelu_pre : g.pre_gelu;
   if (epilogue != CUBLASLT_EPILOGUE_DEFAULT) {
     SG_CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
-    if (g.bias)
+    if (vector)
       SG_CUBLAS_CHECK(
-          cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof(g.bias)));
-    if (g.pre_gelu) {
+          cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &vector, sizeof(vector)));
+    if (aux) {
       const int64_t ld = g.N;
-      SG_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &g.pre_gelu,
-                                                     sizeof(g.pre_gelu)));
+      SG_CUBLAS_CHECK(
+          cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof(aux)));
       SG_CUBLAS_CHECK(
           cublasLtMatmulDescSetAttribute(desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld, sizeof(ld)));
     }
@@ -159,12 +172,11 @@ void matmul(const kernels::GemmArgs& g, const char* op) {
   make_layout(&desc.b, t, g.trans_a ? g.M : g.K, g.trans_a ? g.K : g.M, g.lda, g.batch, g.stride_a);
   make_layout(&desc.c, t, g.N, g.M, g.ldc, g.batch, g.stride_c);
 
-  const Storage workspace(kWorkspaceBytes, d, MemCategory::workspace);
   cublasLtHandle_t h = handle_for(d);
-  const uint32_t align = min_alignment({g.A, g.B, g.C, g.bias, g.pre_gelu});
+  const uint32_t align = min_alignment({g.A, g.B, g.C, vector, aux});
   const AlgoKey key{d.index, int(g.dtype), int(compute), g.trans_a, g.trans_b, g.M, g.N, g.K, g.lda, g.ldb, g.ldc,
                     g.batch, g.stride_a, g.stride_b, g.stride_c, int(epilogue), align};
-  const cublasLtMatmulAlgo_t algo = cached_algo(key, [&] {
+  const std::optional<cublasLtMatmulAlgo_t> algo = cached_algo(key, [&]() -> std::optional<cublasLtMatmulAlgo_t> {
     SG_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&desc.pref));
     const uint64_t ws = kWorkspaceBytes;
     SG_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(desc.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
@@ -174,15 +186,21 @@ void matmul(const kernels::GemmArgs& g, const char* op) {
       SG_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(desc.pref, attr, &align, sizeof(align)));
     cublasLtMatmulHeuristicResult_t best{};
     int found = 0;
-    SG_CUBLAS_CHECK(
-        cublasLtMatmulAlgoGetHeuristic(h, desc.op, desc.a, desc.b, desc.c, desc.c, desc.pref, 1, &best, &found));
+    const cublasStatus_t st =
+        cublasLtMatmulAlgoGetHeuristic(h, desc.op, desc.a, desc.b, desc.c, desc.c, desc.pref, 1, &best, &found);
+    if (epilogue != CUBLASLT_EPILOGUE_DEFAULT && (st == CUBLAS_STATUS_NOT_SUPPORTED || found == 0))
+      return std::nullopt;  // this epilogue here is not cuBLASLt's: the caller runs it apart
+    SG_CUBLAS_CHECK(st);
     SG_CHECK(found > 0, op, " (cuBLASLt): no algorithm for ", dtype_name(g.dtype), " M=", g.M, " N=", g.N, " K=", g.K,
              " batch=", g.batch, " lda=", g.lda, " ldb=", g.ldb, " ldc=", g.ldc, " alignment ", align, " bytes");
     return best.algo;
   });
+  if (!algo) return false;
+  const Storage workspace(kWorkspaceBytes, d, MemCategory::workspace);
   const float alpha = float(g.alpha), beta = float(g.beta);
   SG_CUBLAS_CHECK(cublasLtMatmul(h, desc.op, &alpha, g.B, desc.a, g.A, desc.b, &beta, g.C, desc.c, g.C, desc.c,
-                                 &algo, workspace.data(), kWorkspaceBytes, stream));
+                                 &*algo, workspace.data(), kWorkspaceBytes, stream));
+  return true;
 }
 
 }  // namespace
@@ -190,16 +208,26 @@ void matmul(const kernels::GemmArgs& g, const char* op) {
 void set_allow_tf32(bool allow) { g_allow_tf32 = allow; }
 bool allow_tf32() { return g_allow_tf32; }
 
+bool gemm_fused(const kernels::GemmArgs& a) {
+  kernels::check_gemm_epilogue(a, "cuda");
+  return epilogue_fits(a) && matmul(a, "gemm");
+}
+
 void gemm(const kernels::GemmArgs& a) {
   kernels::check_gemm_epilogue(a, "cuda");
-  SG_CHECK(epilogue_fits(a), "gemm (cuda): cuBLASLt's epilogue needs a 16-byte aligned bias and pre_gelu, and N (",
-           a.N, ") a multiple of 8 with pre_gelu");
-  matmul(a, "gemm");
+  SG_CHECK(epilogue_fits(a), "gemm (cuda): cuBLASLt's epilogue needs a 16-byte aligned bias, bias gradient and ",
+           "pre-activation, N (", a.N, ") a multiple of 8 with a pre-activation, bias_grad only with dgelu_pre, and ",
+           "row_sums_a alone");
+  SG_CHECK(matmul(a, "gemm"), "gemm (cuda): cuBLASLt has no algorithm for this epilogue (M=", a.M, " N=", a.N,
+           " K=", a.K, ")");
 }
 
 bool epilogue_fits(const kernels::GemmArgs& a) {
   const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  return aligned(a.bias) && aligned(a.pre_gelu) && (!a.pre_gelu || a.N % 8 == 0);
+  const bool aux = a.pre_gelu || a.dgelu_pre;
+  return aligned(a.bias) && aligned(a.pre_gelu) && aligned(a.dgelu_pre) && aligned(a.bias_grad) &&
+         aligned(a.row_sums_a) && (!aux || a.N % 8 == 0) && (!a.bias_grad || a.dgelu_pre) &&
+         (!a.row_sums_a || !(a.bias || a.gelu || a.dgelu_pre || a.bias_grad));
 }
 
 }  // namespace sg::cuda

@@ -56,17 +56,23 @@ AttentionBackend attention_backend();
 // kernels/cuda/table.cu: every kernel entry of the CUDA op table (all but the host copies).
 void fill_kernel_table(kernels::OpTable& t);
 
-// kernels/cuda/gemm_cublaslt.cpp: GEMM through cuBLASLt on the compute stream, bias and GELU
-// epilogues included. f32 (TF32 tensor cores only when allowed below), bf16 and f16 with f32
-// accumulation; cuBLASLt's GELU is the tanh form GPT-2 uses (tests/gpu/kernels.cpp checks it).
+// kernels/cuda/gemm_cublaslt.cpp: GEMM through cuBLASLt on the compute stream, its epilogues
+// included (bias, GELU and its saved input; the GELU derivative with the bias gradient; the row
+// sums of A, i.e. a weight gradient's bias gradient). f32 (TF32 tensor cores only when allowed
+// below), bf16 and f16 with f32 accumulation; cuBLASLt's GELU is the tanh form GPT-2 uses
+// (tests/gpu/kernels.cpp checks it). gemm() throws where cuBLASLt cannot take the epilogue;
+// gemm_fused() then returns false having launched nothing, and the op table's gemm entry
+// (table.cu) runs that epilogue as separate kernels.
 void gemm(const kernels::GemmArgs& a);
+bool gemm_fused(const kernels::GemmArgs& a);
 // TF32 for f32 GEMMs: ~10-bit mantissa products, several times faster. Off by default, so f32
 // results match the CPU to f32 rounding.
 void set_allow_tf32(bool allow);
 bool allow_tf32();
-// Whether cuBLASLt takes a's epilogue as given: the bias and pre-activation 16-byte aligned, and
-// N a multiple of 8 when the pre-activation is stored. gemm() refuses an epilogue that does not
-// fit; the op table's gemm entry (table.cu) runs such an epilogue as separate kernels instead.
+// Whether a's epilogue meets cuBLASLt's rules: the bias, bias gradient, row sums and
+// pre-activation 16-byte aligned, N a multiple of 8 with a pre-activation, a bias gradient only
+// with the GELU derivative (DGELU_BGRAD), the row sums alone (BGRADB). Its heuristic may still
+// offer no algorithm for a shape; gemm_fused() says so.
 bool epilogue_fits(const kernels::GemmArgs& a);
 #endif
 

@@ -121,21 +121,35 @@ void softmax_backward(DType dtype, void* dx, const void* dy, const void* y, int6
   cuda::softmax_backward(dtype, dx, dy, y, rows, cols, log, on(dx, "softmax_backward").stream);
 }
 
-// cuBLASLt fuses the bias and GELU into the GEMM when they fit its rules (epilogue_fits); otherwise
-// the GEMM runs bare and the epilogue follows as elementwise kernels, with the same values.
+// cuBLASLt runs the epilogue inside the GEMM when it can (gemm_fused); otherwise the GEMM runs
+// bare and the epilogue follows as elementwise kernels and column sums, with the same values.
 void gemm(const kernels::GemmArgs& g) {
-  if (epilogue_fits(g)) return cuda::gemm(g);
-  kernels::check_gemm_epilogue(g, "cuda");
+  if (cuda::gemm_fused(g)) return;
   kernels::GemmArgs bare = g;
   bare.bias = nullptr;
   bare.gelu = false;
   bare.pre_gelu = nullptr;
+  bare.dgelu_pre = nullptr;
+  bare.bias_grad = nullptr;
+  bare.row_sums_a = nullptr;
   void* pre = g.pre_gelu ? g.pre_gelu : g.C;  // where the value before GELU lands
   bare.C = pre;
   cuda::gemm(bare);
-  const cudaStream_t stream = on(g.C, "gemm").stream;
-  if (g.bias) cuda::binary(Binary::add, g.dtype, pre, pre, {g.N, 1}, g.bias, {0, 1}, {g.M, g.N}, stream);
-  if (g.gelu) cuda::unary(Unary::gelu, g.dtype, g.C, pre, g.M * g.N, 0, stream);
+  const On o = on(g.C, "gemm");
+  if (g.bias) cuda::binary(Binary::add, g.dtype, pre, pre, {g.N, 1}, g.bias, {0, 1}, {g.M, g.N}, o.stream);
+  if (g.gelu) cuda::unary(Unary::gelu, g.dtype, g.C, pre, g.M * g.N, 0, o.stream);
+  if (g.dgelu_pre) cuda::unary_backward(Unary::gelu, g.dtype, g.C, g.C, g.dgelu_pre, g.M * g.N, o.stream);
+  // Sums over rows: of C [M, N] for the bias gradient; of op(A) [M, K] for the row sums (a
+  // column sum of A stored [K, M] when transposed).
+  const auto sum = [&](void* out, const void* x, int64_t outer, int64_t n, int64_t inner) {
+    const Scratch work(size_t(reduce_workspace(outer, n, inner)) * sizeof(float), o.dev);
+    cuda::reduce(Reduce::sum, g.dtype, out, x, outer, n, inner, o.stream, work.as<float>());
+  };
+  if (g.bias_grad) sum(g.bias_grad, g.C, 1, g.M, g.N);
+  if (g.row_sums_a) {
+    if (g.trans_a) sum(g.row_sums_a, g.A, 1, g.K, g.M);
+    else sum(g.row_sums_a, g.A, g.M, g.K, 1);
+  }
 }
 
 // The norms' mean and rstd are f32 for every dtype these kernels take (kernels::stats_dtype).

@@ -68,12 +68,15 @@ ColumnParallelLinear::ColumnParallelLinear(int64_t in, int64_t out, bool has_bia
 
 namespace {
 Tensor column_parallel(const ColumnParallelLinear& l, const Tensor& x, bool gelu) {
-  Tensor in = l.sequence_parallel ? all_gather_seq(x, *l.group) : copy_to_region(x, *l.group);
+  Tensor in = l.input(x);
   Tensor y = gelu ? linear_gelu(in, l.weight, l.bias) : linear(in, l.weight, l.bias);
   return l.gather_output ? gather_from_region(y, *l.group) : y;  // GELU is elementwise: before or after
 }
 }  // namespace
 
+Tensor ColumnParallelLinear::input(const Tensor& x) const {
+  return sequence_parallel ? all_gather_seq(x, *group) : copy_to_region(x, *group);
+}
 Tensor ColumnParallelLinear::forward(const Tensor& x) const { return column_parallel(*this, x, false); }
 Tensor ColumnParallelLinear::forward_gelu(const Tensor& x) const { return column_parallel(*this, x, true); }
 
@@ -90,9 +93,10 @@ RowParallelLinear::RowParallelLinear(int64_t in, int64_t out, bool has_bias, Gro
   if (has_bias) bias = register_parameter("bias", {out}, dtype, device);
 }
 
-Tensor RowParallelLinear::forward(const Tensor& x) const {
+Tensor RowParallelLinear::forward(const Tensor& x) const { return output(linear(x, weight, Tensor())); }
+
+Tensor RowParallelLinear::output(const Tensor& partial) const {
   // The bias joins after the sum: added on every rank before it, it would count p times.
-  Tensor partial = linear(x, weight, Tensor());
   Tensor y = sequence_parallel ? reduce_scatter_seq(partial, *group) : reduce_from_region(partial, *group);
   return bias.defined() ? add(y, bias) : y;
 }
@@ -163,7 +167,11 @@ ParallelMLP::ParallelMLP(const nn::GPTConfig& c, GroupPtr group, DType dtype, De
   c_fc->sequence_parallel = c_proj->sequence_parallel = c.sequence_parallel;
 }
 
-Tensor ParallelMLP::forward(const Tensor& x) const { return c_proj->forward(c_fc->forward_gelu(x)); }
+// c_proj's bias joins after the group's sum (RowParallelLinear::output), so the fused MLP runs
+// without it.
+Tensor ParallelMLP::forward(const Tensor& x) const {
+  return c_proj->output(mlp(c_fc->input(x), c_fc->weight, c_fc->bias, c_proj->weight, Tensor()));
+}
 
 void ParallelMLP::load_full(const nn::MLP& full) {
   c_fc->load_full(*full.c_fc);

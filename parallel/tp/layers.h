@@ -60,6 +60,9 @@ class ColumnParallelLinear : public nn::Module {
                        int64_t parts = 1, DType dtype = DType::f32, Device device = Device::cpu());
   Tensor forward(const Tensor& x) const;
   Tensor forward_gelu(const Tensor& x) const;  // gelu(forward(x)), the GELU fused into the GEMM
+  // x as this rank's GEMM takes it: all-gathered along T under sequence parallelism, else entering
+  // the parallel region (identity forward, all-reduce of its gradient backward).
+  Tensor input(const Tensor& x) const;
   void load_full(const nn::Linear& full);
   const char* type_name() const override { return "ColumnParallelLinear"; }
   Tensor weight, bias;  // [out/p, in], [out/p]
@@ -75,6 +78,9 @@ class RowParallelLinear : public nn::Module {
                     Device device = Device::cpu());
   // x: this rank's [..., in/p] slice (the output of a column-parallel layer).
   Tensor forward(const Tensor& x) const;
+  // This rank's partial product x W^T summed over the group (reduce-scattered along T under
+  // sequence parallelism), then the bias: forward(x) is output(linear(x, weight)).
+  Tensor output(const Tensor& partial) const;
   void load_full(const nn::Linear& full);
   const char* type_name() const override { return "RowParallelLinear"; }
   Tensor weight, bias;  // [out, in/p], [out] (replicated)

@@ -208,6 +208,66 @@ TEST_CASE("gemm with bias and GELU epilogues equals the CPU's, fused or not", "[
   REQUIRE_THROWS_WITH(G().gemm(g), Catch::Contains("gemm (cuda): the GELU epilogue needs beta = 0"));
 }
 
+// The backward epilogues: C = (A B) * GELU'(pre) with C's column sums (cuBLASLt DGELU_BGRAD, an
+// MLP's dpre and c_fc bias gradient), and the row sums of op(A) beside the product (BGRADB, a
+// weight gradient's bias gradient), op(A) transposed or not. Fused where cuBLASLt takes them
+// (N = 40, 16-byte aligned vectors), as separate kernels where it does not (N = 36 with a
+// pre-activation; vectors one element off). The CPU applies the same epilogues after its GEMM.
+TEST_CASE("gemm's backward epilogues (dgelu, bias_grad, row_sums_a) equal the CPU's, fused or not", "[gpu][kernels]") {
+  const int64_t M = 33, K = 24;
+  for (DType dt : kFloat)
+    for (int64_t N : {int64_t(40), int64_t(36)})
+      for (bool offset : {false, true}) {
+        INFO(dtype_name(dt) << " N " << N << " vectors at +1 element " << offset);
+        const size_t skip = offset ? 1 : 0;
+        const auto a = randn(size_t(M * K), 31), b = randn(size_t(K * N), 32, 0.3f), pre = randn(size_t(M * N), 33, 1.5f);
+        Tensor ga = put(a, dt, gpu), gb = put(b, dt, gpu), gpre = put(pre, dt, gpu);
+        Tensor ca = put(rounded(a, dt), DType::f32, host), cb = put(rounded(b, dt), DType::f32, host),
+               cpre = put(rounded(pre, dt), DType::f32, host);
+        const double tol = dt == DType::f32 ? 1e-4 : 5e-2;
+        const auto at = [](const Tensor& t, DType d, size_t k) {
+          return static_cast<char*>(const_cast<void*>(t.data_ptr())) + k * dtype_size(d);
+        };
+        {  // dgelu with the bias gradient: C [M, N] = A [M, K] B [K, N]
+          Tensor out = buffer(M * N, dt, gpu), bg = buffer(N + 1, dt, gpu);
+          Tensor cout = buffer(M * N, DType::f32, host), cbg = buffer(N + 1, DType::f32, host);
+          auto args = [&](DType t, Tensor& aa, Tensor& bb, Tensor& pp, Tensor& o, Tensor& v) {
+            kernels::GemmArgs g;
+            g.dtype = t;
+            g.M = M, g.N = N, g.K = K;
+            g.A = aa.data_ptr(), g.lda = K, g.B = bb.data_ptr(), g.ldb = N, g.C = o.data_ptr(), g.ldc = N;
+            g.dgelu_pre = pp.data_ptr();
+            g.bias_grad = at(v, t, skip);
+            return g;
+          };
+          G().gemm(args(dt, ga, gb, gpre, out, bg));
+          C().gemm(args(DType::f32, ca, cb, cpre, cout, cbg));
+          check_close(get(out), rounded(get(cout), dt), rtol(dt), tol);
+          check_close(get(bg), rounded(get(cbg), dt), rtol(dt), tol * 4);
+        }
+        for (bool trans : {true, false}) {  // row sums of op(A) [M, K], stored [K, M] when transposed
+          INFO("trans_a " << trans);
+          Tensor src = trans ? contiguous(transpose(view(ga, {M, K}), 0, 1)) : ga;
+          Tensor csrc = trans ? contiguous(transpose(view(ca, {M, K}), 0, 1)) : ca;
+          Tensor out = buffer(M * N, dt, gpu), rs = buffer(M + 1, dt, gpu);
+          Tensor cout = buffer(M * N, DType::f32, host), crs = buffer(M + 1, DType::f32, host);
+          auto args = [&](DType t, Tensor& aa, Tensor& bb, Tensor& o, Tensor& v) {
+            kernels::GemmArgs g;
+            g.dtype = t;
+            g.trans_a = trans;
+            g.M = M, g.N = N, g.K = K;
+            g.A = aa.data_ptr(), g.lda = trans ? M : K, g.B = bb.data_ptr(), g.ldb = N, g.C = o.data_ptr(), g.ldc = N;
+            g.row_sums_a = at(v, t, skip);
+            return g;
+          };
+          G().gemm(args(dt, src, gb, out, rs));
+          C().gemm(args(DType::f32, csrc, cb, cout, crs));
+          check_close(get(out), rounded(get(cout), dt), rtol(dt), tol);
+          check_close(get(rs), rounded(get(crs), dt), rtol(dt), tol * 4);
+        }
+      }
+}
+
 TEST_CASE("softmax and log-softmax, forward and backward, match the CPU", "[gpu][kernels]") {
   const int64_t rows = 13, cols = 301;
   const auto x = randn(size_t(rows * cols), 15, 2.0f), dy = randn(size_t(rows * cols), 16);
