@@ -23,6 +23,8 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <cstdio>
 #include <deque>
 #include <limits>
 #include <map>
@@ -404,6 +406,13 @@ Plan& plan_for(const kernels::AttentionArgs& a, Device d, bool backward) {
   return *slot;
 }
 
+bool contiguous_layouts(const kernels::AttentionArgs& a) {
+  const auto c = [&](const kernels::AttentionArgs::Strides& s) {
+    return s.b == a.H * a.T * a.D && s.h == a.T * a.D && s.t == a.D;
+  };
+  return c(a.q_layout()) && c(a.o_layout());
+}
+
 // Runs a plan with the given (uid, pointer) bindings on the stream.
 void execute(const Plan& p, Device d, cudaStream_t stream, std::vector<int64_t> uids, std::vector<void*> ptrs) {
   const Storage workspace(size_t(std::max<int64_t>(p.workspace, 1)), d, MemCategory::workspace);
@@ -419,6 +428,43 @@ void execute(const Plan& p, Device d, cudaStream_t stream, std::vector<int64_t> 
 }
 
 }  // namespace
+
+namespace {
+std::atomic<bool> g_force_contiguous{false};
+}
+
+void force_cudnn_contiguous_layouts(bool force) { g_force_contiguous = force; }
+
+bool cudnn_attention_takes_layout(const kernels::AttentionArgs& a, Device d, bool backward) {
+  if (contiguous_layouts(a)) return true;  // what every engine takes; its errors are the caller's
+  if (g_force_contiguous) return false;
+  static std::mutex mu;
+  static std::map<PlanKey, bool> answers;
+  const kernels::AttentionArgs::Strides q = a.q_layout(), o = a.o_layout();
+  const PlanKey key{d.index, a.B, a.H, a.T, a.D, int(a.dtype), a.causal, backward,
+                    std::array<int64_t, 6>{q.b, q.h, q.t, o.b, o.h, o.t}};
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = answers.find(key);
+    if (it != answers.end()) return it->second;
+  }
+  bool takes = true;
+  try {
+    plan_for(a, d, backward);
+  } catch (const Error& e) {
+    takes = false;
+    static std::once_flag warned;
+    std::call_once(warned, [&] {
+      std::fprintf(stderr, "shardgrad: cuDNN builds no %s plan for q, k, v strides (%lld, %lld, %lld) and out strides "
+                   "(%lld, %lld, %lld); such calls run on contiguous copies (%s)\n", backward ? "backward" : "forward",
+                   (long long)q.b, (long long)q.h, (long long)q.t, (long long)o.b, (long long)o.h, (long long)o.t,
+                   e.what());
+    });
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  answers[key] = takes;
+  return takes;
+}
 
 void cudnn_attention_forward(const kernels::AttentionArgs& a, float* stats, Device d, cudaStream_t stream) {
   const Plan& p = plan_for(a, d, false);

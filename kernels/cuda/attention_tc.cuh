@@ -28,24 +28,54 @@ constexpr int kTcRows = 64;  // query rows per block: 16 per warp, 4 warps
 constexpr int kTcKeys = 32;  // keys per shared-memory tile
 constexpr int kTcThreads = 128;  // kTcRows / 16 warps
 
-// Rows [r0, r0 + count) of a [T, D] head whose rows lie st elements apart into shared memory with
-// row stride ld (rows past T: 0).
-template <class E, int D>
-SG_DEVICE void stage_rows(E* dst, int ld, const E* src, int64_t st, int64_t r0, int count, int64_t rows) {
-  for (int e = int(threadIdx.x); e < count * D; e += int(blockDim.x)) {
-    const int r = e / D, c = e % D;
-    dst[r * ld + c] = r0 + r < rows ? src[(r0 + r) * st + c] : from_f32<E>(0.0f);
+// kCount rows of a [T, D] head (rows st elements apart) on their way into shared memory, held in
+// this thread's registers in between: fetch() issues every global load the thread owns before
+// any of them is stored, so their latencies overlap (a load and a shared store through generic
+// pointers are otherwise kept in order, one round trip each); put() stores them, row stride ld,
+// rows past T as 0. The loops fetch tile j + 1 before computing on tile j, so the loads also
+// overlap that work. 16-byte pieces when every row starts 16-byte aligned, else element by element
+// into the same registers. All kTcThreads threads of the block take part.
+template <class E, int D, int kCount>
+struct TileCopy {
+  static constexpr int kPer = 8;  // elements in a 16-byte piece
+  static constexpr int kPieces = kCount * D / kPer, kEach = (kPieces + kTcThreads - 1) / kTcThreads;
+  static_assert(D % kPer == 0, "TileCopy: head dims of whole 16-byte pieces");
+  Pack<uint32_t> regs[kEach];
+
+  SG_DEVICE void fetch(const E* src, int64_t st, int64_t r0, int64_t rows) {
+    const bool whole = st % kPer == 0 && aligned16(src);
+    for (int i = 0; i < kEach; ++i) {
+      const int e = int(threadIdx.x) + i * kTcThreads, r = e / (D / kPer), c = e % (D / kPer) * kPer;
+      Pack<uint32_t>& p = regs[i];
+      if (e >= kPieces || r0 + r >= rows) {
+        for (int w = 0; w < 4; ++w) p.v[w] = 0;
+      } else if (whole) {
+        p = load_pack(reinterpret_cast<const uint32_t*>(src + (r0 + r) * st + c));
+      } else {
+        const E* at = src + (r0 + r) * st + c;
+        for (int w = 0; w < 4; ++w) p.v[w] = pack_x2(at[2 * w], at[2 * w + 1]);
+      }
+    }
   }
-}
+  SG_DEVICE void put(E* dst, int ld) const {
+    for (int i = 0; i < kEach; ++i) {
+      const int e = int(threadIdx.x) + i * kTcThreads, r = e / (D / kPer), c = e % (D / kPer) * kPer;
+      if (e < kPieces) store_pack(reinterpret_cast<uint32_t*>(dst + r * ld + c), regs[i]);
+    }
+  }
+};
 
 // This warp's 16 of the block's kTcRows rows [r0, r0 + kTcRows) of a [T, D] head with row stride
 // st, as A fragments (one per 16 columns), staged through buf (kTcRows * (D + 8) elements of shared
-// memory). Every thread of the block takes part; buf may be reused as soon as it returns.
+// memory, 16-byte aligned). Every thread of the block takes part; buf may be reused as soon as it
+// returns.
 template <class E, int D>
 SG_DEVICE void load_warp_rows(FragA<E> (&f)[D / 16], E* buf, const E* src, int64_t st, int64_t r0, int64_t rows) {
   constexpr int ld = D + 8;
+  TileCopy<E, D, kTcRows> copy;
+  copy.fetch(src, st, r0, rows);
   __syncthreads();  // buf is no longer read
-  stage_rows<E, D>(buf, ld, src, st, r0, kTcRows, rows);
+  copy.put(buf, ld);
   __syncthreads();
   const int warp = int(threadIdx.x) / 32;
   for (int kk = 0; kk < D / 16; ++kk) f[kk] = load_a_row_major(buf + warp * 16 * ld + 16 * kk, ld);
@@ -100,11 +130,18 @@ __global__ void __launch_bounds__(kTcThreads) attention_forward_tc_kernel(E* out
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   FragC o[D / 8];
   const int64_t last = causal ? (row0 + kTcRows < T_ ? row0 + kTcRows : T_) : T_;
+  TileCopy<E, D, kTcKeys> kc, vc;
+  kc.fetch(k + qh, ql.st, 0, T_);
+  vc.fetch(v + qh, ql.st, 0, T_);
   for (int64_t j0 = 0; j0 < last; j0 += kTcKeys) {
     __syncthreads();  // the previous tile is no longer read
-    stage_rows<E, D>(ks, ld, k + qh, ql.st, j0, kTcKeys, T_);
-    stage_rows<E, D>(vs, ld, v + qh, ql.st, j0, kTcKeys, T_);
+    kc.put(ks, ld);
+    vc.put(vs, ld);
     __syncthreads();
+    if (j0 + kTcKeys < last) {  // the next tile's loads, in flight while this one is computed on
+      kc.fetch(k + qh, ql.st, j0 + kTcKeys, T_);
+      vc.fetch(v + qh, ql.st, j0 + kTcKeys, T_);
+    }
 
     FragC s[kTcKeys / 8];
     mma_tile_t<E, D>(s, qf, ks, ld);
@@ -163,10 +200,18 @@ inline void attention_forward_tensor_cores(const kernels::AttentionArgs& a, Stre
   });
 }
 
-// Loads a [kTcKeys] slice of a per-row f32 vector (rows past T: 0) into shared memory.
-SG_DEVICE void stage_row_values(float* dst, const float* src, int64_t r0, int64_t rows) {
-  for (int e = int(threadIdx.x); e < kTcKeys; e += int(blockDim.x)) dst[e] = r0 + e < rows ? src[r0 + e] : 0.0f;
-}
+// A [kTcKeys] slice of a per-row f32 vector (rows past T: 0), fetched to a register of the first
+// kTcKeys threads and put into shared memory later, as TileCopy does.
+struct RowValues {
+  float value = 0.0f;
+  SG_DEVICE void fetch(const float* src, int64_t r0, int64_t rows) {
+    const int e = int(threadIdx.x);
+    value = e < kTcKeys && r0 + e < rows ? src[r0 + e] : 0.0f;
+  }
+  SG_DEVICE void put(float* dst) const {
+    if (int(threadIdx.x) < kTcKeys) dst[threadIdx.x] = value;
+  }
+};
 
 template <class E, int D>
 __global__ void __launch_bounds__(kTcThreads) attention_dkdv_tc_kernel(E* dk, E* dv, const E* q, const E* k,
@@ -193,13 +238,23 @@ __global__ void __launch_bounds__(kTcThreads) attention_dkdv_tc_kernel(E* dk, E*
   FragC dkc[D / 8], dvc[D / 8];
   // Queries before this block's first key see none of its keys.
   const int64_t first = causal ? key0 / kTcKeys * kTcKeys : 0;
+  TileCopy<E, D, kTcKeys> qc, doc;
+  RowValues lc, dc;
+  const auto fetch = [&](int64_t i0) {
+    qc.fetch(q + qh, ql.st, i0, T_);
+    doc.fetch(dout + oh, ol.st, i0, T_);
+    lc.fetch(lse_h, i0, T_);
+    dc.fetch(dvec_h, i0, T_);
+  };
+  fetch(first);
   for (int64_t i0 = first; i0 < T_; i0 += kTcKeys) {
     __syncthreads();  // the previous tile is no longer read
-    stage_rows<E, D>(qs, ld, q + qh, ql.st, i0, kTcKeys, T_);
-    stage_rows<E, D>(dos, ld, dout + oh, ol.st, i0, kTcKeys, T_);
-    stage_row_values(lse_s, lse_h, i0, T_);
-    stage_row_values(dvec_s, dvec_h, i0, T_);
+    qc.put(qs, ld);
+    doc.put(dos, ld);
+    lc.put(lse_s);
+    dc.put(dvec_s);
     __syncthreads();
+    if (i0 + kTcKeys < T_) fetch(i0 + kTcKeys);  // in flight while this tile is computed on
 
     FragC st[kTcKeys / 8], dpt[kTcKeys / 8];  // S^T and dP^T: 16 keys x 32 queries
     mma_tile_t<E, D>(st, kf, qs, ld);
@@ -256,11 +311,18 @@ __global__ void __launch_bounds__(kTcThreads) attention_dq_tc_kernel(E* dq, cons
 
   FragC dqc[D / 8];
   const int64_t last = causal ? (row0 + kTcRows < T_ ? row0 + kTcRows : T_) : T_;
+  TileCopy<E, D, kTcKeys> kc, vc;
+  kc.fetch(k + qh, ql.st, 0, T_);
+  vc.fetch(v + qh, ql.st, 0, T_);
   for (int64_t j0 = 0; j0 < last; j0 += kTcKeys) {
     __syncthreads();
-    stage_rows<E, D>(ks, ld, k + qh, ql.st, j0, kTcKeys, T_);
-    stage_rows<E, D>(vs, ld, v + qh, ql.st, j0, kTcKeys, T_);
+    kc.put(ks, ld);
+    vc.put(vs, ld);
     __syncthreads();
+    if (j0 + kTcKeys < last) {
+      kc.fetch(k + qh, ql.st, j0 + kTcKeys, T_);
+      vc.fetch(v + qh, ql.st, j0 + kTcKeys, T_);
+    }
 
     FragC s[kTcKeys / 8], dp[kTcKeys / 8];  // S and dP: 16 queries x 32 keys
     mma_tile_t<E, D>(s, qf, ks, ld);

@@ -22,7 +22,7 @@
 #include "kernels/cuda/runtime.h"
 #define SG_DEVICE __device__ __forceinline__
 #define SG_HOST_DEVICE __host__ __device__ __forceinline__
-#define SG_SHARED(T, name, count) __shared__ T name[count]
+#define SG_SHARED(T, name, count) __shared__ __align__(16) T name[count]
 #define SG_DYNAMIC_SHARED(T, name)                  \
   extern __shared__ __align__(16) unsigned char sg_dynamic_smem_[]; \
   T* name = reinterpret_cast<T*>(sg_dynamic_smem_)
@@ -77,7 +77,7 @@ constexpr unsigned kFullMask = 0xffffffffu;
 
 inline unsigned blocks_for(int64_t n, int threads) { return unsigned((n + threads - 1) / threads); }
 
-inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+SG_HOST_DEVICE bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 // 16 bytes of T: one 128-bit load or store (ld.global.v4) on the device.
 template <class T>

@@ -83,6 +83,12 @@ bool epilogue_fits(const kernels::GemmArgs& a);
 // buffer. bf16 and f16; f32 is refused by name.
 void cudnn_attention_forward(const kernels::AttentionArgs& a, float* stats, Device d, cudaStream_t stream);
 void cudnn_attention_backward(const kernels::AttentionArgs& a, const float* stats, Device d, cudaStream_t stream);
+// Whether cuDNN builds a plan for a's q and out strides (the answer is cached; contiguous layouts
+// always say yes). The op table runs a layout it refuses on contiguous copies, and says so once on
+// stderr.
+bool cudnn_attention_takes_layout(const kernels::AttentionArgs& a, Device d, bool backward);
+// For tests: answer no for every strided layout, so that the contiguous copies run.
+void force_cudnn_contiguous_layouts(bool force);
 #endif
 
 }  // namespace sg::cuda

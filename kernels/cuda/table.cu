@@ -10,6 +10,8 @@
 //
 // Attention: bf16 and f16 at head dim 64 or 128 run on tensor cores (attention_tc.cuh), forward
 // and backward; f32 and the other head dims on the FMA flash kernels (attention.cuh).
+#include <deque>
+
 #include "core/storage.h"
 #include "kernels/cuda/adamw.cuh"
 #include "kernels/cuda/attention.cuh"
@@ -301,6 +303,43 @@ void attention_forward_any(const kernels::AttentionArgs& f, cudaStream_t stream)
   attention_forward(f, stream);
 }
 
+#ifdef SG_WITH_CUDNN
+// a with every [B, H, T, D] operand in a contiguous copy: for a layout cuDNN refuses
+// (cudnn_attention_takes_layout). run(c) gets the contiguous arguments; the inputs are copied in
+// before it, the outputs scattered back to a's layouts after it.
+template <class Run>
+void with_contiguous_layouts(const kernels::AttentionArgs& a, const On& o, bool backward, Run run) {
+  const Dims shape{a.B, a.H, a.T, a.D};
+  const kernels::AttentionArgs::Strides q = a.q_layout(), ol = a.o_layout();
+  const Dims qs{q.b, q.h, q.t, 1}, os{ol.b, ol.h, ol.t, 1};
+  const size_t bytes = size_t(numel(shape)) * dtype_size(a.dtype);
+  std::deque<Scratch> bufs;  // grows without moving what it holds
+  const auto in = [&](const void* src, const Dims& strides) {
+    void* dst = bufs.emplace_back(bytes, o.dev).as<void>();
+    cuda::copy_strided(dst, a.dtype, src, a.dtype, shape, strides, o.stream);
+    return dst;
+  };
+  const auto out = [&] { return bufs.emplace_back(bytes, o.dev).as<void>(); };
+  kernels::AttentionArgs c = a;
+  for (int i = 0; i < 3; ++i) c.q_strides[i] = c.o_strides[i] = 0;
+  c.q = in(a.q, qs), c.k = in(a.k, qs), c.v = in(a.v, qs);
+  if (backward) {
+    c.out = const_cast<void*>(in(a.out, os)), c.dout = in(a.dout, os);
+    c.dq = out(), c.dk = out(), c.dv = out();
+  } else {
+    c.out = out();
+  }
+  run(c);
+  if (backward) {
+    cuda::scatter_strided(a.dq, qs, c.dq, a.dtype, shape, o.stream);
+    cuda::scatter_strided(a.dk, qs, c.dk, a.dtype, shape, o.stream);
+    cuda::scatter_strided(a.dv, qs, c.dv, a.dtype, shape, o.stream);
+  } else {
+    cuda::scatter_strided(a.out, os, c.out, a.dtype, shape, o.stream);
+  }
+}
+#endif
+
 // a.lse is f32 for every dtype (kernels::stats_dtype): the backward reads the forward's own lse and
 // out, so nothing runs twice.
 void attention(const kernels::AttentionArgs& a) {
@@ -308,7 +347,9 @@ void attention(const kernels::AttentionArgs& a) {
 #ifdef SG_WITH_CUDNN
   if (attention_backend() == AttentionBackend::cudnn) {
     const On o = on(a.out, "attention (cudnn)");
-    return cudnn_attention_forward(a, stats(a.lse), o.dev, o.stream);
+    const auto run = [&](const kernels::AttentionArgs& c) { cudnn_attention_forward(c, stats(a.lse), o.dev, o.stream); };
+    if (cudnn_attention_takes_layout(a, o.dev, false)) return run(a);
+    return with_contiguous_layouts(a, o, false, run);
   }
 #endif
   if (a.dtype != DType::f32 && !is_half(a.dtype)) kernels::unsupported("attention", a.dtype, "cuda");
@@ -320,7 +361,9 @@ void attention_backward(const kernels::AttentionArgs& a) {
 #ifdef SG_WITH_CUDNN
   if (attention_backend() == AttentionBackend::cudnn) {
     const On o = on(a.dq, "attention_backward (cudnn)");
-    return cudnn_attention_backward(a, stats(a.lse), o.dev, o.stream);
+    const auto run = [&](const kernels::AttentionArgs& c) { cudnn_attention_backward(c, stats(a.lse), o.dev, o.stream); };
+    if (cudnn_attention_takes_layout(a, o.dev, true)) return run(a);
+    return with_contiguous_layouts(a, o, true, run);
   }
 #endif
   if (a.dtype != DType::f32 && !is_half(a.dtype)) kernels::unsupported("attention_backward", a.dtype, "cuda");

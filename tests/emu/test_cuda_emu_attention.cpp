@@ -213,6 +213,34 @@ TEMPLATE_TEST_CASE("emu tensor-core flash attention reads a packed [B, T, 3 H D]
   }
 }
 
+// q, k, v, out and dout one element past a 16-byte boundary: the tiles are staged element by
+// element instead of in 16-byte pieces (attention_tc.cuh's TileCopy), with the same results.
+TEMPLATE_TEST_CASE("emu tensor-core flash attention on inputs that are not 16-byte aligned", "[emu]", cu::bf16,
+                   cu::f16) {
+  using E = TestType;
+  AttentionCase<E> c(70, 64, true, 97, 1, 2);
+  // Each buffer shifted by one element inside a copy with one element in front.
+  const auto shifted = [](const std::vector<E>& v) {
+    std::vector<E> s(v.size() + 1, cu::from_f32<E>(0.0f));
+    std::copy(v.begin(), v.end(), s.begin() + 1);
+    return s;
+  };
+  auto q = shifted(c.qs), k = shifted(c.ks), v = shifted(c.vs), dout = shifted(c.dos);
+  auto out = shifted(c.out), dq = shifted(c.dq), dk = shifted(c.dk), dv = shifted(c.dv);
+  c.g.q = q.data() + 1, c.g.k = k.data() + 1, c.g.v = v.data() + 1, c.g.dout = dout.data() + 1;
+  c.g.out = out.data() + 1, c.g.dq = dq.data() + 1, c.g.dk = dk.data() + 1, c.g.dv = dv.data() + 1;
+  REQUIRE(!cu::aligned16(c.g.q));
+  cu::attention_forward_tensor_cores(c.g, nullptr);
+  auto work = c.workspace();
+  cu::attention_backward_tensor_cores(c.g, work.data(), nullptr);
+  const auto part = [](const std::vector<E>& s) { return std::vector<E>(s.begin() + 1, s.end()); };
+  check_close(part(out), c.out_ref, tc_scale<E>(2.0));
+  check_close(c.lse, c.lse_ref, 1e-5, 1e-5);
+  check_close(part(dq), c.dq_ref, tc_scale<E>(4.0));
+  check_close(part(dk), c.dk_ref, tc_scale<E>(4.0));
+  check_close(part(dv), c.dv_ref, tc_scale<E>(4.0));
+}
+
 TEST_CASE("emu tensor-core flash attention refuses f32 and names it", "[emu]") {
   kernels::AttentionArgs a;
   a.dtype = DType::f32, a.B = 1, a.H = 1, a.T = 4, a.D = 64;
