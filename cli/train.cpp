@@ -491,6 +491,11 @@ void Trainer::setup() {
     zero_->broadcast_parameters();
   } else {
     opt_ = std::make_unique<optim::AdamW>(master_, oc);
+    if (dtype_ != DType::f32 && !pipe_) {  // the model's half weights, rewritten by every step
+      std::vector<Tensor> copies;
+      for (auto& [n, p] : model_->named_parameters()) copies.push_back(p);
+      opt_->set_copies(std::move(copies));
+    }
   }
   if (strategy_ == "ddp") {
     parallel::DdpOptions d;
@@ -626,34 +631,24 @@ double Trainer::train_step(int64_t step, double lr, double& grad_norm, bool& app
     zero_->zero_grad();
     return loss_sum;
   }
-  std::vector<Tensor> grads_of;
   if (dtype_ != DType::f32) {
-    autograd::NoGradGuard ng;
+    // The f32 masters take the model's bf16/f16 gradients as they are: the norm divides by the
+    // loss scale and the update's scale carries it, AdamW widens each gradient as it reads it and
+    // writes the model's weights back in the same pass (AdamW::set_copies). No f32 gradient copies.
     auto params = model_->named_parameters();
-    for (size_t i = 0; i < params.size(); ++i) {
-      Tensor g = params[i].second.grad();
-      if (g.defined()) {
-        MemScope scope(MemCategory::grad);
-        master_[i].second.set_grad(mul(to(g, DType::f32), 1.0 / loss_scale));
-      }
-    }
+    for (size_t i = 0; i < params.size(); ++i) master_[i].second.set_grad(params[i].second.grad());
   }
   if (tp_ > 1) {
-    grad_norm = model_parallel_grad_norm();
+    grad_norm = model_parallel_grad_norm() / loss_scale;
   } else {
     std::vector<Tensor> ps;
     for (auto& [n, p] : master_) ps.push_back(p);
-    grad_norm = optim::global_grad_norm(ps);
+    grad_norm = optim::global_grad_norm(ps) / loss_scale;
   }
   applied = accept_step(step, loss_sum, grad_norm);
   if (applied) {
     trace::Scope ts("optimizer", "compute");
-    opt_->step(lr, optim::clip_coefficient(grad_norm, args_.f64("clip")));
-    if (dtype_ != DType::f32) {
-      autograd::NoGradGuard ng;
-      auto params = model_->named_parameters();
-      for (size_t i = 0; i < params.size(); ++i) copy_(params[i].second, master_[i].second);
-    }
+    opt_->step(lr, optim::clip_coefficient(grad_norm, args_.f64("clip")) / loss_scale);
   }
   model_->zero_grad();
   for (auto& [n, p] : master_) p.set_grad(Tensor());

@@ -42,6 +42,16 @@ void select_attention(const std::string& name, Device d) {
 }
 
 void check_adamw_batch(const AdamWArgs* args, int64_t count, const char* device) {
+  for (int64_t i = 0; i < count; ++i) {
+    const AdamWArgs& a = args[i];
+    const DType g = a.grad_type();
+    SG_CHECK(g == a.dtype || (a.dtype == DType::f32 && is_half(g)), "adamw (", device, "): tensor ", i, " has a ",
+             dtype_name(g), " gradient for a ", dtype_name(a.dtype), " parameter (only bf16/f16 beside f32)");
+    SG_CHECK(!a.copy || a.grad_dtype, "adamw (", device, "): tensor ", i,
+             " names a copy without a half-precision gradient type (grad_dtype) to round it to");
+    SG_CHECK(g == args[0].grad_type(), "adamw_many (", device, "): tensor ", i, " has a ", dtype_name(g),
+             " gradient, tensor 0 a ", dtype_name(args[0].grad_type()), " one");
+  }
   for (int64_t i = 1; i < count; ++i) {
     const AdamWArgs &a = args[0], &b = args[i];
     SG_CHECK(b.dtype == a.dtype && b.lr == a.lr && b.beta1 == a.beta1 && b.beta2 == a.beta2 && b.eps == a.eps &&

@@ -5,6 +5,7 @@
 // and f16 operands are widened by the caller (sg ops) or by the kernel where the table says so.
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -90,7 +91,7 @@ struct AttentionArgs {
 };
 
 struct AdamWArgs {
-  DType dtype;  // of param, grad, m, v (f32 or f64)
+  DType dtype;  // of param, m, v (f32 or f64), and of grad unless grad_dtype says otherwise
   int64_t n = 0;
   void* param = nullptr;
   const void* grad = nullptr;
@@ -98,6 +99,13 @@ struct AdamWArgs {
   void* v = nullptr;
   double lr = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0, grad_scale = 1.0;
   int64_t step = 1;  // 1-based, for bias correction
+  // Mixed precision: a bf16 or f16 gradient beside an f32 parameter (the model's own gradient,
+  // widened as it is read, with the values an f32 copy of it would give), and, when copy is
+  // given, the updated parameter rounded to that type into copy (the model's weights refreshed
+  // from their f32 master in the same pass). Unset: the gradient is dtype and copy is not allowed.
+  std::optional<DType> grad_dtype;
+  void* copy = nullptr;
+  DType grad_type() const { return grad_dtype.value_or(dtype); }
 };
 
 struct OpTable {

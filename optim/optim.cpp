@@ -27,24 +27,46 @@ void AdamW::step(double lr, double grad_scale) {
     const Tensor& p = params_[i].second;
     if (!p.grad().defined()) continue;
     SG_CHECK(p.is_contiguous(), "AdamW: parameter '", params_[i].first, "' is not contiguous");
-    batch.add(p, p.grad(), m_[i], v_[i], decays(p));
+    batch.add(p, p.grad(), m_[i], v_[i], decays(p), copies_.empty() ? Tensor() : copies_[i]);
   }
   batch.run();
+}
+
+void AdamW::set_copies(std::vector<Tensor> copies) {
+  SG_CHECK(copies.empty() || copies.size() == params_.size(), "AdamW::set_copies: ", copies.size(),
+           " copies for ", params_.size(), " parameters");
+  for (size_t i = 0; i < copies.size(); ++i)
+    SG_CHECK(copies[i].numel() == params_[i].second.numel() && is_half(copies[i].dtype()) &&
+                 copies[i].device() == params_[i].second.device(),
+             "AdamW::set_copies: parameter '", params_[i].first, "' is ", params_[i].second.describe(), ", its copy ",
+             copies[i].describe(), " (want a bf16/f16 tensor of as many elements on the same device)");
+  copies_ = std::move(copies);
 }
 
 AdamWBatch::AdamWBatch(const AdamWConfig& cfg, double lr, double grad_scale, int64_t step)
     : cfg_(cfg), lr_(lr), grad_scale_(grad_scale), step_(step) {}
 
-void AdamWBatch::add(const Tensor& param, Tensor grad, const Tensor& m, const Tensor& v, bool decay) {
+void AdamWBatch::add(const Tensor& param, Tensor grad, const Tensor& m, const Tensor& v, bool decay,
+                     const Tensor& copy) {
   SG_CHECK(param.is_contiguous() && m.is_contiguous() && v.is_contiguous(),
            "AdamW: the parameter and its moments must be contiguous");
   SG_CHECK(grad.numel() == param.numel() && m.numel() == param.numel() && v.numel() == param.numel(),
            "AdamW: parameter ", param.describe(), " with gradient ", grad.describe(), " and moments ", m.describe(),
            ", ", v.describe(), ": element counts differ");
   grad = contiguous(grad);
-  if (grad.dtype() != param.dtype()) grad = to(grad, param.dtype());
+  const bool half_grad = param.dtype() == DType::f32 && is_half(grad.dtype());
+  if (!half_grad && grad.dtype() != param.dtype()) grad = to(grad, param.dtype());
   kernels::AdamWArgs a;
   a.dtype = param.dtype();
+  if (half_grad) a.grad_dtype = grad.dtype();
+  if (copy.defined()) {
+    SG_CHECK(copy.is_contiguous() && copy.numel() == param.numel() && copy.device() == param.device(),
+             "AdamW: the copy ", copy.describe(), " of parameter ", param.describe(),
+             " must be contiguous, as large and on the same device");
+    // The kernel rounds into the gradient's half type; any other copy is made after the update.
+    if (half_grad && copy.dtype() == grad.dtype()) a.copy = copy.data_ptr();
+    else late_copies_.emplace_back(copy, param);
+  }
   a.n = param.numel();
   a.param = param.data_ptr();
   a.grad = grad.data_ptr();
@@ -58,16 +80,20 @@ void AdamWBatch::add(const Tensor& param, Tensor grad, const Tensor& m, const Te
   a.grad_scale = grad_scale_;
   a.step = step_;
   keep_.push_back(std::move(grad));
-  auto it = std::find_if(groups_.begin(), groups_.end(),
-                         [&](const Group& g) { return g.device == param.device() && g.args[0].dtype == a.dtype; });
+  auto it = std::find_if(groups_.begin(), groups_.end(), [&](const Group& g) {
+    return g.device == param.device() && g.args[0].dtype == a.dtype && g.args[0].grad_type() == a.grad_type();
+  });
   if (it == groups_.end()) it = groups_.insert(groups_.end(), Group{param.device(), {}});
   it->args.push_back(a);
 }
 
 void AdamWBatch::run() {
+  autograd::NoGradGuard ng;
   for (const Group& g : groups_) SG_KERNEL(g.device, adamw_many)(g.args.data(), int64_t(g.args.size()));
+  for (auto& [copy, param] : late_copies_) copy_(copy, param);
   groups_.clear();
   keep_.clear();
+  late_copies_.clear();
 }
 
 NamedTensors AdamW::state() const {

@@ -21,8 +21,13 @@ class AdamW {
  public:
   AdamW(NamedTensors params, AdamWConfig cfg);
   // One update with learning rate lr; gradients are multiplied by grad_scale first (clipping).
-  // Parameters without a gradient are left alone (their moments do not advance).
+  // Parameters without a gradient are left alone (their moments do not advance). An f32
+  // parameter's gradient may be bf16/f16 (a mixed-precision model's own, read as it is).
   void step(double lr, double grad_scale = 1.0);
+  // Mixed precision: the parameters are f32 masters of these half-precision tensors (one per
+  // parameter, same order and sizes), which every step rewrites with the updated values rounded,
+  // in the update's own pass.
+  void set_copies(std::vector<Tensor> copies);
   int64_t steps() const { return step_; }
   // m, v per parameter ("<name>.exp_avg", "<name>.exp_avg_sq") and the step counter.
   NamedTensors state() const;
@@ -33,7 +38,7 @@ class AdamW {
 
  private:
   NamedTensors params_;
-  std::vector<Tensor> m_, v_;
+  std::vector<Tensor> m_, v_, copies_;
   AdamWConfig cfg_;
   int64_t step_ = 0;
 };
@@ -45,9 +50,12 @@ class AdamWBatch {
  public:
   AdamWBatch(const AdamWConfig& cfg, double lr, double grad_scale, int64_t step);
   // param, m, v: contiguous, same dtype (f32/f64), device and element count; grad is made
-  // contiguous and cast to param's dtype here, and kept alive until run(). decay: whether this
-  // tensor takes the weight decay (AdamW::decays of the parameter it belongs to).
-  void add(const Tensor& param, Tensor grad, const Tensor& m, const Tensor& v, bool decay);
+  // contiguous, cast to param's dtype unless it is a bf16/f16 gradient of an f32 parameter (the
+  // kernel reads those as they are), and kept alive until run(). decay: whether this tensor takes
+  // the weight decay (AdamW::decays of the parameter it belongs to). copy (optional, contiguous,
+  // the gradient's half type): receives the updated parameter rounded.
+  void add(const Tensor& param, Tensor grad, const Tensor& m, const Tensor& v, bool decay,
+           const Tensor& copy = Tensor());
   void run();
 
  private:
@@ -55,9 +63,10 @@ class AdamWBatch {
   double lr_, grad_scale_;
   int64_t step_;
   std::vector<Tensor> keep_;  // the converted gradients
+  std::vector<std::pair<Tensor, Tensor>> late_copies_;  // (copy, param) the kernel does not write
   struct Group {
     Device device;
-    std::vector<kernels::AdamWArgs> args;  // one dtype
+    std::vector<kernels::AdamWArgs> args;  // one parameter dtype and one gradient dtype
   };
   std::vector<Group> groups_;
 };

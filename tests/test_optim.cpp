@@ -5,6 +5,7 @@
 #include "autograd/ops.h"
 #include "optim/loss_scaler.h"
 #include "optim/optim.h"
+#include "kernels/ops.h"
 
 using namespace sg;
 
@@ -78,6 +79,59 @@ TEST_CASE("AdamW: f32 and f64 parameters in one optimizer step as they do alone"
   CHECK(to_vector<float>(a) == to_vector<float>(a1));
   CHECK(to_vector<double>(b) == to_vector<double>(b1));
   CHECK(to_vector<float>(a) != to_vector<float>(make(DType::f32, 1)));
+}
+
+// Mixed precision: f32 masters updated from the model's bf16/f16 gradients as they are, the model's
+// weights rewritten in the same pass (AdamW::set_copies), against the long way round: the
+// gradients widened to f32 first, the weights rounded from the masters after. Bit for bit. Sizes
+// past one 8192-element chunk of the CPU kernel, with a tail.
+TEST_CASE("AdamW: half gradients read as they are and half copies written in the update equal the long way round",
+          "[optim]") {
+  for (DType half : {DType::bf16, DType::f16}) {
+    INFO(dtype_name(half));
+    auto master = [](uint64_t seed, const Shape& s) {
+      Tensor p = randn(s, seed, 1);
+      p.set_requires_grad(true);
+      return p;
+    };
+    const Shape sw{97, 91}, sb{91};
+    Tensor w = master(1, sw), b = master(2, sb), w1 = master(1, sw), b1 = master(2, sb);
+    Tensor cw = to(w, half), cb = to(b, half);
+    optim::AdamWConfig cfg;
+    cfg.weight_decay = 0.1;
+    optim::AdamW fused({{"w", w}, {"b", b}}, cfg), plain({{"w", w1}, {"b", b1}}, cfg);
+    fused.set_copies({cw, cb});
+    for (int s = 0; s < 3; ++s) {
+      const Tensor gw = to(randn(sw, 10 + s, 1), half), gb = to(randn(sb, 20 + s, 1), half);
+      w.set_grad(gw), b.set_grad(gb);
+      w1.set_grad(to(gw, DType::f32)), b1.set_grad(to(gb, DType::f32));
+      fused.step(1e-2, 0.25);
+      plain.step(1e-2, 0.25);
+      REQUIRE(to_vector<float>(w) == to_vector<float>(w1));
+      REQUIRE(to_vector<float>(b) == to_vector<float>(b1));
+      REQUIRE(to_vector<float>(cw) == to_vector<float>(to(w1, half)));
+      REQUIRE(to_vector<float>(cb) == to_vector<float>(to(b1, half)));
+    }
+    REQUIRE(to_vector<float>(cw) != to_vector<float>(to(master(1, sw), half)));  // the copies did move
+  }
+}
+
+TEST_CASE("AdamW refuses copies that do not fit and gradients of a type it cannot read", "[optim]") {
+  Tensor p = zeros({6}), m = zeros({6}), v = zeros({6});
+  p.set_requires_grad(true);
+  optim::AdamW opt({{"p", p}}, {});
+  REQUIRE_THROWS_WITH(opt.set_copies({zeros({5}, DType::bf16)}), Catch::Contains("parameter 'p' is f32[6] on cpu"));
+  REQUIRE_THROWS_WITH(opt.set_copies({zeros({6})}), Catch::Contains("want a bf16/f16 tensor"));
+  // At the op table: a half gradient for an f64 parameter, and a copy without a half gradient type.
+  std::vector<double> pd(6, 0.0), md(6, 0.0), vd(6, 0.0);
+  std::vector<uint16_t> gh(6, 0);
+  kernels::AdamWArgs a;
+  a.dtype = DType::f64, a.n = 6, a.param = pd.data(), a.grad = gh.data(), a.m = md.data(), a.v = vd.data();
+  a.grad_dtype = DType::bf16;
+  REQUIRE_THROWS_WITH(SG_KERNEL(Device::cpu(), adamw)(a), Catch::Contains("a bf16 gradient for a f64 parameter"));
+  a.grad_dtype.reset();
+  a.copy = gh.data();
+  REQUIRE_THROWS_WITH(SG_KERNEL(Device::cpu(), adamw)(a), Catch::Contains("names a copy without a half-precision"));
 }
 
 TEST_CASE("AdamWBatch refuses a gradient whose element count is not the parameter's", "[optim]") {

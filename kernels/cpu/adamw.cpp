@@ -2,6 +2,7 @@
 #include <Eigen/Core>
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "kernels/cpu/cpu.h"
 
@@ -9,11 +10,17 @@ namespace sg::kernels::cpu {
 
 // p *= 1 - lr*wd;  m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2;
 // p -= (lr / (1-b1^t)) * m / (sqrt(v) / sqrt(1-b2^t) + eps)      (the order PyTorch uses)
+//
+// A bf16/f16 gradient (grad_dtype) is widened chunk by chunk as it is read, and a copy gets the
+// updated chunk rounded to that type: the same values as widening the whole gradient first and
+// rounding the whole parameter after.
 void adamw(const AdamWArgs& a) {
+  check_adamw_batch(&a, 1, "cpu");
   dispatch_float(a.dtype, "adamw", [&](auto tag) {
     using T = decltype(tag);
     auto* p = static_cast<T*>(a.param);
-    auto* g = static_cast<const T*>(a.grad);
+    const DType gt = a.grad_type();
+    const size_t gsize = dtype_size(gt);
     auto* m = static_cast<T*>(a.m);
     auto* v = static_cast<T*>(a.v);
     const double bc1 = 1.0 - std::pow(a.beta1, double(a.step));
@@ -34,8 +41,17 @@ void adamw(const AdamWArgs& a) {
     const int64_t chunks = (a.n + kChunk - 1) / kChunk;
 #pragma omp parallel for schedule(static) if (a.n > 32768)
     for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t i0 = c * kChunk;
-      update(p + i0, g + i0, m + i0, v + i0, std::min(kChunk, a.n - i0));
+      const int64_t i0 = c * kChunk, len = std::min(kChunk, a.n - i0);
+      const void* graw = static_cast<const char*>(a.grad) + size_t(i0) * gsize;
+      const T* g = static_cast<const T*>(graw);
+      std::vector<T> wide;
+      if (gt != a.dtype) {
+        wide.resize(size_t(len));
+        copy_strided(wide.data(), a.dtype, graw, gt, {len}, {1});
+        g = wide.data();
+      }
+      update(p + i0, g, m + i0, v + i0, len);
+      if (a.copy) copy_strided(static_cast<char*>(a.copy) + size_t(i0) * gsize, gt, p + i0, a.dtype, {len}, {1});
     }
   });
 }

@@ -1,6 +1,9 @@
 // Fused AdamW (decoupled weight decay) over many tensors in one launch, in place; each tensor has
-// its own weight decay (biases and gains take none), the rest is shared. Parameters and
-// gradients are f32 or bf16 (bf16 weights are updated in f32 and rounded back); moments are f32.
+// its own weight decay (biases and gains take none), the rest is shared. Parameters P are f32 or
+// bf16 (bf16 weights are updated in f32 and rounded back); moments are f32. Gradients G are P, or
+// bf16/f16 beside f32 parameters (a mixed-precision model's own gradients, widened as they are
+// read); a tensor may also name a copy (G) that receives the updated parameter rounded to G (the
+// model's half-precision weights, refreshed from their f32 master in the same pass).
 // Per element, in the CPU table's order (the order PyTorch uses):
 //   g *= grad_scale;  p *= 1 - lr wd;  m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2;
 //   p -= (lr / (1 - b1^t)) m / (sqrt(v) / sqrt(1 - b2^t) + eps)
@@ -18,6 +21,7 @@ struct AdamWTensor {
   float* v = nullptr;
   int64_t n = 0;
   double weight_decay = 0;
+  void* copy = nullptr;
 };
 
 struct AdamWHyper {
@@ -29,22 +33,24 @@ struct AdamWConstants {  // what every element needs, precomputed on the host in
   float step_size, bc2_sqrt, b1, b2, eps, grad_scale;
 };
 
-template <class T>
+template <class P, class G>
 struct AdamWList {
   TensorChunks chunks;
-  T* param[kMaxTensorsPerLaunch];
-  const T* grad[kMaxTensorsPerLaunch];
+  P* param[kMaxTensorsPerLaunch];
+  const G* grad[kMaxTensorsPerLaunch];
   float* m[kMaxTensorsPerLaunch];
   float* v[kMaxTensorsPerLaunch];
+  G* copy[kMaxTensorsPerLaunch];      // null: none
   float decay[kMaxTensorsPerLaunch];  // 1 - lr * weight_decay
 };
 
-template <class T>
-__global__ void adamw_kernel(AdamWList<T> list, AdamWConstants k) {
+template <class P, class G>
+__global__ void adamw_kernel(AdamWList<P, G> list, AdamWConstants k) {
   int64_t begin, end;
   const int t = block_chunk(list.chunks, begin, end);
-  T* p = list.param[t];
-  const T* g = list.grad[t];
+  P* p = list.param[t];
+  const G* g = list.grad[t];
+  G* copy = list.copy[t];
   float *m = list.m[t], *v = list.v[t];
   for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
     const float gi = to_f32(g[i]) * k.grad_scale;
@@ -52,28 +58,31 @@ __global__ void adamw_kernel(AdamWList<T> list, AdamWConstants k) {
     const float vi = k.b2 * v[i] + ((1.0f - k.b2) * gi) * gi;
     m[i] = mi;
     v[i] = vi;
-    p[i] = from_f32<T>(to_f32(p[i]) * list.decay[t] - k.step_size * mi / (sqrtf(vi) / k.bc2_sqrt + k.eps));
+    const P pi = from_f32<P>(to_f32(p[i]) * list.decay[t] - k.step_size * mi / (sqrtf(vi) / k.bc2_sqrt + k.eps));
+    p[i] = pi;
+    if (copy) copy[i] = from_f32<G>(to_f32(pi));
   }
 }
 
-template <class T>
+template <class P, class G = P>
 void adamw_multi(const std::vector<AdamWTensor>& tensors, const AdamWHyper& h, Stream stream) {
   const double bc1 = 1.0 - std::pow(h.beta1, double(h.step)), bc2 = 1.0 - std::pow(h.beta2, double(h.step));
   const AdamWConstants k{float(h.lr / bc1), float(std::sqrt(bc2)), float(h.beta1),
                          float(h.beta2),      float(h.eps),           float(h.grad_scale)};
   for (size_t first = 0; first < tensors.size(); first += kMaxTensorsPerLaunch) {
-    AdamWList<T> list;
+    AdamWList<P, G> list;
     for (size_t i = first; i < tensors.size() && i < first + kMaxTensorsPerLaunch; ++i) {
       const int j = list.chunks.count;
-      list.param[j] = static_cast<T*>(tensors[i].param);
-      list.grad[j] = static_cast<const T*>(tensors[i].grad);
+      list.param[j] = static_cast<P*>(tensors[i].param);
+      list.grad[j] = static_cast<const G*>(tensors[i].grad);
       list.m[j] = tensors[i].m;
       list.v[j] = tensors[i].v;
+      list.copy[j] = static_cast<G*>(tensors[i].copy);
       list.decay[j] = float(1.0 - h.lr * tensors[i].weight_decay);
       list.chunks.add(tensors[i].n);
     }
     if (list.chunks.chunks() > 0)
-      launch(adamw_kernel<T>, dim3(unsigned(list.chunks.chunks())), dim3(kTensorThreads), 0, stream, list, k);
+      launch(adamw_kernel<P, G>, dim3(unsigned(list.chunks.chunks())), dim3(kTensorThreads), 0, stream, list, k);
   }
 }
 
@@ -87,8 +96,14 @@ inline void adamw_many(const kernels::AdamWArgs* args, int64_t count, Stream str
   for (int64_t i = 0; i < count; ++i)
     if (args[i].n)
       list.push_back({args[i].param, args[i].grad, static_cast<float*>(args[i].m), static_cast<float*>(args[i].v),
-                      args[i].n, args[i].weight_decay});
-  adamw_multi<float>(list, AdamWHyper{a.lr, a.beta1, a.beta2, a.eps, a.grad_scale, a.step}, stream);
+                      args[i].n, args[i].weight_decay, args[i].copy});
+  const AdamWHyper h{a.lr, a.beta1, a.beta2, a.eps, a.grad_scale, a.step};
+  switch (a.grad_type()) {
+    case DType::f32: return adamw_multi<float, float>(list, h, stream);
+    case DType::bf16: return adamw_multi<float, bf16>(list, h, stream);
+    case DType::f16: return adamw_multi<float, f16>(list, h, stream);
+    default: kernels::unsupported("adamw (gradient)", a.grad_type(), "cuda");
+  }
 }
 
 inline void adamw(const kernels::AdamWArgs& a, Stream stream) { adamw_many(&a, 1, stream); }

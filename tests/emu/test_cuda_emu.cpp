@@ -422,6 +422,17 @@ TEMPLATE_TEST_CASE("emu dropout and Philox fills draw the CPU table's numbers", 
 
 // ---------------------------------------------------------------- AdamW, global norm
 
+namespace {
+// One tensor's parameter and moments after the emulated update against the CPU table's.
+void check_adamw_state(const std::vector<float>& p, const std::vector<float>& m, const std::vector<float>& v,
+                       const std::vector<float>& p_ref, const std::vector<float>& m_ref,
+                       const std::vector<float>& v_ref) {
+  check_close(p, p_ref, 1e-6, 1e-7);
+  check_close(m, m_ref, 1e-6, 1e-7);
+  check_close(v, v_ref, 1e-6, 1e-9);
+}
+}  // namespace
+
 TEST_CASE("emu multi-tensor AdamW (the adamw_many entry) matches the CPU table on every tensor", "[emu]") {
   // 30 tensors (two launches), sizes with tails, one empty; every third takes no weight decay.
   std::vector<std::vector<float>> p, g, m, v, p_ref, m_ref, v_ref;
@@ -450,9 +461,7 @@ TEST_CASE("emu multi-tensor AdamW (the adamw_many entry) matches the CPU table o
   cu::adamw_many(args.data(), int64_t(args.size()), nullptr);
   for (size_t t = 0; t < p.size(); ++t) {
     INFO("tensor " << t);
-    check_close(p[t], p_ref[t], 1e-6, 1e-7);
-    check_close(m[t], m_ref[t], 1e-6, 1e-7);
-    check_close(v[t], v_ref[t], 1e-6, 1e-9);
+    check_adamw_state(p[t], m[t], v[t], p_ref[t], m_ref[t], v_ref[t]);
   }
   // Only weight_decay may differ between tensors: anything else is refused, naming the tensor.
   args[5].step = 8;
@@ -476,6 +485,43 @@ TEST_CASE("emu AdamW on bf16 weights with f32 moments follows the f32 update", "
                             nullptr);
   check_close(pb, p_ref);
   check_close(m, m_ref, 1e-6, 1e-7);
+}
+
+// Mixed precision through the adamw_many entry: f32 masters, bf16 or f16 gradients read as they are,
+// and the updated masters rounded into a copy in the same pass (one tensor without a copy).
+TEMPLATE_TEST_CASE("emu AdamW on f32 masters reads half gradients and writes half copies like the CPU table", "[emu]",
+                   cu::bf16, cu::f16) {
+  using H = TestType;
+  std::vector<std::vector<float>> p, m, v, p_ref, m_ref, v_ref;
+  std::vector<std::vector<H>> g, copy, copy_ref;
+  for (int t = 0; t < 5; ++t) {
+    const size_t n = size_t(301 * t + 7);
+    p.push_back(randn(n, 600 + t));
+    g.push_back(to_storage<H>(rounded<H>(randn(n, 610 + t))));
+    m.push_back(std::vector<float>(n, 0.01f)), v.push_back(std::vector<float>(n, 0.02f));
+    copy.push_back(std::vector<H>(n)), copy_ref.push_back(std::vector<H>(n));
+  }
+  p_ref = p, m_ref = m, v_ref = v;
+  std::vector<kernels::AdamWArgs> args, ref;
+  for (size_t t = 0; t < p.size(); ++t) {
+    kernels::AdamWArgs a;
+    a.dtype = DType::f32, a.grad_dtype = dtype_of<H>();
+    a.n = int64_t(p[t].size()), a.lr = 3e-3, a.weight_decay = t % 2 ? 0.1 : 0.0, a.grad_scale = 0.5, a.step = 3;
+    a.grad = g[t].data();
+    a.param = p_ref[t].data(), a.m = m_ref[t].data(), a.v = v_ref[t].data(), a.copy = t == 2 ? nullptr : copy_ref[t].data();
+    ref.push_back(a);
+    a.param = p[t].data(), a.m = m[t].data(), a.v = v[t].data(), a.copy = t == 2 ? nullptr : copy[t].data();
+    args.push_back(a);
+  }
+  cpu::adamw_many(ref.data(), int64_t(ref.size()));
+  cu::adamw_many(args.data(), int64_t(args.size()), nullptr);
+  for (size_t t = 0; t < p.size(); ++t) {
+    INFO("tensor " << t);
+    check_adamw_state(p[t], m[t], v[t], p_ref[t], m_ref[t], v_ref[t]);
+    if (t == 2) continue;
+    check_close(to_float(copy[t]), to_float(copy_ref[t]), 1e-2, 1e-3);
+    check_close(copy[t], p_ref[t]);  // the copy is the master, rounded
+  }
 }
 
 TEMPLATE_TEST_CASE("emu global norm of many weighted tensors is the CPU sum of squares, the same bits every run",

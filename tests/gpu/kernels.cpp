@@ -10,6 +10,7 @@
 #include "autograd/tape.h"
 #include "kernels/cuda/runtime.h"
 #include "kernels/ops.h"
+#include "optim/optim.h"
 #include "tests/gpu/support.h"
 
 #ifdef SG_CUDA_KERNELS
@@ -485,6 +486,35 @@ TEST_CASE("adamw_many and sum_squares_many match the CPU on many tensors in one 
   const double want = C().sum_squares_many(DType::f32, cptr.data(), ns.data(), w.data(), int64_t(ns.size()));
   CHECK(got == Approx(want).epsilon(1e-5));
   CHECK(got == G().sum_squares_many(DType::f32, gptr.data(), ns.data(), w.data(), int64_t(ns.size())));  // same bits
+}
+
+// Mixed precision through optim::AdamW on cuda:0 against the CPU: f32 masters, the model's bf16
+// or f16 gradients read as they are, and the model's weights written in the update's own pass.
+TEST_CASE("AdamW with half gradients and half copies on cuda:0 matches the CPU", "[gpu][kernels]") {
+  for (DType half : {DType::bf16, DType::f16}) {
+    INFO(dtype_name(half));
+    const int64_t n = 61 * 82;
+    auto run = [&](Device dev) {
+      Tensor w = to(from_vector(randn(size_t(n), 95), {61, 82}), dev), b = to(from_vector(randn(37, 96), {37}), dev);
+      w.set_requires_grad(true), b.set_requires_grad(true);
+      Tensor cw = to(w, half), cb = to(b, half);
+      optim::AdamWConfig cfg;
+      cfg.weight_decay = 0.1;
+      optim::AdamW opt({{"w", w}, {"b", b}}, cfg);
+      opt.set_copies({cw, cb});
+      for (int s = 0; s < 3; ++s) {
+        w.set_grad(to(to(from_vector(randn(size_t(n), 97 + s), {61, 82}), half), dev));
+        b.set_grad(to(to(from_vector(randn(37, 99 + s), {37}), half), dev));
+        opt.step(1e-2, 0.5);
+      }
+      return std::vector<std::vector<float>>{get(w), get(b), get(cw), get(cb)};
+    };
+    const auto cpu = run(host), dev = run(gpu);
+    for (size_t i = 0; i < cpu.size(); ++i) {
+      INFO("result " << i);
+      check_close(dev[i], cpu[i], i < 2 ? 1e-5 : 1e-2, i < 2 ? 1e-6 : 1e-3);
+    }
+  }
 }
 
 TEST_CASE("pinned host tensors are page-locked, cached, and carry data to and from the device", "[gpu][kernels]") {
