@@ -125,10 +125,10 @@ LinearGrads linear_grads(const Tensor& G, const Tensor& kx, const Tensor& kw, bo
     gemm_into(r.dx, G, false, W, false, 1, rows, in, outf, 0, 0);
     r.dx = detail::narrow_result(r.dx, kx.dtype());
   }
-  if (gb) r.db = empty({outf}, G.dtype(), G.device());
   if (gw) {  // dW [out, in] = dy^T [out, rows] @ x [rows, in]; db = the rows of dy^T summed
     Tensor X = detail::operand(kx);
     r.dw = empty({outf, in}, G.dtype(), G.device());
+    if (gb) r.db = empty({outf}, G.dtype(), G.device());
     kernels::GemmArgs g;
     g.dtype = G.dtype();
     g.trans_a = true;

@@ -12,33 +12,85 @@
 
 namespace sg::cuda {
 
-// Row r's log-sum-exp over its first V logits (every thread of the block gets it).
-template <class T>
-SG_DEVICE float row_logsumexp(const T* x, int64_t V, float* scratch) {
-  float m = -INFINITY;
-  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) m = fmaxf(m, to_f32(x[j]));
-  m = block_reduce<true>(m, scratch);
-  float s = 0.0f;
-  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) s += expf(to_f32(x[j]) - m);
-  return m + logf(block_reduce<false>(s, scratch));
+// Elements [0, n) of a row through f(j, value), each thread taking a share: 16-byte pieces where
+// the row allows (p 16-byte aligned), then the tail (or all of it) element by element.
+template <class T, class F>
+SG_DEVICE void for_row(const T* p, int64_t n, F&& f) {
+  constexpr int kPer = int(16 / sizeof(T));
+  const int64_t whole = aligned16(p) ? n / kPer : 0;
+  for (int64_t k = threadIdx.x; k < whole; k += blockDim.x) {
+    const Pack<T> pk = load_pack(p + k * kPer);
+    for (int e = 0; e < kPer; ++e) f(k * kPer + e, to_f32(pk.v[e]));
+  }
+  for (int64_t j = whole * kPer + threadIdx.x; j < n; j += blockDim.x) f(j, to_f32(p[j]));
 }
 
-// dlogits of one row from its lse; dlogits may alias x (each element is read before it is written
-// by the same thread).
+// (m, s): a running max and a sum of exp(x - m); merging two is the online softmax's step.
+SG_DEVICE void merge_max_sum(float& m, float& s, float m2, float s2) {
+  const float mm = fmaxf(m, m2);
+  s = mm == -INFINITY ? 0.0f : s * expf(m - mm) + s2 * expf(m2 - mm);
+  m = mm;
+}
+
+// Row r's log-sum-exp over its first V logits, in one pass over them (every thread of the block
+// gets it): each thread keeps a running max and the sum rescaled to it, then the block merges the
+// pairs in a fixed tree (run-to-run deterministic). scratch: 64 floats of shared memory.
+template <class T>
+SG_DEVICE float row_logsumexp(const T* x, int64_t V, float* scratch) {
+  float m = -INFINITY, s = 0.0f;
+  for_row(x, V, [&](int64_t, float v) {
+    if (v > m) {
+      s = s * expf(m - v) + 1.0f;  // m = -inf at first: s is 0 then
+      m = v;
+    } else if (v > -INFINITY) {
+      s += expf(v - m);
+    }
+  });
+  for (int o = 16; o > 0; o >>= 1) {
+    const float m2 = __shfl_xor_sync(kFullMask, m, o), s2 = __shfl_xor_sync(kFullMask, s, o);
+    merge_max_sum(m, s, m2, s2);
+  }
+  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32, warps = int(blockDim.x) / 32;
+  if (lane == 0) scratch[warp] = m, scratch[32 + warp] = s;
+  __syncthreads();
+  if (warp == 0) {
+    m = lane < warps ? scratch[lane] : -INFINITY;
+    s = lane < warps ? scratch[32 + lane] : 0.0f;
+    for (int o = 16; o > 0; o >>= 1) {
+      const float m2 = __shfl_xor_sync(kFullMask, m, o), s2 = __shfl_xor_sync(kFullMask, s, o);
+      merge_max_sum(m, s, m2, s2);
+    }
+    if (lane == 0) scratch[0] = m + logf(s);
+  }
+  __syncthreads();
+  const float lse = scratch[0];
+  __syncthreads();  // scratch may be reused after this
+  return lse;
+}
+
+// dlogits of one row from its lse; dlogits may alias x (each element, or 16-byte piece, is read
+// before it is written by the same thread).
 template <class T>
 SG_DEVICE void row_dlogits(T* g, const T* x, float lse, int64_t t, float d, int64_t Vp, int64_t V, bool ignored) {
-  for (int64_t j = threadIdx.x; j < Vp; j += blockDim.x) {
-    float v = 0.0f;
-    if (!ignored && j < V) v = (expf(to_f32(x[j]) - lse) - (j == t ? 1.0f : 0.0f)) * d;
-    g[j] = from_f32<T>(v);
+  const auto grad = [&](int64_t j, float v) {
+    return !ignored && j < V ? (expf(v - lse) - (j == t ? 1.0f : 0.0f)) * d : 0.0f;
+  };
+  constexpr int kPer = int(16 / sizeof(T));
+  const int64_t whole = aligned16(x) && aligned16(g) ? Vp / kPer : 0;
+  for (int64_t k = threadIdx.x; k < whole; k += blockDim.x) {
+    const Pack<T> in = load_pack(x + k * kPer);
+    Pack<T> out;
+    for (int e = 0; e < kPer; ++e) out.v[e] = from_f32<T>(grad(k * kPer + e, to_f32(in.v[e])));
+    store_pack(g + k * kPer, out);
   }
+  for (int64_t j = whole * kPer + threadIdx.x; j < Vp; j += blockDim.x) g[j] = from_f32<T>(grad(j, to_f32(x[j])));
 }
 
 // Forward, and with kBackward also dlogits (in place over the logits if dlogits == logits).
 template <class T, class I, bool kBackward>
 __global__ void classifier_kernel(float* loss, float* lse, T* dlogits, const T* logits, const I* targets,
                                   const float* dloss, int64_t Vp, int64_t V, int64_t ignore_index, int* bad_targets) {
-  SG_SHARED(float, scratch, 32);
+  SG_SHARED(float, scratch, 64);
   const int64_t r = blockIdx.x;
   const T* x = logits + r * Vp;
   const float s = row_logsumexp(x, V, scratch);

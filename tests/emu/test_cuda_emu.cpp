@@ -201,39 +201,45 @@ TEMPLATE_TEST_CASE("emu softmax and log-softmax forward and backward match the C
 TEMPLATE_TEST_CASE("emu fused classifier matches cross_entropy and its backward on a padded vocabulary", "[emu]",
                    float, cu::bf16) {
   using T = TestType;
-  const int64_t rows = 5, V = 53, Vp = 64, ignore = -100;
-  auto logits = rounded<T>(randn(rows * Vp, 13, 2.0f));
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t j = V; j < Vp; ++j) logits[size_t(r * Vp + j)] = 1e4f;  // padding must be ignored
-  const std::vector<int64_t> targets = {7, ignore, 52, 0, 31};
-  const std::vector<float> dloss = {0.25f, 0.5f, -1.0f, 2.0f, 0.125f};
-  std::vector<float> loss_ref(rows), lse_ref(rows), dl_ref(rows * Vp);
-  cpu::cross_entropy(DType::f32, DType::i64, loss_ref.data(), lse_ref.data(), logits.data(), targets.data(), rows, Vp,
-                     V, ignore);
-  cpu::cross_entropy_backward(DType::f32, DType::i64, dl_ref.data(), dloss.data(), logits.data(), lse_ref.data(),
-                              targets.data(), rows, Vp, V, ignore);
-  const auto xs = to_storage<T>(logits);
-  std::vector<float> loss(rows), lse(rows);
-  int bad = 0;
-  cu::cross_entropy(dtype_of<T>(), DType::i64, loss.data(), lse.data(), xs.data(), targets.data(), rows, Vp, V, ignore,
-                    &bad, nullptr);
-  check_close(loss, loss_ref, 1e-5, 1e-5);
-  check_close(lse, lse_ref, 1e-5, 1e-5);
-  CHECK(bad == 0);
-  std::vector<T> dl(rows * Vp);
-  cu::cross_entropy_backward(dtype_of<T>(), DType::i64, dl.data(), dloss.data(), xs.data(), lse.data(),
-                             targets.data(), rows, Vp, V, ignore, nullptr);
-  check_close(dl, dl_ref, 0.1);
+  // Rows of 16-byte pieces plus a tail (Vp 64, 3008), rows that start off a 16-byte boundary (Vp
+  // 61, 3005: element by element), and a vocabulary that gives every warp of the block several
+  // logits (3001: the running max and sum are rescaled and merged across warps).
+  for (auto [V, Vp] : {std::pair<int64_t, int64_t>{53, 64}, {53, 61}, {3001, 3008}, {3001, 3005}}) {
+    INFO("V " << V << " Vp " << Vp);
+    const int64_t rows = 5, ignore = -100;
+    auto logits = rounded<T>(randn(rows * Vp, 13, 2.0f));
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = V; j < Vp; ++j) logits[size_t(r * Vp + j)] = 1e4f;  // padding must be ignored
+    const std::vector<int64_t> targets = {7, ignore, 52, 0, 31};
+    const std::vector<float> dloss = {0.25f, 0.5f, -1.0f, 2.0f, 0.125f};
+    std::vector<float> loss_ref(rows), lse_ref(rows), dl_ref(rows * Vp);
+    cpu::cross_entropy(DType::f32, DType::i64, loss_ref.data(), lse_ref.data(), logits.data(), targets.data(), rows, Vp,
+                       V, ignore);
+    cpu::cross_entropy_backward(DType::f32, DType::i64, dl_ref.data(), dloss.data(), logits.data(), lse_ref.data(),
+                                targets.data(), rows, Vp, V, ignore);
+    const auto xs = to_storage<T>(logits);
+    std::vector<float> loss(rows), lse(rows);
+    int bad = 0;
+    cu::cross_entropy(dtype_of<T>(), DType::i64, loss.data(), lse.data(), xs.data(), targets.data(), rows, Vp, V, ignore,
+                      &bad, nullptr);
+    check_close(loss, loss_ref, 1e-5, 1e-5);
+    check_close(lse, lse_ref, 1e-5, 1e-5);
+    CHECK(bad == 0);
+    std::vector<T> dl(rows * Vp);
+    cu::cross_entropy_backward(dtype_of<T>(), DType::i64, dl.data(), dloss.data(), xs.data(), lse.data(),
+                               targets.data(), rows, Vp, V, ignore, nullptr);
+    check_close(dl, dl_ref, 0.1);
 
-  // Fused forward+backward, in place over the logits, with i32 targets.
-  const std::vector<int32_t> t32(targets.begin(), targets.end());
-  auto inplace = xs;
-  std::vector<float> loss2(rows), lse2(rows);
-  cu::classifier_forward_backward(dtype_of<T>(), DType::i32, loss2.data(), lse2.data(), inplace.data(), inplace.data(),
-                                  t32.data(), dloss.data(), rows, Vp, V, ignore, &bad, nullptr);
-  check_close(loss2, loss_ref, 1e-5, 1e-5);
-  check_close(inplace, dl_ref, 0.1);
-  CHECK(bad == 0);
+    // Fused forward+backward, in place over the logits, with i32 targets.
+    const std::vector<int32_t> t32(targets.begin(), targets.end());
+    auto inplace = xs;
+    std::vector<float> loss2(rows), lse2(rows);
+    cu::classifier_forward_backward(dtype_of<T>(), DType::i32, loss2.data(), lse2.data(), inplace.data(), inplace.data(),
+                                    t32.data(), dloss.data(), rows, Vp, V, ignore, &bad, nullptr);
+    check_close(loss2, loss_ref, 1e-5, 1e-5);
+    check_close(inplace, dl_ref, 0.1);
+    CHECK(bad == 0);
+  }
 }
 
 TEST_CASE("emu classifier counts targets out of range instead of reading past the row", "[emu]") {
