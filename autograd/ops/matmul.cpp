@@ -11,10 +11,11 @@ using detail::TensorList;
 
 namespace {
 
-// out[b] = op(A[b]) op(B[b]) (+ out when accumulate); A, B, out contiguous in the compute dtype.
-// A is stored [batch, rows_a, cols_a] and B [batch, rows_b, cols_b]; a batch stride of 0 reuses one matrix.
-void gemm_into(const Tensor& out, const Tensor& A, bool ta, const Tensor& B, bool tb, int64_t batch, int64_t M,
-               int64_t N, int64_t K, int64_t stride_a, int64_t stride_b, bool accumulate = false) {
+// The GemmArgs of out[b] = op(A[b]) op(B[b]) ('='); A, B, out contiguous in the
+// compute dtype. A is stored [batch, rows_a, cols_a] and B [batch, rows_b, cols_b]; a batch stride
+// of 0 reuses one matrix. Callers add an epilogue before running it.
+kernels::GemmArgs gemm_args(const Tensor& out, const Tensor& A, bool ta, const Tensor& B, bool tb, int64_t batch,
+                            int64_t M, int64_t N, int64_t K, int64_t stride_a, int64_t stride_b) {
   kernels::GemmArgs g;
   g.dtype = out.dtype();
   g.trans_a = ta;
@@ -28,12 +29,16 @@ void gemm_into(const Tensor& out, const Tensor& A, bool ta, const Tensor& B, boo
   g.ldb = tb ? K : N;
   g.C = out.data_ptr();
   g.ldc = N;
-  g.beta = accumulate ? 1.0 : 0.0;
   g.batch = batch;
   g.stride_a = stride_a;
   g.stride_b = stride_b;
   g.stride_c = M * N;
-  SG_KERNEL(out.device(), gemm)(g);
+  return g;
+}
+
+void gemm_into(const Tensor& out, const Tensor& A, bool ta, const Tensor& B, bool tb, int64_t batch, int64_t M,
+               int64_t N, int64_t K, int64_t stride_a, int64_t stride_b) {
+  SG_KERNEL(out.device(), gemm)(gemm_args(out, A, ta, B, tb, batch, M, N, K, stride_a, stride_b));
 }
 
 }  // namespace
@@ -97,13 +102,8 @@ namespace {
 // The forward GEMM of a linear layer: out [rows, out] = X [rows, in] W^T (+ bias) (then GELU, the
 // value before it stored to pre when pre is defined), on compute-dtype operands.
 void linear_gemm(const Tensor& out, const Tensor& X, const Tensor& W, const Tensor& B, bool gelu, const Tensor& pre) {
-  kernels::GemmArgs g;
-  g.dtype = X.dtype();
-  g.trans_b = true;
-  g.M = out.numel() / std::max<int64_t>(W.size(0), 1), g.N = W.size(0), g.K = W.size(1);
-  g.A = X.data_ptr(), g.lda = g.K;
-  g.B = W.data_ptr(), g.ldb = g.K;
-  g.C = out.data_ptr(), g.ldc = g.N;
+  const int64_t N = W.size(0);
+  kernels::GemmArgs g = gemm_args(out, X, false, W, true, 1, out.numel() / std::max<int64_t>(N, 1), N, W.size(1), 0, 0);
   g.bias = B.defined() ? B.data_ptr() : nullptr;
   g.gelu = gelu;
   g.pre_gelu = pre.defined() ? pre.data_ptr() : nullptr;
@@ -129,13 +129,7 @@ LinearGrads linear_grads(const Tensor& G, const Tensor& kx, const Tensor& kw, bo
     Tensor X = detail::operand(kx);
     r.dw = empty({outf, in}, G.dtype(), G.device());
     if (gb) r.db = empty({outf}, G.dtype(), G.device());
-    kernels::GemmArgs g;
-    g.dtype = G.dtype();
-    g.trans_a = true;
-    g.M = outf, g.N = in, g.K = rows;
-    g.A = G.data_ptr(), g.lda = outf;
-    g.B = X.data_ptr(), g.ldb = in;
-    g.C = r.dw.data_ptr(), g.ldc = in;
+    kernels::GemmArgs g = gemm_args(r.dw, G, true, X, false, 1, outf, in, rows, 0, 0);
     g.row_sums_a = gb ? r.db.data_ptr() : nullptr;
     SG_KERNEL(G.device(), gemm)(g);
     r.dw = detail::narrow_result(r.dw, kw.dtype());
@@ -244,12 +238,7 @@ Tensor mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2
         Tensor W2 = detail::operand(kw2), dpre = empty(pre.shape(), pre.dtype(), pre.device());
         const int64_t hidden = kw2.size(1), outf = kw2.size(0), rows = pre.numel() / std::max<int64_t>(hidden, 1);
         Tensor db1 = gb1 ? empty({hidden}, pre.dtype(), pre.device()) : Tensor();
-        kernels::GemmArgs a;
-        a.dtype = pre.dtype();
-        a.M = rows, a.N = hidden, a.K = outf;
-        a.A = G.data_ptr(), a.lda = outf;
-        a.B = W2.data_ptr(), a.ldb = hidden;
-        a.C = dpre.data_ptr(), a.ldc = hidden;
+        kernels::GemmArgs a = gemm_args(dpre, G, false, W2, false, 1, rows, hidden, outf, 0, 0);
         a.dgelu_pre = pre.data_ptr();
         a.bias_grad = gb1 ? db1.data_ptr() : nullptr;
         SG_KERNEL(pre.device(), gemm)(a);

@@ -14,8 +14,8 @@ namespace sg::kernels::cpu {
 // A bf16/f16 gradient (grad_dtype) is widened chunk by chunk as it is read, and a copy gets the
 // updated chunk rounded to that type: the same values as widening the whole gradient first and
 // rounding the whole parameter after.
-void adamw(const AdamWArgs& a) {
-  check_adamw_batch(&a, 1, "cpu");
+namespace {
+void adamw_one(const AdamWArgs& a) {
   dispatch_float(a.dtype, "adamw", [&](auto tag) {
     using T = decltype(tag);
     auto* p = static_cast<T*>(a.param);
@@ -56,9 +56,13 @@ void adamw(const AdamWArgs& a) {
   });
 }
 
+}  // namespace
+
+void adamw(const AdamWArgs& a) { adamw_many(&a, 1); }
+
 void adamw_many(const AdamWArgs* args, int64_t count) {
   check_adamw_batch(args, count, "cpu");
-  for (int64_t i = 0; i < count; ++i) adamw(args[i]);
+  for (int64_t i = 0; i < count; ++i) adamw_one(args[i]);
 }
 
 }  // namespace sg::kernels::cpu
