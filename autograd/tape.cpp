@@ -64,15 +64,12 @@ void Tape::clear() {
   nodes_.clear();
 }
 
-namespace {
-// Whether g is the only handle on its bytes: one Tensor object, not a view, its storage held by no
-// other tensor. A backward that returns the same gradient for two inputs (add) or passes its
-// incoming gradient through fails the test, and that gradient is copied as before.
 bool sole_owner(const Tensor& g) {
   return g.impl_ptr().use_count() == 1 && g.storage().use_count() == 1 && g.offset() == 0 && g.is_contiguous() &&
          g.nbytes() == g.storage()->nbytes() && g.storage()->category() != MemCategory::param;
 }
 
+namespace {
 void accumulate(Tensor& slot, const Tensor& g) {
   if (!g.defined()) return;
   slot = slot.defined() ? sg::add(slot, g) : g;

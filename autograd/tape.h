@@ -95,4 +95,10 @@ void record(const std::string& name, const TensorList& inputs, const TensorList&
 // A handle on the same bytes without autograd history (what nodes save).
 Tensor detach(const Tensor& t);
 
+// Whether t is the only handle on its bytes: one Tensor object, not a view, its storage held by no
+// other tensor, not a parameter. The tape keeps such a gradient as a leaf's .grad instead of
+// copying it (a backward that returns one gradient for two inputs fails the test), and a backward
+// may overwrite a saved tensor that passes it (no one else can read those bytes again).
+bool sole_owner(const Tensor& t);
+
 }  // namespace sg::autograd

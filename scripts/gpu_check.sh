@@ -20,7 +20,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm 
 if want tests; then
   echo "== GPU tests"
   ctest --test-dir "$BUILD" -L gpu --output-on-failure --timeout 600 -V 2>&1 | tee "$LOG_DIR/ctest_gpu.log" |
-    grep -E "max relative|tests passed|Passed|Failed|FAILED|skipped|\*\*\*" | tail -n 40
+    grep -E "max relative|cuBLASLt fused|cuDNN plans|tests passed|Passed|Failed|FAILED|skipped|\*\*\*" | tail -n 40
 fi
 
 if want train; then

@@ -12,6 +12,7 @@
 #include "autograd/gradcheck.h"
 #include "autograd/ops.h"
 #include "autograd/tape.h"
+#include "core/ledger.h"
 #include "core/philox.h"
 #include "kernels/ops.h"
 
@@ -674,6 +675,50 @@ TEST_CASE("cross_entropy over a padded vocabulary equals the unpadded loss; padd
     for (int64_t j = 0; j < V; ++j) CHECK(b[size_t(r * Vp + j)] == Approx(a[size_t(r * V + j)]).margin(1e-15));
     for (int64_t j = V; j < Vp; ++j) CHECK(b[size_t(r * Vp + j)] == 0.0);
   }
+}
+
+TEST_CASE("cross_entropy writes the logits' gradient over them when nothing else holds them", "[ops]") {
+  // The head's case: logits = x w^T handed straight to the loss. When the caller still holds the
+  // logits they must come back untouched and the gradient goes to a new buffer; when it does not,
+  // the backward needs no logits-sized buffer. The gradients are the same bits either way.
+  const int64_t R = 64, C = 8, V = 1000;
+  const Device cpu = Device::cpu();
+  std::vector<int64_t> t(static_cast<size_t>(R));
+  for (int64_t r = 0; r < R; ++r) t[size_t(r)] = (r * 389 + 7) % V;
+  Tensor targets = from_vector(t, {R});
+  struct Run {
+    Tensor dx, dw;
+    int64_t backward_extra = 0;  // bytes the backward allocated beyond what was live before it
+    bool held_unchanged = true;
+  };
+  auto run = [&](bool hold) {
+    Tensor x = randn({R, C}, 5, 1), w = randn({V, C}, 5, 2);
+    x.set_requires_grad(true);
+    w.set_requires_grad(true);
+    autograd::Tape tape;
+    Tensor loss, held, before;
+    {
+      autograd::TapeScope s(tape);
+      Tensor logits = matmul(x, transpose(w, 0, 1));
+      if (hold) held = logits, before = clone(logits);
+      loss = cross_entropy(logits, targets);
+    }
+    Run r;
+    const int64_t live = Ledger::global().stats(cpu).total_current;
+    Ledger::global().reset_peaks(cpu);
+    tape.backward(loss);
+    r.backward_extra = Ledger::global().stats(cpu).total_peak - live;
+    if (hold) r.held_unchanged = to_vector<float>(held) == to_vector<float>(before);
+    r.dx = x.grad(), r.dw = w.grad();
+    return r;
+  };
+  const int64_t logits_bytes = R * V * 4;
+  Run held = run(true), dropped = run(false);
+  CHECK(held.held_unchanged);
+  CHECK(held.backward_extra >= logits_bytes);
+  CHECK(dropped.backward_extra < logits_bytes);
+  CHECK(to_vector<float>(held.dx) == to_vector<float>(dropped.dx));
+  CHECK(to_vector<float>(held.dw) == to_vector<float>(dropped.dw));
 }
 
 TEST_CASE("cross_entropy names an out-of-range target, including one in the padding", "[ops]") {

@@ -1,5 +1,6 @@
 // Softmax family: softmax, log-softmax, and the fused softmax-cross-entropy whose node saves only
-// the logits handle and one log-sum-exp per row.
+// the logits handle and one log-sum-exp per row, and writes the logits' gradient over them when
+// no other tensor can see them.
 #include "autograd/ops/common.h"
 
 namespace sg {
@@ -82,7 +83,9 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, const CrossEnt
       // dloss per row = upstream scalar * factor
       // on the device, not through item(): reading the scalar would drain the GPU's queue here
       Tensor d = contiguous(expand(reshape(mul(to(g[0], lse.dtype()), factor), {1}), {rows}));
-      Tensor dx = empty(shape, kx.dtype(), kx.device());
+      // In place over the logits when nothing else holds them (the usual case: a model's head
+      // hands them straight to the loss): a logits-sized buffer less at the backward's peak.
+      Tensor dx = autograd::sole_owner(kx) ? kx : empty(shape, kx.dtype(), kx.device());
       SG_KERNEL(kx.device(), cross_entropy_backward)(kx.dtype(), tg.dtype(), dx.data_ptr(), d.data_ptr(), kx.data_ptr(),
                                                      lse.data_ptr(), tg.data_ptr(), rows, Vp, V, ignore);
       return TensorList{detail::narrow_result(dx, want)};

@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cstdint>
 #include <cstdio>
 #include <deque>
 #include <limits>
@@ -46,9 +47,21 @@ std::string last_error_detail() {
   return msg[0] ? str(" [", msg, "]") : std::string();
 }
 
+// cuDNN refuses this graph/layout (NOT_SUPPORTED or BAD_PARAM category): a contiguous copy may still run.
+struct NoPlan : Error {
+  using Error::Error;
+};
+
+bool refusal(cudnnStatus_t st) {
+  const int c = CUDNN_STATUS_CATEGORY(int(st));
+  return c == CUDNN_STATUS_NOT_SUPPORTED || c == CUDNN_STATUS_BAD_PARAM;
+}
+
 void check(cudnnStatus_t st, const char* call, const char* file, int line) {
-  if (st != CUDNN_STATUS_SUCCESS)
-    throw Error(str(call, " failed: ", cudnnGetErrorString(st), last_error_detail(), " (", file, ":", line, ")"));
+  if (st == CUDNN_STATUS_SUCCESS) return;
+  std::string m = str(call, " failed: ", cudnnGetErrorString(st), last_error_detail(), " (", file, ":", line, ")");
+  if (refusal(st)) throw NoPlan(m);
+  throw Error(m);
 }
 
 }  // namespace
@@ -75,9 +88,12 @@ class Desc {
   void set(cudnnBackendAttributeName_t attr, const char* attr_name, cudnnBackendAttributeType_t type, int64_t count,
            const void* values) {
     const cudnnStatus_t st = cudnnBackendSetAttribute(d_, attr, type, count, values);
-    if (st != CUDNN_STATUS_SUCCESS)
-      throw Error(str("cudnnBackendSetAttribute(", attr_name, ") failed: ", cudnnGetErrorString(st),
-                      last_error_detail()));
+    if (st != CUDNN_STATUS_SUCCESS) {
+      std::string m = str("cudnnBackendSetAttribute(", attr_name, ") failed: ", cudnnGetErrorString(st),
+                          last_error_detail());
+      if (refusal(st)) throw NoPlan(m);
+      throw Error(m);
+    }
   }
   void finalize() { SG_CUDNN_CHECK(cudnnBackendFinalize(d_)); }
 
@@ -311,7 +327,7 @@ void build_backward(GraphBuilder& g, const Shape& s, cudnnDataType_t io, bool ca
   g.matmul(dST, Q, dK);
 
   // dQ = dS K, accumulated in f32 and copied out.
-  auto K = g.temp(CUDNN_DATA_FLOAT, s.bhtd());
+  auto K = g.temp(CUDNN_DATA_FLOAT, s.bhtd(), s.q_strides());  // KT's memory viewed as [B,H,T,D]
   g.reshape(KT, K);
   g.matmul(dS, K, dQ_accum);
   g.pointwise(CUDNN_POINTWISE_IDENTITY, dQ_accum, nullptr, nullptr, dQ);
@@ -376,7 +392,7 @@ void make_plan(Plan& p, cudnnHandle_t handle, const char* what) {
       return;
     }
   }
-  throw Error(str(what, ": cuDNN has no engine for this attention graph",
+  throw NoPlan(str(what, ": cuDNN has no engine for this attention graph",
                   tried.empty() ? std::string(" (the heuristics returned no configuration)") : " (" + tried + ")",
                   "; cuDNN's fused attention needs bf16/f16, head dim <= 128 and a multiple of 8, and sm_80 or newer"));
 }
@@ -417,6 +433,10 @@ bool contiguous_layouts(const kernels::AttentionArgs& a) {
 void execute(const Plan& p, Device d, cudaStream_t stream, std::vector<int64_t> uids, std::vector<void*> ptrs) {
   const Storage workspace(size_t(std::max<int64_t>(p.workspace, 1)), d, MemCategory::workspace);
   cudnnHandle_t h = handle_for(d);
+  // A handle is one host thread's at a time (cuDNN's rule), and DataParallel may run two threads
+  // on one device: the stream set and the launch go together. Both only enqueue work.
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
   SG_CUDNN_CHECK(cudnnSetStream(h, stream));
   Desc pack(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR);
   void* ws = workspace.data();
@@ -436,6 +456,18 @@ std::atomic<bool> g_force_contiguous{false};
 void force_cudnn_contiguous_layouts(bool force) { g_force_contiguous = force; }
 
 bool cudnn_attention_takes_layout(const kernels::AttentionArgs& a, Device d, bool backward) {
+  if (a.dtype == DType::f32 || a.D % 8 != 0 || a.D > 128) return true;  // run(a) throws the precise error
+  // Every tensor is declared 16-byte aligned (CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT): pointers and the
+  // b/h/t strides (in bytes) must honour that, or the copies (fresh, aligned buffers) run instead.
+  const int64_t per16 = 16 / int64_t(dtype_size(a.dtype));
+  const auto ok_ptr = [](const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  const auto ok_strides = [&](const kernels::AttentionArgs::Strides& s) {
+    return per16 > 0 && s.b % per16 == 0 && s.h % per16 == 0 && s.t % per16 == 0;
+  };
+  const bool aligned = ok_ptr(a.q) && ok_ptr(a.k) && ok_ptr(a.v) && ok_ptr(a.out) && ok_ptr(a.lse) &&
+                       (!backward || (ok_ptr(a.dout) && ok_ptr(a.dq) && ok_ptr(a.dk) && ok_ptr(a.dv))) &&
+                       ok_strides(a.q_layout()) && ok_strides(a.o_layout());
+  if (!aligned) return false;
   if (contiguous_layouts(a)) return true;  // what every engine takes; its errors are the caller's
   if (g_force_contiguous) return false;
   static std::mutex mu;
@@ -451,7 +483,7 @@ bool cudnn_attention_takes_layout(const kernels::AttentionArgs& a, Device d, boo
   bool takes = true;
   try {
     plan_for(a, d, backward);
-  } catch (const Error& e) {
+  } catch (const NoPlan& e) {
     takes = false;
     static std::once_flag warned;
     std::call_once(warned, [&] {

@@ -85,12 +85,19 @@ struct alignas(16) Pack {
   static constexpr int N = int(16 / sizeof(T));
   T v[N];
 };
+// The emulation checks the alignment the device's vector access needs (it faults otherwise).
 template <class T>
 SG_DEVICE Pack<T> load_pack(const T* p) {
+#ifndef __CUDACC__
+  if (!aligned16(p)) sg::emu::fail("load_pack: address not 16-byte aligned (a fault on the device)");
+#endif
   return *reinterpret_cast<const Pack<T>*>(p);
 }
 template <class T>
 SG_DEVICE void store_pack(T* p, const Pack<T>& x) {
+#ifndef __CUDACC__
+  if (!aligned16(p)) sg::emu::fail("store_pack: address not 16-byte aligned (a fault on the device)");
+#endif
   *reinterpret_cast<Pack<T>*>(p) = x;
 }
 

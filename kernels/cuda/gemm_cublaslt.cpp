@@ -89,7 +89,7 @@ uint32_t min_alignment(std::initializer_list<const void*> ptrs) {
 // Everything the heuristic's answer depends on: device, types, shapes, leading dimensions,
 // batching, epilogue and alignment.
 using AlgoKey = std::tuple<int, int, int, bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                           int64_t, int64_t, int64_t, int, uint32_t>;
+                           int64_t, int64_t, int64_t, int, uint32_t, uint32_t, uint32_t>;
 
 // cublasLtMatmulAlgoGetHeuristic costs tens of microseconds of host time; a training step repeats
 // the same few dozen GEMM shapes hundreds of times, so each shape asks once per process.
@@ -137,9 +137,11 @@ bool matmul(const kernels::GemmArgs& g, const char* op) {
   const cublasLtEpilogue_t epilogue = epilogue_of(g);
   if (g.K == 0) {  // C = beta C: cuBLASLt refuses k = 0
     if (epilogue != CUBLASLT_EPILOGUE_DEFAULT) return false;
-    SG_CHECK(g.beta == 0.0 && g.ldc == g.N, op, ": K = 0 with beta != 0 or padded C is not supported on cuda");
-    SG_CUDA_CHECK(cudaMemsetAsync(g.C, 0, size_t(g.batch == 1 ? g.M * g.ldc : g.batch * g.stride_c) *
-                                               dtype_size(g.dtype), stream));
+    SG_CHECK(g.beta == 0.0, op, ": K = 0 with beta != 0 is not supported on cuda");
+    const size_t es = dtype_size(g.dtype);  // each matrix's M rows of N, not the gaps between them
+    for (int64_t i = 0; i < g.batch; ++i)
+      SG_CUDA_CHECK(cudaMemset2DAsync(static_cast<char*>(g.C) + size_t(i * g.stride_c) * es, size_t(g.ldc) * es, 0,
+                                      size_t(g.N) * es, size_t(g.M), stream));
     return true;
   }
   const cublasComputeType_t compute =
@@ -173,26 +175,34 @@ bool matmul(const kernels::GemmArgs& g, const char* op) {
   make_layout(&desc.c, t, g.N, g.M, g.ldc, g.batch, g.stride_c);
 
   cublasLtHandle_t h = handle_for(d);
-  const uint32_t align = min_alignment({g.A, g.B, g.C, vector, aux});
-  const AlgoKey key{d.index, int(g.dtype), int(compute), g.trans_a, g.trans_b, g.M, g.N, g.K, g.lda, g.ldb, g.ldc,
-                    g.batch, g.stride_a, g.stride_b, g.stride_c, int(epilogue), align};
+  // Each operand's own alignment: one badly aligned operand must not exclude the algorithms that
+  // need more of the others. (The bias and aux pointers are 16-byte aligned: epilogue_fits.)
+  const uint32_t align_a = min_alignment({g.B}), align_b = min_alignment({g.A}), align_c = min_alignment({g.C});
+  const AlgoKey key{d.index,    int(g.dtype), int(compute), g.trans_a,     g.trans_b, g.M,     g.N,
+                    g.K,        g.lda,        g.ldb,        g.ldc,         g.batch,   g.stride_a, g.stride_b,
+                    g.stride_c, int(epilogue), align_a,     align_b,       align_c};
   const std::optional<cublasLtMatmulAlgo_t> algo = cached_algo(key, [&]() -> std::optional<cublasLtMatmulAlgo_t> {
     SG_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&desc.pref));
     const uint64_t ws = kWorkspaceBytes;
     SG_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(desc.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
                                                          sizeof(ws)));
-    for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
-      SG_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(desc.pref, attr, &align, sizeof(align)));
+    const std::pair<cublasLtMatmulPreferenceAttributes_t, uint32_t> aligns[] = {
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_a}, {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_b},
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_c}, {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_c}};
+    for (const auto& [attr, bytes] : aligns)
+      SG_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(desc.pref, attr, &bytes, sizeof(bytes)));
     cublasLtMatmulHeuristicResult_t best{};
     int found = 0;
     const cublasStatus_t st =
         cublasLtMatmulAlgoGetHeuristic(h, desc.op, desc.a, desc.b, desc.c, desc.c, desc.pref, 1, &best, &found);
-    if (epilogue != CUBLASLT_EPILOGUE_DEFAULT && (st == CUBLAS_STATUS_NOT_SUPPORTED || found == 0))
-      return std::nullopt;  // this epilogue here is not cuBLASLt's: the caller runs it apart
+    // No algorithm, or a refusal of this shape/epilogue combination: the caller runs it apart.
+    const bool refused = st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE || found == 0 ||
+                         (st == CUBLAS_STATUS_SUCCESS && best.state != CUBLAS_STATUS_SUCCESS);
+    if (epilogue != CUBLASLT_EPILOGUE_DEFAULT && refused) return std::nullopt;
     SG_CUBLAS_CHECK(st);
     SG_CHECK(found > 0, op, " (cuBLASLt): no algorithm for ", dtype_name(g.dtype), " M=", g.M, " N=", g.N, " K=", g.K,
-             " batch=", g.batch, " lda=", g.lda, " ldb=", g.ldb, " ldc=", g.ldc, " alignment ", align, " bytes");
+             " batch=", g.batch, " lda=", g.lda, " ldb=", g.ldb, " ldc=", g.ldc, " alignment A/B/C ", align_b, "/",
+             align_a, "/", align_c, " bytes");
     return best.algo;
   });
   if (!algo) return false;
@@ -217,7 +227,7 @@ void gemm(const kernels::GemmArgs& a) {
   kernels::check_gemm_epilogue(a, "cuda");
   SG_CHECK(epilogue_fits(a), "gemm (cuda): cuBLASLt's epilogue needs a 16-byte aligned bias, bias gradient and ",
            "pre-activation, N (", a.N, ") a multiple of 8 with a pre-activation, bias_grad only with dgelu_pre, and ",
-           "row_sums_a alone");
+           "row_sums_a alone (alpha 1)");
   SG_CHECK(matmul(a, "gemm"), "gemm (cuda): cuBLASLt has no algorithm for this epilogue (M=", a.M, " N=", a.N,
            " K=", a.K, ")");
 }
@@ -227,7 +237,8 @@ bool epilogue_fits(const kernels::GemmArgs& a) {
   const bool aux = a.pre_gelu || a.dgelu_pre;
   return aligned(a.bias) && aligned(a.pre_gelu) && aligned(a.dgelu_pre) && aligned(a.bias_grad) &&
          aligned(a.row_sums_a) && (!aux || a.N % 8 == 0) && (!a.bias_grad || a.dgelu_pre) &&
-         (!a.row_sums_a || !(a.bias || a.gelu || a.dgelu_pre || a.bias_grad));
+         // row_sums_a is op(A)'s plain sums; whether BGRADB scales them by alpha is not documented
+         (!a.row_sums_a || (a.alpha == 1.0 && !(a.bias || a.gelu || a.dgelu_pre || a.bias_grad)));
 }
 
 }  // namespace sg::cuda

@@ -55,6 +55,8 @@ SG_DEVICE uint32_t load_x2(const E* p) {
 #ifdef __CUDACC__
   return *reinterpret_cast<const uint32_t*>(p);
 #else
+  // one 32-bit load on the device, which faults unless p is 4-byte aligned: the emulation says so
+  if (reinterpret_cast<uintptr_t>(p) & 3) sg::emu::fail("load_x2: address not 4-byte aligned (a fault on the device)");
   return pack_x2(p[0], p[1]);
 #endif
 }

@@ -137,6 +137,14 @@ cudaStream_t compute_stream(Device d) {
   });
 }
 
+bool has_mma_sync(Device d) {
+  return once_per_device<bool>(d, [&] {
+    int major = 0;
+    SG_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d.index));
+    return major >= 8;
+  });
+}
+
 namespace {
 std::atomic<AttentionBackend> g_attention{AttentionBackend::flash};
 }

@@ -43,6 +43,9 @@ void ensure_registered();
 // The device that owns the device pointer p, made current; op names the caller in the error
 // thrown for host or unknown pointers. Op-table entries find their device this way.
 Device device_of(const void* p, const char* op);
+// Whether d runs mma.sync on bf16/f16 (compute capability 8.0 or newer): the tensor-core attention
+// kernels need it; older devices take the FMA ones.
+bool has_mma_sync(Device d);
 
 // Which fused attention the op table's attention entries run, process-wide (default flash): the
 // hand-written kernels of kernels/cuda/attention*.cuh, or cuDNN's fused SDPA
@@ -71,7 +74,7 @@ void set_allow_tf32(bool allow);
 bool allow_tf32();
 // Whether a's epilogue meets cuBLASLt's rules: the bias, bias gradient, row sums and
 // pre-activation 16-byte aligned, N a multiple of 8 with a pre-activation, a bias gradient only
-// with the GELU derivative (DGELU_BGRAD), the row sums alone (BGRADB). Its heuristic may still
+// with the GELU derivative (DGELU_BGRAD), the row sums alone and alpha 1 (BGRADB). Its heuristic may still
 // offer no algorithm for a shape; gemm_fused() says so.
 bool epilogue_fits(const kernels::GemmArgs& a);
 #endif

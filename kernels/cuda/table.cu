@@ -298,8 +298,12 @@ double sum_squares_many(DType dtype, const void* const* xs, const int64_t* ns, c
 }
 
 // The forward on the fastest kernel that takes it; f.lse is f32.
-void attention_forward_any(const kernels::AttentionArgs& f, cudaStream_t stream) {
-  if (tensor_core_dtype(f.dtype) && tensor_core_head_dim(f.D)) return attention_forward_tensor_cores(f, stream);
+bool tensor_cores_take(const kernels::AttentionArgs& a, Device d) {
+  return tensor_core_dtype(a.dtype) && tensor_core_head_dim(a.D) && has_mma_sync(d);
+}
+
+void attention_forward_any(const kernels::AttentionArgs& f, Device d, cudaStream_t stream) {
+  if (tensor_cores_take(f, d)) return attention_forward_tensor_cores(f, stream);
   attention_forward(f, stream);
 }
 
@@ -353,7 +357,8 @@ void attention(const kernels::AttentionArgs& a) {
   }
 #endif
   if (a.dtype != DType::f32 && !is_half(a.dtype)) kernels::unsupported("attention", a.dtype, "cuda");
-  attention_forward_any(a, on(a.out, "attention").stream);
+  const On o = on(a.out, "attention");
+  attention_forward_any(a, o.dev, o.stream);
 }
 
 void attention_backward(const kernels::AttentionArgs& a) {
@@ -369,7 +374,7 @@ void attention_backward(const kernels::AttentionArgs& a) {
   if (a.dtype != DType::f32 && !is_half(a.dtype)) kernels::unsupported("attention_backward", a.dtype, "cuda");
   const On o = on(a.dq, "attention_backward");
   const Scratch work(size_t(attention_backward_workspace(a)) * sizeof(float), o.dev);
-  if (tensor_core_dtype(a.dtype) && tensor_core_head_dim(a.D))
+  if (tensor_cores_take(a, o.dev))
     return attention_backward_tensor_cores(a, work.as<float>(), o.stream);
   cuda::attention_backward(a, work.as<float>(), o.stream);
 }

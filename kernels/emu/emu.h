@@ -166,6 +166,7 @@ T warp_exchange(T v, int src) {
 inline void run_grid(dim3 grid, dim3 block, size_t shmem, const std::function<void()>& body) {
   const unsigned threads = block.x * block.y * block.z;
   if (threads == 0 || threads > 1024) fail("a block needs 1 to 1024 threads");
+  if (grid.y > 65535 || grid.z > 65535) fail("gridDim.y and gridDim.z are at most 65535");
   if (grid.x * grid.y * grid.z == 0) return;
   Grid g(grid, block, shmem);
   auto thread_main = [&](int tid) {
@@ -224,7 +225,8 @@ inline void __syncthreads() { sg::emu::this_thread.grid->block_barrier.wait("__s
 inline void __syncwarp(unsigned = 0xffffffffu) { sg::emu::warp_sync(); }
 
 // Shuffles over `width`-lane segments of the warp, with the CUDA rules for out-of-segment sources
-// (xor/down: the caller's own value). The mask is not checked: our kernels shuffle whole warps.
+// (xor: a lane of an earlier segment is read, a later one gives the caller's own value; down: the
+// caller's own value). The mask is not checked: our kernels shuffle whole warps.
 template <class T>
 T __shfl_sync(unsigned, T v, int src_lane, int width = 32) {
   const int lane = sg::emu::this_thread.lane;
@@ -233,7 +235,7 @@ T __shfl_sync(unsigned, T v, int src_lane, int width = 32) {
 template <class T>
 T __shfl_xor_sync(unsigned, T v, int lane_mask, int width = 32) {
   const int lane = sg::emu::this_thread.lane, src = lane ^ lane_mask;
-  return sg::emu::warp_exchange(v, (src & ~(width - 1)) == (lane & ~(width - 1)) ? src : lane);
+  return sg::emu::warp_exchange(v, src < (lane & ~(width - 1)) + width ? src : lane);
 }
 template <class T>
 T __shfl_down_sync(unsigned, T v, unsigned delta, int width = 32) {

@@ -243,6 +243,9 @@ TEST_CASE("gemm's backward epilogues (dgelu, bias_grad, row_sums_a) equal the CP
           };
           G().gemm(args(dt, ga, gb, gpre, out, bg));
           C().gemm(args(DType::f32, ca, cb, cpre, cout, cbg));
+          if (!offset && N == 40)  // whether cuBLASLt took DGELU_BGRAD (the table falls back if not): for the log
+            std::printf("cuBLASLt fused dgelu + bias_grad (%s): %s\n", dtype_name(dt),
+                        cuda::gemm_fused(args(dt, ga, gb, gpre, out, bg)) ? "yes" : "NO (separate kernels)");
           check_close(get(out), rounded(get(cout), dt), rtol(dt), tol);
           check_close(get(bg), rounded(get(cbg), dt), rtol(dt), tol * 4);
         }
@@ -263,6 +266,9 @@ TEST_CASE("gemm's backward epilogues (dgelu, bias_grad, row_sums_a) equal the CP
           };
           G().gemm(args(dt, src, gb, out, rs));
           C().gemm(args(DType::f32, csrc, cb, cout, crs));
+          if (!offset && N == 40)
+            std::printf("cuBLASLt fused row_sums_a, trans_a %d (%s): %s\n", int(trans), dtype_name(dt),
+                        cuda::gemm_fused(args(dt, src, gb, out, rs)) ? "yes" : "NO (separate kernels)");
           check_close(get(out), rounded(get(cout), dt), rtol(dt), tol);
           check_close(get(rs), rounded(get(crs), dt), rtol(dt), tol * 4);
         }
@@ -550,11 +556,12 @@ TEST_CASE("ops on views at an offset into a block find their device without a dr
   CHECK_THROWS_WITH(cuda::device_of(&local, "test op"), Catch::Contains("test op (cuda): pointer"));
 }
 
-TEST_CASE("causal flash attention, forward and backward, matches the CPU", "[gpu][kernels]") {
+TEST_CASE("flash attention, causal or not, forward and backward, matches the CPU", "[gpu][kernels]") {
   const int64_t B = 2, H = 3, T = 77;
   for (int64_t D : {8, 16, 32, 64, 128})  // bf16 and f16 at 64 and 128: the tensor-core kernels
-    for (DType dt : {DType::f32, DType::bf16, DType::f16}) {
-      INFO(dtype_name(dt) << " D " << D);
+    for (DType dt : {DType::f32, DType::bf16, DType::f16})
+    for (bool causal : {true, false}) {
+      INFO(dtype_name(dt) << " D " << D << (causal ? " causal" : " full"));
       // f16 keeps 3 more mantissa bits than bf16: a bound 6x tighter (2^3 = 8, less some headroom).
       const double tol = dt == DType::f32 ? 2e-4 : dt == DType::bf16 ? 3e-2 : 5e-3;
       const size_t n = size_t(B * H * T * D);
@@ -568,7 +575,7 @@ TEST_CASE("causal flash attention, forward and backward, matches the CPU", "[gpu
       Tensor cdq = buffer(int64_t(n), DType::f32, host), cdk = buffer(int64_t(n), DType::f32, host),
              cdv = buffer(int64_t(n), DType::f32, host);
       kernels::AttentionArgs a;
-      a.dtype = dt, a.B = B, a.H = H, a.T = T, a.D = D, a.causal = true, a.scale = 1.0 / std::sqrt(double(D));
+      a.dtype = dt, a.B = B, a.H = H, a.T = T, a.D = D, a.causal = causal, a.scale = 1.0 / std::sqrt(double(D));
       kernels::AttentionArgs c = a;
       c.dtype = DType::f32;
       a.q = gq.data_ptr(), a.k = gk.data_ptr(), a.v = gv.data_ptr(), a.out = go.data_ptr(), a.lse = gl.data_ptr();
@@ -626,6 +633,17 @@ TEST_CASE("attention_qkv on packed projections matches the CPU, forward and back
         cuda::force_cudnn_contiguous_layouts(path == 2);
 #endif
         const auto dev = run(gpu);
+#ifdef SG_WITH_CUDNN
+        if (path == 1) {  // whether that ran in place or on copies: a speed question, said for the log
+          kernels::AttentionArgs a;
+          a.dtype = dt, a.B = B, a.H = H, a.T = T, a.D = D, a.scale = 1.0 / std::sqrt(double(D));
+          a.q_strides[0] = 3 * T * C, a.q_strides[1] = D, a.q_strides[2] = 3 * C;
+          a.o_strides[0] = T * C, a.o_strides[1] = D, a.o_strides[2] = C;
+          std::printf("cuDNN plans for packed q/k/v strides (%s): forward %s, backward %s\n", dtype_name(dt),
+                      cuda::cudnn_attention_takes_layout(a, gpu, false) ? "yes" : "NO (copies)",
+                      cuda::cudnn_attention_takes_layout(a, gpu, true) ? "yes" : "NO (copies)");
+        }
+#endif
         cuda::set_attention_backend(cuda::AttentionBackend::flash);
 #ifdef SG_WITH_CUDNN
         cuda::force_cudnn_contiguous_layouts(false);
