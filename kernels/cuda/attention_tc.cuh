@@ -83,16 +83,28 @@ SG_DEVICE void load_warp_rows(FragA<E> (&f)[D / 16], E* buf, const E* src, int64
 
 // acc[n] = a tile^T over the head dim: this warp's 16 rows (a, one fragment per 16 columns) against
 // the kTcKeys rows of a staged tile, 8 rows per accumulator (S = Q K^T and its kin).
+// One ldmatrix.x4 per n-tile and two k-steps.
 template <class E, int D>
 SG_DEVICE void mma_tile_t(FragC (&acc)[kTcKeys / 8], const FragA<E> (&a)[D / 16], const E* tile, int ld) {
   for (int n = 0; n < kTcKeys / 8; ++n)
-    for (int kk = 0; kk < D / 16; ++kk) mma(acc[n], a[kk], load_b_col_major(tile + n * 8 * ld + 16 * kk, ld));
+    for (int kk = 0; kk < D / 16; kk += 2) {
+      FragB<E> b0, b1;
+      load_b_col_major_x2(b0, b1, tile + n * 8 * ld + 16 * kk, ld);
+      mma(acc[n], a[kk], b0);
+      mma(acc[n], a[kk + 1], b1);
+    }
 }
 
 // acc[dn] += a rows of a staged tile, over the tile's 16 rows at `rows` (O += P V and its kin).
+// One ldmatrix.x4.trans per two n-tiles (instead of eight 16-bit loads per n-tile).
 template <class E, int D>
 SG_DEVICE void mma_rows(FragC (&acc)[D / 8], const FragA<E>& a, const E* rows, int ld) {
-  for (int dn = 0; dn < D / 8; ++dn) mma(acc[dn], a, load_b_row_major(rows + 8 * dn, ld));
+  for (int dn = 0; dn < D / 8; dn += 2) {
+    FragB<E> b0, b1;
+    load_b_row_major_x2(b0, b1, rows + 8 * dn, ld);
+    mma(acc[dn], a, b0);
+    mma(acc[dn + 1], a, b1);
+  }
 }
 
 inline bool tensor_core_head_dim(int64_t D) { return D == 64 || D == 128; }

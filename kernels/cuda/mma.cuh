@@ -12,8 +12,9 @@
 //     b.x[0] = B[2t, 2t+1][g]      b.x[1] = B[2t+8, 2t+9][g]
 //   C, D (16x8 f32):
 //     c.x[0], c.x[1] = C[g][2t, 2t+1]      c.x[2], c.x[3] = C[g+8][2t, 2t+1]
-// Loads here are plain per-lane loads from shared memory (no ldmatrix); every lane of the warp must
-// call mma() together (.aligned), which the emulation checks.
+// The plain loaders below are per-lane loads from shared (or any) memory; the _x2 ones use
+// ldmatrix (shared memory only, 16-byte aligned rows). Every lane of the warp must call mma() and
+// ldmatrix together (.aligned), which the emulation checks.
 #pragma once
 #include "kernels/cuda/common.cuh"
 
@@ -97,6 +98,53 @@ SG_DEVICE FragB<E> load_b_row_major(const E* b, int ld) {
   f.x[1] = pack_x2(b[(2 * t + 8) * ld + g], b[(2 * t + 9) * ld + g]);
   return f;
 }
+// ldmatrix.x4 (kTrans: .trans) from shared memory: lanes 8i .. 8i+7 give the 16-byte rows of 8x8
+// matrix i; register i of each lane gets row lane/4, columns 2 (lane % 4) and +1 of matrix i (of
+// its transpose with kTrans). One instruction for four 32-bit fragment registers, where the loads
+// above take four (or eight 16-bit ones for load_b_row_major).
+template <bool kTrans, class E>
+SG_DEVICE void ldmatrix_x4(uint32_t (&r)[4], const E* row) {
+#ifdef __CUDACC__
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  if constexpr (kTrans)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+#elif defined(__CUDA_ARCH__)
+  __trap();  // built for sm_80 and newer, as mma()
+#endif
+#else
+  emu::ldmatrix_x4(r, row, kTrans);
+#endif
+}
+
+// load_b_col_major for k-steps kk and kk + 1 at once (b at the n-tile's first row, k-step kk's
+// first column; 16-byte aligned rows in shared memory): matrices 0..3 are the columns
+// [0, 8), [8, 16), [16, 24), [24, 32) of the n-tile's 8 rows.
+template <class E>
+SG_DEVICE void load_b_col_major_x2(FragB<E>& k0, FragB<E>& k1, const E* b, int ld) {
+  const int lane = int(threadIdx.x) % 32;
+  uint32_t r[4];
+  ldmatrix_x4<false>(r, b + (lane & 7) * ld + 8 * (lane >> 3));
+  k0.x[0] = r[0], k0.x[1] = r[1], k1.x[0] = r[2], k1.x[1] = r[3];
+}
+
+// load_b_row_major for n-tiles dn and dn + 1 at once (b at row 0, column 8 dn; 16-byte aligned
+// rows in shared memory), transposed on the way: matrices 0..3 are rows [0, 8) and [8, 16) of
+// columns [0, 8), then of columns [8, 16).
+template <class E>
+SG_DEVICE void load_b_row_major_x2(FragB<E>& n0, FragB<E>& n1, const E* b, int ld) {
+  const int lane = int(threadIdx.x) % 32;
+  uint32_t r[4];
+  ldmatrix_x4<true>(r, b + ((lane & 7) + 8 * ((lane >> 3) & 1)) * ld + 8 * (lane >> 4));
+  n0.x[0] = r[0], n0.x[1] = r[1], n1.x[0] = r[2], n1.x[1] = r[3];
+}
+
 // C from / D to a row-major 16x8 f32 tile: element (r, c) at p[r * ld + c].
 SG_DEVICE FragC load_c_row_major(const float* p, int ld) {
   const int g = mma_group(), t = mma_thread_in_group();

@@ -317,6 +317,33 @@ void mma_m16n8k16(float d[4], const uint32_t a[4], const uint32_t b[2], const fl
   }
   barrier.wait("mma.sync");  // no lane overwrites its fragments while another still reads them
 }
+// ldmatrix.sync.aligned.m8n8.x4{.trans}.shared.b16 r, [row]: four 8x8 matrices of 16-bit
+// elements, each row 16 contiguous bytes of shared memory at an address one lane gives: lanes
+// 8i .. 8i+7 give rows 0..7 of matrix i. Register i of every lane receives two elements of
+// matrix i, low half first: row lane/4, columns 2(lane%4) and 2(lane%4)+1; with .trans, those of
+// the transpose (rows 2(lane%4) and 2(lane%4)+1 of column lane/4). (PTX ISA, "Warp-level matrix
+// load instruction: ldmatrix".) The row addresses must be 16-byte aligned and in shared memory.
+inline void ldmatrix_x4(uint32_t r[4], const void* row, bool trans) {
+  ThreadState& t = this_thread;
+  if (std::min(32, t.grid->threads - 32 * t.warp) != 32) fail("ldmatrix needs all 32 lanes of the warp");
+  const auto* p = static_cast<const unsigned char*>(row);
+  const auto within = [p](const std::vector<unsigned char>& s) { return p >= s.data() && p + 16 <= s.data() + s.size(); };
+  if (!within(t.grid->static_shared) && !within(t.grid->dynamic_shared)) fail("ldmatrix: row address not in shared memory");
+  if (reinterpret_cast<uintptr_t>(p) & 15) fail("ldmatrix: row address not 16-byte aligned");
+  uint64_t* slots = t.grid->warp_slots.data() + size_t(t.warp) * 32;
+  slots[t.lane] = reinterpret_cast<uintptr_t>(p);
+  warp_sync();
+  const auto at = [slots](int lane, int col) {
+    uint16_t v;
+    std::memcpy(&v, reinterpret_cast<const unsigned char*>(slots[lane]) + 2 * col, 2);
+    return uint32_t(v);
+  };
+  const int g = t.lane / 4, q = t.lane % 4;
+  for (int i = 0; i < 4; ++i)
+    r[i] = trans ? at(8 * i + 2 * q, g) | at(8 * i + 2 * q + 1, g) << 16 : at(8 * i + g, 2 * q) | at(8 * i + g, 2 * q + 1) << 16;
+  warp_sync();  // no lane republishes its address while another still reads
+}
+
 inline void mma_m16n8k16_bf16(float d[4], const uint32_t a[4], const uint32_t b[2], const float c[4]) {
   mma_m16n8k16<bf16_to_f32>(d, a, b, c);
 }

@@ -37,6 +37,26 @@ __global__ void chained_mma_kernel(float* d, const E* a, const E* b1, const E* b
   cu::store_c_row_major(d, 8, out);
 }
 
+// One warp stages a [16][56] tile (112-byte rows) in shared memory and loads B fragments from it
+// twice, with ldmatrix (the _x2 loaders) and with the per-lane loaders: n-major for k-steps at
+// columns 16 and 32 of rows 8..15, k-major (transposed on the way) for n-tiles at columns 24 and 32
+// of rows 0..15. Each lane writes its 8 + 8 registers to out[lane][16].
+template <class E>
+__global__ void ldmatrix_kernel(uint32_t* out, const E* tile) {
+  constexpr int ld = 56;
+  SG_SHARED(E, s, 16 * ld);
+  for (int i = int(threadIdx.x); i < 16 * ld; i += 32) s[i] = tile[i];
+  __syncthreads();
+  uint32_t* o = out + threadIdx.x * 16;
+  cu::FragB<E> f[4];
+  cu::load_b_col_major_x2(f[0], f[1], s + 8 * ld + 16, ld);
+  cu::load_b_row_major_x2(f[2], f[3], s + 24, ld);
+  const cu::FragB<E> g[4] = {cu::load_b_col_major(s + 8 * ld + 16, ld), cu::load_b_col_major(s + 8 * ld + 32, ld),
+                             cu::load_b_row_major(s + 24, ld), cu::load_b_row_major(s + 32, ld)};
+  for (int i = 0; i < 4; ++i)
+    for (int r = 0; r < 2; ++r) o[2 * i + r] = f[i].x[r], o[8 + 2 * i + r] = g[i].x[r];
+}
+
 // out[M][N] = x[M][K] y[K][N] (+ z), in double.
 std::vector<float> matmul(const std::vector<float>& x, const std::vector<float>& y, int M, int K, int N,
                           const float* z = nullptr) {
@@ -89,4 +109,26 @@ TEMPLATE_TEST_CASE("emu mma: accumulators of two n-tiles re-used as the A fragme
   // unit in the last place of E (2^-8 relative for bf16, 2^-11 for f16).
   const double rtol = std::is_same_v<E, cu::bf16> ? 1e-2 : 1.5e-3;
   check_close(d, want, rtol, 5 * rtol);
+}
+
+// ldmatrix.x4 as the PTX ISA describes it (lanes 8i..8i+7 address matrix i's rows; register i of
+// lane l holds row l/4, columns 2(l%4) and +1, or the transpose's) gives every lane the same
+// registers as the per-lane loaders, whose layout the mma test above checks against A B + C.
+TEMPLATE_TEST_CASE("emu ldmatrix (x4, x4.trans) loads the fragments the per-lane loaders load", "[emu]", cu::bf16,
+                   cu::f16) {
+  using E = TestType;
+  std::vector<float> tile(16 * 56);
+  for (size_t i = 0; i < tile.size(); ++i) {  // small nonzero integers (exact in bf16 and f16), neighbours differ
+    const int v = int(i * 37 % 250) - 125;
+    tile[i] = float(v >= 0 ? v + 1 : v);
+  }
+  const auto ts = to_storage<E>(tile);
+  std::vector<uint32_t> out(32 * 16, 0);
+  cu::launch(ldmatrix_kernel<E>, dim3(1), dim3(32), 0, nullptr, out.data(), ts.data());
+  for (int lane = 0; lane < 32; ++lane)
+    for (int r = 0; r < 8; ++r) {
+      INFO("lane " << lane << " register " << r);
+      CHECK(out[size_t(lane * 16 + r)] == out[size_t(lane * 16 + 8 + r)]);
+      CHECK(out[size_t(lane * 16 + r)] != 0u);
+    }
 }
