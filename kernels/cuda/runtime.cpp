@@ -35,6 +35,11 @@ void* null_if_out_of_memory(cudaError_t err, void* const* p) {
   return *p;
 }
 
+// The first device this process allocated on: page-locked host memory is allocated with it
+// current, so a thread that never chose a device (MPI's progress thread) does not create a
+// context on cuda:0 (hundreds of MB there, for every rank of a multi-GPU job).
+std::atomic<int> g_device_in_use{-1};
+
 // Device memory: cudaMalloc through a BlockCache, so steady-state training does no
 // cudaMalloc/cudaFree. Every block is allocated, used and freed in the order of the compute
 // stream; the NCCL backend's communication stream is ordered after it by events and its Work
@@ -49,14 +54,17 @@ class DeviceAllocator : public Allocator {
               void* p = nullptr;
               return null_if_out_of_memory(cudaMalloc(&p, bytes), &p);
             },
-            [](void* p, int device) {
+            [](void* p, int device) {  // out of memory, or trimming: not on a hot path
               (void)cudaSetDevice(device);
+              (void)cudaDeviceSynchronize();  // queued kernels may still use the block; cudaFree only *may* wait
               (void)cudaFree(p);
             }) {}
   void* allocate(size_t bytes, Device d) override {
     static const int visible = device_count();  // fixed for the life of the process
     SG_CHECK(d.index < visible, "cuda allocator: ", d.str(), " is not available (", visible,
              " CUDA devices visible to this process)");
+    int none = -1;
+    g_device_in_use.compare_exchange_strong(none, d.index);
     void* p = cache_.take(bytes, d.index);
     SG_CHECK(p, "cuda allocator: cannot allocate ", bytes, " bytes on ", d.str(), ": out of memory (",
              cache_.reserved_bytes(), " bytes already held by shardgrad's cache)");
@@ -77,6 +85,7 @@ class PinnedAllocator : public Allocator {
   PinnedAllocator()
       : cache_(
             [](size_t bytes, int) -> void* {
+              if (const int d = g_device_in_use.load(); d >= 0) SG_CUDA_CHECK(cudaSetDevice(d));
               void* p = nullptr;
               return null_if_out_of_memory(cudaHostAlloc(&p, bytes, cudaHostAllocPortable), &p);
             },

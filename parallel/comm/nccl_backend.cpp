@@ -42,12 +42,14 @@ LaunchEnv launch_env() {
 #include <nccl.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "autograd/ops.h"
@@ -95,10 +97,18 @@ struct Staged {
 // tensors it uses (held until the event has passed, since the caching allocator would otherwise
 // hand their blocks to the compute stream while NCCL still uses them), and the results to copy
 // back to the host once, by whichever of wait() and test() first sees the event done.
+//
+// Waiting polls the event and, between polls, the communicator's asynchronous error state: a
+// peer that died or a network failure makes NCCL report an error instead of completing, and the
+// communicator is then aborted (its kernels stop; it can no longer be used or destroyed) and the
+// error thrown, instead of a wait that never returns (the watchdog's timeout remains the last
+// resort for a peer that is merely stuck).
 class StreamWork : public Work {
  public:
-  StreamWork(cudaEvent_t e, int device, std::vector<Tensor> held, std::vector<Staged> results)
-      : event_(e), device_(device), held_(std::move(held)), results_(std::move(results)) {}
+  StreamWork(cudaEvent_t e, int device, ncclComm_t comm, std::shared_ptr<std::atomic<bool>> aborted,
+             std::vector<Tensor> held, std::vector<Staged> results)
+      : event_(e), device_(device), comm_(comm), aborted_(std::move(aborted)), held_(std::move(held)),
+        results_(std::move(results)) {}
   ~StreamWork() override {
     // A destructor cannot throw: an error here was already raised by wait()/test(), or the
     // process is going down with the communicator.
@@ -109,20 +119,40 @@ class StreamWork : public Work {
     std::lock_guard<std::mutex> lock(mu_);
     if (done_) return;
     SG_CUDA_CHECK(cudaSetDevice(device_));
-    SG_CUDA_CHECK(cudaEventSynchronize(event_));
+    for (;;) {
+      const cudaError_t e = cudaEventQuery(event_);
+      if (e == cudaSuccess) break;
+      if (e != cudaErrorNotReady) SG_CUDA_CHECK(e);
+      check_async();
+      std::this_thread::sleep_for(std::chrono::microseconds(10));
+    }
     complete();
   }
   bool test() override {
     std::lock_guard<std::mutex> lock(mu_);
     if (done_) return true;
     cudaError_t e = cudaEventQuery(event_);
-    if (e == cudaErrorNotReady) return false;
+    if (e == cudaErrorNotReady) {
+      check_async();
+      return false;
+    }
     SG_CUDA_CHECK(e);
     complete();
     return true;
   }
 
  private:
+  void check_async() {
+    if (aborted_->load()) throw Error("nccl: the communicator was aborted after an earlier error; this operation cannot complete");
+    ncclResult_t r = ncclSuccess;
+    SG_NCCL_CHECK(ncclCommGetAsyncError(comm_, &r));
+    if (r == ncclSuccess || r == ncclInProgress) return;
+    const std::string detail = ncclGetLastError(comm_);
+    if (!aborted_->exchange(true)) (void)ncclCommAbort(comm_);
+    throw Error(str("nccl: a collective or transfer failed asynchronously: ", ncclGetErrorString(r),
+                    detail.empty() ? std::string() : " (" + detail + ")",
+                    "; the communicator was aborted (a peer may have died or lost its network)"));
+  }
   void complete() {
     for (auto& r : results_) copy_(r.host, r.device);  // device -> host, synchronous
     results_.clear();
@@ -132,9 +162,36 @@ class StreamWork : public Work {
   std::mutex mu_;
   cudaEvent_t event_;
   int device_;
+  ncclComm_t comm_;
+  std::shared_ptr<std::atomic<bool>> aborted_;
   std::vector<Tensor> held_;
   std::vector<Staged> results_;
   bool done_ = false;
+};
+
+}  // namespace
+
+class NcclProcessGroup;
+
+namespace {
+
+// A send whose NCCL call is not issued yet (NcclProcessGroup::do_send): the StreamWork arrives
+// when the group issues it; wait() and test() issue it first if it is still pending.
+class DeferredWork : public Work {
+ public:
+  explicit DeferredWork(NcclProcessGroup* g) : g_(g) {}
+  void wait() override;
+  bool test() override;
+  void issued(std::shared_ptr<Work> w) {
+    std::lock_guard<std::mutex> lock(mu_);
+    inner_ = std::move(w);
+  }
+
+ private:
+  std::shared_ptr<Work> inner();
+  NcclProcessGroup* g_;
+  std::mutex mu_;
+  std::shared_ptr<Work> inner_;
 };
 
 }  // namespace
@@ -147,9 +204,17 @@ class NcclProcessGroup : public ProcessGroup {
   }
   ~NcclProcessGroup() override {
     // Destructors cannot throw; the errors a finished job could meet here change nothing.
+    if (!aborted_->load()) {
+      try {
+        flush_sends();
+      } catch (...) {
+      }
+    }
     (void)cudaSetDevice(device_);
-    (void)cudaStreamSynchronize(stream_);
-    (void)ncclCommDestroy(comm_);
+    if (!aborted_->load()) {  // an aborted communicator's kernels were stopped; it is freed already
+      (void)cudaStreamSynchronize(stream_);
+      (void)ncclCommDestroy(comm_);
+    }
     (void)cudaStreamDestroy(stream_);
   }
   std::string backend_name() const override { return "nccl"; }
@@ -175,6 +240,7 @@ class NcclProcessGroup : public ProcessGroup {
       }
       SG_CHECK(t.device().is_cuda() && t.device().index == g_.device_, "nccl: tensor ", t.describe(),
                " is neither on the CPU nor on this group's device cuda:", g_.device_, g_.at());
+      held_.push_back(t);  // its block stays out of the allocator's reach until NCCL is done with it
       return t.data_ptr();
     }
 
@@ -185,22 +251,84 @@ class NcclProcessGroup : public ProcessGroup {
     std::vector<Staged> results_;
   };
 
-  // Orders the communication stream after everything issued so far on the compute stream, runs
-  // `issue` there, and returns a Work on its completion (which copies staged results back).
-  template <class F>
-  std::shared_ptr<Work> on_stream(Operands& ops, F issue) {
+  // Orders the communication stream after everything issued so far on the compute stream.
+  void after_compute() {
     SG_CUDA_CHECK(cudaSetDevice(device_));
     cudaStream_t compute = cuda::compute_stream(Device::cuda(device_));
-    cudaEvent_t ready, done;
+    cudaEvent_t ready;
     SG_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
     SG_CUDA_CHECK(cudaEventRecord(ready, compute));
     SG_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready, 0));
     SG_CUDA_CHECK(cudaEventDestroy(ready));
-    issue();
+  }
+  // A Work on the completion of what the communication stream holds so far (staged results are
+  // copied back by it).
+  std::shared_ptr<Work> done_work(Operands& ops) {
+    cudaEvent_t done;
     SG_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
     SG_CUDA_CHECK(cudaEventRecord(done, stream_));
-    return std::make_shared<StreamWork>(done, device_, std::move(ops.held_), std::move(ops.results_));
+    return std::make_shared<StreamWork>(done, device_, comm_, aborted_, std::move(ops.held_), std::move(ops.results_));
   }
+  // Runs `issue` on the communication stream after the compute stream's work so far (and after
+  // any pending sends), and returns a Work on its completion.
+  template <class F>
+  std::shared_ptr<Work> on_stream(Operands& ops, F issue) {
+    flush_sends();
+    after_compute();
+    issue();
+    return done_work(ops);
+  }
+
+  // Point to point. An ncclSend blocks the communication stream until the peer's matching recv
+  // runs, and ops on one stream run in order, so two ranks that each send before they receive
+  // (1F1B's crossing activations and gradients, the tied embedding's exchange) would wait for
+  // each other for ever. NCCL's rule: sends and recvs that must progress together go in one
+  // ncclGroupStart/End. So a send is held back (its operands staged and held at once) and issued
+  // in one group with this rank's next recv, or alone before any other operation and when its
+  // Work is waited on or tested: MPI's non-blocking send semantics. NCCL matches point-to-point
+  // messages by their order between two ranks; the tag is not used.
+  struct PendingSend {
+    Operands ops;
+    void* p;
+    size_t count;
+    ncclDataType_t type;
+    int dst;
+    std::shared_ptr<DeferredWork> work;
+  };
+  // Issues every pending send, with `with` (a recv) in the same NCCL group when given.
+  template <class F = void (*)()>
+  std::vector<std::shared_ptr<Work>> issue_sends(std::vector<PendingSend> sends, F with = nullptr) {
+    after_compute();
+    SG_NCCL_CHECK(ncclGroupStart());
+    try {
+      for (auto& s : sends) SG_NCCL_CHECK(ncclSend(s.p, s.count, s.type, s.dst, comm_, stream_));
+      if constexpr (!std::is_same_v<F, void (*)()>) with();
+    } catch (...) {
+      (void)ncclGroupEnd();  // the group is closed whatever failed inside it
+      throw;
+    }
+    SG_NCCL_CHECK(ncclGroupEnd());
+    std::vector<std::shared_ptr<Work>> works;
+    for (auto& s : sends) {
+      works.push_back(done_work(s.ops));
+      s.work->issued(works.back());
+    }
+    return works;
+  }
+  void flush_sends() {
+    std::vector<PendingSend> sends;
+    {
+      std::lock_guard<std::mutex> lock(pending_mu_);
+      sends.swap(pending_);
+    }
+    if (!sends.empty()) issue_sends(std::move(sends));
+  }
+
+ public:
+  // DeferredWork's way in: issues its send (and any others pending) if it is still pending.
+  void flush_pending_sends() { flush_sends(); }
+
+ protected:
   std::shared_ptr<Work> do_all_reduce(const Tensor& t, ReduceOp op) override {
     Operands ops(*this);
     void* p = ops.add(t, true, true);
@@ -241,14 +369,25 @@ class NcclProcessGroup : public ProcessGroup {
     });
   }
   std::shared_ptr<Work> do_send(const Tensor& t, int dst, int) override {
-    Operands ops(*this);
-    void* p = ops.add(t, true, false);
-    return on_stream(ops, [&] { SG_NCCL_CHECK(ncclSend(p, size_t(t.numel()), nccl_type(t.dtype()), dst, comm_, stream_)); });
+    PendingSend s{Operands(*this), nullptr, size_t(t.numel()), nccl_type(t.dtype()), dst,
+                  std::make_shared<DeferredWork>(this)};
+    s.p = s.ops.add(t, true, false);
+    auto work = s.work;
+    std::lock_guard<std::mutex> lock(pending_mu_);
+    pending_.push_back(std::move(s));
+    return work;
   }
   std::shared_ptr<Work> do_recv(const Tensor& t, int src, int) override {
     Operands ops(*this);
     void* p = ops.add(t, false, true);
-    return on_stream(ops, [&] { SG_NCCL_CHECK(ncclRecv(p, size_t(t.numel()), nccl_type(t.dtype()), src, comm_, stream_)); });
+    std::vector<PendingSend> sends;
+    {
+      std::lock_guard<std::mutex> lock(pending_mu_);
+      sends.swap(pending_);
+    }
+    issue_sends(std::move(sends),
+                [&] { SG_NCCL_CHECK(ncclRecv(p, size_t(t.numel()), nccl_type(t.dtype()), src, comm_, stream_)); });
+    return done_work(ops);
   }
   std::shared_ptr<Work> do_barrier() override {
     // A one-element all-reduce on the communication stream, waited for on the host; what it sums
@@ -263,6 +402,7 @@ class NcclProcessGroup : public ProcessGroup {
     return w;
   }
   std::shared_ptr<ProcessGroup> do_split(int color, int key) override {
+    flush_sends();
     ncclComm_t sub = nullptr;
     SG_NCCL_CHECK(ncclCommSplit(comm_, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &sub, nullptr));
     if (color < 0) return nullptr;
@@ -276,7 +416,25 @@ class NcclProcessGroup : public ProcessGroup {
   ncclComm_t comm_;
   int device_;
   cudaStream_t stream_ = nullptr;
+  std::shared_ptr<std::atomic<bool>> aborted_ = std::make_shared<std::atomic<bool>>(false);
+  std::mutex pending_mu_;
+  std::vector<PendingSend> pending_;
 };
+
+namespace {
+std::shared_ptr<Work> DeferredWork::inner() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (inner_) return inner_;
+  }
+  g_->flush_pending_sends();
+  std::lock_guard<std::mutex> lock(mu_);
+  SG_CHECK(inner_, "nccl: internal: a pending send was not issued by the flush");
+  return inner_;
+}
+void DeferredWork::wait() { inner()->wait(); }
+bool DeferredWork::test() { return inner()->test(); }
+}  // namespace
 
 static std::shared_ptr<ProcessGroup> init_with_id(const ncclUniqueId& id, int rank, int size, int device) {
   SG_CHECK(device >= 0 && device < cuda::device_count(), "nccl: rank ", rank, " wants cuda:", device, " but ",

@@ -94,6 +94,10 @@ class ProcessGroup {
   std::shared_ptr<Work> broadcast(const Tensor& t, int root, Sync sync = Sync::async);
   // Only root's t receives the result; the others' tensors are left as they were.
   std::shared_ptr<Work> reduce(const Tensor& t, int root, ReduceOp op = ReduceOp::sum, Sync sync = Sync::async);
+  // Point to point, non-blocking as MPI's Isend/Irecv: t must not change (send) or be read (recv)
+  // before the Work completes. Messages between two ranks match in the order they were posted
+  // (MPI also checks the tag; NCCL does not use it). On NCCL a send is issued with the rank's next
+  // recv in one group, so ranks that both send before they receive do not wait on each other.
   std::shared_ptr<Work> send(const Tensor& t, int dst, int tag = 0);
   std::shared_ptr<Work> recv(const Tensor& t, int src, int tag = 0);
   // Completes once every rank has reached it, after this rank's earlier operations.
