@@ -48,17 +48,21 @@ template <class P, class G>
 __global__ void adamw_kernel(AdamWList<P, G> list, AdamWConstants k) {
   int64_t begin, end;
   const int t = block_chunk(list.chunks, begin, end);
-  P* p = list.param[t];
-  const G* g = list.grad[t];
-  G* copy = list.copy[t];
-  float *m = list.m[t], *v = list.v[t];
+  // Distinct buffers (restrict) and every load before any store: the four loads of an element,
+  // and of the unrolled next ones, are in flight together instead of waiting on the stores.
+  P* __restrict__ p = list.param[t];
+  const G* __restrict__ g = list.grad[t];
+  G* __restrict__ copy = list.copy[t];
+  float* __restrict__ m = list.m[t];
+  float* __restrict__ v = list.v[t];
+  SG_UNROLL(4)
   for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
-    const float gi = to_f32(g[i]) * k.grad_scale;
-    const float mi = k.b1 * m[i] + (1.0f - k.b1) * gi;
-    const float vi = k.b2 * v[i] + ((1.0f - k.b2) * gi) * gi;
+    const float gi = to_f32(g[i]) * k.grad_scale, m0 = m[i], v0 = v[i], p0 = to_f32(p[i]);
+    const float mi = k.b1 * m0 + (1.0f - k.b1) * gi;
+    const float vi = k.b2 * v0 + ((1.0f - k.b2) * gi) * gi;
     m[i] = mi;
     v[i] = vi;
-    const P pi = from_f32<P>(to_f32(p[i]) * list.decay[t] - k.step_size * mi / (sqrtf(vi) / k.bc2_sqrt + k.eps));
+    const P pi = from_f32<P>(p0 * list.decay[t] - k.step_size * mi / (sqrtf(vi) / k.bc2_sqrt + k.eps));
     p[i] = pi;
     if (copy) copy[i] = from_f32<G>(to_f32(pi));
   }

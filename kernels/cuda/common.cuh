@@ -23,6 +23,9 @@
 #define SG_DEVICE __device__ __forceinline__
 #define SG_HOST_DEVICE __host__ __device__ __forceinline__
 #define SG_SHARED(T, name, count) __shared__ __align__(16) T name[count]
+// Unroll the next loop by n (nvcc); the emulation's host compiler ignores it.
+#define SG_UNROLL(n) _Pragma(SG_STRINGIFY(unroll n))
+#define SG_STRINGIFY(x) #x
 #define SG_DYNAMIC_SHARED(T, name)                  \
   extern __shared__ __align__(16) unsigned char sg_dynamic_smem_[]; \
   T* name = reinterpret_cast<T*>(sg_dynamic_smem_)
@@ -31,6 +34,7 @@
 #define SG_DEVICE inline
 #define SG_HOST_DEVICE inline
 #define SG_SHARED(T, name, count) T* name = ::sg::emu::shared_array<T>(count)
+#define SG_UNROLL(n)
 #define SG_DYNAMIC_SHARED(T, name) T* name = ::sg::emu::dynamic_shared<T>()
 #endif
 

@@ -27,6 +27,7 @@ __global__ void norm_partial_kernel(NormList<T> list, float* partial) {
   int64_t begin, end;
   const int t = block_chunk(list.chunks, begin, end);
   float acc = 0.0f;
+  SG_UNROLL(8)  // loads in flight together; the sum keeps its order (the same bits)
   for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
     const float x = to_f32(list.data[t][i]);
     acc += x * x;
