@@ -62,15 +62,15 @@ void declare_flags(Args& a) {
   a.toggle("shuffle", "draw rows at seeded random positions instead of reading sequentially");
   a.flag("batch-size", "0", "global batch: sequences per optimizer step (0 = 32; 128 one-problem rows on the synthetic task)");
   a.flag("micro-batch-size", "0", "sequences per forward/backward (0 = the whole batch); must divide --batch-size");
-  a.flag("steps", "1000", "optimizer steps");
-  a.flag("lr", "1e-2", "peak learning rate");
+  a.flag("steps", "1000", "optimizer steps (1500 on the synthetic task unless given)");
+  a.flag("lr", "1e-2", "peak learning rate (5e-3 on the synthetic task unless given)");
   a.flag("lr-schedule", "cosine", "constant | cosine");
   a.flag("warmup-steps", "20", "linear warmup steps");
   a.flag("min-lr", "0", "final learning rate of the cosine schedule");
   a.flag("beta1", "0.9", "AdamW beta1");
   a.flag("beta2", "0.95", "AdamW beta2");
   a.flag("eps", "1e-8", "AdamW epsilon");
-  a.flag("weight-decay", "0.1", "AdamW decoupled weight decay (matrices and embeddings only)");
+  a.flag("weight-decay", "0.1", "AdamW decoupled weight decay (matrices and embeddings only; 0 on the synthetic task unless given)");
   a.flag("clip", "1.0", "clip the global gradient norm to this (0 = off)");
   a.flag("seed", "1337", "seed for init, data order and dropout");
   a.flag("device", "cpu", "cpu or cuda:N");
@@ -118,6 +118,18 @@ int64_t positive(const Args& a, const std::string& f, int64_t min = 1) {
   int64_t v = a.i64(f);
   SG_CHECK(v >= min, "train: --", f, " must be >= ", min, ", got ", v);
   return v;
+}
+
+// The built-in synthetic addition task's own defaults, where those flags are not given. Its loss
+// sits on a plateau (answers without carries) before it learns the task, and with the defaults
+// for token data (1000 steps at 1e-2 with decay 0.1) whether it left the plateau by the end
+// depended on the seed and on last-bit differences in the arithmetic: of 9 seeds, 4 did. These
+// took 8 of the 9 to >= 99.5% and the ninth to 84.5% (bench/RESULTS.md, "The default run").
+constexpr int64_t kSyntheticSteps = 1500;
+constexpr double kSyntheticLr = 5e-3, kSyntheticWeightDecay = 0.0;
+bool synthetic_data(const Args& a) { return a.str("data").rfind("synthetic", 0) == 0; }
+double synthetic_default(const Args& a, const std::string& f, double synthetic_value) {
+  return synthetic_data(a) && !a.given(f) ? synthetic_value : a.f64(f);
 }
 
 nn::GPTConfig model_config(const Args& a, int64_t data_vocab) {
@@ -353,7 +365,7 @@ void Trainer::setup() {
   SG_CHECK(dtype_ == DType::f32 || dtype_ == DType::bf16 || dtype_ == DType::f16, "train: --dtype must be fp32, bf16 or fp16");
   kernels::select_attention(a.str("attention"), device_);
   seed_ = uint64_t(a.i64("seed"));
-  const bool synthetic = a.str("data").rfind("synthetic", 0) == 0;
+  const bool synthetic = synthetic_data(a);
   B_ = a.i64("batch-size") ? positive(a, "batch-size") : (synthetic ? 128 : 32);
   micro_ = a.i64("micro-batch-size") ? positive(a, "micro-batch-size") : B_ / std::max(1, dp_size_);
   SG_CHECK(B_ % dp_size_ == 0, "train: --batch-size ", B_, " is not divisible by ", dp_size_,
@@ -361,7 +373,7 @@ void Trainer::setup() {
   SG_CHECK((B_ / dp_size_) % micro_ == 0, "train: --micro-batch-size ", micro_, " does not divide ",
            dp_size_ > 1 ? str("the per-rank batch ", B_ / dp_size_, " (--batch-size ", B_, " over ", dp_size_, " ranks)")
                            : str("--batch-size ", B_));
-  steps_ = positive(a, "steps");
+  steps_ = synthetic && !a.given("steps") ? kSyntheticSteps : positive(a, "steps");
   positive(a, "eval-batches");
   SG_CHECK(a.i64("save-every") >= 0 && a.i64("eval-every") >= 0, "train: --save-every/--eval-every must be >= 0");
 
@@ -474,7 +486,7 @@ void Trainer::setup() {
   oc.beta1 = a.f64("beta1");
   oc.beta2 = a.f64("beta2");
   oc.eps = a.f64("eps");
-  oc.weight_decay = a.f64("weight-decay");
+  oc.weight_decay = synthetic_default(a, "weight-decay", kSyntheticWeightDecay);
   SG_CHECK(oc.beta1 >= 0 && oc.beta1 < 1 && oc.beta2 >= 0 && oc.beta2 < 1, "train: --beta1/--beta2 must be in [0, 1)");
   SG_CHECK(oc.eps > 0 && oc.weight_decay >= 0, "train: --eps must be > 0 and --weight-decay >= 0");
   SG_CHECK(a.f64("clip") >= 0, "train: --clip must be >= 0");
@@ -513,7 +525,7 @@ void Trainer::setup() {
     dp_ = std::make_unique<parallel::DataParallel>(*model_, dp_devices);
   }
   sched_.kind = a.str("lr-schedule");
-  sched_.lr = a.f64("lr");
+  sched_.lr = synthetic_default(a, "lr", kSyntheticLr);
   sched_.min_lr = a.f64("min-lr");
   sched_.warmup_steps = a.i64("warmup-steps");
   sched_.total_steps = steps_;

@@ -116,7 +116,8 @@ struct OpTable {
   // dst (strided view, e.g. a narrow() slice) = src (contiguous), same dtype: the bits copied.
   void (*scatter_strided)(void* dst, const Dims& dst_strides, const void* src, DType dtype, const Dims& shape) = nullptr;
   void (*fill)(void* dst, DType dtype, int64_t n, double value) = nullptr;
-  // out[shape] = a op b; a and b are strided (stride 0 on broadcast dims); out contiguous.
+  // out[shape] = a op b; a and b are strided (stride 0 on broadcast dims); out contiguous. out may be
+  // a itself when a is contiguous (an in-place update, add_), never overlap b.
   void (*binary)(Binary op, DType dtype, void* out, const void* a, const Dims& a_strides, const void* b,
                  const Dims& b_strides, const Dims& shape) = nullptr;
   void (*unary)(Unary op, DType dtype, void* out, const void* x, int64_t n, double alpha) = nullptr;

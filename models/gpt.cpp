@@ -177,9 +177,12 @@ Tensor GPT::head(const Tensor& h_out) const {
   Tensor x = ln_f->forward(h_out);
   if (tp_wte) {  // column-parallel head over this rank's vocabulary rows, the whole sequence
     x = config.sequence_parallel ? parallel::all_gather_seq(x, *tp_group) : parallel::copy_to_region(x, *tp_group);
-    return matmul(x, transpose(tp_wte->weight, 0, 1));
+    return linear(x, tp_wte->weight, Tensor());
   }
-  return matmul(x, transpose(wte->weight, 0, 1));  // tied head: logits = x wte^T
+  // Tied head: logits = x wte^T, as a linear layer over wte [V, C] as stored: the GEMMs read it
+  // transposed in place (a matmul of transpose(wte) would copy the 77 MB table to a contiguous
+  // [C, V] every forward, and its gradient back, on top of x^T in the backward).
+  return linear(x, wte->weight, Tensor());
 }
 
 Tensor GPT::forward(const Tensor& idx) const {

@@ -1072,6 +1072,11 @@ TEST_CASE("in-place updates and sum_squares: never recorded, exact on every layo
   CHECK(t.is_leaf());
   REQUIRE_THROWS_WITH(fill_(transpose(t, 0, 1), 1.0), Contains("fill_: tensor must be contiguous"));
   REQUIRE_THROWS_WITH(add_(t, zeros({3, 2})), Contains("add_: shapes [2,3] and [3,2] differ"));
+  // alpha 1 runs in place; a strided addend, and one that is t's own bytes seen another way, too
+  add_(t, transpose(from_vector<float>({1, 2, 3, 4, 5, 6}, {3, 2}), 0, 1));
+  CHECK(to_vector<float>(t) == std::vector<float>{2, 6, 10, 8, 12, 16});
+  add_(t, expand(narrow(t, 0, 0, 1), {2, 3}));  // row 0 added to both rows: the old row 0 to row 1 too
+  CHECK(to_vector<float>(t) == std::vector<float>{4, 12, 20, 10, 18, 26});
   zero_(t);
   CHECK(to_vector<float>(t) == std::vector<float>(6, 0.0f));
 

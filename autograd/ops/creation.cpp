@@ -136,6 +136,14 @@ void add_(const Tensor& t, const Tensor& other, double alpha) {
            " differ");
   SG_CHECK(t.is_contiguous(), "add_: destination must be contiguous");
   autograd::NoGradGuard ng;
+  if (alpha == 1.0 && other.dtype() == t.dtype() && other.device() == t.device() &&
+      other.storage() != t.storage() && detail::compute_dtype(t) == t.dtype()) {
+    // One pass, t = t + other in place (each element read before it is written), instead of a sum
+    // into a new tensor and a copy back: gradient accumulation's common case. The same bits.
+    SG_KERNEL(t.device(), binary)(kernels::Binary::add, t.dtype(), t.data_ptr(), t.data_ptr(), t.strides(),
+                                  other.data_ptr(), other.strides(), t.shape());
+    return;
+  }
   Tensor o = alpha == 1.0 ? other : mul(other, alpha);
   Tensor r = add(t, o);
   copy_(t, r);

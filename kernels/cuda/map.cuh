@@ -12,7 +12,8 @@ SG_DEVICE T map_apply(const F& f, T a, T b) {
 }
 
 template <int Arity, class T, class F>
-__global__ void map_kernel(F f, T* __restrict__ out, const T* __restrict__ a, const T* __restrict__ b, int64_t n,
+// out may be a (an in-place update: each element is read before it is written, by the same thread).
+__global__ void map_kernel(F f, T* out, const T* a, const T* __restrict__ b, int64_t n,
                            bool vectorised) {
   constexpr int N = Pack<T>::N;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
