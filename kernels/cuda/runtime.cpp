@@ -37,7 +37,8 @@ void* null_if_out_of_memory(cudaError_t err, void* const* p) {
 
 // The first device this process allocated on: page-locked host memory is allocated with it
 // current, so a thread that never chose a device (MPI's progress thread) does not create a
-// context on cuda:0 (hundreds of MB there, for every rank of a multi-GPU job).
+// context on cuda:0 (hundreds of MB there, for every rank of a multi-GPU job). It stays current on
+// that thread afterwards; op-table entries set their device from their pointers anyway.
 std::atomic<int> g_device_in_use{-1};
 
 // Device memory: cudaMalloc through a BlockCache, so steady-state training does no
