@@ -136,7 +136,8 @@ struct OpTable {
   void (*layernorm_backward)(DType dtype, void* dx, void* dw, void* db, const void* dy, const void* x,
                              const void* w, const void* mean, const void* rstd, int64_t rows, int64_t C) = nullptr;
   // The residual add fused into the LayerNorm after it (one pass over the residual stream, not
-  // two): r = x + residual ('=', in dtype), then y = LayerNorm(r) of r as stored, as above.
+  // two): r = x + residual ('=', in dtype), then y = LayerNorm(r) of r as stored, as above. r and
+  // y are buffers of their own (neither is x nor residual).
   // Backward: dx = dr + (LayerNorm's input gradient at r) ('='), the gradient of both x and
   // residual; dr (the gradient reaching r itself) may be null for zero and may be dx. dw, db '='.
   void (*residual_layernorm)(DType dtype, void* r, void* y, void* mean, void* rstd, const void* x,

@@ -14,9 +14,12 @@ namespace sg::cuda {
 constexpr int kNormWarps = 4;  // rows per block
 constexpr int64_t kRowsPerChunk = 32;
 
+// y and residual_out never alias the inputs (restrict): the residual pass's loads of the next
+// elements need not wait for its stores.
 template <class T, bool kRms>
-__global__ void norm_forward_kernel(T* y, float* mean, float* rstd, T* residual_out, const T* x, const T* residual,
-                                    const T* w, const T* b, int64_t rows, int64_t C, float eps) {
+__global__ void norm_forward_kernel(T* __restrict__ y, float* mean, float* rstd, T* __restrict__ residual_out,
+                                    const T* __restrict__ x, const T* __restrict__ residual, const T* w, const T* b,
+                                    int64_t rows, int64_t C, float eps) {
   const int lane = int(threadIdx.x) % 32;
   const int64_t row = int64_t(blockIdx.x) * kNormWarps + int(threadIdx.x) / 32;
   if (row >= rows) return;  // whole warps leave together; this kernel has no block barrier
