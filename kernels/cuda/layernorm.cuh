@@ -14,43 +14,94 @@ namespace sg::cuda {
 constexpr int kNormWarps = 4;  // rows per block
 constexpr int64_t kRowsPerChunk = 32;
 
-// y and residual_out never alias the inputs (restrict): the residual pass's loads of the next
-// elements need not wait for its stores.
-template <class T, bool kRms>
-__global__ void norm_forward_kernel(T* __restrict__ y, float* mean, float* rstd, T* __restrict__ residual_out,
-                                    const T* __restrict__ x, const T* __restrict__ residual, const T* w, const T* b,
-                                    int64_t rows, int64_t C, float eps) {
-  const int lane = int(threadIdx.x) % 32;
-  const int64_t row = int64_t(blockIdx.x) * kNormWarps + int(threadIdx.x) / 32;
-  if (row >= rows) return;  // whole warps leave together; this kernel has no block barrier
-  const T* xr = x + row * C;
+// W consecutive elements of a row as f32: one 16-byte load (W = Pack<T>::N) or one element.
+template <int W, class T>
+SG_DEVICE void load_w(float (&out)[W], const T* p) {
+  if constexpr (W == 1) {
+    out[0] = to_f32(p[0]);
+  } else {
+    const Pack<T> pk = load_pack(p);
+    for (int e = 0; e < W; ++e) out[e] = to_f32(pk.v[e]);
+  }
+}
+template <int W, class T>
+SG_DEVICE void store_w(T* p, const float (&in)[W]) {
+  if constexpr (W == 1) {
+    p[0] = from_f32<T>(in[0]);
+  } else {
+    Pack<T> pk;
+    for (int e = 0; e < W; ++e) pk.v[e] = from_f32<T>(in[e]);
+    store_pack(p, pk);
+  }
+}
+
+// One row, each lane taking W elements at a time (W = Pack<T>::N: 16-byte loads and stores, when
+// the launcher found every row 16-byte aligned; 1 otherwise). y and residual_out never alias the
+// inputs (restrict): the residual pass's next loads need not wait on its stores.
+template <int W, class T, bool kRms>
+SG_DEVICE void norm_forward_row(T* __restrict__ yr, float* mean, float* rstd, T* __restrict__ rr,
+                                const T* __restrict__ xr, const T* __restrict__ res, const T* w, const T* b,
+                                int64_t row, int64_t C, float eps, int lane) {
+  const int64_t units = C / W;
   // With a residual, r = x + residual is stored first and the statistics use the stored (rounded)
   // r, so forward and backward see the same values.
-  if (residual) {
-    T* rr = residual_out + row * C;
-    for (int64_t i = lane; i < C; i += 32) rr[i] = from_f32<T>(to_f32(xr[i]) + to_f32(residual[row * C + i]));
+  if (res) {
+    for (int64_t u = lane; u < units; u += 32) {
+      float a[W], r[W];
+      load_w<W>(a, xr + u * W);
+      load_w<W>(r, res + u * W);
+      for (int e = 0; e < W; ++e) r[e] += a[e];
+      store_w<W>(rr + u * W, r);
+    }
     xr = rr;  // each lane reads back only what it wrote
   }
   float m = 0.0f;
   if constexpr (!kRms) {
-    for (int64_t i = lane; i < C; i += 32) m += to_f32(xr[i]);
+    for (int64_t u = lane; u < units; u += 32) {
+      float a[W];
+      load_w<W>(a, xr + u * W);
+      for (int e = 0; e < W; ++e) m += a[e];
+    }
     m = warp_sum(m) / float(C);
   }
   float v = 0.0f;
-  for (int64_t i = lane; i < C; i += 32) {
-    const float d = to_f32(xr[i]) - m;
-    v += d * d;
+  for (int64_t u = lane; u < units; u += 32) {
+    float a[W];
+    load_w<W>(a, xr + u * W);
+    for (int e = 0; e < W; ++e) v += (a[e] - m) * (a[e] - m);
   }
   const float s = rsqrtf(warp_sum(v) / float(C) + eps);
-  T* yr = y + row * C;
-  for (int64_t i = lane; i < C; i += 32) {
-    const float o = (to_f32(xr[i]) - m) * s * to_f32(w[i]);
-    yr[i] = from_f32<T>(kRms || !b ? o : o + to_f32(b[i]));
+  for (int64_t u = lane; u < units; u += 32) {
+    float a[W], g[W], o[W];
+    load_w<W>(a, xr + u * W);
+    load_w<W>(g, w + u * W);
+    for (int e = 0; e < W; ++e) o[e] = (a[e] - m) * s * g[e];
+    if (!kRms && b) {
+      float c[W];
+      load_w<W>(c, b + u * W);
+      for (int e = 0; e < W; ++e) o[e] += c[e];
+    }
+    store_w<W>(yr + u * W, o);
   }
   if (lane == 0) {
     if (mean) mean[row] = m;
     rstd[row] = s;
   }
+}
+
+template <class T, bool kRms>
+__global__ void norm_forward_kernel(T* y, float* mean, float* rstd, T* residual_out, const T* x, const T* residual,
+                                    const T* w, const T* b, int64_t rows, int64_t C, float eps, bool packed) {
+  const int lane = int(threadIdx.x) % 32;
+  const int64_t row = int64_t(blockIdx.x) * kNormWarps + int(threadIdx.x) / 32;
+  if (row >= rows) return;  // whole warps leave together; this kernel has no block barrier
+  const int64_t at = row * C;
+  T* rr = residual ? residual_out + at : nullptr;
+  const T* res = residual ? residual + at : nullptr;
+  if (packed)
+    norm_forward_row<Pack<T>::N, T, kRms>(y + at, mean, rstd, rr, x + at, res, w, b, row, C, eps, lane);
+  else
+    norm_forward_row<1, T, kRms>(y + at, mean, rstd, rr, x + at, res, w, b, row, C, eps, lane);
 }
 
 template <class T, bool kRms>
@@ -132,8 +183,11 @@ inline int64_t norm_backward_workspace(int64_t rows, int64_t C) {
 template <class T, bool kRms>
 void norm_forward(T* y, float* mean, float* rstd, T* residual_out, const T* x, const T* residual, const T* w,
                   const T* b, int64_t rows, int64_t C, double eps, Stream stream) {
+  // 16-byte packs when every row of every operand starts 16-byte aligned.
+  const bool packed = C % Pack<T>::N == 0 && aligned16(y) && aligned16(x) && aligned16(w) && (!b || aligned16(b)) &&
+                      (!residual || (aligned16(residual) && aligned16(residual_out)));
   launch(norm_forward_kernel<T, kRms>, dim3(blocks_for(rows, kNormWarps)), dim3(32 * kNormWarps), 0, stream, y, mean,
-         rstd, residual_out, x, residual, w, b, rows, C, float(eps));
+         rstd, residual_out, x, residual, w, b, rows, C, float(eps), packed);
 }
 
 template <class T, bool kRms>

@@ -259,8 +259,9 @@ TEST_CASE("emu classifier counts targets out of range instead of reading past th
 
 TEMPLATE_TEST_CASE("emu layernorm forward and backward match the CPU table", "[emu]", float, cu::bf16) {
   using T = TestType;
-  // 70 rows: three row chunks, a partial block; 549: 18 chunks, more than the finish kernel's 16 warps
-  for (auto [rows, C] : {std::pair<int64_t, int64_t>{3, 37}, {70, 100}, {549, 37}}) {
+  // 70 rows: three row chunks, a partial block; 549: 18 chunks, more than the finish kernel's 16 warps;
+  // C = 64 (and 100 for f32): the forward's 16-byte path, C = 37 (and 100 for bf16) its element path
+  for (auto [rows, C] : {std::pair<int64_t, int64_t>{3, 37}, {70, 100}, {549, 37}, {9, 64}}) {
     INFO("rows " << rows << " C " << C);
     const auto x = rounded<T>(randn(rows * C, 15, 2.0f, 1.0f)), dy = rounded<T>(randn(rows * C, 16));
     const auto w = rounded<T>(randn(C, 17, 0.5f, 1.0f)), b = rounded<T>(randn(C, 18));
@@ -287,7 +288,8 @@ TEMPLATE_TEST_CASE("emu layernorm forward and backward match the CPU table", "[e
 TEMPLATE_TEST_CASE("emu residual layernorm equals the add then the CPU layernorm, and its backward accumulates",
                    "[emu]", float, cu::bf16) {
   using T = TestType;
-  const int64_t rows = 5, C = 70;
+  const int64_t rows = 5, C = GENERATE(70, 64);  // 64: the forward's 16-byte path
+  INFO("C " << C);
   const auto x = rounded<T>(randn(rows * C, 19)), res = rounded<T>(randn(rows * C, 20, 1.0f, 0.5f));
   const auto w = rounded<T>(randn(C, 21, 0.5f, 1.0f)), b = rounded<T>(randn(C, 22));
   const auto dy = rounded<T>(randn(rows * C, 23)), dres0 = rounded<T>(randn(rows * C, 24));
@@ -329,7 +331,8 @@ TEMPLATE_TEST_CASE("emu residual layernorm equals the add then the CPU layernorm
 
 TEMPLATE_TEST_CASE("emu rmsnorm forward and backward match the CPU table", "[emu]", float, cu::bf16) {
   using T = TestType;
-  const int64_t rows = 37, C = 45;
+  const int64_t rows = 37, C = GENERATE(45, 48);  // 48: the forward's 16-byte path
+  INFO("C " << C);
   const auto x = rounded<T>(randn(rows * C, 25, 2.0f)), dy = rounded<T>(randn(rows * C, 26));
   const auto w = rounded<T>(randn(C, 27, 0.5f, 1.0f));
   std::vector<float> y_ref(rows * C), rstd_ref(rows), dx_ref(rows * C), dw_ref(C);
