@@ -44,7 +44,9 @@ SG_DEVICE void norm_forward_row(T* __restrict__ yr, float* mean, float* rstd, T*
                                 int64_t row, int64_t C, float eps, int lane) {
   const int64_t units = C / W;
   // With a residual, r = x + residual is stored first and the statistics use the stored (rounded)
-  // r, so forward and backward see the same values.
+  // r, so forward and backward see the same values. src is based on xr or rr (not a restrict
+  // pointer assigned from another: the compiler must see the reads of r after its stores).
+  const T* src = xr;
   if (res) {
     for (int64_t u = lane; u < units; u += 32) {
       float a[W], r[W];
@@ -53,13 +55,13 @@ SG_DEVICE void norm_forward_row(T* __restrict__ yr, float* mean, float* rstd, T*
       for (int e = 0; e < W; ++e) r[e] += a[e];
       store_w<W>(rr + u * W, r);
     }
-    xr = rr;  // each lane reads back only what it wrote
+    src = rr;  // each lane reads back only what it wrote
   }
   float m = 0.0f;
   if constexpr (!kRms) {
     for (int64_t u = lane; u < units; u += 32) {
       float a[W];
-      load_w<W>(a, xr + u * W);
+      load_w<W>(a, src + u * W);
       for (int e = 0; e < W; ++e) m += a[e];
     }
     m = warp_sum(m) / float(C);
@@ -67,13 +69,13 @@ SG_DEVICE void norm_forward_row(T* __restrict__ yr, float* mean, float* rstd, T*
   float v = 0.0f;
   for (int64_t u = lane; u < units; u += 32) {
     float a[W];
-    load_w<W>(a, xr + u * W);
+    load_w<W>(a, src + u * W);
     for (int e = 0; e < W; ++e) v += (a[e] - m) * (a[e] - m);
   }
   const float s = rsqrtf(warp_sum(v) / float(C) + eps);
   for (int64_t u = lane; u < units; u += 32) {
     float a[W], g[W], o[W];
-    load_w<W>(a, xr + u * W);
+    load_w<W>(a, src + u * W);
     load_w<W>(g, w + u * W);
     for (int e = 0; e < W; ++e) o[e] = (a[e] - m) * s * g[e];
     if (!kRms && b) {
