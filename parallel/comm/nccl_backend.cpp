@@ -48,8 +48,8 @@ LaunchEnv launch_env() {
 #include <filesystem>
 #include <fstream>
 #include <mutex>
+#include <functional>
 #include <thread>
-#include <type_traits>
 #include <vector>
 
 #include "autograd/ops.h"
@@ -295,34 +295,27 @@ class NcclProcessGroup : public ProcessGroup {
     int dst;
     std::shared_ptr<DeferredWork> work;
   };
-  // Issues every pending send, with `with` (a recv) in the same NCCL group when given.
-  template <class F = void (*)()>
-  std::vector<std::shared_ptr<Work>> issue_sends(std::vector<PendingSend> sends, F with = nullptr) {
-    after_compute();
-    SG_NCCL_CHECK(ncclGroupStart());
-    try {
-      for (auto& s : sends) SG_NCCL_CHECK(ncclSend(s.p, s.count, s.type, s.dst, comm_, stream_));
-      if constexpr (!std::is_same_v<F, void (*)()>) with();
-    } catch (...) {
-      (void)ncclGroupEnd();  // the group is closed whatever failed inside it
-      throw;
-    }
-    SG_NCCL_CHECK(ncclGroupEnd());
-    std::vector<std::shared_ptr<Work>> works;
-    for (auto& s : sends) {
-      works.push_back(done_work(s.ops));
-      s.work->issued(works.back());
-    }
-    return works;
-  }
-  void flush_sends() {
+  // Issues every pending send, with `recv` (when given) in the same NCCL group.
+  void issue_pending(const std::function<void()>& recv) {
     std::vector<PendingSend> sends;
     {
       std::lock_guard<std::mutex> lock(pending_mu_);
       sends.swap(pending_);
     }
-    if (!sends.empty()) issue_sends(std::move(sends));
+    if (sends.empty() && !recv) return;
+    after_compute();
+    SG_NCCL_CHECK(ncclGroupStart());
+    try {
+      for (auto& s : sends) SG_NCCL_CHECK(ncclSend(s.p, s.count, s.type, s.dst, comm_, stream_));
+      if (recv) recv();
+    } catch (...) {
+      (void)ncclGroupEnd();  // the group is closed whatever failed inside it
+      throw;
+    }
+    SG_NCCL_CHECK(ncclGroupEnd());
+    for (auto& s : sends) s.work->issued(done_work(s.ops));
   }
+  void flush_sends() { issue_pending(nullptr); }
 
  public:
   // DeferredWork's way in: issues its send (and any others pending) if it is still pending.
@@ -380,13 +373,7 @@ class NcclProcessGroup : public ProcessGroup {
   std::shared_ptr<Work> do_recv(const Tensor& t, int src, int) override {
     Operands ops(*this);
     void* p = ops.add(t, false, true);
-    std::vector<PendingSend> sends;
-    {
-      std::lock_guard<std::mutex> lock(pending_mu_);
-      sends.swap(pending_);
-    }
-    issue_sends(std::move(sends),
-                [&] { SG_NCCL_CHECK(ncclRecv(p, size_t(t.numel()), nccl_type(t.dtype()), src, comm_, stream_)); });
+    issue_pending([&] { SG_NCCL_CHECK(ncclRecv(p, size_t(t.numel()), nccl_type(t.dtype()), src, comm_, stream_)); });
     return done_work(ops);
   }
   std::shared_ptr<Work> do_barrier() override {
