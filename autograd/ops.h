@@ -121,7 +121,10 @@ struct CrossEntropyOptions {
   double scale = 1.0;          // multiplies the result (e.g. 1 / global token count)
 };
 // logits [..., Vp], targets [...] (i32/i64). Fused: probabilities are never materialised.
-Tensor cross_entropy(const Tensor& logits, const Tensor& targets, const CrossEntropyOptions& opt = {});
+// Pass the logits with std::move when nothing else will read them (a model head's output): the
+// forward then writes their gradient over them in the same pass (the fused classifier), and they
+// are read from memory once. Logits the caller still holds are never written.
+Tensor cross_entropy(Tensor logits, const Tensor& targets, const CrossEntropyOptions& opt = {});
 int64_t count_targets(const Tensor& targets, int64_t ignore_index);
 
 // Dropout with a Philox mask drawn from the dropout generator; identity when p == 0.

@@ -70,6 +70,12 @@ bool sole_owner(const Tensor& g) {
 }
 
 namespace {
+thread_local const TensorImpl* t_unit_seed = nullptr;  // the seed of this thread's backward(loss)
+}  // namespace
+
+bool is_unit_seed(const Tensor& g) { return g.defined() && g.impl() == t_unit_seed; }
+
+namespace {
 void accumulate(Tensor& slot, const Tensor& g) {
   if (!g.defined()) return;
   slot = slot.defined() ? sg::add(slot, g) : g;
@@ -80,7 +86,12 @@ void Tape::backward(const Tensor& loss) {
   SG_CHECK(loss.numel() == 1, "backward: loss must have one element, got ", loss.describe(),
            " (pass grad_outputs for a non-scalar output)");
   NoGradGuard ng;
-  run({loss}, {sg::ones_like(loss)}, nullptr, nullptr);
+  const Tensor seed = sg::ones_like(loss);
+  struct Seed {  // set for this run only, however it ends (runs do not nest on a thread)
+    explicit Seed(const TensorImpl* s) { t_unit_seed = s; }
+    ~Seed() { t_unit_seed = nullptr; }
+  } scope(seed.impl());
+  run({loss}, {seed}, nullptr, nullptr);
 }
 
 void Tape::backward(const TensorList& outputs, const TensorList& grad_outputs) {

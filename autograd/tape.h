@@ -101,4 +101,9 @@ Tensor detach(const Tensor& t);
 // may overwrite a saved tensor that passes it (no one else can read those bytes again).
 bool sole_owner(const Tensor& t);
 
+// Whether g is the 1 that backward(loss) seeds the loss with, as it is (not a caller's
+// grad_output, nor anything computed from one). A node whose forward already applied its backward
+// for an upstream 1 (the fused classifier) hands its result on unscaled when it gets this.
+bool is_unit_seed(const Tensor& g);
+
 }  // namespace sg::autograd

@@ -56,6 +56,7 @@ int main() {
   SG_COUNT(unary_backward), SG_COUNT(reduce), SG_COUNT(gemm), SG_COUNT(softmax), SG_COUNT(softmax_backward);
   SG_COUNT(layernorm), SG_COUNT(layernorm_backward), SG_COUNT(rmsnorm), SG_COUNT(rmsnorm_backward);
   SG_COUNT(embedding), SG_COUNT(embedding_backward), SG_COUNT(cross_entropy), SG_COUNT(cross_entropy_backward);
+  SG_COUNT(cross_entropy_fused);
   SG_COUNT(dropout), SG_COUNT(attention), SG_COUNT(attention_backward), SG_COUNT(random), SG_COUNT(adamw);
   SG_COUNT(adamw_many), SG_COUNT(sum_squares_many), SG_COUNT(residual_layernorm);
   SG_COUNT(residual_layernorm_backward);

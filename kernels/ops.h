@@ -165,6 +165,13 @@ struct OpTable {
   void (*cross_entropy_backward)(DType dtype, DType tgt_dtype, void* dlogits, const void* dloss, const void* logits,
                                  const void* lse, const void* targets, int64_t rows, int64_t Vp, int64_t V,
                                  int64_t ignore_index) = nullptr;
+  // Both in one pass over the logits (the fused classifier): loss[r] as cross_entropy, and dlogits
+  // as its backward with the same dloss for every row, known before any backward runs (a mean's
+  // 1 / N, a caller's scale). dlogits may be the logits themselves (each element is read before
+  // it is written); no lse is kept, as nothing is left to recompute.
+  void (*cross_entropy_fused)(DType dtype, DType tgt_dtype, void* loss, void* dlogits, const void* logits,
+                              const void* targets, double dloss, int64_t rows, int64_t Vp, int64_t V,
+                              int64_t ignore_index) = nullptr;
   // out = x * keep / (1 - p), keep drawn from Philox(seed, stream, index); backward uses the same draw.
   void (*dropout)(DType dtype, void* out, const void* x, int64_t n, double p, uint64_t seed, uint64_t stream) = nullptr;
   // Fused causal scaled-dot-product attention: forward writes out and lse; backward dq, dk, dv.

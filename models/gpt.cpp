@@ -193,14 +193,14 @@ Tensor GPT::forward(const Tensor& idx) const {
   return post_forward ? post_forward(logits) : logits;
 }
 
-Tensor GPT::loss_from_logits(const Tensor& logits, const Tensor& targets, bool sum, double scale) const {
+Tensor GPT::loss_from_logits(Tensor logits, const Tensor& targets, bool sum, double scale) const {
   CrossEntropyOptions o;
   o.vocab = config.vocab_size;
   o.ignore_index = -1;
   o.sum = sum;
   o.scale = scale;
   if (tp_wte) return parallel::tp::vocab_parallel_cross_entropy(logits, targets, tp_wte->vocab_start(), *tp_group, o);
-  return cross_entropy(logits, targets, o);
+  return cross_entropy(std::move(logits), targets, o);
 }
 
 Tensor GPT::loss(const Tensor& idx, const Tensor& targets, bool sum, double scale) const {

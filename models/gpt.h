@@ -113,7 +113,8 @@ class GPT : public Module {
   // and the loss from the head's logits.
   Tensor embed(const Tensor& idx) const;
   Tensor head(const Tensor& h_out) const;
-  Tensor loss_from_logits(const Tensor& logits, const Tensor& targets, bool sum, double scale) const;
+  // The logits are consumed (moved into the fused classifier when nothing else holds them).
+  Tensor loss_from_logits(Tensor logits, const Tensor& targets, bool sum, double scale) const;
 
   GPTConfig config;
   Recompute recompute = Recompute::none;

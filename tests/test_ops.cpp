@@ -721,6 +721,89 @@ TEST_CASE("cross_entropy writes the logits' gradient over them when nothing else
   CHECK(to_vector<float>(held.dw) == to_vector<float>(dropped.dw));
 }
 
+namespace {
+// The CPU table without the unfused cross-entropy entries, for the scope's life: a loss that still
+// took the two-pass path fails with "op 'cross_entropy' is not implemented".
+struct OnlyFusedClassifier {
+  const kernels::OpTable* real = &kernels::table(Device::cpu());
+  kernels::OpTable t = *real;
+  OnlyFusedClassifier() {
+    t.cross_entropy = nullptr;
+    t.cross_entropy_backward = nullptr;
+    kernels::register_table(DeviceType::cpu, &t);
+  }
+  ~OnlyFusedClassifier() { kernels::register_table(DeviceType::cpu, real); }
+};
+}  // namespace
+
+TEST_CASE("cross_entropy over handed-over logits writes their gradient in the forward's pass", "[ops]") {
+  // The fused classifier: logits passed with std::move (or a temporary) are read once, by one
+  // call that writes the loss and the gradient for an upstream 1. The gradients are the bits of
+  // the two-pass path; an upstream other than backward's own 1 scales them.
+  const int64_t R = 48, C = 8, V = 300, Vp = 304;
+  std::vector<int64_t> t(static_cast<size_t>(R));
+  for (int64_t r = 0; r < R; ++r) t[size_t(r)] = r % 7 == 3 ? -1 : (r * 389 + 7) % V;
+  Tensor targets = from_vector(t, {R});
+  const CrossEntropyOptions o{V, -1, false, 1.0};
+  enum class Mode { held, moved, temporary };
+  struct Run {
+    double loss = 0;
+    Tensor dx, dw;
+    int64_t backward_extra = 0;  // bytes the backward allocated beyond what was live before it
+  };
+  auto run = [&](Mode mode, double upstream) {
+    Tensor x = randn({R, C}, 5, 1), w = randn({Vp, C}, 5, 2);
+    x.set_requires_grad(true);
+    w.set_requires_grad(true);
+    autograd::Tape tape;
+    Tensor loss;
+    {
+      autograd::TapeScope s(tape);
+      if (mode == Mode::temporary) {
+        loss = cross_entropy(matmul(x, transpose(w, 0, 1)), targets, o);
+      } else {
+        Tensor logits = matmul(x, transpose(w, 0, 1));
+        loss = mode == Mode::moved ? cross_entropy(std::move(logits), targets, o) : cross_entropy(logits, targets, o);
+      }
+    }
+    Run r;
+    r.loss = item(loss);
+    const Device cpu = Device::cpu();
+    const int64_t live = Ledger::global().stats(cpu).total_current;
+    Ledger::global().reset_peaks(cpu);
+    if (upstream == 1.0)
+      tape.backward(loss);
+    else
+      tape.backward({loss}, {full({}, upstream)});
+    r.backward_extra = Ledger::global().stats(cpu).total_peak - live;
+    r.dx = x.grad(), r.dw = w.grad();
+    return r;
+  };
+  const int64_t logits_bytes = R * Vp * 4;
+  const Run two_pass = run(Mode::held, 1.0);
+  Run moved, temporary;
+  {
+    OnlyFusedClassifier only;
+    moved = run(Mode::moved, 1.0);
+    temporary = run(Mode::temporary, 1.0);
+  }
+  for (const Run* f : {&moved, &temporary}) {
+    CHECK(f->backward_extra < logits_bytes);  // backward's own 1: the gradient is handed on as it is
+    CHECK(f->loss == two_pass.loss);
+    CHECK(to_vector<float>(f->dx) == to_vector<float>(two_pass.dx));
+    CHECK(to_vector<float>(f->dw) == to_vector<float>(two_pass.dw));
+  }
+  // A caller's grad_output (not backward's seed): the gradient for 1, scaled.
+  const Run scaled_two_pass = run(Mode::held, -2.5), scaled = run(Mode::moved, -2.5);
+  const auto dw1 = to_vector<float>(two_pass.dw), dws = to_vector<float>(scaled.dw),
+             dws_two_pass = to_vector<float>(scaled_two_pass.dw);
+  REQUIRE(dws.size() == dw1.size());
+  for (size_t i = 0; i < dw1.size(); ++i) {
+    CHECK(dws[i] == Approx(-2.5 * dw1[i]).epsilon(1e-5).margin(1e-9));
+    CHECK(dws[i] == Approx(dws_two_pass[i]).epsilon(1e-5).margin(1e-9));
+  }
+}
+
 TEST_CASE("cross_entropy names an out-of-range target, including one in the padding", "[ops]") {
   Tensor logits = zeros({3, 7});
   REQUIRE_THROWS_WITH(cross_entropy(logits, from_vector<int64_t>({1, 7, 2}, {3})), Contains("target 7 out of range [0, 7)"));

@@ -1,6 +1,7 @@
-// Softmax family: softmax, log-softmax, and the fused softmax-cross-entropy whose node saves only
-// the logits handle and one log-sum-exp per row, and writes the logits' gradient over them when
-// no other tensor can see them.
+// Softmax family: softmax, log-softmax, and the fused softmax-cross-entropy. When the logits are
+// handed over, its forward writes their gradient over them (the fused classifier); otherwise its
+// node saves the logits handle and one log-sum-exp per row, and the backward writes the gradient
+// over the logits when no other tensor can see them by then.
 #include "autograd/ops/common.h"
 
 namespace sg {
@@ -44,7 +45,7 @@ int64_t count_targets(const Tensor& targets, int64_t ignore_index) {
   return n;
 }
 
-Tensor cross_entropy(const Tensor& logits, const Tensor& targets, const CrossEntropyOptions& opt) {
+Tensor cross_entropy(Tensor logits, const Tensor& targets, const CrossEntropyOptions& opt) {
   detail::check_floating("cross_entropy", logits);
   SG_CHECK(targets.dtype() == DType::i32 || targets.dtype() == DType::i64, "cross_entropy: targets must be i32/i64, got ",
            targets.describe());
@@ -60,37 +61,58 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, const CrossEnt
     int64_t n = count_targets(targets, opt.ignore_index);
     factor = n > 0 ? opt.scale / double(n) : 0.0;
   }
-  Tensor loss;
-  Tensor X, tg = contiguous(targets), lse;
+  const bool grad = needs_grad({logits});
+  const int64_t ignore = opt.ignore_index;
+  const Shape shape = logits.shape();
+  const DType want = logits.dtype();
+  Tensor loss, X, tg = contiguous(targets), lse;
+  bool fused = false;
   {
     autograd::NoGradGuard ng;
+    // The fused classifier: when the logits' bytes are this call's alone (handed over with
+    // std::move, the model head's case, or a fresh contiguous/compute-dtype copy), the forward
+    // writes their gradient over them in the same pass (for an upstream gradient of 1), and the
+    // logits are read from memory once instead of twice.
+    const bool handed_over = autograd::sole_owner(logits);
     X = detail::operand(logits);
+    fused = grad && (handed_over || X.storage() != logits.storage());
     // Per-row losses and lse in f32 for bf16/f16 logits (kernels::stats_dtype): the loss is f32 as
     // under autocast (a loss scaled for fp16, x 65536, would overflow at 65504 in f16).
     const DType st = kernels::stats_dtype(X.dtype());
     Tensor per_row = empty({rows}, st, X.device());
-    lse = empty({rows}, st, X.device());
-    SG_KERNEL(X.device(), cross_entropy)(X.dtype(), tg.dtype(), per_row.data_ptr(), lse.data_ptr(), X.data_ptr(),
-                                         tg.data_ptr(), rows, Vp, V, opt.ignore_index);
+    if (fused) {
+      SG_KERNEL(X.device(), cross_entropy_fused)(X.dtype(), tg.dtype(), per_row.data_ptr(), X.data_ptr(),
+                                                 X.data_ptr(), tg.data_ptr(), factor, rows, Vp, V, ignore);
+    } else {
+      lse = empty({rows}, st, X.device());
+      SG_KERNEL(X.device(), cross_entropy)(X.dtype(), tg.dtype(), per_row.data_ptr(), lse.data_ptr(), X.data_ptr(),
+                                           tg.data_ptr(), rows, Vp, V, ignore);
+    }
     loss = mul(sum(per_row), factor);
   }
-  if (needs_grad({logits})) {
-    Tensor kx = detach(X);
-    const int64_t ignore = opt.ignore_index;
-    Shape shape = logits.shape();
-    DType want = logits.dtype();
-    record("cross_entropy", {logits}, {loss}, [kx, tg, lse, rows, Vp, V, ignore, factor, shape, want](const TensorList& g) {
-      // dloss per row = upstream scalar * factor
-      // on the device, not through item(): reading the scalar would drain the GPU's queue here
-      Tensor d = contiguous(expand(reshape(mul(to(g[0], lse.dtype()), factor), {1}), {rows}));
-      // In place over the logits when nothing else holds them (the usual case: a model's head
-      // hands them straight to the loss): a logits-sized buffer less at the backward's peak.
-      Tensor dx = autograd::sole_owner(kx) ? kx : empty(shape, kx.dtype(), kx.device());
-      SG_KERNEL(kx.device(), cross_entropy_backward)(kx.dtype(), tg.dtype(), dx.data_ptr(), d.data_ptr(), kx.data_ptr(),
-                                                     lse.data_ptr(), tg.data_ptr(), rows, Vp, V, ignore);
-      return TensorList{detail::narrow_result(dx, want)};
+  if (!grad) return loss;
+  Tensor kx = detach(X);
+  if (fused) {
+    // X now holds the gradient for an upstream 1: backward(loss)'s own seed hands it on as it is
+    // (the same bits as the unfused path); any other upstream gradient scales it in f32.
+    record("cross_entropy", {logits}, {loss}, [kx, want](const TensorList& g) {
+      if (autograd::is_unit_seed(g[0])) return TensorList{detail::narrow_result(kx, want)};
+      const DType st = kernels::stats_dtype(kx.dtype());
+      return TensorList{detail::narrow_result(mul(to(kx, st), to(g[0], st)), want)};
     });
+    return loss;
   }
+  record("cross_entropy", {logits}, {loss}, [kx, tg, lse, rows, Vp, V, ignore, factor, shape, want](const TensorList& g) {
+    // dloss per row = upstream scalar * factor
+    // on the device, not through item(): reading the scalar would drain the GPU's queue here
+    Tensor d = contiguous(expand(reshape(mul(to(g[0], lse.dtype()), factor), {1}), {rows}));
+    // In place over the logits when nothing else holds them by now (the caller dropped its
+    // handle after the forward): a logits-sized buffer less at the backward's peak.
+    Tensor dx = autograd::sole_owner(kx) ? kx : empty(shape, kx.dtype(), kx.device());
+    SG_KERNEL(kx.device(), cross_entropy_backward)(kx.dtype(), tg.dtype(), dx.data_ptr(), d.data_ptr(), kx.data_ptr(),
+                                                   lse.data_ptr(), tg.data_ptr(), rows, Vp, V, ignore);
+    return TensorList{detail::narrow_result(dx, want)};
+  });
   return loss;
 }
 

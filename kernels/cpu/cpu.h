@@ -40,6 +40,8 @@ void cross_entropy(DType dtype, DType tgt_dtype, void* loss, void* lse, const vo
 void cross_entropy_backward(DType dtype, DType tgt_dtype, void* dlogits, const void* dloss, const void* logits,
                             const void* lse, const void* targets, int64_t rows, int64_t Vp, int64_t V,
                             int64_t ignore_index);
+void cross_entropy_fused(DType dtype, DType tgt_dtype, void* loss, void* dlogits, const void* logits,
+                         const void* targets, double dloss, int64_t rows, int64_t Vp, int64_t V, int64_t ignore_index);
 void layernorm(DType dtype, void* y, void* mean, void* rstd, const void* x, const void* w, const void* b,
                int64_t rows, int64_t C, double eps);
 void layernorm_backward(DType dtype, void* dx, void* dw, void* db, const void* dy, const void* x, const void* w,

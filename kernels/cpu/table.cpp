@@ -27,6 +27,7 @@ const OpTable* cpu_table() {
     o.embedding_backward = cpu::embedding_backward;
     o.cross_entropy = cpu::cross_entropy;
     o.cross_entropy_backward = cpu::cross_entropy_backward;
+    o.cross_entropy_fused = cpu::cross_entropy_fused;
     o.dropout = cpu::dropout;
     o.attention = cpu::attention;
     o.attention_backward = cpu::attention_backward;

@@ -86,10 +86,11 @@ SG_DEVICE void row_dlogits(T* g, const T* x, float lse, int64_t t, float d, int6
   for (int64_t j = whole * kPer + threadIdx.x; j < Vp; j += blockDim.x) g[j] = from_f32<T>(grad(j, to_f32(x[j])));
 }
 
-// Forward, and with kBackward also dlogits (in place over the logits if dlogits == logits).
+// Forward, and with kBackward also dlogits with the same dloss for every row (in place over the
+// logits if dlogits == logits).
 template <class T, class I, bool kBackward>
-__global__ void classifier_kernel(float* loss, float* lse, T* dlogits, const T* logits, const I* targets,
-                                  const float* dloss, int64_t Vp, int64_t V, int64_t ignore_index, int* bad_targets) {
+__global__ void classifier_kernel(float* loss, float* lse, T* dlogits, const T* logits, const I* targets, float dloss,
+                                  int64_t Vp, int64_t V, int64_t ignore_index, int* bad_targets) {
   SG_SHARED(float, scratch, 64);
   const int64_t r = blockIdx.x;
   const T* x = logits + r * Vp;
@@ -103,7 +104,7 @@ __global__ void classifier_kernel(float* loss, float* lse, T* dlogits, const T* 
   }
   if constexpr (kBackward) {
     __syncthreads();  // x[t] is read above before the in-place write below
-    row_dlogits(dlogits + r * Vp, x, s, t, dloss[r], Vp, V, ignored || !in_range);
+    row_dlogits(dlogits + r * Vp, x, s, t, dloss, Vp, V, ignored || !in_range);
   }
 }
 
@@ -132,8 +133,8 @@ inline void cross_entropy(DType dtype, DType tgt_dtype, float* loss, float* lse,
       using T = decltype(tag);
       using I = decltype(itag);
       launch(classifier_kernel<T, I, false>, dim3(unsigned(rows)), dim3(kClassifierThreads), 0, stream, loss, lse,
-             static_cast<T*>(nullptr), static_cast<const T*>(logits), static_cast<const I*>(targets),
-             static_cast<const float*>(nullptr), Vp, V, ignore_index, bad_targets);
+             static_cast<T*>(nullptr), static_cast<const T*>(logits), static_cast<const I*>(targets), 0.0f, Vp, V,
+             ignore_index, bad_targets);
     });
   });
 }
@@ -153,11 +154,12 @@ inline void cross_entropy_backward(DType dtype, DType tgt_dtype, void* dlogits, 
   });
 }
 
-// Forward and backward in one pass over the logits (llm.c's fused classifier): loss, lse and
-// dlogits ('='), dlogits may be the logits buffer itself. dloss[r] is known before the forward
-// (e.g. 1 / number of counted targets for a mean loss).
+// Forward and backward in one read of the logits from memory (the fused classifier): loss, lse
+// (when given) and dlogits ('='), dlogits may be the logits buffer itself. dloss is the same for
+// every row and known before the forward (e.g. 1 / number of counted targets for a mean loss).
+// The block's second pass over its row reads what its first pass brought into L2.
 inline void classifier_forward_backward(DType dtype, DType tgt_dtype, float* loss, float* lse, void* dlogits,
-                                        const void* logits, const void* targets, const float* dloss, int64_t rows,
+                                        const void* logits, const void* targets, float dloss, int64_t rows,
                                         int64_t Vp, int64_t V, int64_t ignore_index, int* bad_targets, Stream stream) {
   dispatch_storage(dtype, "classifier_forward_backward", [&](auto tag) {
     dispatch_index(tgt_dtype, "classifier_forward_backward", [&](auto itag) {

@@ -238,6 +238,13 @@ void embedding_backward(DType dtype, DType idx_dtype, void* dweight, const void*
   cuda::embedding_backward(dtype, idx_dtype, dweight, dout, idx, n, C, work.as<void>(), o.stream);
 }
 
+// The classifier kernels count targets outside [0, V) that are not ignore_index (their loss is 0).
+void check_targets(const Counter& bad, int64_t rows, int64_t V, int64_t ignore_index) {
+  if (const int count = bad.read())
+    throw Error(str("cross_entropy (cuda): ", count, " of ", rows, " targets out of range [0, ", V,
+                    ") and not ignore_index (", ignore_index, ")"));
+}
+
 void cross_entropy(DType dtype, DType tgt_dtype, void* loss, void* lse, const void* logits, const void* targets,
                    int64_t rows, int64_t Vp, int64_t V, int64_t ignore_index) {
   if (rows == 0) return;
@@ -245,9 +252,7 @@ void cross_entropy(DType dtype, DType tgt_dtype, void* loss, void* lse, const vo
   const Counter bad(o);
   cuda::cross_entropy(dtype, tgt_dtype, stats(loss), stats(lse), logits, targets, rows, Vp, V, ignore_index, bad.ptr(),
                       o.stream);
-  if (const int count = bad.read())
-    throw Error(str("cross_entropy (cuda): ", count, " of ", rows, " targets out of range [0, ", V,
-                    ") and not ignore_index (", ignore_index, ")"));
+  check_targets(bad, rows, V, ignore_index);
 }
 
 void cross_entropy_backward(DType dtype, DType tgt_dtype, void* dlogits, const void* dloss, const void* logits,
@@ -256,6 +261,16 @@ void cross_entropy_backward(DType dtype, DType tgt_dtype, void* dlogits, const v
   if (rows * Vp == 0) return;
   cuda::cross_entropy_backward(dtype, tgt_dtype, dlogits, stats(dloss), logits, stats(lse), targets, rows, Vp, V,
                                ignore_index, on(dlogits, "cross_entropy_backward").stream);
+}
+
+void cross_entropy_fused(DType dtype, DType tgt_dtype, void* loss, void* dlogits, const void* logits,
+                         const void* targets, double dloss, int64_t rows, int64_t Vp, int64_t V, int64_t ignore_index) {
+  if (rows == 0) return;
+  const On o = on(loss, "cross_entropy_fused");
+  const Counter bad(o);
+  cuda::classifier_forward_backward(dtype, tgt_dtype, stats(loss), nullptr, dlogits, logits, targets, float(dloss),
+                                    rows, Vp, V, ignore_index, bad.ptr(), o.stream);
+  check_targets(bad, rows, V, ignore_index);
 }
 
 void dropout(DType dtype, void* out, const void* x, int64_t n, double p, uint64_t seed, uint64_t stream) {
@@ -402,6 +417,7 @@ void fill_kernel_table(kernels::OpTable& t) {
   t.embedding_backward = entry::embedding_backward;
   t.cross_entropy = entry::cross_entropy;
   t.cross_entropy_backward = entry::cross_entropy_backward;
+  t.cross_entropy_fused = entry::cross_entropy_fused;
   t.dropout = entry::dropout;
   t.random = entry::random;
   t.adamw = entry::adamw;

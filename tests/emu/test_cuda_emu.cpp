@@ -230,14 +230,21 @@ TEMPLATE_TEST_CASE("emu fused classifier matches cross_entropy and its backward 
                                targets.data(), rows, Vp, V, ignore, nullptr);
     check_close(dl, dl_ref, 0.1);
 
-    // Fused forward+backward, in place over the logits, with i32 targets.
+    // Fused forward+backward (one dloss for every row), in place over the logits, with i32 targets,
+    // against the CPU's fused entry.
     const std::vector<int32_t> t32(targets.begin(), targets.end());
+    const float d = -0.375f;
+    std::vector<float> loss_fused_ref(rows), dl_fused_ref(rows * Vp);
+    cpu::cross_entropy_fused(DType::f32, DType::i64, loss_fused_ref.data(), dl_fused_ref.data(), logits.data(),
+                             targets.data(), d, rows, Vp, V, ignore);
+    CHECK(loss_fused_ref == loss_ref);
     auto inplace = xs;
     std::vector<float> loss2(rows), lse2(rows);
     cu::classifier_forward_backward(dtype_of<T>(), DType::i32, loss2.data(), lse2.data(), inplace.data(), inplace.data(),
-                                    t32.data(), dloss.data(), rows, Vp, V, ignore, &bad, nullptr);
+                                    t32.data(), d, rows, Vp, V, ignore, &bad, nullptr);
     check_close(loss2, loss_ref, 1e-5, 1e-5);
-    check_close(inplace, dl_ref, 0.1);
+    check_close(lse2, lse_ref, 1e-5, 1e-5);
+    check_close(inplace, dl_fused_ref, 0.1);
     CHECK(bad == 0);
   }
 }

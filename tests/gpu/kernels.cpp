@@ -412,6 +412,14 @@ TEST_CASE("cross_entropy over a padded vocabulary, forward and backward, matches
     C().cross_entropy_backward(DType::f32, DType::i64, cdx.data_ptr(), cd.data_ptr(), cx.data_ptr(), cs.data_ptr(),
                                ct.data_ptr(), rows, Vp, V, ignore);
     check_close(get(gdx), rounded(get(cdx), dt), tol, dt == DType::f32 ? 1e-6 : 5e-3);
+    // The fused classifier, in place over the logits, against the CPU's fused entry.
+    const double d = 0.0625;
+    G().cross_entropy_fused(dt, DType::i64, gl.data_ptr(), gx.data_ptr(), gx.data_ptr(), gt.data_ptr(), d, rows, Vp, V,
+                            ignore);
+    C().cross_entropy_fused(DType::f32, DType::i64, cl.data_ptr(), cdx.data_ptr(), cx.data_ptr(), ct.data_ptr(), d,
+                            rows, Vp, V, ignore);
+    check_close(get(gl), get(cl), 1e-5, 1e-5);
+    check_close(get(gx), rounded(get(cdx), dt), tol, dt == DType::f32 ? 1e-6 : 5e-3);
   }
   std::vector<int32_t> bad(size_t(rows), 1);
   bad[7] = int32_t(V);
@@ -419,6 +427,9 @@ TEST_CASE("cross_entropy over a padded vocabulary, forward and backward, matches
   Tensor gl = buffer(rows, DType::f32, gpu), gs = buffer(rows, DType::f32, gpu);
   REQUIRE_THROWS_WITH(G().cross_entropy(DType::f32, DType::i32, gl.data_ptr(), gs.data_ptr(), gx.data_ptr(),
                                         gb.data_ptr(), rows, Vp, V, ignore),
+                      Catch::Contains("cross_entropy (cuda): 1 of 21 targets out of range"));
+  REQUIRE_THROWS_WITH(G().cross_entropy_fused(DType::f32, DType::i32, gl.data_ptr(), gx.data_ptr(), gx.data_ptr(),
+                                              gb.data_ptr(), 1.0, rows, Vp, V, ignore),
                       Catch::Contains("cross_entropy (cuda): 1 of 21 targets out of range"));
 }
 
