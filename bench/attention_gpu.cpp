@@ -18,8 +18,8 @@
 
 #include "core/storage.h"
 #include "kernels/ops.h"
-#ifdef SG_WITH_CUDA
-#include "kernels/cuda/runtime.h"
+#ifdef SG_CUDA_KERNELS
+#include "bench/gpu/common.h"
 #endif
 
 #ifdef SG_CUDA_KERNELS
@@ -29,37 +29,11 @@ using namespace sg;
 
 const Device gpu = Device::cuda(0);
 
-// Median milliseconds of f over `reps` runs, after `warm` untimed ones.
-template <class F>
-double median_ms(F&& f, int warm = 3, int reps = 20) {
-  const cudaStream_t s = cuda::compute_stream(gpu);
-  for (int i = 0; i < warm; ++i) f();
-  cudaEvent_t start, stop;
-  SG_CUDA_CHECK(cudaEventCreate(&start));
-  SG_CUDA_CHECK(cudaEventCreate(&stop));
-  std::vector<double> ms;
-  for (int i = 0; i < reps; ++i) {
-    SG_CUDA_CHECK(cudaEventRecord(start, s));
-    f();
-    SG_CUDA_CHECK(cudaEventRecord(stop, s));
-    SG_CUDA_CHECK(cudaEventSynchronize(stop));
-    float t = 0;
-    SG_CUDA_CHECK(cudaEventElapsedTime(&t, start, stop));
-    ms.push_back(t);
-  }
-  SG_CUDA_CHECK(cudaEventDestroy(start));
-  SG_CUDA_CHECK(cudaEventDestroy(stop));
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
+using bench::median_ms;
 
-// n bf16 values on the GPU: normal(0, 1) from Philox stream `seed`, or zeros.
-struct Buffer {
-  Storage s;
-  Buffer(int64_t n, uint64_t seed) : s(size_t(n) * 2, gpu, MemCategory::activation) {
-    kernels::table(gpu).random(DType::bf16, s.data(), n, true, 0.0, 1.0, seed, 0, 0);
-  }
-  void* get() const { return s.data(); }
+// n bf16 values on the GPU: normal(0, 1) from Philox stream `seed`.
+struct Buffer : bench::DeviceBuffer {
+  Buffer(int64_t n, uint64_t seed) : DeviceBuffer(n, DType::bf16, seed) {}
 };
 
 std::vector<float> to_host_f32(const Buffer& b, int64_t n) {

@@ -5,7 +5,8 @@
 //             (RMSNorm: xhat = r rstd, rstd = 1/sqrt(mean(r^2) + eps), no mean, no bias)
 //   backward: dx = (dr +) rstd (dy w - mean(dy w) - xhat mean(dy w xhat))   (RMS: no mean(dy w))
 //             dw = sum_rows dy xhat, db = sum_rows dy  ('='), in a fixed order: per-chunk partial
-//             sums over kRowsPerChunk rows, then the chunks in order (no atomics)
+//             sums over kRowsPerChunk rows (in the input-gradient kernel's own pass when C and the
+//             alignment allow, else by a second kernel), then the chunks in order (no atomics)
 #pragma once
 #include "kernels/cuda/common.cuh"
 
@@ -106,14 +107,30 @@ __global__ void norm_forward_kernel(T* y, float* mean, float* rstd, T* residual_
     norm_forward_row<1, T, kRms>(y + at, mean, rstd, rr, x + at, res, w, b, row, C, eps, lane);
 }
 
+// Unit u = lane + 32 k of a row (W elements each) through f(u, k): with kUnits = 0 any number of
+// units per lane; with kUnits > 0 at most kUnits, the loop unrolled so that k is a constant and
+// per-unit state stays in registers.
+template <int kUnits, class F>
+SG_DEVICE void for_lane_units(int64_t units, int lane, F&& f) {
+  if constexpr (kUnits == 0) {
+    int k = 0;
+    for (int64_t u = lane; u < units; u += 32, ++k) f(u, k);
+  } else {
+    SG_UNROLL(kUnits)
+    for (int k = 0; k < kUnits; ++k)
+      if (const int64_t u = lane + 32 * int64_t(k); u < units) f(u, k);
+  }
+}
+
 // One row's input gradient, W elements at a time as in the forward (16-byte packs when every row
-// of dx, dr, dy, x and w starts 16-byte aligned).
-template <int W, class T, bool kRms>
+// of dx, dr, dy, x and w starts 16-byte aligned). The second pass hands each unit's dy and xhat to
+// acc(k, dy, xhat) (the fused kernel's dw/db sums; nothing for the plain kernel).
+template <int W, int kUnits, class T, bool kRms, class Acc>
 SG_DEVICE void norm_backward_dx_row(T* o, const T* a, const T* g, const T* xr, const T* w, float m, float s, int64_t C,
-                                    int lane) {
+                                    int lane, Acc&& acc) {
   const int64_t units = C / W;
   float mean_g = 0.0f, mean_gx = 0.0f;
-  for (int64_t u = lane; u < units; u += 32) {
+  for_lane_units<kUnits>(units, lane, [&](int64_t u, int) {
     float gv[W], wv[W], xv[W];
     load_w<W>(gv, g + u * W);
     load_w<W>(wv, w + u * W);
@@ -123,22 +140,26 @@ SG_DEVICE void norm_backward_dx_row(T* o, const T* a, const T* g, const T* xr, c
       mean_g += gw;
       mean_gx += gw * (xv[e] - m) * s;
     }
-  }
+  });
   mean_g = kRms ? 0.0f : warp_sum(mean_g) / float(C);
   mean_gx = warp_sum(mean_gx) / float(C);
-  for (int64_t u = lane; u < units; u += 32) {
-    float gv[W], wv[W], xv[W], d[W];
+  for_lane_units<kUnits>(units, lane, [&](int64_t u, int k) {
+    float gv[W], wv[W], xh[W], d[W];
     load_w<W>(gv, g + u * W);
     load_w<W>(wv, w + u * W);
-    load_w<W>(xv, xr + u * W);
-    for (int e = 0; e < W; ++e) d[e] = s * (gv[e] * wv[e] - mean_g - (xv[e] - m) * s * mean_gx);
+    load_w<W>(xh, xr + u * W);
+    for (int e = 0; e < W; ++e) {
+      xh[e] = (xh[e] - m) * s;
+      d[e] = s * (gv[e] * wv[e] - mean_g - xh[e] * mean_gx);
+    }
     if (a) {  // may be o: each lane reads its elements before writing them
       float av[W];
       load_w<W>(av, a + u * W);
       for (int e = 0; e < W; ++e) d[e] += av[e];
     }
     store_w<W>(o + u * W, d);
-  }
+    acc(k, gv, xh);
+  });
 }
 
 template <class T, bool kRms>
@@ -150,8 +171,63 @@ __global__ void norm_backward_dx_kernel(T* dx, const T* dr, const T* dy, const T
   const int64_t at = row * C;
   const float m = kRms ? 0.0f : mean[row], s = rstd[row];
   const T* a = dr ? dr + at : nullptr;
-  if (packed) norm_backward_dx_row<Pack<T>::N, T, kRms>(dx + at, a, dy + at, x + at, w, m, s, C, lane);
-  else norm_backward_dx_row<1, T, kRms>(dx + at, a, dy + at, x + at, w, m, s, C, lane);
+  const auto none = [](int, const auto&, const auto&) {};
+  if (packed) norm_backward_dx_row<Pack<T>::N, 0, T, kRms>(dx + at, a, dy + at, x + at, w, m, s, C, lane, none);
+  else norm_backward_dx_row<1, 0, T, kRms>(dx + at, a, dy + at, x + at, w, m, s, C, lane, none);
+}
+
+// The input gradient and the dw/db partials in one pass over dy and x, for 16-byte rows of at most
+// 32 * kFusedCols columns. A block takes one chunk of kRowsPerChunk rows, each of its kFusedWarps
+// warps every kFusedWarps-th row; the second pass over a row, which has dy and xhat in registers,
+// adds dy xhat and dy into the lane's sums for its columns (kFusedCols registers each), and the
+// warps' sums are then added in warp order into the chunk's partials: what
+// norm_backward_partial_kernel computes by reading dy and x again, in a fixed order too.
+constexpr int kFusedWarps = 8;
+constexpr int kFusedCols = 32;  // columns per lane: C <= 1024
+
+constexpr bool norm_backward_fuses(int64_t C, bool packed) {
+  return packed && C <= 32 * kFusedCols;
+}
+
+template <class T, bool kRms>
+__global__ void norm_backward_fused_kernel(T* dx, float* partial, const T* dr, const T* dy, const T* x, const T* w,
+                                           const float* mean, const float* rstd, int64_t rows, int64_t C) {
+  constexpr int W = Pack<T>::N, kUnits = kFusedCols / W;
+  SG_SHARED(float, sums, 2 * 32 * kFusedCols);  // [dw | db][C]
+  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
+  const int64_t chunk = blockIdx.x, chunks = gridDim.x, units = C / W;
+  float sw[kUnits][W], sb[kUnits][W];
+  for (int k = 0; k < kUnits; ++k)
+    for (int e = 0; e < W; ++e) sw[k][e] = sb[k][e] = 0.0f;
+  const int64_t first = chunk * kRowsPerChunk, end = first + kRowsPerChunk < rows ? first + kRowsPerChunk : rows;
+  const auto acc = [&](int k, const float(&gv)[W], const float(&xh)[W]) {
+    for (int e = 0; e < W; ++e) {
+      sw[k][e] += gv[e] * xh[e];
+      sb[k][e] += gv[e];
+    }
+  };
+  for (int64_t row = first + warp; row < end; row += kFusedWarps) {
+    const int64_t at = row * C;
+    const float m = kRms ? 0.0f : mean[row], s = rstd[row];
+    norm_backward_dx_row<W, kUnits, T, kRms>(dx + at, dr ? dr + at : nullptr, dy + at, x + at, w, m, s, C, lane, acc);
+  }
+  // The warps' sums in warp order: warp 0 stores, each later one adds, a barrier between turns.
+  for (int turn = 0; turn < kFusedWarps; ++turn) {
+    if (warp == turn)
+      for_lane_units<kUnits>(units, lane, [&](int64_t u, int k) {
+        for (int e = 0; e < W; ++e) {
+          float* pw = sums + u * W + e;
+          float* pb = pw + C;
+          *pw = turn == 0 ? sw[k][e] : *pw + sw[k][e];
+          *pb = turn == 0 ? sb[k][e] : *pb + sb[k][e];
+        }
+      });
+    __syncthreads();
+  }
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+    partial[chunk * C + c] = sums[c];
+    partial[(chunks + chunk) * C + c] = sums[C + c];
+  }
 }
 
 // partial[chunk][c] = sum over the chunk's rows of dy xhat; partial[chunks + chunk][c] of dy.
@@ -215,16 +291,22 @@ void norm_forward(T* y, float* mean, float* rstd, T* residual_out, const T* x, c
          rstd, residual_out, x, residual, w, b, rows, C, float(eps), packed);
 }
 
+// fuse: sum dw/db in the input-gradient kernel where norm_backward_fuses allows (else a second kernel).
 template <class T, bool kRms>
 void norm_backward(T* dx, T* dw, T* db, const T* dr, const T* dy, const T* x, const T* w, const float* mean,
-                   const float* rstd, int64_t rows, int64_t C, float* workspace, Stream stream) {
+                   const float* rstd, int64_t rows, int64_t C, float* workspace, Stream stream, bool fuse) {
   const bool packed = C % Pack<T>::N == 0 && aligned16(dx) && aligned16(dy) && aligned16(x) && aligned16(w) &&
                       (!dr || aligned16(dr));
-  launch(norm_backward_dx_kernel<T, kRms>, dim3(blocks_for(rows, kNormWarps)), dim3(32 * kNormWarps), 0, stream, dx,
-         dr, dy, x, w, mean, rstd, rows, C, packed);
   const unsigned chunks = unsigned((rows + kRowsPerChunk - 1) / kRowsPerChunk);
-  launch(norm_backward_partial_kernel<T, kRms>, dim3(blocks_for(C, 128), chunks), dim3(128), 0, stream, workspace, dy,
-         x, mean, rstd, rows, C);
+  if (fuse && norm_backward_fuses(C, packed)) {
+    launch(norm_backward_fused_kernel<T, kRms>, dim3(chunks), dim3(32 * kFusedWarps), 0, stream, dx, workspace, dr, dy,
+           x, w, mean, rstd, rows, C);
+  } else {
+    launch(norm_backward_dx_kernel<T, kRms>, dim3(blocks_for(rows, kNormWarps)), dim3(32 * kNormWarps), 0, stream, dx,
+           dr, dy, x, w, mean, rstd, rows, C, packed);
+    launch(norm_backward_partial_kernel<T, kRms>, dim3(blocks_for(C, 128), chunks), dim3(128), 0, stream, workspace,
+           dy, x, mean, rstd, rows, C);
+  }
   launch(norm_backward_finish_kernel<T>, dim3(blocks_for(C, 32)), dim3(32 * kFinishLanes), 0, stream, dw, db,
          static_cast<const float*>(workspace), int64_t(chunks), C);
 }
@@ -248,9 +330,9 @@ void residual_layernorm_forward(T* residual_out, T* y, float* mean, float* rstd,
 // The op-table backward: dx, dw, db all '='. workspace: norm_backward_workspace(rows, C) floats.
 template <class T>
 void layernorm_backward(T* dx, T* dw, T* db, const T* dy, const T* x, const T* w, const float* mean,
-                        const float* rstd, int64_t rows, int64_t C, float* workspace, Stream stream) {
+                        const float* rstd, int64_t rows, int64_t C, float* workspace, Stream stream, bool fuse = true) {
   norm_backward<T, false>(dx, dw, db, static_cast<const T*>(nullptr), dy, x, w, mean, rstd, rows, C, workspace,
-                          stream);
+                          stream, fuse);
 }
 
 // Backward of residual_layernorm_forward: dx = dr + the LayerNorm's input gradient ('='), the
@@ -259,8 +341,8 @@ void layernorm_backward(T* dx, T* dw, T* db, const T* dy, const T* x, const T* w
 template <class T>
 void residual_layernorm_backward(T* dx, T* dw, T* db, const T* dr, const T* dy, const T* r, const T* w,
                                  const float* mean, const float* rstd, int64_t rows, int64_t C, float* workspace,
-                                 Stream stream) {
-  norm_backward<T, false>(dx, dw, db, dr, dy, r, w, mean, rstd, rows, C, workspace, stream);
+                                 Stream stream, bool fuse = true) {
+  norm_backward<T, false>(dx, dw, db, dr, dy, r, w, mean, rstd, rows, C, workspace, stream, fuse);
 }
 
 template <class T>
@@ -272,9 +354,9 @@ void rmsnorm_forward(T* y, float* rstd, const T* x, const T* w, int64_t rows, in
 // dx, dw '='.
 template <class T>
 void rmsnorm_backward(T* dx, T* dw, const T* dy, const T* x, const T* w, const float* rstd, int64_t rows, int64_t C,
-                      float* workspace, Stream stream) {
+                      float* workspace, Stream stream, bool fuse = true) {
   norm_backward<T, true>(dx, dw, static_cast<T*>(nullptr), static_cast<const T*>(nullptr), dy, x, w,
-                         static_cast<const float*>(nullptr), rstd, rows, C, workspace, stream);
+                         static_cast<const float*>(nullptr), rstd, rows, C, workspace, stream, fuse);
 }
 
 }  // namespace sg::cuda

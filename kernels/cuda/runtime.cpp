@@ -174,6 +174,13 @@ void set_attention_backend(AttentionBackend b) {
 
 AttentionBackend attention_backend() { return g_attention; }
 
+namespace {
+std::atomic<bool> g_norm_backward_fused{true};
+}  // namespace
+
+void set_norm_backward_fused(bool on) { g_norm_backward_fused = on; }
+bool norm_backward_fused() { return g_norm_backward_fused; }
+
 void ensure_registered() {
   static std::once_flag once;
   std::call_once(once, [] {

@@ -55,6 +55,12 @@ enum class AttentionBackend : uint8_t { flash, cudnn };
 void set_attention_backend(AttentionBackend b);
 AttentionBackend attention_backend();
 
+// Whether the LayerNorm/RMSNorm backward sums dw/db inside its input-gradient kernel where C and
+// the rows' alignment allow (default on), or always in a second kernel that reads dy and x again.
+// Process-wide; for timing one against the other (bench/memory_gpu.cpp).
+void set_norm_backward_fused(bool on);
+bool norm_backward_fused();
+
 #ifdef SG_CUDA_KERNELS
 // kernels/cuda/table.cu: every kernel entry of the CUDA op table (all but the host copies).
 void fill_kernel_table(kernels::OpTable& t);

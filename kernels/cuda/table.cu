@@ -186,7 +186,7 @@ void residual_layernorm_backward(DType dtype, void* dx, void* dw, void* db, cons
     cuda::residual_layernorm_backward<T>(static_cast<T*>(dx), static_cast<T*>(dw), static_cast<T*>(db),
                                          static_cast<const T*>(dr), static_cast<const T*>(dy), static_cast<const T*>(x),
                                          static_cast<const T*>(w), stats(mean), stats(rstd), rows, C, work.as<float>(),
-                                         o.stream);
+                                         o.stream, norm_backward_fused());
   });
 }
 
@@ -214,7 +214,7 @@ void rmsnorm_backward(DType dtype, void* dx, void* dw, const void* dy, const voi
     using T = decltype(tag);
     cuda::rmsnorm_backward<T>(static_cast<T*>(dx), static_cast<T*>(dw), static_cast<const T*>(dy),
                               static_cast<const T*>(x), static_cast<const T*>(w), stats(rstd), rows, C,
-                              work.as<float>(), o.stream);
+                              work.as<float>(), o.stream, norm_backward_fused());
   });
 }
 

@@ -267,9 +267,14 @@ TEST_CASE("emu classifier counts targets out of range instead of reading past th
 TEMPLATE_TEST_CASE("emu layernorm forward and backward match the CPU table", "[emu]", float, cu::bf16) {
   using T = TestType;
   // 70 rows: three row chunks, a partial block; 549: 18 chunks, more than the finish kernel's 16 warps;
-  // C = 64 (and 100 for f32): the forward's 16-byte path, C = 37 (and 100 for bf16) its element path
-  for (auto [rows, C] : {std::pair<int64_t, int64_t>{3, 37}, {70, 100}, {549, 37}, {9, 64}}) {
+  // C = 64 (and 100 for f32): the 16-byte paths, where the backward's input-gradient kernel also
+  // sums dw/db (up to C = 1024: 4 or 8 units a lane); C = 37 (and 100 for bf16) the element paths
+  // and the separate dw/db kernel; C = 1032: 16-byte rows too wide for the fused backward.
+  for (auto [rows, C] : {std::pair<int64_t, int64_t>{3, 37}, {70, 100}, {549, 37}, {9, 64}, {70, 64}, {41, 1024},
+                         {41, 1032}}) {
     INFO("rows " << rows << " C " << C);
+    const bool packed = C % cu::Pack<T>::N == 0;
+    CHECK(cu::norm_backward_fuses(C, packed) == (packed && C <= 1024));
     const auto x = rounded<T>(randn(rows * C, 15, 2.0f, 1.0f)), dy = rounded<T>(randn(rows * C, 16));
     const auto w = rounded<T>(randn(C, 17, 0.5f, 1.0f)), b = rounded<T>(randn(C, 18));
     std::vector<float> y_ref(rows * C), mean_ref(rows), rstd_ref(rows), dx_ref(rows * C), dw_ref(C), db_ref(C);
@@ -289,6 +294,13 @@ TEMPLATE_TEST_CASE("emu layernorm forward and backward match the CPU table", "[e
     check_close(dx, dx_ref, 4.0);
     check_close(dw, dw_ref, 8.0);
     check_close(db, db_ref, 8.0);
+    // dw/db by the second kernel: the same input gradient, bit for bit (the same arithmetic)
+    std::vector<T> dx2(rows * C), dw2(C), db2(C);
+    cu::layernorm_backward(dx2.data(), dw2.data(), db2.data(), dys.data(), xs.data(), ws.data(), mean.data(),
+                           rstd.data(), rows, C, work.data(), nullptr, false);
+    CHECK(to_float(dx2) == to_float(dx));
+    check_close(dw2, dw_ref, 8.0);
+    check_close(db2, db_ref, 8.0);
   }
 }
 

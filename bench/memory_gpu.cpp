@@ -1,0 +1,129 @@
+// Memory-bound kernels of a GPT-2 124M training step on cuda:0, through the CUDA op table, at the
+// issue's shape (B = 16, T = 1024: 16384 rows; C = 768, 4C = 3072, the padded vocabulary 50304),
+// bf16 activations and f32 optimizer state as in `train --dtype bf16`. Each row prints the median
+// time of 20 runs (CUDA events on the compute stream, after 3 warm-ups) and the effective
+// bandwidth: the bytes the op must move at least (every input read once, every output written
+// once) over that time, to hold against the card's ~4.3 TB/s (H200; ~3.35 TB/s on an H100 SXM).
+// Where one op has two implementations the rows time both: the LayerNorm backward with dw/db
+// summed inside its input-gradient kernel or by a second kernel (cuda::set_norm_backward_fused),
+// and the classifier as one fused pass or as the cross_entropy + cross_entropy_backward pair.
+//
+//   ./build/bench/sg_bench_memory_gpu
+// Exits 77 without a CUDA device or on a build without the CUDA kernels.
+#include <cstdio>
+#include <vector>
+
+#include "core/storage.h"
+#include "kernels/ops.h"
+#ifdef SG_CUDA_KERNELS
+#include "bench/gpu/common.h"
+#endif
+
+#ifdef SG_CUDA_KERNELS
+namespace {
+
+using namespace sg;
+
+const Device gpu = Device::cuda(0);
+
+using bench::median_ms;
+
+using Buffer = bench::DeviceBuffer;
+
+void row(const char* what, double bytes, double ms) {
+  std::printf("%-52s %9.3f %9.1f\n", what, ms, bytes / ms * 1e-6);
+}
+
+}  // namespace
+#endif  // SG_CUDA_KERNELS
+
+int main() {
+#ifndef SG_CUDA_KERNELS
+  std::printf("built without SG_CUDA_KERNELS: nothing to time\n");
+  return 77;
+#else
+  if (sg::cuda::device_count() == 0) {
+    std::printf("no CUDA device: nothing to time\n");
+    return 77;
+  }
+  sg::cuda::ensure_registered();
+  const kernels::OpTable& G = kernels::table(gpu);
+  const DType bf = DType::bf16, f32 = DType::f32;
+  const int64_t R = 16 * 1024, C = 768, F = 4 * C, V = 50257, Vp = 50304, N = R * C;
+  const double h = 2.0;  // bytes per bf16
+  std::printf("memory-bound kernels, GPT-2 124M shapes at B=16 T=1024 (median of 20)\n");
+  std::printf("%-52s %9s %9s\n", "", "ms", "GB/s");
+
+  {  // LayerNorm, with and without the residual add, forward and backward
+    const Buffer x(N, bf, 1), res(N, bf, 2), dy(N, bf, 3), dr(N, bf, 4), w(C, bf, 5, 1.0, 0.1), b(C, bf, 6);
+    const Buffer y(N, bf, 7), r(N, bf, 8), dx(N, bf, 9), dw(C, bf, 10), db(C, bf, 11), mean(R, f32, 12),
+        rstd(R, f32, 13, 1.0, 0.1);
+    const double stats = 8.0 * double(R);
+    row("layernorm forward [16384, 768]", h * 2 * N + stats,
+        median_ms([&] { G.layernorm(bf, y.get(), mean.get(), rstd.get(), x.get(), w.get(), b.get(), R, C, 1e-5); }));
+    row("residual_layernorm forward (r = x + res, y)", h * 4 * N + stats, median_ms([&] {
+          G.residual_layernorm(bf, r.get(), y.get(), mean.get(), rstd.get(), x.get(), res.get(), w.get(), b.get(), R,
+                               C, 1e-5);
+        }));
+    for (bool fused : {true, false}) {
+      cuda::set_norm_backward_fused(fused);
+      row(fused ? "layernorm backward, dw/db in the dx kernel" : "layernorm backward, dw/db by a second kernel",
+          h * 3 * N + stats, median_ms([&] {
+            G.layernorm_backward(bf, dx.get(), dw.get(), db.get(), dy.get(), x.get(), w.get(), mean.get(), rstd.get(),
+                                 R, C);
+          }));
+      row(fused ? "residual_layernorm backward (+ dr), fused dw/db" : "residual_layernorm backward (+ dr), split dw/db",
+          h * 4 * N + stats, median_ms([&] {
+            G.residual_layernorm_backward(bf, dx.get(), dw.get(), db.get(), dr.get(), dy.get(), x.get(), w.get(),
+                                          mean.get(), rstd.get(), R, C);
+          }));
+    }
+    cuda::set_norm_backward_fused(true);
+    const kernels::Dims shape{R, C}, strides{C, 1};
+    row("add [16384, 768] (the residual add)", h * 3 * N, median_ms([&] {
+          G.binary(kernels::Binary::add, bf, y.get(), x.get(), strides, res.get(), strides, shape);
+        }));
+  }
+  {  // GELU's derivative over the MLP's hidden activations
+    const Buffer x(R * F, bf, 20), dy(R * F, bf, 21), dx(R * F, bf, 22);
+    row("gelu backward [16384, 3072]", h * 3 * double(R * F), median_ms([&] {
+          G.unary_backward(kernels::Unary::gelu, bf, dx.get(), dy.get(), x.get(), R * F);
+        }));
+  }
+  {  // the classifier over the padded vocabulary
+    const Buffer logits(R * Vp, bf, 30), loss(R, f32, 31), lse(R, f32, 32), dloss(R, f32, 33);
+    std::vector<int32_t> t(static_cast<size_t>(R));
+    for (int64_t i = 0; i < R; ++i) t[size_t(i)] = int32_t((i * 7919) % V);
+    Storage tg(size_t(R) * 4, gpu, MemCategory::activation);
+    G.copy_from_host(tg.data(), t.data(), size_t(R) * 4, gpu);
+    const double L = h * double(R * Vp);
+    // in place over the logits each run: the values become gradients, which are as good logits
+    row("classifier, fused: loss + dlogits in one call", 2 * L, median_ms([&] {
+          G.cross_entropy_fused(bf, DType::i32, loss.get(), logits.get(), logits.get(), tg.data(), 1.0 / double(R), R,
+                                Vp, V, -1);
+        }));
+    row("classifier, two calls: cross_entropy + its backward", 2 * L, median_ms([&] {
+          G.cross_entropy(bf, DType::i32, loss.get(), lse.get(), logits.get(), tg.data(), R, Vp, V, -1);
+          G.cross_entropy_backward(bf, DType::i32, logits.get(), dloss.get(), logits.get(), lse.get(), tg.data(), R, Vp,
+                                   V, -1);
+        }));
+  }
+  {  // the optimizer over GPT-2 124M's parameters as one f32 tensor, its bf16 gradient and copy
+    const int64_t P = 124'475'904;
+    const Buffer p(P, f32, 40, 0.0, 0.02), g(P, bf, 41), m(P, f32, 42, 0.0, 0.01), v(P, f32, 43, 1.0, 0.0),
+        copy(P, bf, 44);
+    kernels::AdamWArgs a;
+    a.dtype = f32, a.n = P, a.param = p.get(), a.grad = g.get(), a.m = m.get(), a.v = v.get(), a.lr = 1e-4,
+    a.weight_decay = 0.1, a.grad_dtype = bf, a.copy = copy.get();
+    // read p, m, v (f32) and g (bf16); write p, m, v and the bf16 copy
+    row("adamw, 124.5 M f32 params, bf16 grad and copy", double(P) * (3 * 4 + 2 + 3 * 4 + 2),
+        median_ms([&] { G.adamw_many(&a, 1); }));
+    const void* xs[] = {g.get()};
+    const int64_t ns[] = {P};
+    const double ws[] = {1.0};
+    row("global norm (sum of squares), 124.5 M bf16 grads", double(P) * 2,
+        median_ms([&] { G.sum_squares_many(bf, xs, ns, ws, 1); }));
+  }
+  return 0;
+#endif
+}
