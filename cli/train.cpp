@@ -578,6 +578,9 @@ double Trainer::train_step(int64_t step, double lr, double& grad_norm, bool& app
   // size: the average of the ranks' gradients is then the gradient of the global batch's mean.
   const double rank_scale = double(dp_size_);
   double loss_sum = 0;
+  // Read after the backward passes, not between forward and backward: item() waits for the device,
+  // and on a GPU the backward's first kernels would then start only after the host caught up.
+  std::vector<Tensor> losses;
   for (int64_t m = 0; m < n_micro; ++m) {
     Tensor mi = narrow(idx, 0, m * micro_, micro_), mt = narrow(tgt, 0, m * micro_, micro_);
     if (ddp_) ddp_->set_sync(m == n_micro - 1);  // no_sync for all but the last micro-batch
@@ -598,13 +601,14 @@ double Trainer::train_step(int64_t step, double lr, double& grad_norm, bool& app
       loss = model_->loss(mi, mt, true, rank_scale * loss_scale / double(counted));
       trace::memory(device_);
     }
-    loss_sum += item(loss) / (loss_scale * rank_scale);
     {
       trace::Scope ts("backward", "compute", {{"micro", m}});
       tape.backward(loss);
       trace::memory(device_);
     }
+    losses.push_back(autograd::detach(loss));
   }
+  for (const Tensor& l : losses) loss_sum += item(l) / (loss_scale * rank_scale);
   if (ddp_) {
     parallel::watchdog::Waiting w("the gradient all-reduce");
     ddp_->finish_gradients();
