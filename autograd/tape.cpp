@@ -30,10 +30,14 @@ Tensor detach(const Tensor& t) {
   return t.with_layout(t.layout());
 }
 
-void record(const std::string& name, const TensorList& inputs, const TensorList& outputs, BackwardFn backward) {
+void record(const std::string& name, const TensorList& inputs, const TensorList& outputs, BackwardFn backward,
+            int absorb_edge) {
+  SG_CHECK(absorb_edge < int(inputs.size()), "internal: node '", name, "' absorbs input ", absorb_edge, " of ",
+           inputs.size());
   auto node = std::make_shared<Node>();
   node->name = name;
   node->backward = std::move(backward);
+  node->absorb_edge = absorb_edge;
   for (const auto& in : inputs) {
     Edge e;
     if (in.defined() && in.requires_grad()) {
@@ -180,7 +184,17 @@ void Tape::run(const TensorList& outputs, const TensorList& grad_outputs, const 
     TensorList in_grads;
     if (any) {
       SG_CHECK(n.backward, "backward through '", n.name, "' a second time (its saved tensors were released)");
+      bool absorbed = false;
+      if (n.absorb_edge >= 0) {  // hand over what the input has gathered so far (moved: n alone holds it)
+        const Edge& e = n.edges[size_t(n.absorb_edge)];
+        Tensor pending = e.producer ? std::move(e.producer->grad_outputs[size_t(e.output_nr)]) : Tensor();
+        if (e.producer) e.producer->grad_outputs[size_t(e.output_nr)] = Tensor();
+        absorbed = pending.defined();
+        n.grad_outputs.push_back(std::move(pending));
+      }
       in_grads = n.backward(n.grad_outputs);
+      SG_CHECK(!absorbed || (size_t(n.absorb_edge) < in_grads.size() && in_grads[size_t(n.absorb_edge)].defined()),
+               "internal: node '", n.name, "' dropped the gradient it was handed for input ", n.absorb_edge);
       SG_CHECK(in_grads.size() == n.edges.size(), "internal: node '", n.name, "' returned ", in_grads.size(),
                " gradients for ", n.edges.size(), " inputs");
     }

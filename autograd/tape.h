@@ -30,6 +30,12 @@ struct Node {
   TensorList grad_outputs;       // accumulated gradients of this node's outputs
   std::vector<Shape> output_shapes;
   BackwardFn backward;
+  // An input edge whose gradient the backward adds itself (-1: none). The tape then takes the
+  // gradient that input has gathered so far from its other consumers out of its producer's slot
+  // and passes it after the output gradients (undefined when there is none, or for a leaf), and
+  // the backward returns the sum for that edge: a kernel that can add it in the same pass
+  // (LayerNorm's, through residual_layernorm_backward's dr) saves the tape's separate add.
+  int absorb_edge = -1;
   void release() { backward = nullptr; }
 };
 
@@ -90,7 +96,9 @@ bool grad_enabled();
 bool needs_grad(const TensorList& inputs);
 // Records a node for outputs computed from inputs; outputs get grad_fn set. Inputs that do not
 // require grad get inactive edges (their gradient is never computed).
-void record(const std::string& name, const TensorList& inputs, const TensorList& outputs, BackwardFn backward);
+// absorb_edge: see Node::absorb_edge.
+void record(const std::string& name, const TensorList& inputs, const TensorList& outputs, BackwardFn backward,
+            int absorb_edge = -1);
 
 // A handle on the same bytes without autograd history (what nodes save).
 Tensor detach(const Tensor& t);

@@ -922,6 +922,72 @@ TEST_CASE("add_layernorm is add then layernorm, bit for bit, forward and backwar
   REQUIRE_THROWS_WITH(add_layernorm(x, x, ones({3}), Tensor()), Contains("add_layernorm: weight [3]"));
 }
 
+namespace {
+// Counts the CPU table's residual_layernorm_backward calls while the scope lives.
+struct CountResidualLnBackward {
+  static inline int calls = 0;
+  static inline const kernels::OpTable* real = nullptr;
+  kernels::OpTable t;
+  static void call(DType dt, void* dx, void* dw, void* db, const void* dr, const void* dy, const void* r,
+                   const void* w, const void* mean, const void* rstd, int64_t rows, int64_t C) {
+    ++calls;
+    real->residual_layernorm_backward(dt, dx, dw, db, dr, dy, r, w, mean, rstd, rows, C);
+  }
+  CountResidualLnBackward() {
+    real = &kernels::table(Device::cpu());
+    t = *real;
+    t.residual_layernorm_backward = &call;
+    calls = 0;
+    kernels::register_table(DeviceType::cpu, &t);
+  }
+  ~CountResidualLnBackward() { kernels::register_table(DeviceType::cpu, real); }
+};
+}  // namespace
+
+TEST_CASE("layernorm's backward adds the gradient its input gathered elsewhere, bit for bit, in its own kernel",
+          "[ops]") {
+  // x feeds layernorm and another op (a transformer's residual stream feeds ln_1 and the residual
+  // add). When the other op is recorded after layernorm, its gradient reaches x first and the
+  // tape hands it to layernorm's backward, which adds it in residual_layernorm_backward's pass.
+  // x.grad must be what the two gradients added apart give.
+  for (bool other_first : {false, true}) {
+    INFO("other consumer recorded " << (other_first ? "before" : "after") << " layernorm");
+    Tensor x = randn({6, 16}, 8, 1), w = randn({16}, 8, 2, 1, 0.2), b = randn({16}, 8, 3, 0, 0.2);
+    Tensor c = randn({6, 16}, 8, 4), k = randn({6, 16}, 8, 5);
+    x.set_requires_grad(true);
+    auto ln_part = [&](const Tensor& xx) { return sum(mul(layernorm(xx, w, b), c)); };
+    auto other_part = [&](const Tensor& xx) { return sum(mul(exp(xx), k)); };  // one use of xx
+    autograd::Tape tape;
+    Tensor loss;
+    CountResidualLnBackward count;
+    {
+      autograd::TapeScope s(tape);
+      Tensor h = mul(x, 1.5);  // a non-leaf, as the residual stream is
+      Tensor o = other_first ? other_part(h) : Tensor();
+      Tensor l = ln_part(h);
+      if (!other_first) o = other_part(h);
+      loss = add(l, o);
+    }
+    tape.backward(loss);
+    CHECK(count.calls == (other_first ? 0 : 1));
+    // The reference: each part's gradient at h alone, added, then through h = 1.5 x.
+    auto grad_at_h = [&](auto part) {
+      Tensor h = autograd::detach(mul(x, 1.5));
+      h.set_requires_grad(true);
+      autograd::Tape t;
+      Tensor out;
+      {
+        autograd::TapeScope s(t);
+        out = part(h);
+      }
+      return t.grad({out}, {ones({})}, {h})[0];
+    };
+    Tensor g_ln = grad_at_h(ln_part), g_other = grad_at_h(other_part);
+    Tensor want = mul(other_first ? add(g_ln, g_other) : add(g_other, g_ln), 1.5);
+    CHECK(to_vector<float>(x.grad()) == to_vector<float>(want));
+  }
+}
+
 TEST_CASE("attention_qkv on the packed projection is attention on the split heads, bit for bit, on the CPU", "[ops]") {
   for (DType dt : {DType::f32, DType::f64}) {
     INFO(dtype_name(dt));

@@ -1,4 +1,6 @@
-// Normalisation ops: LayerNorm (nodes save x, mean, rstd) and RMSNorm (x, rstd).
+// Normalisation ops: LayerNorm (nodes save x, mean, rstd) and RMSNorm (x, rstd). LayerNorm's
+// backward adds the gradient its input gathered from other consumers (a transformer's residual
+// stream feeds ln_1 and the residual add) in its own kernel.
 #include "autograd/ops/common.h"
 
 namespace sg {
@@ -55,16 +57,22 @@ std::pair<Tensor, Tensor> layernorm_impl(const char* op, const Tensor& x, const 
     const bool has_b = b.defined();
     X = detach(X);
     auto backward = [X, W, mean, rstd, rows, C, want, has_b, fused](const TensorList& g) {
+      // g: add_layernorm's {d r, d y}; layernorm's {d y, what x has gathered from its other
+      // consumers} (the tape hands that over: absorb_edge). Either way the kernel adds the first
+      // to the input gradient itself (residual_layernorm_backward's dr), over it when this node
+      // alone holds it.
       const Tensor& g_y = g[fused ? 1 : 0];
-      Tensor dx = empty(X.shape(), X.dtype(), X.device()), dw = empty({C}, X.dtype(), X.device());
-      Tensor db = has_b ? empty({C}, X.dtype(), X.device()) : Tensor();
+      static const Tensor kNone;
+      const Tensor& g_add = fused ? g[0] : g.size() > 1 ? g[1] : kNone;
+      const bool over_g_add = g_add.defined() && g_add.dtype() == X.dtype() && autograd::sole_owner(g_add);
+      Tensor dx = over_g_add ? g_add : empty(X.shape(), X.dtype(), X.device());
+      Tensor dw = empty({C}, X.dtype(), X.device()), db = has_b ? empty({C}, X.dtype(), X.device()) : Tensor();
       const Tensor G = g_y.defined() ? detail::operand(g_y) : zeros(X.shape(), X.dtype(), X.device());
-      if (fused) {
-        const Tensor DR = g[0].defined() ? detail::operand(g[0]) : Tensor();
+      if (g_add.defined()) {
+        const Tensor DR = over_g_add ? dx : detail::operand(g_add);
         SG_KERNEL(X.device(), residual_layernorm_backward)(
-            X.dtype(), dx.data_ptr(), dw.data_ptr(), has_b ? db.data_ptr() : nullptr,
-            DR.defined() ? DR.data_ptr() : nullptr, G.data_ptr(), X.data_ptr(), W.data_ptr(), mean.data_ptr(),
-            rstd.data_ptr(), rows, C);
+            X.dtype(), dx.data_ptr(), dw.data_ptr(), has_b ? db.data_ptr() : nullptr, DR.data_ptr(), G.data_ptr(),
+            X.data_ptr(), W.data_ptr(), mean.data_ptr(), rstd.data_ptr(), rows, C);
       } else {
         SG_KERNEL(X.device(), layernorm_backward)(X.dtype(), dx.data_ptr(), dw.data_ptr(),
                                                   has_b ? db.data_ptr() : nullptr, G.data_ptr(), X.data_ptr(),
@@ -75,7 +83,7 @@ std::pair<Tensor, Tensor> layernorm_impl(const char* op, const Tensor& x, const 
       return fused ? TensorList{dx, dx, dwn, dbn} : TensorList{dx, dwn, dbn};
     };
     if (fused) record(op, inputs, {r, y}, backward);
-    else record(op, inputs, {y}, backward);
+    else record(op, inputs, {y}, backward, /*absorb_edge=*/0);  // x
   }
   return {r, y};
 }
