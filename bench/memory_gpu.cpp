@@ -6,7 +6,9 @@
 // once) over that time, to hold against the card's ~4.3 TB/s (H200; ~3.35 TB/s on an H100 SXM).
 // Where one op has two implementations the rows time both: the LayerNorm backward with dw/db
 // summed inside its input-gradient kernel or by a second kernel (cuda::set_norm_backward_fused),
-// and the classifier as one fused pass or as the cross_entropy + cross_entropy_backward pair.
+// and the classifier as one fused pass or as the cross_entropy + cross_entropy_backward pair (both
+// rows count the fused pass's 2 logits-sized transfers: the pair's lower GB/s is its third one).
+// The classifier and norm entries copy a count or a sum to the host and wait, inside the timing.
 //
 //   ./build/bench/sg_bench_memory_gpu
 // Exits 77 without a CUDA device or on a build without the CUDA kernels.
