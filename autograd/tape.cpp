@@ -1,6 +1,7 @@
 #include "autograd/tape.h"
 
 #include <unordered_map>
+#include <utility>
 
 #include "autograd/ops.h"
 #include "core/error.h"
@@ -75,16 +76,14 @@ bool sole_owner(const Tensor& g) {
 
 namespace {
 thread_local const TensorImpl* t_unit_seed = nullptr;  // the seed of this thread's backward(loss)
-}  // namespace
 
-bool is_unit_seed(const Tensor& g) { return g.defined() && g.impl() == t_unit_seed; }
-
-namespace {
 void accumulate(Tensor& slot, const Tensor& g) {
   if (!g.defined()) return;
   slot = slot.defined() ? sg::add(slot, g) : g;
 }
 }  // namespace
+
+bool is_unit_seed(const Tensor& g) { return g.defined() && g.impl() == t_unit_seed; }
 
 void Tape::backward(const Tensor& loss) {
   SG_CHECK(loss.numel() == 1, "backward: loss must have one element, got ", loss.describe(),
@@ -187,8 +186,7 @@ void Tape::run(const TensorList& outputs, const TensorList& grad_outputs, const 
       bool absorbed = false;
       if (n.absorb_edge >= 0) {  // hand over what the input has gathered so far (moved: n alone holds it)
         const Edge& e = n.edges[size_t(n.absorb_edge)];
-        Tensor pending = e.producer ? std::move(e.producer->grad_outputs[size_t(e.output_nr)]) : Tensor();
-        if (e.producer) e.producer->grad_outputs[size_t(e.output_nr)] = Tensor();
+        Tensor pending = e.producer ? std::exchange(e.producer->grad_outputs[size_t(e.output_nr)], Tensor()) : Tensor();
         absorbed = pending.defined();
         n.grad_outputs.push_back(std::move(pending));
       }
