@@ -91,8 +91,11 @@ double sum_squares(const std::vector<Tensor>& xs, const std::vector<double>& wei
 // ---- linear algebra ----
 // a [..., M, K] @ b [..., K, N] with broadcast batch dims; b may be 2-D.
 Tensor matmul(const Tensor& a, const Tensor& b);
-// y = x W^T + b with W [out, in] (PyTorch's nn.Linear layout); b may be undefined.
-Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b);
+// y = x W^T + b with W [out, in] (PyTorch's nn.Linear layout); b may be undefined. With residual
+// (the output's shape, x's dtype and device): add(residual, linear(x, w, b)), the add in the
+// GEMM's epilogue (GemmArgs::residual; the same values on the CPU, bit for bit), the residual's
+// gradient the output's, handed on as it is.
+Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& residual = Tensor());
 // gelu(linear(x, w, b)) in one GEMM (the bias and GELU in its epilogue; the same values on the CPU,
 // bit for bit); keeps the pre-activation for the backward, as gelu would.
 Tensor linear_gelu(const Tensor& x, const Tensor& w, const Tensor& b);
@@ -100,7 +103,11 @@ Tensor linear_gelu(const Tensor& x, const Tensor& w, const Tensor& b);
 // undefined). The same forward values; the backward folds the GELU derivative and c_fc's bias
 // gradient into the GEMM that computes c_proj's input gradient, and each bias gradient into its
 // weight-gradient GEMM (bit for bit the two-op form's gradients on the CPU in f32 and f64).
-Tensor mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2);
+// With residual (the shape of the output, x's dtype and device): add(residual, mlp(...)), the add
+// done by c_proj's GEMM (its residual epilogue) instead of another pass over the output; the
+// residual's gradient is the output's, handed on as it is.
+Tensor mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2,
+           const Tensor& residual = Tensor());
 
 // ---- neural-network ops ----
 Tensor softmax(const Tensor& x);      // over the last dim

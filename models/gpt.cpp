@@ -76,9 +76,11 @@ Tensor causal_attention(const Tensor& qkv, int64_t n_head, bool recompute_core) 
   return recompute_core ? autograd::recompute(core, {qkv}, {})[0] : core({qkv})[0];
 }
 
-Tensor CausalSelfAttention::forward(const Tensor& x, bool recompute_core) const {
+Tensor CausalSelfAttention::forward(const Tensor& x, bool recompute_core, const Tensor& residual) const {
   Tensor y = causal_attention(c_attn->forward(x), n_head, recompute_core);  // c_attn: [B, T, 3C]
-  return dropout > 0 ? sg::dropout(c_proj->forward(y), dropout) : c_proj->forward(y);
+  if (dropout == 0) return c_proj->forward(y, residual);
+  Tensor a = sg::dropout(c_proj->forward(y), dropout);
+  return residual.defined() ? add(residual, a) : a;
 }
 
 MLP::MLP(const GPTConfig& c, DType dtype, Device device) {
@@ -86,8 +88,8 @@ MLP::MLP(const GPTConfig& c, DType dtype, Device device) {
   c_proj = register_module("c_proj", std::make_shared<Linear>(4 * c.n_embd, c.n_embd, true, dtype, device));
 }
 
-Tensor MLP::forward(const Tensor& x) const {
-  return mlp(x, c_fc->weight, c_fc->bias, c_proj->weight, c_proj->bias);  // one node: sg::mlp
+Tensor MLP::forward(const Tensor& x, const Tensor& residual) const {
+  return mlp(x, c_fc->weight, c_fc->bias, c_proj->weight, c_proj->bias, residual);  // one node: sg::mlp
 }
 
 Block::Block(const GPTConfig& c, DType dtype, Device device, std::shared_ptr<comm::ProcessGroup> tp_group)
@@ -103,6 +105,12 @@ Block::Block(const GPTConfig& c, DType dtype, Device device, std::shared_ptr<com
 Tensor Block::forward(const Tensor& x, Recompute rc) const {
   auto body = [this, rc](const autograd::TensorList& in) {
     const bool sel = rc == Recompute::selective;
+    if (attn && dropout == 0) {
+      // Both residual adds ride in the c_proj GEMMs (cuBLASLt's beta = 1 source): no pass of their
+      // own over [B, T, C]; ln_2 reads h as stored.
+      Tensor h = attn->forward(ln_1->forward(in[0]), sel, in[0]);  // x + attn
+      return autograd::TensorList{mlp->forward(ln_2->forward(h), h)};  // h + mlp
+    }
     Tensor a = attn ? attn->forward(ln_1->forward(in[0]), sel) : tp_attn->forward(ln_1->forward(in[0]), sel);
     auto [h, normed] = ln_2->forward_add(in[0], a);  // h = x + attn, normed = ln_2(h): one fused op
     Tensor m = mlp ? mlp->forward(normed) : tp_mlp->forward(normed);

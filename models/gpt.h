@@ -55,7 +55,9 @@ Tensor causal_attention(const Tensor& qkv, int64_t n_head, bool recompute_core);
 class CausalSelfAttention : public Module {
  public:
   CausalSelfAttention(const GPTConfig& c, DType dtype, Device device);
-  Tensor forward(const Tensor& x, bool recompute_core) const;
+  // With residual: residual + the attention's output, the add inside c_proj's GEMM when there is
+  // no dropout.
+  Tensor forward(const Tensor& x, bool recompute_core, const Tensor& residual = Tensor()) const;
   const char* type_name() const override { return "CausalSelfAttention"; }
   std::shared_ptr<Linear> c_attn, c_proj;
   int64_t n_head;
@@ -65,7 +67,8 @@ class CausalSelfAttention : public Module {
 class MLP : public Module {
  public:
   MLP(const GPTConfig& c, DType dtype, Device device);
-  Tensor forward(const Tensor& x) const;
+  // With residual: residual + the MLP of x, the add inside c_proj's GEMM (sg::mlp).
+  Tensor forward(const Tensor& x, const Tensor& residual = Tensor()) const;
   const char* type_name() const override { return "MLP"; }
   std::shared_ptr<Linear> c_fc, c_proj;
 };

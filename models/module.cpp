@@ -56,7 +56,7 @@ Linear::Linear(int64_t in, int64_t out, bool has_bias, DType dtype, Device devic
   weight = register_parameter("weight", {out, in}, dtype, device);
   if (has_bias) bias = register_parameter("bias", {out}, dtype, device);
 }
-Tensor Linear::forward(const Tensor& x) const { return linear(x, weight, bias); }
+Tensor Linear::forward(const Tensor& x, const Tensor& residual) const { return linear(x, weight, bias, residual); }
 Tensor Linear::forward_gelu(const Tensor& x) const { return linear_gelu(x, weight, bias); }
 
 Embedding::Embedding(int64_t num, int64_t dim, DType dtype, Device device) {

@@ -53,7 +53,8 @@ class Module {
 class Linear : public Module {
  public:
   Linear(int64_t in, int64_t out, bool bias, DType dtype = DType::f32, Device device = Device::cpu());
-  Tensor forward(const Tensor& x) const;
+  // With residual: residual + forward(x), the add in the GEMM's epilogue (sg::linear).
+  Tensor forward(const Tensor& x, const Tensor& residual = Tensor()) const;
   Tensor forward_gelu(const Tensor& x) const;  // gelu(forward(x)) in one op (sg::linear_gelu)
   const char* type_name() const override { return "Linear"; }
   Tensor weight, bias;

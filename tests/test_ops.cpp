@@ -477,6 +477,10 @@ std::vector<OpCase> all_op_cases() {
         [](R r) { return linear_ref(r[0], r[1], &r[2]); });
   L.add("linear without bias", {N({3, 5}), N({4, 5})}, [](V x) { return linear(x[0], x[1], Tensor()); },
         [](R r) { return linear_ref(r[0], r[1], nullptr); });
+  L.add("linear with a residual", {N({2, 3, 5}), N({4, 5}), N({4}), N({2, 3, 4})},
+        [](V x) { return linear(x[0], x[1], x[2], x[3]); },
+        [](R r) { return zip(linear_ref(r[0], r[1], &r[2]), r[3], [](double u, double v) { return u + v; }); })
+      .half = true;
   L.add("linear_gelu with bias", {N({2, 3, 5}), N({4, 5}), N({4})}, [](V x) { return linear_gelu(x[0], x[1], x[2]); },
         [](R r) { return each(linear_ref(r[0], r[1], &r[2]), gelu_ref); })
       .half = true;
@@ -490,6 +494,13 @@ std::vector<OpCase> all_op_cases() {
   L.add("mlp without biases, of a transposed input", {N({5, 3}), N({6, 5}), N({4, 6})},
         [](V x) { return mlp(transpose(x[0], 0, 1), x[1], Tensor(), x[2], Tensor()); },
         [](R r) { return linear_ref(each(linear_ref(permute_ref(r[0], {1, 0}), r[1], nullptr), gelu_ref), r[2], nullptr); });
+  L.add("mlp with a residual", {N({2, 3, 5}), N({8, 5}), N({8}), N({4, 8}), N({4}), N({2, 3, 4})},
+        [](V x) { return mlp(x[0], x[1], x[2], x[3], x[4], x[5]); },
+        [](R r) {
+          return zip(linear_ref(each(linear_ref(r[0], r[1], &r[2]), gelu_ref), r[3], &r[4]), r[5],
+                     [](double u, double v) { return u + v; });
+        })
+      .half = true;
 
   // Neural-network ops.
   L.add("softmax", {N(S)}, [](V x) { return softmax(x[0]); }, [](R r) { return softmax_ref(r[0], false); });
@@ -1041,30 +1052,74 @@ TEST_CASE("linear_gelu is linear then gelu, bit for bit, forward and backward, o
   REQUIRE_THROWS_WITH(linear_gelu(zeros({2, 3}), zeros({4, 5}), Tensor()), Contains("linear_gelu: input [2,3]"));
 }
 
-TEST_CASE("mlp is linear_gelu then linear, bit for bit, forward and backward, on the CPU", "[ops]") {
-  // c_proj with and without its bias (tensor parallelism adds it after the group's sum), and a
-  // frozen c_fc weight whose bias still trains (the bias gradient then comes from the dgelu GEMM
-  // alone) with an input that needs no gradient.
+TEST_CASE("linear with a residual is add(residual, linear), bit for bit, forward and backward, on the CPU", "[ops]") {
+  // A GPT block's x + c_proj(attn(ln_1(x))): the residual also feeds the linear's input through
+  // another op, so its gradient gathers from both; with and without the bias.
   for (DType dt : {DType::f32, DType::f64})
-    for (int variant = 0; variant < 3; ++variant) {
+    for (bool bias : {true, false}) {
+      INFO(dtype_name(dt) << " bias " << bias);
+      auto run = [&](bool fused) {
+        Tensor x = randn({2, 3, 16}, 29, 1, 0, 1, dt), w = randn({16, 16}, 29, 2, 0, 0.3, dt),
+               b = bias ? randn({16}, 29, 3, 0, 1, dt) : Tensor(), p = randn({16, 16}, 29, 4, 0, 0.3, dt);
+        for (Tensor* t : {&x, &w, &b, &p})
+          if (t->defined()) t->set_requires_grad(true);
+        autograd::Tape tape;
+        Tensor loss;
+        {
+          autograd::TapeScope s(tape);
+          Tensor in = gelu(linear(x, p, Tensor()));
+          Tensor y = fused ? linear(in, w, b, x) : add(x, linear(in, w, b));
+          loss = sum(mul(y, randn({2, 3, 16}, 29, 5, 0, 1, dt)));
+        }
+        tape.backward(loss);
+        std::vector<Tensor> r{loss, x.grad(), w.grad(), p.grad()};
+        if (bias) r.push_back(b.grad());
+        return r;
+      };
+      const auto fused = run(true), plain = run(false);
+      for (size_t i = 0; i < fused.size(); ++i) {
+        INFO("result " << i);
+        REQUIRE(fused[i].defined());
+        CHECK(to_vector<double>(to(fused[i], DType::f64)) == to_vector<double>(to(plain[i], DType::f64)));
+      }
+    }
+  REQUIRE_THROWS_WITH(linear(zeros({2, 5}), zeros({4, 5}), Tensor(), zeros({2, 4}, DType::f64)),
+                      Contains("linear: residual f64[2,4] on cpu is not the output's [2,4] in f32 on cpu"));
+}
+
+TEST_CASE("mlp is linear_gelu then linear, bit for bit, forward and backward, on the CPU", "[ops]") {
+  // c_proj with and without its bias (tensor parallelism adds it after the group's sum), a frozen
+  // c_fc weight whose bias still trains (the bias gradient then comes from the dgelu GEMM alone)
+  // with an input that needs no gradient, and a residual added in c_proj's GEMM (a GPT block's
+  // h + mlp(ln_2(h)): the residual is also the input's source, so its gradient adds to x's).
+  for (DType dt : {DType::f32, DType::f64})
+    for (int variant = 0; variant < 4; ++variant) {
       INFO(dtype_name(dt) << " variant " << variant);
       auto run = [&](bool fused) {
         Tensor x = randn({2, 5, 24}, 19, 1, 0, 1, dt), w1 = randn({40, 24}, 19, 2, 0, 0.3, dt),
                b1 = randn({40}, 19, 3, 0, 1, dt), w2 = randn({16, 40}, 19, 4, 0, 0.3, dt),
-               b2 = variant == 1 ? Tensor() : randn({16}, 19, 5, 0, 1, dt);
-        for (Tensor* t : {&x, &w1, &b1, &w2, &b2})
+               b2 = variant == 1 ? Tensor() : randn({16}, 19, 5, 0, 1, dt),
+               r0 = variant == 3 ? randn({2, 5, 16}, 19, 7, 0, 1, dt) : Tensor(),
+               p = variant == 3 ? randn({16, 24}, 19, 8, 0, 0.3, dt) : Tensor();
+        for (Tensor* t : {&x, &w1, &b1, &w2, &b2, &r0, &p})
           if (t->defined()) t->set_requires_grad(true);
         if (variant == 2) x.set_requires_grad(false), w1.set_requires_grad(false);
         autograd::Tape tape;
         Tensor loss;
         {
           autograd::TapeScope s(tape);
-          Tensor y = fused ? mlp(x, w1, b1, w2, b2) : linear(linear_gelu(x, w1, b1), w2, b2);
+          Tensor y;
+          if (variant == 3) {
+            Tensor res = add(r0, linear(x, p, Tensor()));  // a residual with a history, fed by x too
+            y = fused ? mlp(x, w1, b1, w2, b2, res) : add(res, linear(linear_gelu(x, w1, b1), w2, b2));
+          } else {
+            y = fused ? mlp(x, w1, b1, w2, b2) : linear(linear_gelu(x, w1, b1), w2, b2);
+          }
           loss = sum(mul(y, randn({2, 5, 16}, 19, 6, 0, 1, dt)));
         }
         tape.backward(loss);
         std::vector<Tensor> r{loss};
-        for (Tensor* t : {&x, &w1, &b1, &w2, &b2})
+        for (Tensor* t : {&x, &w1, &b1, &w2, &b2, &r0, &p})
           if (t->defined() && t->requires_grad()) r.push_back(t->grad());
         return r;
       };
@@ -1082,6 +1137,8 @@ TEST_CASE("mlp is linear_gelu then linear, bit for bit, forward and backward, on
                       Contains("mlp: c_proj bias"));
   REQUIRE_THROWS_WITH(mlp(zeros({2, 6}), zeros({8, 5}), Tensor(), zeros({4, 8}), Tensor()),
                       Contains("mlp (c_fc): input [2,6]"));
+  REQUIRE_THROWS_WITH(mlp(zeros({2, 5}), zeros({8, 5}), Tensor(), zeros({4, 8}), Tensor(), zeros({2, 5})),
+                      Contains("mlp: residual f32[2,5] on cpu is not the output's [2,4]"));
 }
 
 TEST_CASE("linear's bias gradient, from its weight-gradient GEMM, is the row sum of dy bit for bit", "[ops]") {
@@ -1155,6 +1212,17 @@ TEST_CASE("the CPU gemm refuses an epilogue it cannot apply, naming it", "[ops]"
   g.ldc = 3;
   REQUIRE_THROWS_WITH(SG_KERNEL(Device::cpu(), gemm)(g), Contains("needs one contiguous C"));
   g.ldc = 2;
+  std::vector<float> resid(4, 2.0f);
+  g.residual = resid.data();
+  REQUIRE_THROWS_WITH(SG_KERNEL(Device::cpu(), gemm)(g), Contains("gemm (cpu): the residual epilogue needs beta = 0, no "
+                                                                    "GELU and a residual that is not C (beta 0, gelu 1"));
+  g.gelu = false;
+  g.residual = c.data();
+  REQUIRE_THROWS_WITH(SG_KERNEL(Device::cpu(), gemm)(g), Contains("(beta 0, gelu 0, residual is C)"));
+  g.residual = resid.data();  // product 3, bias 1, residual 2
+  SG_KERNEL(Device::cpu(), gemm)(g);
+  CHECK(c == std::vector<float>(4, 6.0f));
+  g.residual = nullptr, g.gelu = true;
   SG_KERNEL(Device::cpu(), gemm)(g);
   CHECK(c[0] == Approx(0.5 * 4 * (1 + std::tanh(0.7978845608028654 * (4 + 0.044715 * 64)))));
   // the backward epilogues: not with a forward one, not accumulating, A contiguous for row sums

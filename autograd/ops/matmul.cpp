@@ -100,13 +100,16 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
 namespace {
 
 // The forward GEMM of a linear layer: out [rows, out] = X [rows, in] W^T (+ bias) (then GELU, the
-// value before it stored to pre when pre is defined), on compute-dtype operands.
-void linear_gemm(const Tensor& out, const Tensor& X, const Tensor& W, const Tensor& B, bool gelu, const Tensor& pre) {
+// value before it stored to pre when pre is defined; or + R, a residual of out's shape), on
+// compute-dtype operands.
+void linear_gemm(const Tensor& out, const Tensor& X, const Tensor& W, const Tensor& B, bool gelu, const Tensor& pre,
+                 const Tensor& R = Tensor()) {
   const int64_t N = W.size(0);
   kernels::GemmArgs g = gemm_args(out, X, false, W, true, 1, out.numel() / std::max<int64_t>(N, 1), N, W.size(1), 0, 0);
   g.bias = B.defined() ? B.data_ptr() : nullptr;
   g.gelu = gelu;
   g.pre_gelu = pre.defined() ? pre.data_ptr() : nullptr;
+  g.residual = R.defined() ? R.data_ptr() : nullptr;
   SG_KERNEL(out.device(), gemm)(g);
 }
 
@@ -159,25 +162,35 @@ Shape with_last(Shape s, int64_t n) {
   return s;
 }
 
+// A residual added by the GEMM that computes an op's output (out_shape, x's dtype and device).
+void check_residual(const char* op, const Tensor& residual, const Shape& out_shape, const Tensor& x) {
+  SG_CHECK(!residual.defined() || (residual.shape() == out_shape && residual.dtype() == x.dtype() &&
+                                   residual.device() == x.device()),
+           op, ": residual ", residual.describe(), " is not the output's ", shape_str(out_shape), " in ",
+           dtype_name(x.dtype()), " on ", x.device().str());
+}
+
 // linear (gelu false) and linear_gelu: one GEMM with the bias (and GELU) in its epilogue. The GELU
-// form saves the pre-activation, which its backward needs.
-Tensor linear_impl(const char* op, const Tensor& x, const Tensor& w, const Tensor& b, bool gelu) {
+// form saves the pre-activation, which its backward needs. linear may add a residual there too.
+Tensor linear_impl(const char* op, const Tensor& x, const Tensor& w, const Tensor& b, bool gelu,
+                   const Tensor& residual = Tensor()) {
   check_linear(op, x, w, b);
   const Shape s = with_last(x.shape(), w.size(0));
-  const bool grad = needs_grad({x, w, b});  // asked before the guard below turns recording off
+  check_residual(op, residual, s, x);
+  const bool grad = needs_grad({x, w, b, residual});  // asked before the guard below turns recording off
   Tensor out, pre;
   {
     autograd::NoGradGuard ng;
     Tensor X = detail::operand(x), W = detail::operand(w), B = b.defined() ? detail::operand(b) : Tensor();
     out = empty(s, X.dtype(), x.device());
     if (gelu && grad) pre = empty(s, X.dtype(), x.device());
-    linear_gemm(out, X, W, B, gelu, pre);
+    linear_gemm(out, X, W, B, gelu, pre, residual.defined() ? detail::operand(residual) : Tensor());
     out = detail::narrow_result(out, x.dtype());
   }
   if (grad) {
     Tensor kx = detach(x), kw = detach(w);
     bool gx = x.requires_grad(), gw = w.requires_grad(), gb = b.defined() && b.requires_grad();
-    record(op, {x, w, b}, {out}, [kx, kw, pre, gx, gw, gb](const TensorList& g) {
+    record(op, {x, w, b, residual}, {out}, [kx, kw, pre, gx, gw, gb](const TensorList& g) {
       Tensor G = detail::operand(g[0]);
       if (pre.defined()) {  // through the GELU first: d(pre) = dy * gelu'(pre)
         Tensor dpre = empty(pre.shape(), pre.dtype(), pre.device());
@@ -186,7 +199,7 @@ Tensor linear_impl(const char* op, const Tensor& x, const Tensor& w, const Tenso
         G = dpre;
       }
       LinearGrads r = linear_grads(G, kx, kw, gx, gw, gb);
-      return TensorList{r.dx, r.dw, r.db};
+      return TensorList{r.dx, r.dw, r.db, g[0]};  // d(residual) = dy
     });
   }
   return out;
@@ -194,13 +207,16 @@ Tensor linear_impl(const char* op, const Tensor& x, const Tensor& w, const Tenso
 
 }  // namespace
 
-Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) { return linear_impl("linear", x, w, b, false); }
+Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& residual) {
+  return linear_impl("linear", x, w, b, false, residual);
+}
 
 Tensor linear_gelu(const Tensor& x, const Tensor& w, const Tensor& b) {
   return linear_impl("linear_gelu", x, w, b, true);
 }
 
-Tensor mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2) {
+Tensor mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2,
+           const Tensor& residual) {
   check_linear("mlp (c_fc)", x, w1, b1);
   SG_CHECK(w2.dim() == 2 && w2.size(1) == w1.size(0), "mlp: c_proj weight ", shape_str(w2.shape()),
            " does not take c_fc's ", w1.size(0), " outputs");
@@ -209,7 +225,8 @@ Tensor mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2
   SG_CHECK(!b2.defined() || (b2.dim() == 1 && b2.size(0) == w2.size(0) && b2.device() == w2.device()),
            "mlp: c_proj bias ", b2.describe(), " does not match ", w2.size(0), " outputs on ", w2.device().str());
   const Shape sh = with_last(x.shape(), w1.size(0)), sy = with_last(x.shape(), w2.size(0));
-  const bool grad = needs_grad({x, w1, b1, w2, b2});
+  check_residual("mlp", residual, sy, x);
+  const bool grad = needs_grad({x, w1, b1, w2, b2, residual});
   Tensor y, pre, h;
   {
     autograd::NoGradGuard ng;
@@ -221,14 +238,14 @@ Tensor mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2
     h = detail::narrow_result(H, x.dtype());
     Tensor Hc = detail::operand(h), W2 = detail::operand(w2), B2 = b2.defined() ? detail::operand(b2) : Tensor();
     y = empty(sy, Hc.dtype(), x.device());
-    linear_gemm(y, Hc, W2, B2, false, Tensor());
+    linear_gemm(y, Hc, W2, B2, false, Tensor(), residual.defined() ? detail::operand(residual) : Tensor());
     y = detail::narrow_result(y, x.dtype());
   }
   if (grad) {
     Tensor kx = detach(x), kw1 = detach(w1), kw2 = detach(w2);
     const bool gx = x.requires_grad(), gw1 = w1.requires_grad(), gb1 = b1.defined() && b1.requires_grad(),
                gw2 = w2.requires_grad(), gb2 = b2.defined() && b2.requires_grad();
-    record("mlp", {x, w1, b1, w2, b2}, {y}, [kx, kw1, kw2, pre, h, gx, gw1, gb1, gw2, gb2](const TensorList& g) {
+    record("mlp", {x, w1, b1, w2, b2, residual}, {y}, [kx, kw1, kw2, pre, h, gx, gw1, gb1, gw2, gb2](const TensorList& g) {
       Tensor G = detail::operand(g[0]);
       LinearGrads proj = linear_grads(G, h, kw2, false, gw2, gb2);
       LinearGrads fc;
@@ -245,7 +262,7 @@ Tensor mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2
         fc = linear_grads(dpre, kx, kw1, gx, gw1, false);
         if (gb1) fc.db = detail::narrow_result(db1, kw1.dtype());
       }
-      return TensorList{fc.dx, fc.dw, fc.db, proj.dw, proj.db};
+      return TensorList{fc.dx, fc.dw, fc.db, proj.dw, proj.db, g[0]};  // d(residual) = dy
     });
   }
   return y;

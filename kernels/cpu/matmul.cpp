@@ -50,6 +50,8 @@ void gemm(const GemmArgs& g) {
       gemm_one<T>(g, A, B, pre);
       if (g.bias) MMap<T>(pre, g.M, g.N, Eigen::OuterStride<>(g.ldc)).rowwise() +=
                   Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(static_cast<const T*>(g.bias), g.N);
+      // the residual last, as add(residual, product + bias) would: C = residual + C
+      if (g.residual) binary(Binary::add, g.dtype, C, g.residual, {g.N, 1}, C, {g.N, 1}, {g.M, g.N});
       if (g.gelu) unary(Unary::gelu, g.dtype, C, pre, g.M * g.N, 0);
       if (g.dgelu_pre) unary_backward(Unary::gelu, g.dtype, C, C, g.dgelu_pre, g.M * g.N);
       if (g.bias_grad) reduce(Reduce::sum, g.dtype, g.bias_grad, C, 1, g.M, g.N);

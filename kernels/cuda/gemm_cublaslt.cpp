@@ -89,7 +89,7 @@ uint32_t min_alignment(std::initializer_list<const void*> ptrs) {
 // Everything the heuristic's answer depends on: device, types, shapes, leading dimensions,
 // batching, epilogue and alignment.
 using AlgoKey = std::tuple<int, int, int, bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                           int64_t, int64_t, int64_t, int, uint32_t, uint32_t, uint32_t>;
+                           int64_t, int64_t, int64_t, int, uint32_t, uint32_t, uint32_t, uint32_t>;
 
 // cublasLtMatmulAlgoGetHeuristic costs tens of microseconds of host time; a training step repeats
 // the same few dozen GEMM shapes hundreds of times, so each shape asks once per process.
@@ -136,7 +136,7 @@ bool matmul(const kernels::GemmArgs& g, const char* op) {
   const cudaStream_t stream = compute_stream(d);
   const cublasLtEpilogue_t epilogue = epilogue_of(g);
   if (g.K == 0) {  // C = beta C: cuBLASLt refuses k = 0
-    if (epilogue != CUBLASLT_EPILOGUE_DEFAULT) return false;
+    if (epilogue != CUBLASLT_EPILOGUE_DEFAULT || g.residual) return false;
     SG_CHECK(g.beta == 0.0, op, ": K = 0 with beta != 0 is not supported on cuda");
     const size_t es = dtype_size(g.dtype);  // each matrix's M rows of N, not the gaps between them
     for (int64_t i = 0; i < g.batch; ++i)
@@ -175,12 +175,17 @@ bool matmul(const kernels::GemmArgs& g, const char* op) {
   make_layout(&desc.c, t, g.N, g.M, g.ldc, g.batch, g.stride_c);
 
   cublasLtHandle_t h = handle_for(d);
+  // The residual epilogue is cuBLASLt's own D = alpha A B + beta C (+ bias): the residual is the
+  // source C with beta 1 and the output is D, in the same layout.
+  const void* source = g.residual ? g.residual : g.C;
+  const float alpha = float(g.alpha), beta = g.residual ? 1.0f : float(g.beta);
   // Each operand's own alignment: one badly aligned operand must not exclude the algorithms that
   // need more of the others. (The bias and aux pointers are 16-byte aligned: epilogue_fits.)
-  const uint32_t align_a = min_alignment({g.B}), align_b = min_alignment({g.A}), align_c = min_alignment({g.C});
-  const AlgoKey key{d.index,    int(g.dtype), int(compute), g.trans_a,     g.trans_b, g.M,     g.N,
-                    g.K,        g.lda,        g.ldb,        g.ldc,         g.batch,   g.stride_a, g.stride_b,
-                    g.stride_c, int(epilogue), align_a,     align_b,       align_c};
+  const uint32_t align_a = min_alignment({g.B}), align_b = min_alignment({g.A}), align_c = min_alignment({source}),
+                 align_d = min_alignment({g.C});
+  const AlgoKey key{d.index,       int(g.dtype), int(compute), g.trans_a, g.trans_b,  g.M,        g.N,
+                    g.K,           g.lda,        g.ldb,        g.ldc,     g.batch,    g.stride_a, g.stride_b,
+                    g.stride_c,    int(epilogue), align_a,     align_b,   align_c,    align_d};
   const std::optional<cublasLtMatmulAlgo_t> algo = cached_algo(key, [&]() -> std::optional<cublasLtMatmulAlgo_t> {
     SG_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&desc.pref));
     const uint64_t ws = kWorkspaceBytes;
@@ -188,7 +193,7 @@ bool matmul(const kernels::GemmArgs& g, const char* op) {
                                                          sizeof(ws)));
     const std::pair<cublasLtMatmulPreferenceAttributes_t, uint32_t> aligns[] = {
         {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_a}, {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_b},
-        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_c}, {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_c}};
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_c}, {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_d}};
     for (const auto& [attr, bytes] : aligns)
       SG_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(desc.pref, attr, &bytes, sizeof(bytes)));
     cublasLtMatmulHeuristicResult_t best{};
@@ -207,8 +212,7 @@ bool matmul(const kernels::GemmArgs& g, const char* op) {
   });
   if (!algo) return false;
   const Storage workspace(kWorkspaceBytes, d, MemCategory::workspace);
-  const float alpha = float(g.alpha), beta = float(g.beta);
-  SG_CUBLAS_CHECK(cublasLtMatmul(h, desc.op, &alpha, g.B, desc.a, g.A, desc.b, &beta, g.C, desc.c, g.C, desc.c,
+  SG_CUBLAS_CHECK(cublasLtMatmul(h, desc.op, &alpha, g.B, desc.a, g.A, desc.b, &beta, source, desc.c, g.C, desc.c,
                                  &*algo, workspace.data(), kWorkspaceBytes, stream));
   return true;
 }

@@ -165,24 +165,29 @@ TEST_CASE("TF32 GEMM stays within TF32 rounding of the CPU", "[gpu][kernels]") {
   check_close(get(gc), get(cc), 0, 5e-3 * std::sqrt(double(K)));
 }
 
-// The table's gemm with its epilogue (bias, GELU, the saved pre-activation): fused into cuBLASLt
-// where it fits (N = 40), run as separate kernels where it does not (N = 36 with pre_gelu; a bias
-// at a 2-byte offset); the CPU table applies the same epilogue after its GEMM.
-TEST_CASE("gemm with bias and GELU epilogues equals the CPU's, fused or not", "[gpu][kernels]") {
+// The table's gemm with its epilogue (bias, GELU, the saved pre-activation, or a residual added
+// last): fused into cuBLASLt where it fits (N = 40), run as separate kernels where it does not
+// (N = 36 with pre_gelu; a bias at a 2-byte offset); the residual is cuBLASLt's beta = 1 source,
+// at a 2-byte offset too (an algorithm for a less aligned C). The CPU table applies the same
+// epilogue after its GEMM.
+TEST_CASE("gemm with bias, GELU and residual epilogues equals the CPU's, fused or not", "[gpu][kernels]") {
   const int64_t M = 33, K = 24;
   for (DType dt : kFloat)
     for (int64_t N : {int64_t(40), int64_t(36)})
-      for (bool gelu : {false, true})
+      for (int last : {0, 1, 2})  // 0 bias only, 1 GELU, 2 residual
         for (bool offset_bias : {false, true}) {
-          INFO(dtype_name(dt) << " N " << N << " gelu " << gelu << " bias at +1 element " << offset_bias);
-          const auto x = randn(size_t(M * K), 12), w = randn(size_t(N * K), 13, 0.3f), bias = randn(size_t(N + 1), 14);
-          Tensor gx = put(x, dt, gpu), gw = put(w, dt, gpu), gbias = put(bias, dt, gpu);
+          const bool gelu = last == 1, residual = last == 2;
+          INFO(dtype_name(dt) << " N " << N << " gelu " << gelu << " residual " << residual
+                              << " bias (and residual) at +1 element " << offset_bias);
+          const auto x = randn(size_t(M * K), 12), w = randn(size_t(N * K), 13, 0.3f), bias = randn(size_t(N + 1), 14),
+                     res = randn(size_t(M * N + 1), 15);
+          Tensor gx = put(x, dt, gpu), gw = put(w, dt, gpu), gbias = put(bias, dt, gpu), gres = put(res, dt, gpu);
           Tensor cx = put(rounded(x, dt), DType::f32, host), cw = put(rounded(w, dt), DType::f32, host),
-                 cbias = put(rounded(bias, dt), DType::f32, host);
+                 cbias = put(rounded(bias, dt), DType::f32, host), cres = put(rounded(res, dt), DType::f32, host);
           Tensor out = buffer(M * N, dt, gpu), pre = buffer(M * N, dt, gpu);
           Tensor cout = buffer(M * N, DType::f32, host), cpre = buffer(M * N, DType::f32, host);
           const size_t skip = offset_bias ? 1 : 0;
-          auto args = [&](DType t, Tensor& xx, Tensor& ww, Tensor& bb, Tensor& o, Tensor& p) {
+          auto args = [&](DType t, Tensor& xx, Tensor& ww, Tensor& bb, Tensor& rr, Tensor& o, Tensor& p) {
             kernels::GemmArgs g;
             g.dtype = t;
             g.trans_b = true;
@@ -191,10 +196,11 @@ TEST_CASE("gemm with bias and GELU epilogues equals the CPU's, fused or not", "[
             g.bias = static_cast<const char*>(bb.data_ptr()) + skip * dtype_size(t);
             g.gelu = gelu;
             g.pre_gelu = gelu ? p.data_ptr() : nullptr;
+            g.residual = residual ? static_cast<const char*>(rr.data_ptr()) + skip * dtype_size(t) : nullptr;
             return g;
           };
-          G().gemm(args(dt, gx, gw, gbias, out, pre));
-          C().gemm(args(DType::f32, cx, cw, cbias, cout, cpre));
+          G().gemm(args(dt, gx, gw, gbias, gres, out, pre));
+          C().gemm(args(DType::f32, cx, cw, cbias, cres, cout, cpre));
           const double tol = dt == DType::f32 ? 1e-4 : 3e-2;
           check_close(get(out), rounded(get(cout), dt), rtol(dt), tol);
           if (gelu) check_close(get(pre), rounded(get(cpre), dt), rtol(dt), tol);
