@@ -9,10 +9,14 @@
 // and the classifier as one fused pass or as the cross_entropy + cross_entropy_backward pair (both
 // rows count the fused pass's 2 logits-sized transfers: the pair's lower GB/s is its third one).
 // The classifier and norm entries copy a count or a sum to the host and wait, inside the timing.
+// The embedding backward runs over uniform and Zipf-distributed tokens: real text repeats a few
+// tokens hundreds of times per batch, and each table row's run is summed by one block.
 //
 //   ./build/bench/sg_bench_memory_gpu
 // Exits 77 without a CUDA device or on a build without the CUDA kernels.
+#include <algorithm>
 #include <cstdio>
+#include <random>
 #include <vector>
 
 #include "core/storage.h"
@@ -109,6 +113,36 @@ int main() {
           G.cross_entropy_backward(bf, DType::i32, logits.get(), dloss.get(), logits.get(), lse.get(), tg.data(), R, Vp,
                                    V, -1);
         }));
+  }
+  {  // the token embedding's backward: uniform tokens, and Zipf-distributed ones as in real text
+    // (rank k drawn with probability ~ 1/k: the commonest token ~9% of the batch, one long run)
+    const Buffer dout(N, bf, 50), dw(Vp * C, bf, 51);
+    std::mt19937_64 rng(7);
+    std::vector<double> cdf(static_cast<size_t>(V));
+    double total = 0;
+    for (int64_t k = 0; k < V; ++k) cdf[size_t(k)] = total += 1.0 / double(k + 1);
+    for (bool zipf : {false, true}) {
+      std::vector<int32_t> idx(static_cast<size_t>(R));
+      std::vector<int64_t> count(static_cast<size_t>(V), 0);
+      std::uniform_real_distribution<double> u(0, total);
+      for (auto& t : idx) {
+        const int64_t k = zipf ? int64_t(std::lower_bound(cdf.begin(), cdf.end(), u(rng)) - cdf.begin())
+                               : int64_t(rng() % uint64_t(V));
+        t = int32_t(k * 7919 % V);  // ranks spread over the table
+        ++count[size_t(t)];
+      }
+      const int64_t distinct = std::count_if(count.begin(), count.end(), [](int64_t c) { return c > 0; }),
+                    longest = *std::max_element(count.begin(), count.end());
+      Storage ti(size_t(R) * 4, gpu, MemCategory::activation);
+      G.copy_from_host(ti.data(), idx.data(), size_t(R) * 4, gpu);
+      char what[96];
+      std::snprintf(what, sizeof what, "embedding backward, %s tokens (%lld rows, run <= %lld)",
+                    zipf ? "Zipf" : "uniform", static_cast<long long>(distinct), static_cast<long long>(longest));
+      // dout read once; each touched row of the table read and written
+      row(what, h * double(N) + 2 * h * double(distinct * C), median_ms([&] {
+            G.embedding_backward(bf, DType::i32, dw.get(), dout.get(), ti.data(), R, C);
+          }));
+    }
   }
   {  // the optimizer over GPT-2 124M's parameters as one f32 tensor, its bf16 gradient and copy
     const int64_t P = 124'475'904;

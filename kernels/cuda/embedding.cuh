@@ -4,9 +4,9 @@
 // The backward first sorts the token positions by row, stably (CUB's radix sort on the GPU; a
 // std::stable_sort under the emulation, where memory is the host's), then gives each run of equal
 // rows x 128 columns to one block: a thread adds its column of the run's dout rows in position
-// order. Every table row's sum is thus formed in exactly the CPU's order, with no float atomics,
-// so results do not depend on scheduling, and the work spreads over (distinct rows x C) threads
-// instead of C threads walking all n tokens.
+// order, loading them kRunGroup at a time. Every table row's sum is thus formed in exactly the
+// CPU's order, with no float atomics, so results do not depend on scheduling, and the work spreads
+// over (distinct rows x C) threads instead of C threads walking all n tokens.
 #pragma once
 #include <algorithm>
 
@@ -34,6 +34,12 @@ __global__ void embedding_forward_kernel(T* out, const I* idx, const T* weight, 
   for (int64_t c = packs * N + threadIdx.x; c < C; c += blockDim.x) o[c] = w[c];
 }
 
+// Positions of one run whose dout values a thread has in flight at once. Real text repeats a few
+// tokens hundreds of times per batch (Zipf), and a one-at-a-time loop waits a dependent
+// rows/pos/dout round trip per position; in groups of kRunGroup the loads of a group overlap and
+// the adds still go in position order.
+constexpr int kRunGroup = 8;
+
 // Called with rows[] sorted stably and pos[] the matching token positions: block (k, y) works only
 // when k starts a run of equal rows; its threads take columns y*blockDim.x + threadIdx.x.
 template <class T, class I>
@@ -46,7 +52,14 @@ __global__ void embedding_backward_kernel(T* dweight, const T* dout, const I* ro
   const I r = rows[k];
   T* d = dweight + int64_t(r) * C + c;
   float acc = to_f32(*d);
-  for (int64_t j = k; j < n && rows[j] == r; ++j) acc += to_f32(dout[int64_t(pos[j]) * C + c]);
+  for (int64_t j = k; j < n && rows[j] == r; j += kRunGroup) {
+    bool in[kRunGroup];  // sorted: the run is contiguous, so a position past its end ends it
+    T v[kRunGroup];
+    SG_UNROLL(kRunGroup) for (int u = 0; u < kRunGroup; ++u) in[u] = j + u < n && rows[j + u] == r;
+    SG_UNROLL(kRunGroup) for (int u = 0; u < kRunGroup; ++u) v[u] = in[u] ? dout[int64_t(pos[j + u]) * C + c] : T{};
+    SG_UNROLL(kRunGroup) for (int u = 0; u < kRunGroup; ++u)
+      if (in[u]) acc += to_f32(v[u]);  // in position order, as the CPU adds
+  }
   *d = from_f32<T>(acc);
 }
 
