@@ -9,6 +9,10 @@
 // max m and sum l (the four lanes of a quad share a row), turns S into P = exp(S - m) and feeds P
 // as A fragments of E straight from the accumulators into O += P V. Rows are normalised once at
 // the end: O / l, lse = m + log l. P is rounded to E for P V; l sums the unrounded P.
+// Every kernel keeps S in base 2 (S log2(e), one multiply-add with the max or lse folded in, then
+// exp2; lse itself stays natural), masks only the tiles that cross the causal diagonal or the end
+// of the sequence, and the causal forward and dq kernels take their query blocks heaviest first
+// (the last rows see the most keys) so that the grid's tail is its lightest blocks.
 // Backward, two kernels and no atomics (deterministic), with P rebuilt from the saved lse:
 //   dk/dv: a block owns 64 keys, 16 per warp, K and V held as A fragments; per tile of 32 queries
 //          S^T = K Q^T, P^T = exp(scale S^T - lse), dP^T = V dO^T, dS^T = P^T o (dP^T - Dv),
@@ -27,6 +31,13 @@ namespace sg::cuda {
 constexpr int kTcRows = 64;  // query rows per block: 16 per warp, 4 warps
 constexpr int kTcKeys = 32;  // keys per shared-memory tile
 constexpr int kTcThreads = 128;  // kTcRows / 16 warps
+constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+
+// The query block a forward or dq block owns: the last first when causal (it sees the most keys).
+SG_DEVICE int64_t query_block_start(bool causal) {
+  const unsigned b = causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  return int64_t(b) * kTcRows;
+}
 
 // kCount rows of a [T, D] head (rows st elements apart) on their way into shared memory, held in
 // this thread's registers in between: fetch() issues every global load the thread owns before
@@ -132,14 +143,15 @@ __global__ void __launch_bounds__(kTcThreads) attention_forward_tc_kernel(E* out
   SG_SHARED(E, qs, kTcRows * ld);
   SG_SHARED(E, ks, kTcKeys * ld);
   SG_SHARED(E, vs, kTcKeys * ld);
-  const int64_t bh = blockIdx.y, qh = ql.head(bh), oh = ol.head(bh), row0 = int64_t(blockIdx.x) * kTcRows;
+  const int64_t bh = blockIdx.y, qh = ql.head(bh), oh = ol.head(bh), row0 = query_block_start(causal);
   const int warp = int(threadIdx.x) / 32, t = mma_thread_in_group();
   const int64_t rows[2] = {row0 + warp * 16 + mma_group(), row0 + warp * 16 + mma_group() + 8};
+  const float scale2 = scale * kLog2e;  // S in base 2
 
   FragA<E> qf[D / 16];
   load_warp_rows<E, D>(qf, qs, q + qh, ql.st, row0, T_);
 
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // m: the row max of S log2(e)
   FragC o[D / 8];
   const int64_t last = causal ? (row0 + kTcRows < T_ ? row0 + kTcRows : T_) : T_;
   TileCopy<E, D, kTcKeys> kc, vc;
@@ -158,26 +170,31 @@ __global__ void __launch_bounds__(kTcThreads) attention_forward_tc_kernel(E* out
     FragC s[kTcKeys / 8];
     mma_tile_t<E, D>(s, qf, ks, ld);
 
-    // Key 0 is in the first tile and visible to every row, so m is finite after it.
+    // Key 0 is in the first tile and visible to every row, so m is finite after it. Only a tile
+    // with a key past the block's first row (causal) or past the end needs the mask.
+    const bool edge = (causal && j0 + kTcKeys - 1 > row0) || j0 + kTcKeys > T_;
     float m_new[2] = {m[0], m[1]};
     for (int n = 0; n < kTcKeys / 8; ++n)
       for (int i = 0; i < 4; ++i) {
-        const int64_t col = j0 + 8 * n + 2 * t + (i & 1);
-        const bool hidden = col >= T_ || (causal && col > rows[i / 2]);
-        s[n].x[i] = hidden ? -INFINITY : s[n].x[i] * scale;
-        m_new[i / 2] = fmaxf(m_new[i / 2], s[n].x[i]);
+        float x = s[n].x[i] * scale2;
+        if (edge) {
+          const int64_t col = j0 + 8 * n + 2 * t + (i & 1);
+          if (col >= T_ || (causal && col > rows[i / 2])) x = -INFINITY;
+        }
+        s[n].x[i] = x;
+        m_new[i / 2] = fmaxf(m_new[i / 2], x);
       }
     float correction[2];
     for (int h = 0; h < 2; ++h) {
       m_new[h] = fmaxf(m_new[h], __shfl_xor_sync(kFullMask, m_new[h], 1));
       m_new[h] = fmaxf(m_new[h], __shfl_xor_sync(kFullMask, m_new[h], 2));
-      correction[h] = expf(m[h] - m_new[h]);
+      correction[h] = exp2f(m[h] - m_new[h]);
       m[h] = m_new[h];
       l[h] *= correction[h];  // l is this lane's share of the row sum until the end
     }
     for (int n = 0; n < kTcKeys / 8; ++n)
       for (int i = 0; i < 4; ++i) {
-        s[n].x[i] = expf(s[n].x[i] - m[i / 2]);
+        s[n].x[i] = exp2f(s[n].x[i] - m[i / 2]);
         l[i / 2] += s[n].x[i];
       }
     for (int dn = 0; dn < D / 8; ++dn)
@@ -197,7 +214,7 @@ __global__ void __launch_bounds__(kTcThreads) attention_forward_tc_kernel(E* out
       if (rows[i / 2] < T_)
         out[oh + rows[i / 2] * ol.st + 8 * dn + 2 * t + (i & 1)] = from_f32<E>(o[dn].x[i] / l[i / 2]);
   for (int h = 0; h < 2; ++h)
-    if (t == 0 && rows[h] < T_) lse[bh * T_ + rows[h]] = m[h] + logf(l[h]);
+    if (t == 0 && rows[h] < T_) lse[bh * T_ + rows[h]] = m[h] * kLn2 + logf(l[h]);
 }
 
 // a.lse must be f32; writes out and lse ('='). bf16 or f16: tensor cores take no f32 operands here.
@@ -212,13 +229,13 @@ inline void attention_forward_tensor_cores(const kernels::AttentionArgs& a, Stre
   });
 }
 
-// A [kTcKeys] slice of a per-row f32 vector (rows past T: 0), fetched to a register of the first
-// kTcKeys threads and put into shared memory later, as TileCopy does.
+// A [kTcKeys] slice of a per-row f32 vector times factor (rows past T: 0), fetched to a register of
+// the first kTcKeys threads and put into shared memory later, as TileCopy does.
 struct RowValues {
   float value = 0.0f;
-  SG_DEVICE void fetch(const float* src, int64_t r0, int64_t rows) {
+  SG_DEVICE void fetch(const float* src, int64_t r0, int64_t rows, float factor = 1.0f) {
     const int e = int(threadIdx.x);
-    value = e < kTcKeys && r0 + e < rows ? src[r0 + e] : 0.0f;
+    value = e < kTcKeys && r0 + e < rows ? src[r0 + e] * factor : 0.0f;
   }
   SG_DEVICE void put(float* dst) const {
     if (int(threadIdx.x) < kTcKeys) dst[threadIdx.x] = value;
@@ -242,6 +259,7 @@ __global__ void __launch_bounds__(kTcThreads) attention_dkdv_tc_kernel(E* dk, E*
   const float* dvec_h = dvec + bh * T_;
   const int warp = int(threadIdx.x) / 32, t = mma_thread_in_group();
   const int64_t keys[2] = {key0 + warp * 16 + mma_group(), key0 + warp * 16 + mma_group() + 8};
+  const float scale2 = scale * kLog2e;  // S in base 2, against lse log2(e) in lse_s
 
   FragA<E> kf[D / 16], vf[D / 16];
   load_warp_rows<E, D>(kf, kv, k + qh, ql.st, key0, T_);
@@ -255,7 +273,7 @@ __global__ void __launch_bounds__(kTcThreads) attention_dkdv_tc_kernel(E* dk, E*
   const auto fetch = [&](int64_t i0) {
     qc.fetch(q + qh, ql.st, i0, T_);
     doc.fetch(dout + oh, ol.st, i0, T_);
-    lc.fetch(lse_h, i0, T_);
+    lc.fetch(lse_h, i0, T_, kLog2e);
     dc.fetch(dvec_h, i0, T_);
   };
   fetch(first);
@@ -271,12 +289,17 @@ __global__ void __launch_bounds__(kTcThreads) attention_dkdv_tc_kernel(E* dk, E*
     FragC st[kTcKeys / 8], dpt[kTcKeys / 8];  // S^T and dP^T: 16 keys x 32 queries
     mma_tile_t<E, D>(st, kf, qs, ld);
     mma_tile_t<E, D>(dpt, vf, dos, ld);
+    // Only a tile with a query before the block's last key (causal) or past the end needs the
+    // mask (keys past the end are never written).
+    const bool edge = (causal && i0 < key0 + kTcRows - 1) || i0 + kTcKeys > T_;
     for (int n = 0; n < kTcKeys / 8; ++n)
       for (int i = 0; i < 4; ++i) {
         const int c = 8 * n + 2 * t + (i & 1);
-        const int64_t query = i0 + c, key = keys[i / 2];
-        const bool hidden = query >= T_ || key >= T_ || (causal && key > query);
-        const float p = hidden ? 0.0f : expf(st[n].x[i] * scale - lse_s[c]);
+        float p = exp2f(st[n].x[i] * scale2 - lse_s[c]);
+        if (edge) {
+          const int64_t query = i0 + c, key = keys[i / 2];
+          if (query >= T_ || (causal && key > query)) p = 0.0f;
+        }
         st[n].x[i] = p;                              // P^T
         dpt[n].x[i] = p * (dpt[n].x[i] - dvec_s[c]);  // dS^T
       }
@@ -307,13 +330,14 @@ __global__ void __launch_bounds__(kTcThreads) attention_dq_tc_kernel(E* dq, cons
   SG_SHARED(E, rows_s, kTcRows * ld);  // this block's queries, then its output gradients
   SG_SHARED(E, ks, kTcKeys * ld);
   SG_SHARED(E, vs, kTcKeys * ld);
-  const int64_t bh = blockIdx.y, qh = ql.head(bh), oh = ol.head(bh), row0 = int64_t(blockIdx.x) * kTcRows;
+  const int64_t bh = blockIdx.y, qh = ql.head(bh), oh = ol.head(bh), row0 = query_block_start(causal);
   const int warp = int(threadIdx.x) / 32, t = mma_thread_in_group();
   const int64_t rows[2] = {row0 + warp * 16 + mma_group(), row0 + warp * 16 + mma_group() + 8};
+  const float scale2 = scale * kLog2e;  // S in base 2, against lse log2(e)
   float row_lse[2], row_dvec[2];
   for (int h = 0; h < 2; ++h) {
     const bool live = rows[h] < T_;
-    row_lse[h] = live ? lse[bh * T_ + rows[h]] : 0.0f;
+    row_lse[h] = live ? lse[bh * T_ + rows[h]] * kLog2e : 0.0f;
     row_dvec[h] = live ? dvec[bh * T_ + rows[h]] : 0.0f;
   }
 
@@ -339,11 +363,16 @@ __global__ void __launch_bounds__(kTcThreads) attention_dq_tc_kernel(E* dq, cons
     FragC s[kTcKeys / 8], dp[kTcKeys / 8];  // S and dP: 16 queries x 32 keys
     mma_tile_t<E, D>(s, qf, ks, ld);
     mma_tile_t<E, D>(dp, dof, vs, ld);
+    // As in the forward: only tiles crossing the diagonal or the end are masked (rows past the end
+    // are never written).
+    const bool edge = (causal && j0 + kTcKeys - 1 > row0) || j0 + kTcKeys > T_;
     for (int n = 0; n < kTcKeys / 8; ++n)
       for (int i = 0; i < 4; ++i) {
-        const int64_t key = j0 + 8 * n + 2 * t + (i & 1), row = rows[i / 2];
-        const bool hidden = key >= T_ || row >= T_ || (causal && key > row);
-        const float p = hidden ? 0.0f : expf(s[n].x[i] * scale - row_lse[i / 2]);
+        float p = exp2f(s[n].x[i] * scale2 - row_lse[i / 2]);
+        if (edge) {
+          const int64_t key = j0 + 8 * n + 2 * t + (i & 1);
+          if (key >= T_ || (causal && key > rows[i / 2])) p = 0.0f;
+        }
         dp[n].x[i] = p * (dp[n].x[i] - row_dvec[i / 2]);  // dS
       }
     for (int kk = 0; kk < kTcKeys / 16; ++kk) {

@@ -159,12 +159,14 @@ TEST_CASE("emu flash attention refuses a head dim it has no kernel for", "[emu]"
 }
 
 // The tensor-core forward (kernels/cuda/attention_tc.cuh): bf16 and f16, head dims 64 and 128,
-// lengths that end inside a 32-key tile and inside a 64-row block, causal and not.
+// lengths that end inside a 32-key tile and inside a 64-row block, causal and not. T = 150 gives
+// three query blocks (taken last first), each with key tiles wholly below the diagonal (no mask),
+// across it, and past the end.
 TEMPLATE_TEST_CASE("emu tensor-core flash attention forward (mma m16n8k16) matches the CPU table", "[emu]", cu::bf16,
                    cu::f16) {
   using E = TestType;
   for (auto [Tn, D, causal] : {std::tuple<int64_t, int64_t, bool>{37, 64, true}, {70, 64, true}, {37, 128, true},
-                               {70, 128, true}, {45, 64, false}}) {
+                               {70, 128, true}, {45, 64, false}, {150, 64, true}}) {
     INFO("T " << Tn << " D " << D << " causal " << causal);
     AttentionCase<E> c(Tn, D, causal, 90);
     cu::attention_forward_tensor_cores(c.g, nullptr);
@@ -180,7 +182,7 @@ TEMPLATE_TEST_CASE("emu tensor-core flash attention backward (mma m16n8k16) matc
                    cu::f16) {
   using E = TestType;
   for (auto [Tn, D, causal] : {std::tuple<int64_t, int64_t, bool>{37, 64, true}, {70, 64, true}, {70, 128, true},
-                               {45, 64, false}}) {
+                               {45, 64, false}, {150, 64, true}}) {
     INFO("T " << Tn << " D " << D << " causal " << causal);
     AttentionCase<E> c(Tn, D, causal, 93);
     auto work = c.workspace();
