@@ -9,7 +9,7 @@
 // and the classifier as one fused pass or as the cross_entropy + cross_entropy_backward pair (both
 // rows count the fused pass's 2 logits-sized transfers: the pair's lower GB/s is its third one).
 // The classifier and norm entries copy a count or a sum to the host and wait, inside the timing.
-// The embedding backward runs over uniform and Zipf-distributed tokens: real text repeats a few
+// The embedding backward runs over uniform and text-like (Zipf) tokens: real text repeats a few
 // tokens hundreds of times per batch, and each table row's run is summed by one block.
 //
 //   ./build/bench/sg_bench_memory_gpu
@@ -114,13 +114,13 @@ int main() {
                                    V, -1);
         }));
   }
-  {  // the token embedding's backward: uniform tokens, and Zipf-distributed ones as in real text
-    // (rank k drawn with probability ~ 1/k: the commonest token ~9% of the batch, one long run)
+  {  // the token embedding's backward: uniform tokens, and text-like ones (Zipf-Mandelbrot: rank k
+    // drawn with probability ~ 1/(k + 2.7), the commonest token ~3% of the batch, one long run)
     const Buffer dout(N, bf, 50), dw(Vp * C, bf, 51);
     std::mt19937_64 rng(7);
     std::vector<double> cdf(static_cast<size_t>(V));
     double total = 0;
-    for (int64_t k = 0; k < V; ++k) cdf[size_t(k)] = total += 1.0 / double(k + 1);
+    for (int64_t k = 0; k < V; ++k) cdf[size_t(k)] = total += 1.0 / (double(k) + 2.7);
     for (bool zipf : {false, true}) {
       std::vector<int32_t> idx(static_cast<size_t>(R));
       std::vector<int64_t> count(static_cast<size_t>(V), 0);
@@ -137,7 +137,7 @@ int main() {
       G.copy_from_host(ti.data(), idx.data(), size_t(R) * 4, gpu);
       char what[96];
       std::snprintf(what, sizeof what, "embedding backward, %s tokens (%lld rows, run <= %lld)",
-                    zipf ? "Zipf" : "uniform", static_cast<long long>(distinct), static_cast<long long>(longest));
+                    zipf ? "text-like" : "uniform", static_cast<long long>(distinct), static_cast<long long>(longest));
       // dout read once; each touched row of the table read and written
       row(what, h * double(N) + 2 * h * double(distinct * C), median_ms([&] {
             G.embedding_backward(bf, DType::i32, dw.get(), dout.get(), ti.data(), R, C);
