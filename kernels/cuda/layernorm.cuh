@@ -212,14 +212,28 @@ __global__ void norm_backward_fused_kernel(T* dx, float* partial, const T* dr, c
     norm_backward_dx_row<W, kUnits, T, kRms>(dx + at, dr ? dr + at : nullptr, dy + at, x + at, w, m, s, C, lane, acc);
   }
   // The warps' sums in warp order: warp 0 stores, each later one adds, a barrier between turns.
+  // A lane's W sums are adjacent, W floats from the next lane's: 16-byte accesses where W allows
+  // (a 2-way bank conflict where W scalar ones are 8-way at W = 8).
+  constexpr int P = W % Pack<float>::N == 0 ? Pack<float>::N : 1;
   for (int turn = 0; turn < kFusedWarps; ++turn) {
     if (warp == turn)
       for_lane_units<kUnits>(units, lane, [&](int64_t u, int k) {
-        for (int e = 0; e < W; ++e) {
-          float* pw = sums + u * W + e;
+        for (int h = 0; h < W; h += P) {
+          float* pw = sums + u * W + h;
           float* pb = pw + C;
-          *pw = turn == 0 ? sw[k][e] : *pw + sw[k][e];
-          *pb = turn == 0 ? sb[k][e] : *pb + sb[k][e];
+          if constexpr (P > 1) {
+            Pack<float> a, b;
+            if (turn > 0) a = load_pack(pw), b = load_pack(pb);
+            for (int e = 0; e < P; ++e) {
+              a.v[e] = turn == 0 ? sw[k][h + e] : a.v[e] + sw[k][h + e];
+              b.v[e] = turn == 0 ? sb[k][h + e] : b.v[e] + sb[k][h + e];
+            }
+            store_pack(pw, a);
+            store_pack(pb, b);
+          } else {
+            *pw = turn == 0 ? sw[k][h] : *pw + sw[k][h];
+            *pb = turn == 0 ? sb[k][h] : *pb + sb[k][h];
+          }
         }
       });
     __syncthreads();
