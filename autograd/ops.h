@@ -93,8 +93,8 @@ double sum_squares(const std::vector<Tensor>& xs, const std::vector<double>& wei
 Tensor matmul(const Tensor& a, const Tensor& b);
 // y = x W^T + b with W [out, in] (PyTorch's nn.Linear layout); b may be undefined. With residual
 // (the output's shape, x's dtype and device): add(residual, linear(x, w, b)), the add in the
-// GEMM's epilogue (GemmArgs::residual; the same values on the CPU, bit for bit), the residual's
-// gradient the output's, handed on as it is.
+// GEMM's epilogue (GemmArgs::residual; on the CPU the same values bit for bit in f32 and f64; a
+// GPU rounds the sum once), the residual's gradient the output's, handed on as it is.
 Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& residual = Tensor());
 // gelu(linear(x, w, b)) in one GEMM (the bias and GELU in its epilogue; the same values on the CPU,
 // bit for bit); keeps the pre-activation for the backward, as gelu would.

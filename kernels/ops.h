@@ -46,8 +46,9 @@ struct GemmArgs {
   bool gelu = false;
   void* pre_gelu = nullptr;
   //  - residual [M, N] (C's layout; beta 0, no GELU): added last, C = alpha op(A) op(B) + bias +
-  //    residual, the two-op form's add(residual, linear(...)) without its pass over C. Not C
-  //    itself. A GPU reads it as the GEMM's beta = 1 source; the CPU adds it after the bias.
+  //    residual, the two-op form's add(residual, linear(...)) without its pass over C. A buffer
+  //    of its own (not overlapping C). A GPU reads it as the GEMM's beta = 1 source, rounding
+  //    once; the CPU adds it after the bias.
   const void* residual = nullptr;
   // Backward epilogues, the gradients a linear layer's backward needs beside its GEMMs:
   //  - dgelu_pre [M, N] (one contiguous C, beta 0, no forward epilogue): C = the product times

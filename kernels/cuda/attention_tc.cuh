@@ -9,10 +9,11 @@
 // max m and sum l (the four lanes of a quad share a row), turns S into P = exp(S - m) and feeds P
 // as A fragments of E straight from the accumulators into O += P V. Rows are normalised once at
 // the end: O / l, lse = m + log l. P is rounded to E for P V; l sums the unrounded P.
-// Every kernel keeps S in base 2 (S log2(e), one multiply-add with the max or lse folded in, then
-// exp2; lse itself stays natural), masks only the tiles that cross the causal diagonal or the end
-// of the sequence, and the causal forward and dq kernels take their query blocks heaviest first
-// (the last rows see the most keys) so that the grid's tail is its lightest blocks.
+// Every kernel turns S into P with one multiply-add and exp2 (the scale times log2(e), with the
+// running max or lse folded in; the forward keeps the max of the raw S, so it needs scale > 0; lse
+// itself stays natural), masks only the tiles that cross the causal diagonal or the end of the
+// sequence, and the causal forward and dq grids take their query blocks heaviest first across all
+// heads (the last rows see the most keys), so that the grid's tail is its lightest blocks.
 // Backward, two kernels and no atomics (deterministic), with P rebuilt from the saved lse:
 //   dk/dv: a block owns 64 keys, 16 per warp, K and V held as A fragments; per tile of 32 queries
 //          S^T = K Q^T, P^T = exp(scale S^T - lse), dP^T = V dO^T, dS^T = P^T o (dP^T - Dv),
@@ -31,12 +32,18 @@ namespace sg::cuda {
 constexpr int kTcRows = 64;  // query rows per block: 16 per warp, 4 warps
 constexpr int kTcKeys = 32;  // keys per shared-memory tile
 constexpr int kTcThreads = 128;  // kTcRows / 16 warps
-constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+constexpr float kLog2e = 1.4426950408889634f;
 
-// The query block a forward or dq block owns: the last first when causal (it sees the most keys).
-SG_DEVICE int64_t query_block_start(bool causal) {
-  const unsigned b = causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  return int64_t(b) * kTcRows;
+// The head (b * H + h) and first query row of a forward or dq block, on a grid of (query blocks,
+// B * H). Causal: blocks in launch order (x fastest) take every head's last query block, then
+// every head's one before it, and so on: the heaviest first across the whole grid.
+struct QueryBlock {
+  int64_t bh, row0;
+};
+SG_DEVICE QueryBlock query_block(bool causal) {
+  if (!causal) return {int64_t(blockIdx.y), int64_t(blockIdx.x) * kTcRows};
+  const int64_t heads = gridDim.y, order = int64_t(blockIdx.x) + int64_t(blockIdx.y) * gridDim.x;
+  return {order % heads, (int64_t(gridDim.x) - 1 - order / heads) * kTcRows};
 }
 
 // kCount rows of a [T, D] head (rows st elements apart) on their way into shared memory, held in
@@ -143,15 +150,16 @@ __global__ void __launch_bounds__(kTcThreads) attention_forward_tc_kernel(E* out
   SG_SHARED(E, qs, kTcRows * ld);
   SG_SHARED(E, ks, kTcKeys * ld);
   SG_SHARED(E, vs, kTcKeys * ld);
-  const int64_t bh = blockIdx.y, qh = ql.head(bh), oh = ol.head(bh), row0 = query_block_start(causal);
+  const QueryBlock qb = query_block(causal);
+  const int64_t bh = qb.bh, qh = ql.head(bh), oh = ol.head(bh), row0 = qb.row0;
   const int warp = int(threadIdx.x) / 32, t = mma_thread_in_group();
   const int64_t rows[2] = {row0 + warp * 16 + mma_group(), row0 + warp * 16 + mma_group() + 8};
-  const float scale2 = scale * kLog2e;  // S in base 2
+  const float scale2 = scale * kLog2e;  // exp(scale (s - m)) = exp2(scale2 s - scale2 m)
 
   FragA<E> qf[D / 16];
   load_warp_rows<E, D>(qf, qs, q + qh, ql.st, row0, T_);
 
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // m: the row max of S log2(e)
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // m: the row max of the raw S (scale > 0)
   FragC o[D / 8];
   const int64_t last = causal ? (row0 + kTcRows < T_ ? row0 + kTcRows : T_) : T_;
   TileCopy<E, D, kTcKeys> kc, vc;
@@ -176,25 +184,24 @@ __global__ void __launch_bounds__(kTcThreads) attention_forward_tc_kernel(E* out
     float m_new[2] = {m[0], m[1]};
     for (int n = 0; n < kTcKeys / 8; ++n)
       for (int i = 0; i < 4; ++i) {
-        float x = s[n].x[i] * scale2;
         if (edge) {
           const int64_t col = j0 + 8 * n + 2 * t + (i & 1);
-          if (col >= T_ || (causal && col > rows[i / 2])) x = -INFINITY;
+          if (col >= T_ || (causal && col > rows[i / 2])) s[n].x[i] = -INFINITY;
         }
-        s[n].x[i] = x;
-        m_new[i / 2] = fmaxf(m_new[i / 2], x);
+        m_new[i / 2] = fmaxf(m_new[i / 2], s[n].x[i]);
       }
-    float correction[2];
+    float correction[2], m_scaled[2];
     for (int h = 0; h < 2; ++h) {
       m_new[h] = fmaxf(m_new[h], __shfl_xor_sync(kFullMask, m_new[h], 1));
       m_new[h] = fmaxf(m_new[h], __shfl_xor_sync(kFullMask, m_new[h], 2));
-      correction[h] = exp2f(m[h] - m_new[h]);
+      correction[h] = exp2f((m[h] - m_new[h]) * scale2);
       m[h] = m_new[h];
+      m_scaled[h] = m[h] * scale2;
       l[h] *= correction[h];  // l is this lane's share of the row sum until the end
     }
     for (int n = 0; n < kTcKeys / 8; ++n)
       for (int i = 0; i < 4; ++i) {
-        s[n].x[i] = exp2f(s[n].x[i] - m[i / 2]);
+        s[n].x[i] = exp2f(fmaf(s[n].x[i], scale2, -m_scaled[i / 2]));
         l[i / 2] += s[n].x[i];
       }
     for (int dn = 0; dn < D / 8; ++dn)
@@ -214,11 +221,13 @@ __global__ void __launch_bounds__(kTcThreads) attention_forward_tc_kernel(E* out
       if (rows[i / 2] < T_)
         out[oh + rows[i / 2] * ol.st + 8 * dn + 2 * t + (i & 1)] = from_f32<E>(o[dn].x[i] / l[i / 2]);
   for (int h = 0; h < 2; ++h)
-    if (t == 0 && rows[h] < T_) lse[bh * T_ + rows[h]] = m[h] * kLn2 + logf(l[h]);
+    if (t == 0 && rows[h] < T_) lse[bh * T_ + rows[h]] = m[h] * scale + logf(l[h]);
 }
 
-// a.lse must be f32; writes out and lse ('='). bf16 or f16: tensor cores take no f32 operands here.
+// a.lse must be f32; writes out and lse ('='). bf16 or f16: tensor cores take no f32 operands here;
+// scale > 0 (the running max is kept over the unscaled scores).
 inline void attention_forward_tensor_cores(const kernels::AttentionArgs& a, Stream stream) {
+  SG_CHECK(a.scale > 0, "attention (tensor cores): scale ", a.scale, " must be > 0");
   dispatch_tensor_cores(a.dtype, a.D, "attention (tensor cores)", [&](auto tag, auto dim) {
     using E = decltype(tag);
     constexpr int D = decltype(dim)::value;
@@ -330,7 +339,8 @@ __global__ void __launch_bounds__(kTcThreads) attention_dq_tc_kernel(E* dq, cons
   SG_SHARED(E, rows_s, kTcRows * ld);  // this block's queries, then its output gradients
   SG_SHARED(E, ks, kTcKeys * ld);
   SG_SHARED(E, vs, kTcKeys * ld);
-  const int64_t bh = blockIdx.y, qh = ql.head(bh), oh = ol.head(bh), row0 = query_block_start(causal);
+  const QueryBlock qb = query_block(causal);
+  const int64_t bh = qb.bh, qh = ql.head(bh), oh = ol.head(bh), row0 = qb.row0;
   const int warp = int(threadIdx.x) / 32, t = mma_thread_in_group();
   const int64_t rows[2] = {row0 + warp * 16 + mma_group(), row0 + warp * 16 + mma_group() + 8};
   const float scale2 = scale * kLog2e;  // S in base 2, against lse log2(e)

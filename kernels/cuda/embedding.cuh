@@ -59,6 +59,7 @@ __global__ void embedding_backward_kernel(T* dweight, const T* dout, const I* ro
     SG_UNROLL(kRunGroup) for (int u = 0; u < kRunGroup; ++u) v[u] = in[u] ? dout[int64_t(pos[j + u]) * C + c] : T{};
     SG_UNROLL(kRunGroup) for (int u = 0; u < kRunGroup; ++u)
       if (in[u]) acc += to_f32(v[u]);  // in position order, as the CPU adds
+    if (!in[kRunGroup - 1]) break;  // the run ended inside this group: no round trip to find it
   }
   *d = from_f32<T>(acc);
 }

@@ -89,7 +89,16 @@ uint32_t min_alignment(std::initializer_list<const void*> ptrs) {
 // Everything the heuristic's answer depends on: device, types, shapes, leading dimensions,
 // batching, epilogue and alignment.
 using AlgoKey = std::tuple<int, int, int, bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                           int64_t, int64_t, int64_t, int, uint32_t, uint32_t, uint32_t, uint32_t>;
+                           int64_t, int64_t, int64_t, int, bool, uint32_t, uint32_t, uint32_t, uint32_t>;
+
+// Whether an algorithm may write D elsewhere than C (a residual GEMM reads C and writes D).
+bool out_of_place(const cublasLtMatmulAlgo_t& algo) {
+  int32_t yes = 0;
+  size_t written = 0;
+  return cublasLtMatmulAlgoCapGetAttribute(&algo, CUBLASLT_ALGO_CAP_OUT_OF_PLACE_RESULT_SUPPORT, &yes, sizeof(yes),
+                                           &written) == CUBLAS_STATUS_SUCCESS &&
+         yes != 0;
+}
 
 // cublasLtMatmulAlgoGetHeuristic costs tens of microseconds of host time; a training step repeats
 // the same few dozen GEMM shapes hundreds of times, so each shape asks once per process.
@@ -183,9 +192,10 @@ bool matmul(const kernels::GemmArgs& g, const char* op) {
   // need more of the others. (The bias and aux pointers are 16-byte aligned: epilogue_fits.)
   const uint32_t align_a = min_alignment({g.B}), align_b = min_alignment({g.A}), align_c = min_alignment({source}),
                  align_d = min_alignment({g.C});
-  const AlgoKey key{d.index,       int(g.dtype), int(compute), g.trans_a, g.trans_b,  g.M,        g.N,
-                    g.K,           g.lda,        g.ldb,        g.ldc,     g.batch,    g.stride_a, g.stride_b,
-                    g.stride_c,    int(epilogue), align_a,     align_b,   align_c,    align_d};
+  const bool residual = g.residual != nullptr;
+  const AlgoKey key{d.index,    int(g.dtype),  int(compute), g.trans_a, g.trans_b, g.M,     g.N,
+                    g.K,        g.lda,         g.ldb,        g.ldc,     g.batch,   g.stride_a, g.stride_b,
+                    g.stride_c, int(epilogue), residual,     align_a,   align_b,   align_c, align_d};
   const std::optional<cublasLtMatmulAlgo_t> algo = cached_algo(key, [&]() -> std::optional<cublasLtMatmulAlgo_t> {
     SG_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&desc.pref));
     const uint64_t ws = kWorkspaceBytes;
@@ -196,19 +206,24 @@ bool matmul(const kernels::GemmArgs& g, const char* op) {
         {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_c}, {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_d}};
     for (const auto& [attr, bytes] : aligns)
       SG_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(desc.pref, attr, &bytes, sizeof(bytes)));
-    cublasLtMatmulHeuristicResult_t best{};
+    // The best few: a residual GEMM takes the best that writes out of place.
+    constexpr int kAsk = 4;
+    cublasLtMatmulHeuristicResult_t results[kAsk] = {};
     int found = 0;
-    const cublasStatus_t st =
-        cublasLtMatmulAlgoGetHeuristic(h, desc.op, desc.a, desc.b, desc.c, desc.c, desc.pref, 1, &best, &found);
-    // No algorithm, or a refusal of this shape/epilogue combination: the caller runs it apart.
-    const bool refused = st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE || found == 0 ||
-                         (st == CUBLAS_STATUS_SUCCESS && best.state != CUBLAS_STATUS_SUCCESS);
-    if (epilogue != CUBLASLT_EPILOGUE_DEFAULT && refused) return std::nullopt;
+    const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(h, desc.op, desc.a, desc.b, desc.c, desc.c, desc.pref,
+                                                             residual ? kAsk : 1, results, &found);
+    const cublasLtMatmulHeuristicResult_t* best = nullptr;
+    for (int i = 0; st == CUBLAS_STATUS_SUCCESS && i < found && !best; ++i)
+      if (results[i].state == CUBLAS_STATUS_SUCCESS && (!residual || out_of_place(results[i].algo))) best = &results[i];
+    // No algorithm, or a refusal of this shape/epilogue combination: the caller runs the epilogue
+    // (residual included) apart, after a bare GEMM.
+    const bool refused = st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE || !best;
+    if ((epilogue != CUBLASLT_EPILOGUE_DEFAULT || residual) && refused) return std::nullopt;
     SG_CUBLAS_CHECK(st);
-    SG_CHECK(found > 0, op, " (cuBLASLt): no algorithm for ", dtype_name(g.dtype), " M=", g.M, " N=", g.N, " K=", g.K,
-             " batch=", g.batch, " lda=", g.lda, " ldb=", g.ldb, " ldc=", g.ldc, " alignment A/B/C ", align_b, "/",
-             align_a, "/", align_c, " bytes");
-    return best.algo;
+    SG_CHECK(best, op, " (cuBLASLt): no algorithm for ", dtype_name(g.dtype), " M=", g.M, " N=", g.N, " K=", g.K,
+             " batch=", g.batch, " lda=", g.lda, " ldb=", g.ldb, " ldc=", g.ldc, " alignment A/B/C/D ", align_b, "/",
+             align_a, "/", align_c, "/", align_d, " bytes");
+    return best->algo;
   });
   if (!algo) return false;
   const Storage workspace(kWorkspaceBytes, d, MemCategory::workspace);

@@ -316,7 +316,7 @@ double sum_squares_many(DType dtype, const void* const* xs, const int64_t* ns, c
 
 // The forward on the fastest kernel that takes it; f.lse is f32.
 bool tensor_cores_take(const kernels::AttentionArgs& a, Device d) {
-  return tensor_core_dtype(a.dtype) && tensor_core_head_dim(a.D) && has_mma_sync(d);
+  return tensor_core_dtype(a.dtype) && tensor_core_head_dim(a.D) && a.scale > 0 && has_mma_sync(d);
 }
 
 void attention_forward_any(const kernels::AttentionArgs& f, Device d, cudaStream_t stream) {

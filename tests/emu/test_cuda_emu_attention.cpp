@@ -243,8 +243,11 @@ TEMPLATE_TEST_CASE("emu tensor-core flash attention on inputs that are not 16-by
   check_close(part(dv), c.dv_ref, tc_scale<E>(4.0));
 }
 
-TEST_CASE("emu tensor-core flash attention refuses f32 and names it", "[emu]") {
+TEST_CASE("emu tensor-core flash attention refuses f32 and a scale that is not positive, naming them", "[emu]") {
   kernels::AttentionArgs a;
-  a.dtype = DType::f32, a.B = 1, a.H = 1, a.T = 4, a.D = 64;
+  a.dtype = DType::f32, a.B = 1, a.H = 1, a.T = 4, a.D = 64, a.scale = 0.125;
   REQUIRE_THROWS_WITH(cu::attention_forward_tensor_cores(a, nullptr), Catch::Contains("f32"));
+  a.dtype = DType::bf16, a.scale = -0.125;  // the forward keeps the running max of the unscaled scores
+  REQUIRE_THROWS_WITH(cu::attention_forward_tensor_cores(a, nullptr),
+                      Catch::Contains("attention (tensor cores): scale -0.125 must be > 0"));
 }
