@@ -181,12 +181,15 @@ void Tape::run(const TensorList& outputs, const TensorList& grad_outputs, const 
     bool any = false;
     for (const auto& g : n.grad_outputs) any = any || g.defined();
     TensorList in_grads;
+    bool absorbed = false;
     if (any) {
       SG_CHECK(n.backward, "backward through '", n.name, "' a second time (its saved tensors were released)");
-      bool absorbed = false;
       if (n.absorb_edge >= 0) {  // hand over what the input has gathered so far (moved: n alone holds it)
         const Edge& e = n.edges[size_t(n.absorb_edge)];
-        Tensor pending = e.producer ? std::exchange(e.producer->grad_outputs[size_t(e.output_nr)], Tensor()) : Tensor();
+        Tensor pending;
+        if (e.producer) pending = std::exchange(e.producer->grad_outputs[size_t(e.output_nr)], Tensor());
+        else if (e.leaf && !wrt && e.leaf->grad.defined() && sole_owner(e.leaf->grad))
+          pending = std::exchange(e.leaf->grad, Tensor());
         absorbed = pending.defined();
         n.grad_outputs.push_back(std::move(pending));
       }
@@ -202,7 +205,12 @@ void Tape::run(const TensorList& outputs, const TensorList& grad_outputs, const 
       if (e.producer) {
         if (g.defined()) accumulate(e.producer->grad_outputs[size_t(e.output_nr)], g);
       } else if (e.leaf) {
-        deliver_leaf(e.leaf, g);
+        if (absorbed && int(k) == n.absorb_edge) {  // the sum with the leaf's own .grad, which n took
+          if (g.storage()->category() != MemCategory::grad) g.storage()->recategorize(MemCategory::grad);
+          e.leaf->grad = g;
+        } else {
+          deliver_leaf(e.leaf, g);
+        }
         if (--pending[e.leaf.get()] == 0 && !wrt && e.leaf->grad.defined()) {
           Tensor leaf(e.leaf);
           for (auto& hook : e.leaf->grad_ready_hooks) hook(leaf);

@@ -31,10 +31,13 @@ struct Node {
   std::vector<Shape> output_shapes;
   BackwardFn backward;
   // An input edge whose gradient the backward adds itself (-1: none). The tape then takes the
-  // gradient that input has gathered so far from its other consumers out of its producer's slot
-  // and passes it after the output gradients (undefined when there is none, or for a leaf), and
-  // the backward returns the sum for that edge: a kernel that can add it in the same pass
-  // (LayerNorm's, through residual_layernorm_backward's dr) saves the tape's separate add.
+  // gradient that input has gathered so far out of its producer's slot (from its other
+  // consumers), or for a leaf its .grad when that handle alone holds it (earlier contributions,
+  // earlier backward passes included; not under Tape::grad), and passes it after the output
+  // gradients (undefined when there is none), and the backward returns the sum for that edge,
+  // which a leaf then keeps as its .grad: a kernel that can add it in the same pass (LayerNorm's,
+  // through residual_layernorm_backward's dr; the embedding's scatter-add, over the tied head's
+  // weight gradient) saves the tape's separate add and a zero-filled buffer.
   int absorb_edge = -1;
   void release() { backward = nullptr; }
 };

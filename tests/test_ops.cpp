@@ -832,6 +832,72 @@ TEST_CASE("cross_entropy names an out-of-range target, including one in the padd
   CHECK(item(cross_entropy(logits, from_vector<int64_t>({-1, -1, -1}, {3}))) == 0.0);  // nothing counted
 }
 
+namespace {
+int64_t g_table_elems = 0, g_table_fills = 0, g_table_adds = 0;  // for the embedding test below
+}  // namespace
+
+TEST_CASE("embedding's backward adds into the gradient its weight gathered elsewhere: no table-sized zeros or add",
+          "[ops]") {
+  // A tied head (GPT-2's wte as embedding and output projection): the head's weight gradient
+  // reaches w first, and the embedding scatter-adds its rows over it. A second backward adds to
+  // the gradient left by the first (micro-batches); a .grad held elsewhere is added to in place,
+  // as before. Values against two untied copies whose gradients are added (f64).
+  const int64_t V = 50, C = 8, n = 24;
+  std::vector<int64_t> ids(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) ids[size_t(i)] = (i * 7) % 11 + (i % 3 == 0 ? 30 : 0);  // repeats
+  Tensor idx = from_vector(ids, {2, n / 2});
+  Tensor w0 = randn({V, C}, 41, 1, 0, 1, DType::f64), r = randn({2, n / 2, V}, 41, 2, 0, 1, DType::f64);
+  auto step = [&](const Tensor& emb_w, const Tensor& head_w) {
+    autograd::Tape tape;
+    Tensor loss;
+    {
+      autograd::TapeScope s(tape);
+      loss = sum(mul(linear(embedding(emb_w, idx), head_w, Tensor()), r));
+    }
+    tape.backward(loss);
+  };
+  // the reference: untied copies, their gradients added
+  Tensor a = clone(w0), b = clone(w0);
+  a.set_requires_grad(true), b.set_requires_grad(true);
+  step(a, b);
+  const auto one = to_vector<double>(add(a.grad(), b.grad()));
+
+  Tensor w = clone(w0);
+  w.set_requires_grad(true);
+  g_table_elems = V * C, g_table_fills = 0, g_table_adds = 0;
+  {
+    ScopedCpuTable counted([](kernels::OpTable& t) {
+      t.fill = [](void* dst, DType dt, int64_t count, double v) {
+        g_table_fills += count == g_table_elems;
+        kernels::cpu::fill(dst, dt, count, v);
+      };
+      t.binary = [](kernels::Binary op, DType dt, void* out, const void* x, const kernels::Dims& xs, const void* y,
+                    const kernels::Dims& ys, const kernels::Dims& shape) {
+        int64_t count = 1;
+        for (int64_t d : shape) count *= d;
+        g_table_adds += op == kernels::Binary::add && count == g_table_elems;
+        kernels::cpu::binary(op, dt, out, x, xs, y, ys, shape);
+      };
+    });
+    step(w, w);
+  }
+  CHECK(g_table_fills == 0);
+  CHECK(g_table_adds == 0);
+  const auto tied = to_vector<double>(w.grad());
+  REQUIRE(tied.size() == one.size());
+  for (size_t i = 0; i < one.size(); ++i) CHECK(tied[i] == Approx(one[i]).epsilon(1e-12).margin(1e-12));
+  // a second backward adds to the first's gradient
+  step(w, w);
+  auto twice = to_vector<double>(w.grad());
+  for (size_t i = 0; i < one.size(); ++i) CHECK(twice[i] == Approx(2 * one[i]).epsilon(1e-12).margin(1e-12));
+  // a gradient someone else holds is not taken over: it is added to in place, and both see it
+  Tensor held = w.grad();
+  step(w, w);
+  CHECK(held.data_ptr() == w.grad().data_ptr());
+  auto thrice = to_vector<double>(held);
+  for (size_t i = 0; i < one.size(); ++i) CHECK(thrice[i] == Approx(3 * one[i]).epsilon(1e-12).margin(1e-12));
+}
+
 TEST_CASE("embedding names an out-of-range index", "[ops]") {
   Tensor w = zeros({4, 3});
   REQUIRE_THROWS_WITH(embedding(w, from_vector<int64_t>({0, 4}, {2})), Contains("index 4 out of range for a table of 4 rows"));

@@ -25,12 +25,29 @@ Tensor embedding(const Tensor& weight, const Tensor& idx) {
   if (needs_grad({weight})) {
     Shape ws = weight.shape();
     DType want = weight.dtype();
-    record("embedding", {weight}, {out}, [ix, ws, n, C, want](const TensorList& g) {
-      Tensor G = detail::operand(g[0]);
-      Tensor dw = zeros(ws, G.dtype(), G.device());
-      SG_KERNEL(G.device(), embedding_backward)(G.dtype(), ix.dtype(), dw.data_ptr(), G.data_ptr(), ix.data_ptr(), n, C);
-      return TensorList{detail::narrow_result(dw, want)};
-    });
+    // The backward scatter-adds ('+=') straight into the gradient the weight has gathered so far
+    // (absorb_edge 0: a tied output head's weight gradient, or earlier micro-batches') when it
+    // alone holds that buffer and it is in the compute dtype: no zero-filled table-sized buffer and
+    // no add of two of them. Otherwise into zeros, added after.
+    record(
+        "embedding", {weight}, {out},
+        [ix, ws, n, C, want](const TensorList& g) {
+          Tensor G = detail::operand(g[0]);
+          const Tensor& gathered = g[1];
+          const auto scatter = [&](const Tensor& into) {
+            SG_KERNEL(G.device(), embedding_backward)(G.dtype(), ix.dtype(), into.data_ptr(), G.data_ptr(),
+                                                      ix.data_ptr(), n, C);
+          };
+          if (gathered.defined() && autograd::sole_owner(gathered) && gathered.dtype() == G.dtype()) {
+            scatter(gathered);
+            return TensorList{gathered};
+          }
+          Tensor dw = zeros(ws, G.dtype(), G.device());
+          scatter(dw);
+          dw = detail::narrow_result(dw, want);
+          return TensorList{gathered.defined() ? add(gathered, dw) : dw};
+        },
+        /*absorb_edge=*/0);
   }
   return out;
 }
