@@ -6,7 +6,10 @@
 // does). FLOPs are the causal ones: forward 2 matmuls of 2*B*H*T*T*D, halved by the mask;
 // backward 2.5x the forward (5 matmuls to the forward's 2). The cuDNN output is validated
 // against the flash output (relative L2) before timing.
-// GEMM: C = A B^T (a linear layer), M=N=K=8192 and GPT-2 small's three shapes at 8192 tokens.
+// GEMM: C = A B^T (a linear layer), M=N=K=8192 and GPT-2 small's three shapes at 8192 tokens;
+// then the two c_proj GEMMs with their bias and the block's residual add in cuBLASLt's epilogue
+// (GemmArgs::residual), against the GEMM with its bias and a separate add: whether the beta = 1
+// algorithm costs more than the pass over [M, 768] it saves.
 // Each figure is the median of 20 timed runs (CUDA events on the compute stream) after 3 warm-ups.
 //
 //   ./build/bench/sg_bench_attention_gpu
@@ -113,6 +116,28 @@ void bench_gemm() {
   }
 }
 
+void bench_gemm_residual() {
+  const int64_t M = 8192, N = 768;
+  const kernels::OpTable& G = kernels::table(gpu);
+  std::printf("\nc_proj + bias + residual, bf16: in the GEMM's epilogue or a separate add (median of 20)\n");
+  std::printf("%6s %6s %6s  %-36s %9s\n", "M", "N", "K", "", "ms");
+  for (int64_t K : {int64_t(768), int64_t(3072)}) {  // the attention's c_proj, the MLP's
+    const Buffer A(M * K, 20), W(N * K, 21), bias(N, 22), res(M * N, 23), C(M * N, 24);
+    kernels::GemmArgs g;
+    g.dtype = DType::bf16, g.trans_b = true, g.M = M, g.N = N, g.K = K, g.bias = bias.get();
+    g.A = A.get(), g.lda = K, g.B = W.get(), g.ldb = K, g.C = C.get(), g.ldc = N;
+    kernels::GemmArgs with = g;
+    with.residual = res.get();
+    const kernels::Dims shape{M, N}, strides{N, 1};
+    const char* how = cuda::gemm_fused(with) ? "residual in the epilogue" : "residual: NOT fused (GEMM + add)";
+    std::printf("%6ld %6ld %6ld  %-36s %9.3f\n", long(M), long(N), long(K), how, median_ms([&] { G.gemm(with); }));
+    std::printf("%6ld %6ld %6ld  %-36s %9.3f\n", long(M), long(N), long(K), "GEMM, then the add", median_ms([&] {
+                  G.gemm(g);
+                  G.binary(kernels::Binary::add, DType::bf16, C.get(), res.get(), strides, C.get(), strides, shape);
+                }));
+  }
+}
+
 }  // namespace
 #endif  // SG_CUDA_KERNELS
 
@@ -128,6 +153,7 @@ int main() {
   sg::cuda::ensure_registered();  // the CUDA allocator, before the first buffer
   bench_attention();
   bench_gemm();
+  bench_gemm_residual();
   return 0;
 #endif
 }

@@ -9,8 +9,6 @@
 // and the classifier as one fused pass or as the cross_entropy + cross_entropy_backward pair (both
 // rows count the fused pass's 2 logits-sized transfers: the pair's lower GB/s is its third one).
 // The classifier and norm entries copy a count or a sum to the host and wait, inside the timing.
-// The c_proj GEMMs with the block's residual add in their epilogue are timed against the GEMM
-// and a separate add (GB/s there counts the GEMM's operands too: compare the times).
 // The embedding backward runs over uniform and text-like (Zipf) tokens: real text repeats a few
 // tokens hundreds of times per batch, and each table row's run is summed by one block.
 //
@@ -91,27 +89,6 @@ int main() {
     row("add [16384, 768] (the residual add)", h * 3 * N, median_ms([&] {
           G.binary(kernels::Binary::add, bf, y.get(), x.get(), strides, res.get(), strides, shape);
         }));
-  }
-  {  // a c_proj GEMM and the block's residual add: in the GEMM's epilogue, or a separate add
-    for (int64_t K : {C, F}) {  // the attention's c_proj (K = C) and the MLP's (K = 4C)
-      const Buffer x(R * K, bf, 60), w(C * K, bf, 61, 0.0, 0.02), bias(C, bf, 62), res(N, bf, 63), y(N, bf, 64);
-      kernels::GemmArgs g;
-      g.dtype = bf, g.trans_b = true, g.M = R, g.N = C, g.K = K;
-      g.A = x.get(), g.lda = K, g.B = w.get(), g.ldb = K, g.C = y.get(), g.ldc = C, g.bias = bias.get();
-      kernels::GemmArgs with = g;
-      with.residual = res.get();
-      const double bytes = h * double(R * K + C * K + 2 * N);  // x, w, the residual read, y written
-      const kernels::Dims shape{R, C}, strides{C, 1};
-      char what[96];
-      std::snprintf(what, sizeof what, "c_proj K=%lld + residual, in the GEMM (%s)", static_cast<long long>(K),
-                    cuda::gemm_fused(with) ? "fused" : "NOT fused: bare GEMM and an add");
-      row(what, bytes, median_ms([&] { G.gemm(with); }));
-      std::snprintf(what, sizeof what, "c_proj K=%lld, then the add", static_cast<long long>(K));
-      row(what, bytes, median_ms([&] {
-            G.gemm(g);
-            G.binary(kernels::Binary::add, bf, y.get(), res.get(), strides, y.get(), strides, shape);
-          }));
-    }
   }
   {  // GELU's derivative over the MLP's hidden activations
     const Buffer x(R * F, bf, 20), dy(R * F, bf, 21), dx(R * F, bf, 22);
