@@ -66,8 +66,9 @@ void check_adamw_batch(const AdamWArgs* args, int64_t count, const char* device)
 void check_gemm_epilogue(const GemmArgs& g, const char* device) {
   const bool forward = g.bias || g.gelu || g.pre_gelu || g.residual, backward = g.dgelu_pre || g.bias_grad;
   if (forward || backward)
-    SG_CHECK(g.batch == 1 && g.ldc == g.N, "gemm (", device, "): a ", forward ? "bias, GELU or residual" : "dgelu or bias_grad",
-             " epilogue needs one contiguous C (batch ", g.batch, ", ldc ", g.ldc, ", N ", g.N, ")");
+    SG_CHECK(g.batch == 1 && g.ldc == g.N, "gemm (", device, "): a ",
+             forward ? "bias, GELU or residual" : "dgelu or bias_grad", " epilogue needs one contiguous C (batch ",
+             g.batch, ", ldc ", g.ldc, ", N ", g.N, ")");
   SG_CHECK(!g.gelu || g.beta == 0.0, "gemm (", device, "): the GELU epilogue needs beta = 0, got ", g.beta);
   SG_CHECK(!g.pre_gelu || g.gelu, "gemm (", device, "): pre_gelu given without gelu");
   SG_CHECK(!g.residual || (g.beta == 0.0 && !g.gelu && g.residual != g.C), "gemm (", device,
@@ -75,8 +76,8 @@ void check_gemm_epilogue(const GemmArgs& g, const char* device) {
            g.gelu, ", residual ", g.residual == g.C ? "is" : "is not", " C)");
   SG_CHECK(!backward || g.beta == 0.0, "gemm (", device, "): the dgelu and bias_grad epilogues need beta = 0, got ",
            g.beta);
-  SG_CHECK(!(forward && backward), "gemm (", device, "): a forward epilogue (bias, gelu) and a backward one (dgelu_pre, ",
-           "bias_grad) in one call");
+  SG_CHECK(!(forward && backward), "gemm (", device, "): a forward epilogue (bias, gelu, residual) and a backward ",
+           "one (dgelu_pre, bias_grad) in one call");
   if (g.row_sums_a)
     SG_CHECK(g.batch == 1 && g.lda == (g.trans_a ? g.M : g.K), "gemm (", device,
              "): row_sums_a needs one contiguous A (batch ", g.batch, ", lda ", g.lda, ", ", g.trans_a ? "M " : "K ",

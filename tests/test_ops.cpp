@@ -1294,7 +1294,7 @@ TEST_CASE("the CPU gemm refuses an epilogue it cannot apply, naming it", "[ops]"
   // the backward epilogues: not with a forward one, not accumulating, A contiguous for row sums
   std::vector<float> pre(4, 0.5f), sums(2, 0.0f);
   g.dgelu_pre = pre.data();
-  REQUIRE_THROWS_WITH(SG_KERNEL(Device::cpu(), gemm)(g), Contains("a forward epilogue (bias, gelu) and a backward one"));
+  REQUIRE_THROWS_WITH(SG_KERNEL(Device::cpu(), gemm)(g), Contains("a forward epilogue (bias, gelu, residual) and a backward one"));
   g.bias = nullptr, g.gelu = false;
   g.bias_grad = sums.data();
   g.beta = 1.0;

@@ -18,6 +18,11 @@ inline Tensor operand(const Tensor& t) {
   DType cd = compute_dtype(c);
   return cd == c.dtype() ? c : to(c, cd);
 }
+// Whether a node may write its result over g, a gradient the tape handed it (absorb_edge): g holds
+// its bytes alone (autograd::sole_owner) and is already in the dtype the node computes in.
+inline bool can_write_over(const Tensor& g, DType dtype) {
+  return g.defined() && g.dtype() == dtype && autograd::sole_owner(g);
+}
 // Brings a computed result back to the dtype of the op's inputs.
 inline Tensor narrow_result(const Tensor& r, DType want) { return r.dtype() == want ? r : to(r, want); }
 

@@ -38,7 +38,7 @@ Tensor embedding(const Tensor& weight, const Tensor& idx) {
             SG_KERNEL(G.device(), embedding_backward)(G.dtype(), ix.dtype(), into.data_ptr(), G.data_ptr(),
                                                       ix.data_ptr(), n, C);
           };
-          if (gathered.defined() && autograd::sole_owner(gathered) && gathered.dtype() == G.dtype()) {
+          if (detail::can_write_over(gathered, G.dtype())) {
             scatter(gathered);
             return TensorList{gathered};
           }

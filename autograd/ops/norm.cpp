@@ -64,7 +64,7 @@ std::pair<Tensor, Tensor> layernorm_impl(const char* op, const Tensor& x, const 
       const Tensor& g_y = g[fused ? 1 : 0];
       static const Tensor kNone;
       const Tensor& g_add = fused ? g[0] : g.size() > 1 ? g[1] : kNone;
-      const bool over_g_add = g_add.defined() && g_add.dtype() == X.dtype() && autograd::sole_owner(g_add);
+      const bool over_g_add = detail::can_write_over(g_add, X.dtype());
       Tensor dx = over_g_add ? g_add : empty(X.shape(), X.dtype(), X.device());
       Tensor dw = empty({C}, X.dtype(), X.device()), db = has_b ? empty({C}, X.dtype(), X.device()) : Tensor();
       const Tensor G = g_y.defined() ? detail::operand(g_y) : zeros(X.shape(), X.dtype(), X.device());
