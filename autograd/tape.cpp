@@ -193,7 +193,10 @@ void Tape::run(const TensorList& outputs, const TensorList& grad_outputs, const 
         absorbed = pending.defined();
         n.grad_outputs.push_back(std::move(pending));
       }
-      in_grads = n.backward(n.grad_outputs);
+      // Taken out of the node first: a gradient the node hands straight on (a view's, an add's) is
+      // then held by in_grads alone, and a leaf can keep it instead of a copy.
+      const TensorList outs = std::exchange(n.grad_outputs, TensorList());
+      in_grads = n.backward(outs);
       SG_CHECK(!absorbed || (size_t(n.absorb_edge) < in_grads.size() && in_grads[size_t(n.absorb_edge)].defined()),
                "internal: node '", n.name, "' dropped the gradient it was handed for input ", n.absorb_edge);
       SG_CHECK(in_grads.size() == n.edges.size(), "internal: node '", n.name, "' returned ", in_grads.size(),

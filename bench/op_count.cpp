@@ -1,5 +1,6 @@
 // Op-table calls in one training step of GPT-2's shape (12 layers, C = 768, H = 12; the counts do
-// not depend on batch or sequence length, so the step runs at B = 1, T = 32 on the CPU): forward,
+// not depend on batch or sequence length, so the step runs at B = 1, T = 32 on the CPU, with
+// block_size = T as training's T = 1024 = block_size has it): forward,
 // loss, backward, global gradient norm, AdamW. On a GPU each call is one kernel launch or more
 // (a LayerNorm backward is three), so this is the floor of a step's launch count, and what
 // fusions remove shows here first. Prints one JSON object: the total and the calls per entry.
@@ -62,12 +63,13 @@ int main() {
   SG_COUNT(residual_layernorm_backward);
 #undef SG_COUNT
 
+  const int64_t B = 1, T = 32;
   nn::GPTConfig c = nn::gpt_preset("gpt2");
+  c.block_size = T;  // T = block_size, as in training at T = 1024: the positions are all of wpe
   nn::GPT model(c, DType::f32, Device::cpu());
   model.init_weights(1);
   for (auto& p : model.parameters()) p.set_requires_grad(true);
   optim::AdamW opt(model.named_parameters(), optim::AdamWConfig{});
-  const int64_t B = 1, T = 32;
   std::vector<int64_t> tokens(size_t(B * T + 1));
   for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = int64_t(i * 7919 % size_t(c.vocab_size));
   Tensor idx = from_vector(std::vector<int64_t>(tokens.begin(), tokens.end() - 1), {B, T}),

@@ -171,12 +171,14 @@ Tensor GPT::embed(const Tensor& idx) const {
   SG_CHECK(idx.dim() == 2, "GPT: idx must be [B, T], got ", shape_str(idx.shape()));
   const int64_t T = idx.size(1);
   SG_CHECK(T <= config.block_size, "GPT: sequence length ", T, " exceeds block_size ", config.block_size);
-  Tensor pos = arange(T, DType::i64, idx.device());
+  // Positions 0..T-1 are wpe's first T rows: a view, not a gather (no index tensor to copy to the
+  // device, no sort in the backward); the narrow's gradient is the add's, summed over the batch.
+  int64_t first = 0, len = T;
   if (config.sequence_parallel) {  // this rank's positions: the embedding is reduce-scattered along T
     SG_CHECK(T % config.tp == 0, "GPT: sequence parallelism needs the sequence length ", T, " to divide by --tp ", config.tp);
-    pos = narrow(pos, 0, tp_group->rank() * (T / config.tp), T / config.tp);
+    first = tp_group->rank() * (T / config.tp), len = T / config.tp;
   }
-  Tensor x = add(wte ? wte->forward(idx) : tp_wte->forward(idx), wpe->forward(pos));  // [B,T,C] + [T,C]
+  Tensor x = add(wte ? wte->forward(idx) : tp_wte->forward(idx), narrow(wpe->weight, 0, first, len));  // [B,T,C] + [T,C]
   if (config.dropout > 0) x = dropout(x, config.dropout);
   return x;
 }

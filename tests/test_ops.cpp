@@ -423,6 +423,8 @@ std::vector<OpCase> all_op_cases() {
   L.add("transpose", {N(S)}, [](V x) { return transpose(x[0], 0, 2); }, [](R r) { return permute_ref(r[0], {2, 1, 0}); });
   L.add("permute", {N(S)}, [](V x) { return permute(x[0], {1, 2, 0}); }, [](R r) { return permute_ref(r[0], {1, 2, 0}); });
   L.add("narrow", {N(S)}, [](V x) { return narrow(x[0], 1, 1, 3); }, [](R r) { return narrow_ref(r[0], 1, 1, 3); });
+  L.add("narrow over the whole dim (gradient handed on)", {N(S)}, [](V x) { return mul(narrow(x[0], 1, 0, 5), x[0]); },
+        [](R r) { return zip(narrow_ref(r[0], 1, 0, 5), r[0], [](double a, double b) { return a * b; }); });
   L.add("expand", {N({5, 1})}, [](V x) { return expand(x[0], {3, 5, 7}); }, [](R r) { return expand_ref(r[0], {3, 5, 7}); });
   L.add("unsqueeze and squeeze", {N(S)}, [](V x) { return squeeze(unsqueeze(transpose(x[0], 0, 1), 2), 2); },
         [](R r) { return permute_ref(r[0], {1, 0, 2}); });

@@ -130,6 +130,7 @@ Tensor narrow(const Tensor& t, int64_t dim, int64_t start, int64_t length) {
   if (autograd::needs_grad({t})) {
     Shape in_shape = t.shape();
     autograd::record("narrow", {t}, {out}, [in_shape, dim, start, length](const TensorList& g) {
+      if (length == in_shape[size_t(dim)]) return TensorList{g[0]};  // the whole of t: nothing to pad
       Tensor full = zeros(in_shape, g[0].dtype(), g[0].device());
       copy_(narrow(full, dim, start, length), g[0]);
       return TensorList{full};

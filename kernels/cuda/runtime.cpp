@@ -1,9 +1,11 @@
 #include "kernels/cuda/runtime.h"
 
 #include <atomic>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "core/block_cache.h"
@@ -110,16 +112,34 @@ DeviceAllocator* device_allocator() {
 
 void to_host(void* host_dst, const void* dev_src, size_t bytes, Device d) {
   SG_CUDA_CHECK(cudaSetDevice(d.index));
-  cudaStream_t s = compute_stream(d);
-  SG_CUDA_CHECK(cudaMemcpyAsync(host_dst, dev_src, bytes, cudaMemcpyDeviceToHost, s));
-  SG_CUDA_CHECK(cudaStreamSynchronize(s));
+  SG_CUDA_CHECK(cudaMemcpyAsync(host_dst, dev_src, bytes, cudaMemcpyDeviceToHost, compute_stream(d)));
+  sync(d);
 }
 
 void from_host(void* dev_dst, const void* host_src, size_t bytes, Device d) {
   SG_CUDA_CHECK(cudaSetDevice(d.index));
-  cudaStream_t s = compute_stream(d);
-  SG_CUDA_CHECK(cudaMemcpyAsync(dev_dst, host_src, bytes, cudaMemcpyHostToDevice, s));
-  SG_CUDA_CHECK(cudaStreamSynchronize(s));  // the host buffer may be freed right after
+  SG_CUDA_CHECK(cudaMemcpyAsync(dev_dst, host_src, bytes, cudaMemcpyHostToDevice, compute_stream(d)));
+  sync(d);  // the host buffer may be freed right after
+}
+
+// One device's deferred checks: slot i of dev belongs to pending[i]. Outside the ledger (1 KB per
+// device for the life of the process), so the ledger's figures stay the model's.
+struct DeferredChecks {
+  std::mutex mu;
+  int* dev = nullptr;   // kDeferredChecks ints, zero except where a kernel counted into a pending slot
+  int* host = nullptr;  // page-locked: sync() copies the pending slots here before it waits
+  std::vector<std::function<std::string(int)>> pending;
+};
+
+DeferredChecks& deferred(Device d) {
+  return *once_per_device<DeferredChecks*>(d, [&] {
+    SG_CUDA_CHECK(cudaSetDevice(d.index));
+    auto* c = new DeferredChecks();  // kept for the process, like the streams
+    SG_CUDA_CHECK(cudaMalloc(&c->dev, kDeferredChecks * sizeof(int)));
+    SG_CUDA_CHECK(cudaMemset(c->dev, 0, kDeferredChecks * sizeof(int)));
+    SG_CUDA_CHECK(cudaMallocHost(&c->host, kDeferredChecks * sizeof(int)));
+    return c;
+  });
 }
 
 }  // namespace
@@ -145,6 +165,36 @@ cudaStream_t compute_stream(Device d) {
     SG_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     return s;
   });
+}
+
+int* deferred_check(Device d, std::function<std::string(int)> message) {
+  DeferredChecks& c = deferred(d);
+  {
+    std::lock_guard<std::mutex> lock(c.mu);
+    if (c.pending.size() < size_t(kDeferredChecks)) {
+      c.pending.push_back(std::move(message));
+      return c.dev + (c.pending.size() - 1);
+    }
+  }
+  sync(d);  // every slot pending: wait once, reporting what they found, then take slot 0
+  return deferred_check(d, std::move(message));
+}
+
+void sync(Device d) {
+  SG_CUDA_CHECK(cudaSetDevice(d.index));
+  const cudaStream_t s = compute_stream(d);
+  DeferredChecks& c = deferred(d);
+  std::lock_guard<std::mutex> lock(c.mu);
+  const size_t n = c.pending.size();
+  if (n) SG_CUDA_CHECK(cudaMemcpyAsync(c.host, c.dev, n * sizeof(int), cudaMemcpyDeviceToHost, s));
+  SG_CUDA_CHECK(cudaStreamSynchronize(s));
+  if (!n) return;
+  const auto pending = std::exchange(c.pending, {});
+  SG_CUDA_CHECK(cudaMemsetAsync(c.dev, 0, n * sizeof(int), s));  // before any later kernel counts again
+  for (size_t i = 0; i < n; ++i)
+    if (const int count = c.host[i])
+      throw Error(str(pending[i](count), " (found at the host's next wait for ", d.str(),
+                      ": the op ran asynchronously, before the call that reports it)"));
 }
 
 bool has_mma_sync(Device d) {

@@ -4,6 +4,7 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <functional>
 #include <map>
 #include <mutex>
 #include <string>
@@ -37,6 +38,19 @@ T once_per_device(Device d, Create&& create) {
 }
 // The compute stream of a device: the stream kernels and copies are issued on.
 cudaStream_t compute_stream(Device d);
+
+// Bad input that kernels find (embedding indices, cross-entropy targets), reported without making
+// the host wait at the op. deferred_check hands out a zeroed device int for a kernel on d's compute
+// stream to count into. The count comes back with the next sync(d) (copies to and from the host,
+// item(), the global norm), and the first failed check in queue order throws message(count),
+// saying the op ran earlier. That is PyTorch's device-assert timing, but named, counted and
+// recoverable: the slots are cleared and the device stays usable. With every slot pending
+// (kDeferredChecks ops checked with no wait between), the next check waits once.
+constexpr int kDeferredChecks = 256;
+int* deferred_check(Device d, std::function<std::string(int count)> message);
+// Waits for d's compute stream, then reports the deferred checks (above). Every host wait on the
+// compute stream goes through here.
+void sync(Device d);
 // Registers the CUDA allocator and op table (idempotent); called on first use of a cuda device.
 // With SG_CUDA_KERNELS the table holds every kernel; without it only the host<->device copies.
 void ensure_registered();

@@ -51,25 +51,6 @@ class Scratch {
   Storage s_;
 };
 
-// One device int the kernels count bad indices or targets into.
-class Counter {
- public:
-  explicit Counter(const On& o) : s_(sizeof(int), o.dev), stream_(o.stream) {
-    SG_CUDA_CHECK(cudaMemsetAsync(s_.as<int>(), 0, sizeof(int), stream_));
-  }
-  int* ptr() const { return s_.as<int>(); }
-  int read() const {  // waits for the stream
-    int n = 0;
-    SG_CUDA_CHECK(cudaMemcpyAsync(&n, s_.as<int>(), sizeof(int), cudaMemcpyDeviceToHost, stream_));
-    SG_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    return n;
-  }
-
- private:
-  Scratch s_;
-  cudaStream_t stream_;
-};
-
 }  // namespace
 
 // The entries, named as in the op table.
@@ -224,11 +205,10 @@ void embedding(DType dtype, DType idx_dtype, void* out, const void* idx, const v
                int64_t num_rows) {
   if (n * C == 0) return;
   const On o = on(out, "embedding");
-  const Counter bad(o);
-  embedding_forward(dtype, idx_dtype, out, idx, weight, n, C, num_rows, bad.ptr(), o.stream);
-  if (const int count = bad.read())
-    throw Error(str("embedding (cuda): ", count, " of ", n, " indices out of range for a table of ", num_rows,
-                    " rows"));
+  int* bad = deferred_check(o.dev, [n, num_rows](int count) {
+    return str("embedding (cuda): ", count, " of ", n, " indices out of range for a table of ", num_rows, " rows");
+  });
+  embedding_forward(dtype, idx_dtype, out, idx, weight, n, C, num_rows, bad, o.stream);
 }
 
 // The indices were range-checked by the forward (this signature carries no row count).
@@ -240,21 +220,21 @@ void embedding_backward(DType dtype, DType idx_dtype, void* dweight, const void*
   cuda::embedding_backward(dtype, idx_dtype, dweight, dout, idx, n, C, work.as<void>(), o.stream);
 }
 
-// The classifier kernels count targets outside [0, V) that are not ignore_index (their loss is 0).
-void check_targets(const Counter& bad, int64_t rows, int64_t V, int64_t ignore_index) {
-  if (const int count = bad.read())
-    throw Error(str("cross_entropy (cuda): ", count, " of ", rows, " targets out of range [0, ", V,
-                    ") and not ignore_index (", ignore_index, ")"));
+// Where the classifier kernels count targets outside [0, V) that are not ignore_index (their loss
+// is 0), reported at the next sync.
+int* check_targets(Device d, int64_t rows, int64_t V, int64_t ignore_index) {
+  return deferred_check(d, [rows, V, ignore_index](int count) {
+    return str("cross_entropy (cuda): ", count, " of ", rows, " targets out of range [0, ", V, ") and not ignore_index (",
+               ignore_index, ")");
+  });
 }
 
 void cross_entropy(DType dtype, DType tgt_dtype, void* loss, void* lse, const void* logits, const void* targets,
                    int64_t rows, int64_t Vp, int64_t V, int64_t ignore_index) {
   if (rows == 0) return;
   const On o = on(loss, "cross_entropy");
-  const Counter bad(o);
-  cuda::cross_entropy(dtype, tgt_dtype, stats(loss), stats(lse), logits, targets, rows, Vp, V, ignore_index, bad.ptr(),
-                      o.stream);
-  check_targets(bad, rows, V, ignore_index);
+  cuda::cross_entropy(dtype, tgt_dtype, stats(loss), stats(lse), logits, targets, rows, Vp, V, ignore_index,
+                      check_targets(o.dev, rows, V, ignore_index), o.stream);
 }
 
 void cross_entropy_backward(DType dtype, DType tgt_dtype, void* dlogits, const void* dloss, const void* logits,
@@ -269,10 +249,8 @@ void cross_entropy_fused(DType dtype, DType tgt_dtype, void* loss, void* dlogits
                          const void* targets, double dloss, int64_t rows, int64_t Vp, int64_t V, int64_t ignore_index) {
   if (rows == 0) return;
   const On o = on(loss, "cross_entropy_fused");
-  const Counter bad(o);
   cuda::classifier_forward_backward(dtype, tgt_dtype, stats(loss), nullptr, dlogits, logits, targets, float(dloss),
-                                    rows, Vp, V, ignore_index, bad.ptr(), o.stream);
-  check_targets(bad, rows, V, ignore_index);
+                                    rows, Vp, V, ignore_index, check_targets(o.dev, rows, V, ignore_index), o.stream);
 }
 
 void dropout(DType dtype, void* out, const void* x, int64_t n, double p, uint64_t seed, uint64_t stream) {
@@ -310,7 +288,7 @@ double sum_squares_many(DType dtype, const void* const* xs, const int64_t* ns, c
   });
   float host = 0;
   SG_CUDA_CHECK(cudaMemcpyAsync(&host, total, sizeof(float), cudaMemcpyDeviceToHost, o.stream));
-  SG_CUDA_CHECK(cudaStreamSynchronize(o.stream));
+  sync(o.dev);
   return host;
 }
 

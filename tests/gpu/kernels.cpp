@@ -391,10 +391,32 @@ TEST_CASE("embedding forward and '+=' backward match the CPU; a bad index throws
     C().embedding_backward(DType::f32, DType::i64, cdw.data_ptr(), cdo.data_ptr(), ci.data_ptr(), n, C_);
     check_close(get(gdw), get(cdw), rtol(dt), dt == DType::f32 ? 1e-5 : 5e-2);
   }
+  // A bad index is reported at the host's next wait for the device (a read here), not by the op.
   std::vector<int32_t> bad = {0, 3, 50, 2};
   Tensor gb = to(from_vector(bad, {4}), gpu), gw = put(weight, DType::f32, gpu), out = buffer(4 * C_, DType::f32, gpu);
-  REQUIRE_THROWS_WITH(G().embedding(DType::f32, DType::i32, out.data_ptr(), gb.data_ptr(), gw.data_ptr(), 4, C_, rows),
-                      Catch::Contains("embedding (cuda): 1 of 4 indices out of range"));
+  auto embed = [&](const Tensor& i) {
+    G().embedding(DType::f32, DType::i32, out.data_ptr(), i.data_ptr(), gw.data_ptr(), 4, C_, rows);
+  };
+  REQUIRE_NOTHROW(embed(gb));
+  REQUIRE_THROWS_WITH(get(out), Catch::Contains("embedding (cuda): 1 of 4 indices out of range for a table of 50 rows") &&
+                                    Catch::Contains("found at the host's next wait for cuda:0"));
+  REQUIRE_NOTHROW(get(out));  // reported once: the slots were cleared and the device still works
+  Tensor good = to(from_vector(std::vector<int32_t>{0, 3, 49, 2}, {4}), gpu);
+  embed(good);
+  REQUIRE_NOTHROW(get(out));
+  // Two failures before a wait: the first in queue order is reported, with its own count.
+  Tensor worse = to(from_vector(std::vector<int32_t>{-1, 3, 50, 2}, {4}), gpu);
+  embed(worse);
+  embed(gb);
+  REQUIRE_THROWS_WITH(get(out), Catch::Contains("2 of 4 indices out of range"));
+  // More checked ops than there are slots between two waits: the op that finds every slot pending
+  // waits once, and a bad index before it, or after it, is still reported.
+  embed(gb);
+  for (int i = 0; i < cuda::kDeferredChecks - 1; ++i) embed(good);
+  REQUIRE_THROWS_WITH(embed(good), Catch::Contains("1 of 4 indices out of range"));
+  for (int i = 0; i < cuda::kDeferredChecks + 10; ++i) embed(good);
+  embed(worse);
+  REQUIRE_THROWS_WITH(get(out), Catch::Contains("2 of 4 indices out of range"));
 }
 
 TEST_CASE("cross_entropy over a padded vocabulary, forward and backward, matches the CPU", "[gpu][kernels]") {
@@ -436,12 +458,14 @@ TEST_CASE("cross_entropy over a padded vocabulary, forward and backward, matches
   bad[7] = int32_t(V);
   Tensor gb = to(from_vector(bad, {rows}), gpu), gx = put(logits, DType::f32, gpu);
   Tensor gl = buffer(rows, DType::f32, gpu), gs = buffer(rows, DType::f32, gpu);
-  REQUIRE_THROWS_WITH(G().cross_entropy(DType::f32, DType::i32, gl.data_ptr(), gs.data_ptr(), gx.data_ptr(),
-                                        gb.data_ptr(), rows, Vp, V, ignore),
-                      Catch::Contains("cross_entropy (cuda): 1 of 21 targets out of range"));
-  REQUIRE_THROWS_WITH(G().cross_entropy_fused(DType::f32, DType::i32, gl.data_ptr(), gx.data_ptr(), gx.data_ptr(),
-                                              gb.data_ptr(), 1.0, rows, Vp, V, ignore),
-                      Catch::Contains("cross_entropy (cuda): 1 of 21 targets out of range"));
+  // Reported at the next wait for the device (reading the loss), not by the op.
+  G().cross_entropy(DType::f32, DType::i32, gl.data_ptr(), gs.data_ptr(), gx.data_ptr(), gb.data_ptr(), rows, Vp, V,
+                    ignore);
+  REQUIRE_THROWS_WITH(get(gl), Catch::Contains("cross_entropy (cuda): 1 of 21 targets out of range [0, 129)"));
+  G().cross_entropy_fused(DType::f32, DType::i32, gl.data_ptr(), gx.data_ptr(), gx.data_ptr(), gb.data_ptr(), 1.0, rows,
+                          Vp, V, ignore);
+  REQUIRE_THROWS_WITH(get(gl), Catch::Contains("cross_entropy (cuda): 1 of 21 targets out of range [0, 129)"));
+  REQUIRE_NOTHROW(get(gl));
 }
 
 TEST_CASE("dropout and Philox fills give the CPU's numbers", "[gpu][kernels]") {
