@@ -9,7 +9,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
 LOG_DIR=${LOG_DIR:-gpu_check}
-BATCH=${BATCH:-16}
+BATCH=${BATCH:-16}        # the PyTorch peer's batch, and the first of BATCHES
+BATCHES=${BATCHES:-"$BATCH 64"}  # shardgrad's batches (cudnn attention; flash at BATCH only): llm.c trains at 64
 STEPS=${STEPS:-20}
 mkdir -p "$LOG_DIR"
 parts=("$@")
@@ -39,10 +40,12 @@ with open(sys.argv[1], "wb") as f:
     f.write(struct.pack("<3i", 20240520, 1, n) + bytes(4 * 253))
     f.write(struct.pack(f"<{n}H", *(ranks[k] for k in random.choices(range(V), cum_weights=cum, k=n))))
 PY
-  for attn in ${ATTENTION:-cudnn flash}; do
-    log="$LOG_DIR/gpt2_bf16_$attn.jsonl"
+  for run in $(for b in $BATCHES; do for a in ${ATTENTION:-cudnn flash}; do
+                 [ "$a" = cudnn ] || [ "$b" = "$BATCH" ] && echo "$a:$b"; done; done); do
+    attn=${run%%:*} batch=${run##*:}
+    log="$LOG_DIR/gpt2_bf16_${attn}_b$batch.jsonl"
     timeout 300 "$BUILD/shardgrad" train --model gpt2 --data "$shard" --device cuda:0 --dtype bf16 --attention "$attn" \
-      --batch-size "$BATCH" --seq-len 1024 --steps "$STEPS" --warmup-steps 2 --lr 6e-4 --eval-every 0 \
+      --batch-size "$batch" --seq-len 1024 --steps "$STEPS" --warmup-steps 2 --lr 6e-4 --eval-every 0 \
       --log-json "$log" 2>&1 | tail -n 4
     python3 - "$log" <<'PY'
 import json, statistics, sys
