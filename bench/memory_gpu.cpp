@@ -140,7 +140,7 @@ int main() {
                     zipf ? "text-like" : "uniform", static_cast<long long>(distinct), static_cast<long long>(longest));
       // dout read once; each touched row of the table read and written
       row(what, h * double(N) + 2 * h * double(distinct * C), median_ms([&] {
-            G.embedding_backward(bf, DType::i32, dw.get(), dout.get(), ti.data(), R, C);
+            G.embedding_backward(bf, DType::i32, dw.get(), dout.get(), ti.data(), R, C, V);
           }));
     }
   }

@@ -157,10 +157,13 @@ struct OpTable {
   void (*rmsnorm_backward)(DType dtype, void* dx, void* dw, const void* dy, const void* x, const void* w,
                            const void* rstd, int64_t rows, int64_t C) = nullptr;
   // out[n, C] = weight[idx[n], :]; backward: dweight[idx[n], :] += dout[n, :] ('+=', deterministic order).
+  // An index outside [0, num_rows) is an error the forward reports (the CPU at once, CUDA at the
+  // next sync, with zeros in its row); the backward throws on one (CPU) or skips it (CUDA), never
+  // writing outside dweight [num_rows, C].
   void (*embedding)(DType dtype, DType idx_dtype, void* out, const void* idx, const void* weight, int64_t n,
                     int64_t C, int64_t num_rows) = nullptr;
   void (*embedding_backward)(DType dtype, DType idx_dtype, void* dweight, const void* dout, const void* idx,
-                             int64_t n, int64_t C) = nullptr;
+                             int64_t n, int64_t C, int64_t num_rows) = nullptr;
   // Fused softmax + cross-entropy over logits[rows, Vp] using only the first V columns (padded
   // vocabulary). loss[r] = logsumexp - logit[target]; rows whose target == ignore_index get loss 0.
   // lse[r] is saved. loss, lse and dloss are in stats_dtype. Backward: dlogits = (softmax - onehot)

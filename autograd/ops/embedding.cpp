@@ -36,7 +36,7 @@ Tensor embedding(const Tensor& weight, const Tensor& idx) {
           const Tensor& gathered = g[1];
           const auto scatter = [&](const Tensor& into) {
             SG_KERNEL(G.device(), embedding_backward)(G.dtype(), ix.dtype(), into.data_ptr(), G.data_ptr(),
-                                                      ix.data_ptr(), n, C);
+                                                      ix.data_ptr(), n, C, ws[0]);
           };
           if (detail::can_write_over(gathered, G.dtype())) {
             scatter(gathered);

@@ -57,7 +57,7 @@ void rmsnorm_backward(DType dtype, void* dx, void* dw, const void* dy, const voi
 void embedding(DType dtype, DType idx_dtype, void* out, const void* idx, const void* weight, int64_t n, int64_t C,
                int64_t num_rows);
 void embedding_backward(DType dtype, DType idx_dtype, void* dweight, const void* dout, const void* idx, int64_t n,
-                        int64_t C);
+                        int64_t C, int64_t num_rows);
 void attention(const AttentionArgs& a);
 void attention_backward(const AttentionArgs& a);
 void adamw(const AdamWArgs& a);

@@ -1,12 +1,15 @@
 // Embedding on the device: row gather forward, deterministic scatter-add backward.
 //   forward:  out[i, :] = weight[idx[i], :]            ('='; 128-bit packs when rows are aligned)
 //   backward: dweight[idx[i], :] += dout[i, :]          ('+=')
-// The backward first sorts the token positions by row, stably (CUB's radix sort on the GPU; a
-// std::stable_sort under the emulation, where memory is the host's), then gives each run of equal
-// rows x 128 columns to one block: a thread adds its column of the run's dout rows in position
-// order, loading them kRunGroup at a time. Every table row's sum is thus formed in exactly the
-// CPU's order, with no float atomics, so results do not depend on scheduling, and the work spreads
-// over (distinct rows x C) threads instead of C threads walking all n tokens.
+// The backward first sorts the token positions by row, stably (CUB's radix sort on the GPU, over
+// only the bits a row of the table needs; a std::stable_sort under the emulation, where memory is
+// the host's), then gives each run of equal rows x 128 columns to one block: a thread adds its
+// column of the run's dout rows in position order, loading them kRunGroup at a time. Every table
+// row's sum is thus formed in exactly the CPU's order, with no float atomics, so results do not
+// depend on scheduling, and the work spreads over (distinct rows x C) threads instead of C threads
+// walking all n tokens. Indices outside the table (which the forward counted and reports at the
+// host's next wait) sort last under one key, num_rows, and are skipped: nothing is written outside
+// dweight.
 #pragma once
 #include <algorithm>
 
@@ -41,15 +44,16 @@ __global__ void embedding_forward_kernel(T* out, const I* idx, const T* weight, 
 constexpr int kRunGroup = 8;
 
 // Called with rows[] sorted stably and pos[] the matching token positions: block (k, y) works only
-// when k starts a run of equal rows; its threads take columns y*blockDim.x + threadIdx.x.
-template <class T, class I>
-__global__ void embedding_backward_kernel(T* dweight, const T* dout, const I* rows, const int* pos, int64_t n,
-                                          int64_t C) {
+// when k starts a run of equal rows inside the table; its threads take columns
+// y*blockDim.x + threadIdx.x.
+template <class T>
+__global__ void embedding_backward_kernel(T* dweight, const T* dout, const uint32_t* rows, const int* pos, int64_t n,
+                                          int64_t C, uint32_t num_rows) {
   const int64_t k = blockIdx.x;
-  if (k > 0 && rows[k] == rows[k - 1]) return;
+  const uint32_t r = rows[k];
+  if (r >= num_rows || (k > 0 && r == rows[k - 1])) return;
   const int64_t c = int64_t(blockIdx.y) * blockDim.x + threadIdx.x;
   if (c >= C) return;
-  const I r = rows[k];
   T* d = dweight + int64_t(r) * C + c;
   float acc = to_f32(*d);
   for (int64_t j = k; j < n && rows[j] == r; j += kRunGroup) {
@@ -64,51 +68,61 @@ __global__ void embedding_backward_kernel(T* dweight, const T* dout, const I* ro
   *d = from_f32<T>(acc);
 }
 
-static __global__ void positions_kernel(int* pos, int64_t n) {
+// The sort's input: keys[i] = idx[i] for a row of the table, num_rows (sorted last, skipped) for
+// any other index; pos[i] = i.
+template <class I>
+__global__ void sort_keys_kernel(uint32_t* keys, int* pos, const I* idx, int64_t n, int64_t num_rows) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n) pos[i] = int(i);
+  if (i >= n) return;
+  const int64_t r = int64_t(idx[i]);
+  keys[i] = uint32_t(r >= 0 && r < num_rows ? r : num_rows);
+  pos[i] = int(i);
+}
+
+// The radix sort's end bit: enough bits for every key, num_rows included.
+inline int sort_key_bits(int64_t num_rows) {
+  int bits = 1;
+  while (bits < 32 && (int64_t(1) << bits) <= num_rows) ++bits;
+  return bits;
 }
 
 // The workspace of embedding_backward for n indices, byte offsets of its 256-byte aligned pieces:
-// the sorted rows (at 0), the positions in and out, and the sort's own scratch.
+// the sorted keys (at 0), the keys in, the positions in and out, and the sort's own scratch.
 struct EmbeddingSortSpace {
-  size_t pos_in = 0, pos_out = 0, sort = 0, sort_bytes = 0, total = 0;
+  size_t keys_in = 0, pos_in = 0, pos_out = 0, sort = 0, sort_bytes = 0, total = 0;
 };
-template <class I>
-EmbeddingSortSpace embedding_sort_space(int64_t n) {
+inline EmbeddingSortSpace embedding_sort_space(int64_t n) {
   auto up = [](size_t b) { return (b + 255) / 256 * 256; };
   EmbeddingSortSpace s;
 #ifdef __CUDACC__
-  SG_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, s.sort_bytes, static_cast<const I*>(nullptr),
-                                                static_cast<I*>(nullptr), static_cast<const int*>(nullptr),
+  SG_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, s.sort_bytes, static_cast<const uint32_t*>(nullptr),
+                                                static_cast<uint32_t*>(nullptr), static_cast<const int*>(nullptr),
                                                 static_cast<int*>(nullptr), int(n)));
 #endif
-  s.pos_in = up(size_t(n) * sizeof(I));
-  s.pos_out = s.pos_in + up(size_t(n) * sizeof(int));
-  s.sort = s.pos_out + up(size_t(n) * sizeof(int));
+  const size_t piece = up(size_t(n) * 4);  // uint32 keys and int positions alike
+  s.keys_in = piece;
+  s.pos_in = 2 * piece;
+  s.pos_out = 3 * piece;
+  s.sort = 4 * piece;
   s.total = s.sort + up(s.sort_bytes);
   return s;
 }
 
-inline size_t embedding_backward_workspace(DType idx_dtype, int64_t n) {
-  size_t bytes = 0;
-  dispatch_index(idx_dtype, "embedding_backward", [&](auto itag) { bytes = embedding_sort_space<decltype(itag)>(n).total; });
-  return bytes;
-}
+inline size_t embedding_backward_workspace(int64_t n) { return embedding_sort_space(n).total; }
 
-// rows_out, pos_out = (idx, 0..n-1) sorted by idx, stably.
+// rows_out, pos_out = (the keys of idx, 0..n-1) sorted by key, stably, over the low `bits` bits.
 template <class I>
-void sort_rows(I* rows_out, int* pos_out, const I* idx, int* pos_in, int64_t n, void* scratch, size_t scratch_bytes,
-               Stream stream) {
-  launch(positions_kernel, dim3(blocks_for(n, 256)), dim3(256), 0, stream, pos_in, n);
+void sort_rows(uint32_t* rows_out, int* pos_out, const I* idx, int64_t n, int64_t num_rows, uint32_t* keys_in,
+               int* pos_in, void* scratch, size_t scratch_bytes, Stream stream) {
+  launch(sort_keys_kernel<I>, dim3(blocks_for(n, 256)), dim3(256), 0, stream, keys_in, pos_in, idx, n, num_rows);
 #ifdef __CUDACC__
-  SG_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(scratch, scratch_bytes, idx, rows_out, pos_in, pos_out, int(n), 0,
-                                                int(sizeof(I) * 8), stream));
+  SG_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(scratch, scratch_bytes, keys_in, rows_out, pos_in, pos_out, int(n), 0,
+                                                sort_key_bits(num_rows), stream));
 #else
   (void)scratch, (void)scratch_bytes, (void)stream;
   std::copy(pos_in, pos_in + n, pos_out);
-  std::stable_sort(pos_out, pos_out + n, [&](int a, int b) { return idx[a] < idx[b]; });
-  for (int64_t k = 0; k < n; ++k) rows_out[k] = idx[pos_out[k]];
+  std::stable_sort(pos_out, pos_out + n, [&](int a, int b) { return keys_in[a] < keys_in[b]; });
+  for (int64_t k = 0; k < n; ++k) rows_out[k] = keys_in[pos_out[k]];
 #endif
 }
 
@@ -125,22 +139,25 @@ inline void embedding_forward(DType dtype, DType idx_dtype, void* out, const voi
   });
 }
 
-// workspace: embedding_backward_workspace(idx_dtype, n) bytes, 256-byte aligned.
+// workspace: embedding_backward_workspace(n) bytes, 256-byte aligned.
 inline void embedding_backward(DType dtype, DType idx_dtype, void* dweight, const void* dout, const void* idx,
-                               int64_t n, int64_t C, void* workspace, Stream stream) {
+                               int64_t n, int64_t C, int64_t num_rows, void* workspace, Stream stream) {
   SG_CHECK(n < (int64_t(1) << 31), "embedding_backward (cuda): ", n, " indices; at most 2^31 - 1 per call");
+  SG_CHECK(num_rows >= 0 && num_rows < (int64_t(1) << 32) - 1, "embedding_backward (cuda): a table of ", num_rows,
+           " rows; at most 2^32 - 2");
   dispatch_storage(dtype, "embedding_backward", [&](auto tag) {
     dispatch_index(idx_dtype, "embedding_backward", [&](auto itag) {
       using T = decltype(tag);
       using I = decltype(itag);
-      const EmbeddingSortSpace sp = embedding_sort_space<I>(n);
+      const EmbeddingSortSpace sp = embedding_sort_space(n);
       auto* base = static_cast<unsigned char*>(workspace);
-      auto* rows = reinterpret_cast<I*>(base);
+      auto *rows = reinterpret_cast<uint32_t*>(base), *keys_in = reinterpret_cast<uint32_t*>(base + sp.keys_in);
       auto *pos_in = reinterpret_cast<int*>(base + sp.pos_in), *pos_out = reinterpret_cast<int*>(base + sp.pos_out);
-      sort_rows(rows, pos_out, static_cast<const I*>(idx), pos_in, n, base + sp.sort, sp.sort_bytes, stream);
-      launch(embedding_backward_kernel<T, I>, dim3(unsigned(n), blocks_for(C, 128)), dim3(128), 0, stream,
-             static_cast<T*>(dweight), static_cast<const T*>(dout), static_cast<const I*>(rows),
-             static_cast<const int*>(pos_out), n, C);
+      sort_rows(rows, pos_out, static_cast<const I*>(idx), n, num_rows, keys_in, pos_in, base + sp.sort,
+                sp.sort_bytes, stream);
+      launch(embedding_backward_kernel<T>, dim3(unsigned(n), blocks_for(C, 128)), dim3(128), 0, stream,
+             static_cast<T*>(dweight), static_cast<const T*>(dout), static_cast<const uint32_t*>(rows),
+             static_cast<const int*>(pos_out), n, C, uint32_t(num_rows));
     });
   });
 }

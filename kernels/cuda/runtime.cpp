@@ -1,10 +1,12 @@
 #include "kernels/cuda/runtime.h"
 
+#include <algorithm>
 #include <atomic>
 #include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -125,10 +127,15 @@ void from_host(void* dev_dst, const void* host_src, size_t bytes, Device d) {
 // One device's deferred checks: slot i of dev belongs to pending[i]. Outside the ledger (1 KB per
 // device for the life of the process), so the ledger's figures stay the model's.
 struct DeferredChecks {
+  struct Pending {
+    std::function<std::string(int)> message;
+    std::thread::id thread;  // the thread that queued the op, the one its failure is reported to
+  };
   std::mutex mu;
   int* dev = nullptr;   // kDeferredChecks ints, zero except where a kernel counted into a pending slot
   int* host = nullptr;  // page-locked: sync() copies the pending slots here before it waits
-  std::vector<std::function<std::string(int)>> pending;
+  std::vector<Pending> pending;
+  std::vector<std::pair<std::thread::id, std::string>> failed;  // read back, not yet reported
 };
 
 DeferredChecks& deferred(Device d) {
@@ -136,12 +143,13 @@ DeferredChecks& deferred(Device d) {
     SG_CUDA_CHECK(cudaSetDevice(d.index));
     auto* c = new DeferredChecks();  // kept for the process, like the streams
     SG_CUDA_CHECK(cudaMalloc(&c->dev, kDeferredChecks * sizeof(int)));
-    SG_CUDA_CHECK(cudaMemset(c->dev, 0, kDeferredChecks * sizeof(int)));
+    // on the compute stream (non-blocking: the legacy stream's memset would not be ordered before
+    // the first kernel that counts)
+    SG_CUDA_CHECK(cudaMemsetAsync(c->dev, 0, kDeferredChecks * sizeof(int), compute_stream(d)));
     SG_CUDA_CHECK(cudaMallocHost(&c->host, kDeferredChecks * sizeof(int)));
     return c;
   });
 }
-
 }  // namespace
 
 Device device_of(const void* p, const char* op) {
@@ -167,17 +175,20 @@ cudaStream_t compute_stream(Device d) {
   });
 }
 
-int* deferred_check(Device d, std::function<std::string(int)> message) {
+DeferredCheck deferred_check(Device d, std::function<std::string(int)> message) {
   DeferredChecks& c = deferred(d);
-  {
-    std::lock_guard<std::mutex> lock(c.mu);
-    if (c.pending.size() < size_t(kDeferredChecks)) {
-      c.pending.push_back(std::move(message));
-      return c.dev + (c.pending.size() - 1);
-    }
+  std::unique_lock<std::mutex> lock(c.mu);
+  if (c.pending.size() == size_t(kDeferredChecks)) {  // every slot pending: wait once, then take slot 0
+    lock.unlock();
+    sync(d);
+    lock.lock();
   }
-  sync(d);  // every slot pending: wait once, reporting what they found, then take slot 0
-  return deferred_check(d, std::move(message));
+  if (c.pending.size() == size_t(kDeferredChecks)) {  // refilled by other threads meanwhile
+    lock.unlock();
+    return deferred_check(d, std::move(message));
+  }
+  c.pending.push_back({std::move(message), std::this_thread::get_id()});
+  return DeferredCheck(c.dev + (c.pending.size() - 1), std::move(lock));
 }
 
 void sync(Device d) {
@@ -188,13 +199,20 @@ void sync(Device d) {
   const size_t n = c.pending.size();
   if (n) SG_CUDA_CHECK(cudaMemcpyAsync(c.host, c.dev, n * sizeof(int), cudaMemcpyDeviceToHost, s));
   SG_CUDA_CHECK(cudaStreamSynchronize(s));
-  if (!n) return;
-  const auto pending = std::exchange(c.pending, {});
-  SG_CUDA_CHECK(cudaMemsetAsync(c.dev, 0, n * sizeof(int), s));  // before any later kernel counts again
-  for (size_t i = 0; i < n; ++i)
-    if (const int count = c.host[i])
-      throw Error(str(pending[i](count), " (found at the host's next wait for ", d.str(),
-                      ": the op ran asynchronously, before the call that reports it)"));
+  if (n) {
+    SG_CUDA_CHECK(cudaMemsetAsync(c.dev, 0, n * sizeof(int), s));  // before any later kernel counts again
+    for (size_t i = 0; i < n; ++i)
+      if (const int count = c.host[i]) c.failed.emplace_back(c.pending[i].thread, c.pending[i].message(count));
+    c.pending.clear();
+  }
+  const std::thread::id me = std::this_thread::get_id();
+  auto first = std::find_if(c.failed.begin(), c.failed.end(), [&](const auto& f) { return f.first == me; });
+  if (first == c.failed.end()) return;
+  const std::string what = first->second;
+  c.failed.erase(std::remove_if(c.failed.begin(), c.failed.end(), [&](const auto& f) { return f.first == me; }),
+                 c.failed.end());
+  throw Error(str(what, " (found at the host's next wait for ", d.str(),
+                  ": the op ran asynchronously, before the call that reports it)"));
 }
 
 bool has_mma_sync(Device d) {

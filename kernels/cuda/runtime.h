@@ -41,15 +41,28 @@ cudaStream_t compute_stream(Device d);
 
 // Bad input that kernels find (embedding indices, cross-entropy targets), reported without making
 // the host wait at the op. deferred_check hands out a zeroed device int for a kernel on d's compute
-// stream to count into. The count comes back with the next sync(d) (copies to and from the host,
-// item(), the global norm), and the first failed check in queue order throws message(count),
-// saying the op ran earlier. That is PyTorch's device-assert timing, but named, counted and
-// recoverable: the slots are cleared and the device stays usable. With every slot pending
+// stream to count into; the DeferredCheck holds d's checks until it is destroyed, so the op's
+// launch is queued before any sync can read the slot. The count comes back with the next sync(d)
+// (copies to and from the host, item(), the global norm), and the first failed check in queue order
+// among those the waiting thread queued throws message(count), saying the op ran earlier; its other
+// failures are dropped (one report per wait), and other threads' failures wait for those threads
+// (an MPI staging copy on a communication thread does not take the trainer's error). That is
+// PyTorch's device-assert timing, but named and counted, and the device stays usable: the kernels
+// that read indices later (embedding_backward) skip the bad ones. With every slot pending
 // (kDeferredChecks ops checked with no wait between), the next check waits once.
 constexpr int kDeferredChecks = 256;
-int* deferred_check(Device d, std::function<std::string(int count)> message);
-// Waits for d's compute stream, then reports the deferred checks (above). Every host wait on the
-// compute stream goes through here.
+class DeferredCheck {
+ public:
+  DeferredCheck(int* slot, std::unique_lock<std::mutex> hold) : slot_(slot), hold_(std::move(hold)) {}
+  int* ptr() const { return slot_; }
+
+ private:
+  int* slot_;
+  std::unique_lock<std::mutex> hold_;
+};
+DeferredCheck deferred_check(Device d, std::function<std::string(int count)> message);
+// Waits for d's compute stream, then reports the deferred checks (above). The op table's host
+// copies and its global norm wait through here.
 void sync(Device d);
 // Registers the CUDA allocator and op table (idempotent); called on first use of a cuda device.
 // With SG_CUDA_KERNELS the table holds every kernel; without it only the host<->device copies.

@@ -205,24 +205,24 @@ void embedding(DType dtype, DType idx_dtype, void* out, const void* idx, const v
                int64_t num_rows) {
   if (n * C == 0) return;
   const On o = on(out, "embedding");
-  int* bad = deferred_check(o.dev, [n, num_rows](int count) {
+  const DeferredCheck bad = deferred_check(o.dev, [n, num_rows](int count) {
     return str("embedding (cuda): ", count, " of ", n, " indices out of range for a table of ", num_rows, " rows");
   });
-  embedding_forward(dtype, idx_dtype, out, idx, weight, n, C, num_rows, bad, o.stream);
+  embedding_forward(dtype, idx_dtype, out, idx, weight, n, C, num_rows, bad.ptr(), o.stream);
 }
 
-// The indices were range-checked by the forward (this signature carries no row count).
+// Indices outside the table are skipped: the forward counted them, and the next sync reports them.
 void embedding_backward(DType dtype, DType idx_dtype, void* dweight, const void* dout, const void* idx, int64_t n,
-                        int64_t C) {
+                        int64_t C, int64_t num_rows) {
   if (n * C == 0) return;
   const On o = on(dweight, "embedding_backward");
-  const Scratch work(embedding_backward_workspace(idx_dtype, n), o.dev);
-  cuda::embedding_backward(dtype, idx_dtype, dweight, dout, idx, n, C, work.as<void>(), o.stream);
+  const Scratch work(embedding_backward_workspace(n), o.dev);
+  cuda::embedding_backward(dtype, idx_dtype, dweight, dout, idx, n, C, num_rows, work.as<void>(), o.stream);
 }
 
 // Where the classifier kernels count targets outside [0, V) that are not ignore_index (their loss
 // is 0), reported at the next sync.
-int* check_targets(Device d, int64_t rows, int64_t V, int64_t ignore_index) {
+DeferredCheck check_targets(Device d, int64_t rows, int64_t V, int64_t ignore_index) {
   return deferred_check(d, [rows, V, ignore_index](int count) {
     return str("cross_entropy (cuda): ", count, " of ", rows, " targets out of range [0, ", V, ") and not ignore_index (",
                ignore_index, ")");
@@ -234,7 +234,7 @@ void cross_entropy(DType dtype, DType tgt_dtype, void* loss, void* lse, const vo
   if (rows == 0) return;
   const On o = on(loss, "cross_entropy");
   cuda::cross_entropy(dtype, tgt_dtype, stats(loss), stats(lse), logits, targets, rows, Vp, V, ignore_index,
-                      check_targets(o.dev, rows, V, ignore_index), o.stream);
+                      check_targets(o.dev, rows, V, ignore_index).ptr(), o.stream);
 }
 
 void cross_entropy_backward(DType dtype, DType tgt_dtype, void* dlogits, const void* dloss, const void* logits,
@@ -250,7 +250,7 @@ void cross_entropy_fused(DType dtype, DType tgt_dtype, void* loss, void* dlogits
   if (rows == 0) return;
   const On o = on(loss, "cross_entropy_fused");
   cuda::classifier_forward_backward(dtype, tgt_dtype, stats(loss), nullptr, dlogits, logits, targets, float(dloss),
-                                    rows, Vp, V, ignore_index, check_targets(o.dev, rows, V, ignore_index), o.stream);
+                                    rows, Vp, V, ignore_index, check_targets(o.dev, rows, V, ignore_index).ptr(), o.stream);
 }
 
 void dropout(DType dtype, void* out, const void* x, int64_t n, double p, uint64_t seed, uint64_t stream) {

@@ -78,7 +78,7 @@ Tensor vocab_parallel_cross_entropy(const Tensor& logits, const Tensor& targets,
       Tensor minus_d = contiguous(unsqueeze(neg(mul(d, here_t)), 1));  // [rows, 1]
       // dx[r, t_r] -= dloss_row: a scatter-add of one value per row (+= into dx)
       SG_KERNEL(dx.device(), embedding_backward)(dx.dtype(), flat_t.dtype(), dx.data_ptr(), minus_d.data_ptr(),
-                                                flat_t.data_ptr(), rows, 1);
+                                                flat_t.data_ptr(), rows, 1, dx.numel());
       return autograd::TensorList{to(reshape(dx, shape), want)};
     });
   }

@@ -383,7 +383,7 @@ TEMPLATE_TEST_CASE("emu embedding gathers rows and its backward sums repeated ro
     const std::vector<int64_t> idx = {3, 10, 3, 0, 7, 3, 10, 1, 3};  // repeats: the order of the sum matters
     std::vector<float> out_ref(n * C), dw_ref = dw0;
     cpu::embedding(DType::f32, DType::i64, out_ref.data(), idx.data(), w.data(), n, C, rows);
-    cpu::embedding_backward(DType::f32, DType::i64, dw_ref.data(), dout.data(), idx.data(), n, C);
+    cpu::embedding_backward(DType::f32, DType::i64, dw_ref.data(), dout.data(), idx.data(), n, C, rows);
     const auto ws = to_storage<T>(w), douts = to_storage<T>(dout);
     std::vector<T> out(n * C);
     int bad = 0;
@@ -391,8 +391,9 @@ TEMPLATE_TEST_CASE("emu embedding gathers rows and its backward sums repeated ro
     CHECK(bad == 0);
     check_close(out, out_ref, 0.0);  // a gather: exact
     auto dw = to_storage<T>(dw0);
-    std::vector<uint64_t> work((cu::embedding_backward_workspace(DType::i64, n) + 7) / 8);
-    cu::embedding_backward(dtype_of<T>(), DType::i64, dw.data(), douts.data(), idx.data(), n, C, work.data(), nullptr);
+    std::vector<uint64_t> work((cu::embedding_backward_workspace(n) + 7) / 8);
+    cu::embedding_backward(dtype_of<T>(), DType::i64, dw.data(), douts.data(), idx.data(), n, C, rows, work.data(),
+                           nullptr);
     if constexpr (std::is_same_v<T, float>) {
       REQUIRE(to_float(dw) == dw_ref);  // the CPU's order: bit-identical
     } else {
@@ -406,15 +407,65 @@ TEMPLATE_TEST_CASE("emu embedding gathers rows and its backward sums repeated ro
   const auto dout2 = rounded<T>(randn(n2 * C2, 31));
   std::vector<float> dw2_ref = rounded<T>(randn(rows2 * C2, 32));
   auto dw2 = to_storage<T>(dw2_ref);
-  cpu::embedding_backward(DType::f32, DType::i32, dw2_ref.data(), dout2.data(), idx2.data(), n2, C2);
-  std::vector<uint64_t> work((cu::embedding_backward_workspace(DType::i32, n2) + 7) / 8);
-  cu::embedding_backward(dtype_of<T>(), DType::i32, dw2.data(), to_storage<T>(dout2).data(), idx2.data(), n2, C2,
+  cpu::embedding_backward(DType::f32, DType::i32, dw2_ref.data(), dout2.data(), idx2.data(), n2, C2, rows2);
+  std::vector<uint64_t> work((cu::embedding_backward_workspace(n2) + 7) / 8);
+  cu::embedding_backward(dtype_of<T>(), DType::i32, dw2.data(), to_storage<T>(dout2).data(), idx2.data(), n2, C2, rows2,
                          work.data(), nullptr);
   if constexpr (std::is_same_v<T, float>) {
     REQUIRE(to_float(dw2) == dw2_ref);
   } else {
     check_close(dw2, dw2_ref, 8.0);
   }
+}
+
+TEMPLATE_TEST_CASE("emu embedding zero-fills and counts indices outside the table; its backward skips them", "[emu]",
+                   float, cu::bf16) {
+  using T = TestType;
+  const int64_t rows = 16, C = 24, guard = 3;  // guard rows before and after the table must stay as they are
+  // Out of range: negative, num_rows itself (the backward's sort key for "skip"), past it, and one
+  // whose low bits name row 0 / row 15 (so a sort over too few bits would mix it into their runs).
+  const std::vector<int64_t> idx = {15, -1, 3, 16, 0, 48, 3, int64_t(1) << 40, 15, 0, 47, 3};
+  const int64_t n = int64_t(idx.size());
+  std::vector<int64_t> good;
+  std::vector<float> dout_good;
+  const auto w = rounded<T>(randn(rows * C, 33)), dout = rounded<T>(randn(n * C, 34));
+  for (int64_t i = 0; i < n; ++i)
+    if (idx[size_t(i)] >= 0 && idx[size_t(i)] < rows) {
+      good.push_back(idx[size_t(i)]);
+      dout_good.insert(dout_good.end(), dout.begin() + i * C, dout.begin() + (i + 1) * C);
+    }
+  std::vector<T> out(size_t(n * C));
+  int bad = 0;
+  cu::embedding_forward(dtype_of<T>(), DType::i64, out.data(), idx.data(), to_storage<T>(w).data(), n, C, rows, &bad,
+                        nullptr);
+  CHECK(bad == 5);
+  for (int64_t i : {1, 3, 5, 7, 10})
+    for (int64_t c = 0; c < C; ++c) CHECK(cu::to_f32(out[size_t(i * C + c)]) == 0.0f);
+
+  const auto all = rounded<T>(randn((rows + 2 * guard) * C, 35));
+  std::vector<float> ref(all.begin() + guard * C, all.begin() + (guard + rows) * C);
+  cpu::embedding_backward(DType::f32, DType::i64, ref.data(), dout_good.data(), good.data(), int64_t(good.size()), C,
+                          rows);
+  auto dw = to_storage<T>(all);
+  std::vector<uint64_t> work((cu::embedding_backward_workspace(n) + 7) / 8);
+  cu::embedding_backward(dtype_of<T>(), DType::i64, dw.data() + guard * C, to_storage<T>(dout).data(), idx.data(), n,
+                         C, rows, work.data(), nullptr);
+  const auto got = to_float(dw);
+  REQUIRE(std::vector<float>(got.begin(), got.begin() + guard * C) == std::vector<float>(all.begin(), all.begin() + guard * C));
+  REQUIRE(std::vector<float>(got.end() - guard * C, got.end()) == std::vector<float>(all.end() - guard * C, all.end()));
+  const std::vector<float> table(got.begin() + guard * C, got.end() - guard * C);
+  if constexpr (std::is_same_v<T, float>) {
+    REQUIRE(table == ref);  // the good indices' sums, in the CPU's order
+  } else {
+    check_close(table, ref, tol<T>(), tol<T>() * 8.0);
+  }
+  // The radix sort's key width: every row and the skip key num_rows fit, nothing more.
+  CHECK(cu::sort_key_bits(15) == 4);
+  CHECK(cu::sort_key_bits(16) == 5);
+  CHECK(cu::sort_key_bits(50304) == 16);
+  CHECK(cu::sort_key_bits(65535) == 16);
+  CHECK(cu::sort_key_bits(65536) == 17);
+  CHECK(cu::sort_key_bits(0) == 1);
 }
 
 // ---------------------------------------------------------------- dropout, Philox fills

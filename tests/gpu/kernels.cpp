@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdio>
+#include <thread>
 
 #include "autograd/ops.h"
 #include "autograd/tape.h"
@@ -387,8 +388,8 @@ TEST_CASE("embedding forward and '+=' backward match the CPU; a bad index throws
     check_close(get(gout), get(cout), 0, 0);
     Tensor gdw = put(dw0, dt, gpu), cdw = put(rounded(dw0, dt), DType::f32, host);
     Tensor gdo = put(dout, dt, gpu), cdo = put(rounded(dout, dt), DType::f32, host);
-    G().embedding_backward(dt, DType::i64, gdw.data_ptr(), gdo.data_ptr(), gi.data_ptr(), n, C_);
-    C().embedding_backward(DType::f32, DType::i64, cdw.data_ptr(), cdo.data_ptr(), ci.data_ptr(), n, C_);
+    G().embedding_backward(dt, DType::i64, gdw.data_ptr(), gdo.data_ptr(), gi.data_ptr(), n, C_, rows);
+    C().embedding_backward(DType::f32, DType::i64, cdw.data_ptr(), cdo.data_ptr(), ci.data_ptr(), n, C_, rows);
     check_close(get(gdw), get(cdw), rtol(dt), dt == DType::f32 ? 1e-5 : 5e-2);
   }
   // A bad index is reported at the host's next wait for the device (a read here), not by the op.
@@ -417,6 +418,31 @@ TEST_CASE("embedding forward and '+=' backward match the CPU; a bad index throws
   for (int i = 0; i < cuda::kDeferredChecks + 10; ++i) embed(good);
   embed(worse);
   REQUIRE_THROWS_WITH(get(out), Catch::Contains("2 of 4 indices out of range"));
+  // A failure goes to the thread that queued the op, not to another thread's wait (an MPI staging
+  // copy on a communication thread).
+  embed(gb);
+  bool other_threw = false;
+  std::thread other([&] {
+    try {
+      (void)get(out);
+    } catch (const Error&) {
+      other_threw = true;
+    }
+  });
+  other.join();
+  CHECK_FALSE(other_threw);
+  REQUIRE_THROWS_WITH(get(out), Catch::Contains("1 of 4 indices out of range"));
+  // The backward over the same bad indices skips them: the table gets the good rows' sums and
+  // nothing outside it is written (a guard row on each side).
+  const auto d4 = randn(size_t(4 * C_), 27);
+  Tensor gd4 = put(d4, DType::f32, gpu);
+  std::vector<float> want(size_t((rows + 2) * C_), 1.0f);
+  Tensor gdw = put(want, DType::f32, gpu);
+  G().embedding_backward(DType::f32, DType::i32, static_cast<float*>(gdw.data_ptr()) + C_, gd4.data_ptr(), gb.data_ptr(),
+                         4, C_, rows);
+  for (int i : {0, 1, 3})
+    for (int64_t c = 0; c < C_; ++c) want[size_t((1 + bad[size_t(i)]) * C_ + c)] += d4[size_t(i * C_ + c)];
+  check_close(get(gdw), want, 0, 0);
 }
 
 TEST_CASE("cross_entropy over a padded vocabulary, forward and backward, matches the CPU", "[gpu][kernels]") {
