@@ -165,20 +165,18 @@ auto timed(Timings& t, const std::string& kind, F&& f) {
 // GPT::loss, call by call, with each op kind timed (same modules, same ops, same order).
 Tensor profiled_loss(const nn::GPT& m, const Tensor& idx, const Tensor& tgt, Timings& t) {
   const int64_t T = idx.size(1), H = m.config.n_head;
-  Tensor pos = arange(T, DType::i64, idx.device());
-  Tensor x = timed(t, "embedding", [&] { return add(m.wte->forward(idx), m.wpe->forward(pos)); });
+  SG_CHECK(m.config.dropout == 0, "--profile mirrors GPT::loss without dropout");
+  Tensor x = timed(t, "embedding", [&] { return add(m.wte->forward(idx), narrow(m.wpe->weight, 0, 0, T)); });
   for (const auto& blk : m.h) {
     Tensor h1 = timed(t, "layernorm", [&] { return blk->ln_1->forward(x); });
     Tensor qkv = timed(t, "linear", [&] { return blk->attn->c_attn->forward(h1); });
     Tensor y = timed(t, "attention", [&] { return attention_qkv(qkv, H); });
-    Tensor a = timed(t, "linear", [&] { return blk->attn->c_proj->forward(y); });
-    Tensor h2;
-    std::tie(x, h2) = timed(t, "add_layernorm", [&] { return blk->ln_2->forward_add(x, a); });
-    Tensor p = timed(t, "mlp", [&] { return blk->mlp->forward(h2); });
-    x = timed(t, "add", [&] { return add(x, p); });
+    Tensor h = timed(t, "linear", [&] { return blk->attn->c_proj->forward(y, x); });  // x + attn in the GEMM
+    Tensor h2 = timed(t, "layernorm", [&] { return blk->ln_2->forward(h); });
+    x = timed(t, "mlp", [&] { return blk->mlp->forward(h2, h); });  // h + mlp in the GEMM
   }
   x = timed(t, "layernorm", [&] { return m.ln_f->forward(x); });
-  Tensor logits = timed(t, "lm_head matmul", [&] { return matmul(x, transpose(m.wte->weight, 0, 1)); });
+  Tensor logits = timed(t, "lm_head", [&] { return linear(x, m.wte->weight, Tensor()); });
   CrossEntropyOptions o;
   o.vocab = m.config.vocab_size;
   o.ignore_index = -1;
