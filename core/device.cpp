@@ -1,6 +1,7 @@
 #include "core/device.h"
 
 #include <cstdlib>
+#include <utility>
 
 namespace sg {
 
@@ -19,5 +20,12 @@ Device parse_device(const std::string& s) {
   if (kind == "cuda") return Device::cuda(index_of(colon));
   throw Error(str("unknown device '", s, "' (expected cpu, cpu:N or cuda:N)"));
 }
+
+namespace {
+thread_local bool t_reports_device_errors = true;
+}
+bool reports_device_errors() { return t_reports_device_errors; }
+DeviceErrorsElsewhere::DeviceErrorsElsewhere() : was_(std::exchange(t_reports_device_errors, false)) {}
+DeviceErrorsElsewhere::~DeviceErrorsElsewhere() { t_reports_device_errors = was_; }
 
 }  // namespace sg

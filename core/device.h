@@ -30,4 +30,21 @@ struct Device {
 // "cpu", "cpu:1", "cuda", "cuda:3"
 Device parse_device(const std::string& s);
 
+// Whether this thread's waits on a device report the errors that kernels queued earlier found
+// (bad indices: kernels/cuda/runtime.h's deferred checks). Every thread does, except inside a
+// DeviceErrorsElsewhere scope: a communication thread's staging copies wait on the device too,
+// but an error found there belongs to the threads that run the model, and stays for their next
+// wait (parallel/comm/work_queue.cpp runs its loop in one).
+bool reports_device_errors();
+class DeviceErrorsElsewhere {
+ public:
+  DeviceErrorsElsewhere();
+  ~DeviceErrorsElsewhere();
+  DeviceErrorsElsewhere(const DeviceErrorsElsewhere&) = delete;
+  DeviceErrorsElsewhere& operator=(const DeviceErrorsElsewhere&) = delete;
+
+ private:
+  bool was_;
+};
+
 }  // namespace sg

@@ -904,6 +904,13 @@ TEST_CASE("embedding names an out-of-range index", "[ops]") {
   Tensor w = zeros({4, 3});
   REQUIRE_THROWS_WITH(embedding(w, from_vector<int64_t>({0, 4}, {2})), Contains("index 4 out of range for a table of 4 rows"));
   REQUIRE_THROWS_WITH(embedding(w, from_vector<int32_t>({-1, 0}, {2})), Contains("index -1 out of range"));
+  // The table's backward checks every index before it adds into any row.
+  std::vector<float> dw(8, 1.0f), d(4, 0.5f);
+  const std::vector<int64_t> ix = {1, 4};
+  REQUIRE_THROWS_WITH(kernels::table(Device::cpu()).embedding_backward(DType::f32, DType::i64, dw.data(), d.data(),
+                                                                       ix.data(), 2, 2, 4),
+                      Contains("embedding_backward: index 4 out of range for a table of 4 rows"));
+  CHECK(dw == std::vector<float>(8, 1.0f));
 }
 
 TEST_CASE("dropout: drops a fraction p, scales survivors by 1/(1-p), backward reuses the mask", "[ops]") {

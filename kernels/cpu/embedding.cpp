@@ -23,11 +23,13 @@ void embedding_backward(DType dtype, DType idx_dtype, void* dweight, const void*
     using T = decltype(tag);
     auto* dw = static_cast<T*>(dweight);
     auto* g = static_cast<const T*>(dout);
-    for (int64_t i = 0; i < n; ++i) {
+    for (int64_t i = 0; i < n; ++i) {  // all checked before any row is written
       const int64_t r = read_index(idx_dtype, idx, i);
       SG_CHECK(r >= 0 && r < num_rows, "embedding_backward: index ", r, " out of range for a table of ", num_rows,
                " rows");
-      T* row = dw + r * C;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      T* row = dw + read_index(idx_dtype, idx, i) * C;
       const T* gi = g + i * C;
       for (int64_t c = 0; c < C; ++c) row[c] += gi[c];
     }

@@ -91,13 +91,15 @@ inline int sort_key_bits(int64_t num_rows) {
 struct EmbeddingSortSpace {
   size_t keys_in = 0, pos_in = 0, pos_out = 0, sort = 0, sort_bytes = 0, total = 0;
 };
-inline EmbeddingSortSpace embedding_sort_space(int64_t n) {
+inline EmbeddingSortSpace embedding_sort_space(int64_t n, int64_t num_rows) {
   auto up = [](size_t b) { return (b + 255) / 256 * 256; };
   EmbeddingSortSpace s;
 #ifdef __CUDACC__
   SG_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, s.sort_bytes, static_cast<const uint32_t*>(nullptr),
                                                 static_cast<uint32_t*>(nullptr), static_cast<const int*>(nullptr),
-                                                static_cast<int*>(nullptr), int(n)));
+                                                static_cast<int*>(nullptr), int(n), 0, sort_key_bits(num_rows)));
+#else
+  (void)num_rows;
 #endif
   const size_t piece = up(size_t(n) * 4);  // uint32 keys and int positions alike
   s.keys_in = piece;
@@ -108,7 +110,9 @@ inline EmbeddingSortSpace embedding_sort_space(int64_t n) {
   return s;
 }
 
-inline size_t embedding_backward_workspace(int64_t n) { return embedding_sort_space(n).total; }
+inline size_t embedding_backward_workspace(int64_t n, int64_t num_rows) {
+  return embedding_sort_space(n, num_rows).total;
+}
 
 // rows_out, pos_out = (the keys of idx, 0..n-1) sorted by key, stably, over the low `bits` bits.
 template <class I>
@@ -139,17 +143,17 @@ inline void embedding_forward(DType dtype, DType idx_dtype, void* out, const voi
   });
 }
 
-// workspace: embedding_backward_workspace(n) bytes, 256-byte aligned.
+// workspace: embedding_backward_workspace(n, num_rows) bytes, 256-byte aligned.
 inline void embedding_backward(DType dtype, DType idx_dtype, void* dweight, const void* dout, const void* idx,
                                int64_t n, int64_t C, int64_t num_rows, void* workspace, Stream stream) {
   SG_CHECK(n < (int64_t(1) << 31), "embedding_backward (cuda): ", n, " indices; at most 2^31 - 1 per call");
-  SG_CHECK(num_rows >= 0 && num_rows < (int64_t(1) << 32) - 1, "embedding_backward (cuda): a table of ", num_rows,
-           " rows; at most 2^32 - 2");
+  SG_CHECK(num_rows >= 0 && num_rows <= int64_t(UINT32_MAX), "embedding_backward (cuda): a table of ", num_rows,
+           " rows; at most 2^32 - 1 (the sort's keys are 32-bit)");
   dispatch_storage(dtype, "embedding_backward", [&](auto tag) {
     dispatch_index(idx_dtype, "embedding_backward", [&](auto itag) {
       using T = decltype(tag);
       using I = decltype(itag);
-      const EmbeddingSortSpace sp = embedding_sort_space(n);
+      const EmbeddingSortSpace sp = embedding_sort_space(n, num_rows);
       auto* base = static_cast<unsigned char*>(workspace);
       auto *rows = reinterpret_cast<uint32_t*>(base), *keys_in = reinterpret_cast<uint32_t*>(base + sp.keys_in);
       auto *pos_in = reinterpret_cast<int*>(base + sp.pos_in), *pos_out = reinterpret_cast<int*>(base + sp.pos_out);

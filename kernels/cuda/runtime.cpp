@@ -1,12 +1,10 @@
 #include "kernels/cuda/runtime.h"
 
-#include <algorithm>
 #include <atomic>
 #include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -127,15 +125,11 @@ void from_host(void* dev_dst, const void* host_src, size_t bytes, Device d) {
 // One device's deferred checks: slot i of dev belongs to pending[i]. Outside the ledger (1 KB per
 // device for the life of the process), so the ledger's figures stay the model's.
 struct DeferredChecks {
-  struct Pending {
-    std::function<std::string(int)> message;
-    std::thread::id thread;  // the thread that queued the op, the one its failure is reported to
-  };
   std::mutex mu;
   int* dev = nullptr;   // kDeferredChecks ints, zero except where a kernel counted into a pending slot
   int* host = nullptr;  // page-locked: sync() copies the pending slots here before it waits
-  std::vector<Pending> pending;
-  std::vector<std::pair<std::thread::id, std::string>> failed;  // read back, not yet reported
+  std::vector<std::function<std::string(int)>> pending;
+  std::vector<std::string> failed;  // read back by a thread that does not report them, in queue order
 };
 
 DeferredChecks& deferred(Device d) {
@@ -178,16 +172,12 @@ cudaStream_t compute_stream(Device d) {
 DeferredCheck deferred_check(Device d, std::function<std::string(int)> message) {
   DeferredChecks& c = deferred(d);
   std::unique_lock<std::mutex> lock(c.mu);
-  if (c.pending.size() == size_t(kDeferredChecks)) {  // every slot pending: wait once, then take slot 0
+  while (c.pending.size() == size_t(kDeferredChecks)) {  // every slot pending: wait once, then take slot 0
     lock.unlock();
     sync(d);
-    lock.lock();
+    lock.lock();  // (another thread may have refilled them meanwhile: look again)
   }
-  if (c.pending.size() == size_t(kDeferredChecks)) {  // refilled by other threads meanwhile
-    lock.unlock();
-    return deferred_check(d, std::move(message));
-  }
-  c.pending.push_back({std::move(message), std::this_thread::get_id()});
+  c.pending.push_back(std::move(message));
   return DeferredCheck(c.dev + (c.pending.size() - 1), std::move(lock));
 }
 
@@ -202,15 +192,12 @@ void sync(Device d) {
   if (n) {
     SG_CUDA_CHECK(cudaMemsetAsync(c.dev, 0, n * sizeof(int), s));  // before any later kernel counts again
     for (size_t i = 0; i < n; ++i)
-      if (const int count = c.host[i]) c.failed.emplace_back(c.pending[i].thread, c.pending[i].message(count));
+      if (const int count = c.host[i]) c.failed.push_back(c.pending[i](count));
     c.pending.clear();
   }
-  const std::thread::id me = std::this_thread::get_id();
-  auto first = std::find_if(c.failed.begin(), c.failed.end(), [&](const auto& f) { return f.first == me; });
-  if (first == c.failed.end()) return;
-  const std::string what = first->second;
-  c.failed.erase(std::remove_if(c.failed.begin(), c.failed.end(), [&](const auto& f) { return f.first == me; }),
-                 c.failed.end());
+  if (c.failed.empty() || !reports_device_errors()) return;
+  const std::string what = c.failed.front();
+  c.failed.clear();
   throw Error(str(what, " (found at the host's next wait for ", d.str(),
                   ": the op ran asynchronously, before the call that reports it)"));
 }

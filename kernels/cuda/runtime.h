@@ -44,11 +44,11 @@ cudaStream_t compute_stream(Device d);
 // stream to count into; the DeferredCheck holds d's checks until it is destroyed, so the op's
 // launch is queued before any sync can read the slot. The count comes back with the next sync(d)
 // (copies to and from the host, item(), the global norm), and the first failed check in queue order
-// among those the waiting thread queued throws message(count), saying the op ran earlier; its other
-// failures are dropped (one report per wait), and other threads' failures wait for those threads
-// (an MPI staging copy on a communication thread does not take the trainer's error). That is
-// PyTorch's device-assert timing, but named and counted, and the device stays usable: the kernels
-// that read indices later (embedding_backward) skip the bad ones. With every slot pending
+// throws message(count), saying the op ran earlier; later failures read back with it are dropped
+// (one report per wait). A thread in a DeviceErrorsElsewhere scope (core/device.h: the
+// communication threads) reads them back without throwing; the next other wait reports them.
+// That is PyTorch's device-assert timing, but named and counted, and the device stays usable: the
+// kernels that read indices later (embedding_backward) skip the bad ones. With every slot pending
 // (kDeferredChecks ops checked with no wait between), the next check waits once.
 constexpr int kDeferredChecks = 256;
 class DeferredCheck {

@@ -216,7 +216,7 @@ void embedding_backward(DType dtype, DType idx_dtype, void* dweight, const void*
                         int64_t C, int64_t num_rows) {
   if (n * C == 0) return;
   const On o = on(dweight, "embedding_backward");
-  const Scratch work(embedding_backward_workspace(n), o.dev);
+  const Scratch work(embedding_backward_workspace(n, num_rows), o.dev);
   cuda::embedding_backward(dtype, idx_dtype, dweight, dout, idx, n, C, num_rows, work.as<void>(), o.stream);
 }
 

@@ -110,6 +110,7 @@ int64_t WorkQueue::run_by_callers() const {
 }
 
 void WorkQueue::loop() {
+  const DeviceErrorsElsewhere elsewhere;  // a staging copy's wait leaves bad-index errors to the model's threads
   QueueState& s = *state_;
   std::unique_lock<std::mutex> lock(s.mu);
   for (;;) {

@@ -391,7 +391,7 @@ TEMPLATE_TEST_CASE("emu embedding gathers rows and its backward sums repeated ro
     CHECK(bad == 0);
     check_close(out, out_ref, 0.0);  // a gather: exact
     auto dw = to_storage<T>(dw0);
-    std::vector<uint64_t> work((cu::embedding_backward_workspace(n) + 7) / 8);
+    std::vector<uint64_t> work((cu::embedding_backward_workspace(n, rows) + 7) / 8);
     cu::embedding_backward(dtype_of<T>(), DType::i64, dw.data(), douts.data(), idx.data(), n, C, rows, work.data(),
                            nullptr);
     if constexpr (std::is_same_v<T, float>) {
@@ -408,7 +408,7 @@ TEMPLATE_TEST_CASE("emu embedding gathers rows and its backward sums repeated ro
   std::vector<float> dw2_ref = rounded<T>(randn(rows2 * C2, 32));
   auto dw2 = to_storage<T>(dw2_ref);
   cpu::embedding_backward(DType::f32, DType::i32, dw2_ref.data(), dout2.data(), idx2.data(), n2, C2, rows2);
-  std::vector<uint64_t> work((cu::embedding_backward_workspace(n2) + 7) / 8);
+  std::vector<uint64_t> work((cu::embedding_backward_workspace(n2, rows2) + 7) / 8);
   cu::embedding_backward(dtype_of<T>(), DType::i32, dw2.data(), to_storage<T>(dout2).data(), idx2.data(), n2, C2, rows2,
                          work.data(), nullptr);
   if constexpr (std::is_same_v<T, float>) {
@@ -447,7 +447,7 @@ TEMPLATE_TEST_CASE("emu embedding zero-fills and counts indices outside the tabl
   cpu::embedding_backward(DType::f32, DType::i64, ref.data(), dout_good.data(), good.data(), int64_t(good.size()), C,
                           rows);
   auto dw = to_storage<T>(all);
-  std::vector<uint64_t> work((cu::embedding_backward_workspace(n) + 7) / 8);
+  std::vector<uint64_t> work((cu::embedding_backward_workspace(n, rows) + 7) / 8);
   cu::embedding_backward(dtype_of<T>(), DType::i64, dw.data() + guard * C, to_storage<T>(dout).data(), idx.data(), n,
                          C, rows, work.data(), nullptr);
   const auto got = to_float(dw);

@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdio>
+#include <optional>
 #include <thread>
 
 #include "autograd/ops.h"
@@ -418,20 +419,29 @@ TEST_CASE("embedding forward and '+=' backward match the CPU; a bad index throws
   for (int i = 0; i < cuda::kDeferredChecks + 10; ++i) embed(good);
   embed(worse);
   REQUIRE_THROWS_WITH(get(out), Catch::Contains("2 of 4 indices out of range"));
-  // A failure goes to the thread that queued the op, not to another thread's wait (an MPI staging
-  // copy on a communication thread).
+  // A communication thread's wait (DeviceErrorsElsewhere) leaves the failure to the next other
+  // wait; any other thread's wait reports it (DataParallel's replica threads queue the forward,
+  // the main thread waits).
+  auto waits_in_a_thread = [&](bool comm) {
+    bool threw = false;
+    std::thread t([&] {
+      std::optional<DeviceErrorsElsewhere> elsewhere;
+      if (comm) elsewhere.emplace();
+      try {
+        (void)get(out);
+      } catch (const Error&) {
+        threw = true;
+      }
+    });
+    t.join();
+    return threw;
+  };
   embed(gb);
-  bool other_threw = false;
-  std::thread other([&] {
-    try {
-      (void)get(out);
-    } catch (const Error&) {
-      other_threw = true;
-    }
-  });
-  other.join();
-  CHECK_FALSE(other_threw);
+  CHECK_FALSE(waits_in_a_thread(true));
   REQUIRE_THROWS_WITH(get(out), Catch::Contains("1 of 4 indices out of range"));
+  std::thread([&] { embed(gb); }).join();
+  CHECK(waits_in_a_thread(false));
+  REQUIRE_NOTHROW(get(out));
   // The backward over the same bad indices skips them: the table gets the good rows' sums and
   // nothing outside it is written (a guard row on each side).
   const auto d4 = randn(size_t(4 * C_), 27);
