@@ -178,7 +178,8 @@ Tensor GPT::embed(const Tensor& idx) const {
     SG_CHECK(T % config.tp == 0, "GPT: sequence parallelism needs the sequence length ", T, " to divide by --tp ", config.tp);
     first = tp_group->rank() * (T / config.tp), len = T / config.tp;
   }
-  Tensor x = add(wte ? wte->forward(idx) : tp_wte->forward(idx), narrow(wpe->weight, 0, first, len));  // [B,T,C] + [T,C]
+  const Tensor tokens = wte ? wte->forward(idx) : tp_wte->forward(idx);
+  Tensor x = add(tokens, narrow(wpe->weight, 0, first, len));  // [B, T, C] + [T, C]
   if (config.dropout > 0) x = dropout(x, config.dropout);
   return x;
 }

@@ -224,8 +224,8 @@ void embedding_backward(DType dtype, DType idx_dtype, void* dweight, const void*
 // is 0), reported at the next sync.
 DeferredCheck check_targets(Device d, int64_t rows, int64_t V, int64_t ignore_index) {
   return deferred_check(d, [rows, V, ignore_index](int count) {
-    return str("cross_entropy (cuda): ", count, " of ", rows, " targets out of range [0, ", V, ") and not ignore_index (",
-               ignore_index, ")");
+    return str("cross_entropy (cuda): ", count, " of ", rows, " targets out of range [0, ", V,
+               ") and not ignore_index (", ignore_index, ")");
   });
 }
 
@@ -250,7 +250,8 @@ void cross_entropy_fused(DType dtype, DType tgt_dtype, void* loss, void* dlogits
   if (rows == 0) return;
   const On o = on(loss, "cross_entropy_fused");
   cuda::classifier_forward_backward(dtype, tgt_dtype, stats(loss), nullptr, dlogits, logits, targets, float(dloss),
-                                    rows, Vp, V, ignore_index, check_targets(o.dev, rows, V, ignore_index).ptr(), o.stream);
+                                    rows, Vp, V, ignore_index, check_targets(o.dev, rows, V, ignore_index).ptr(),
+                                    o.stream);
 }
 
 void dropout(DType dtype, void* out, const void* x, int64_t n, double p, uint64_t seed, uint64_t stream) {
