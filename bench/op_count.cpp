@@ -8,61 +8,19 @@
 //   ./build/bench/sg_bench_op_count
 #include <cstdio>
 #include <map>
+#include <optional>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 #include "autograd/ops.h"
 #include "autograd/tape.h"
-#include "kernels/ops.h"
+#include "kernels/profile.h"
 #include "models/gpt.h"
 #include "optim/optim.h"
 
 using namespace sg;
 
-namespace {
-
-std::map<std::string, long> g_calls;
-const kernels::OpTable* g_real = nullptr;
-
-// Forwards an entry of the real CPU table, counting the call under the entry's name.
-template <auto Entry, class Fn>
-struct Counted;
-template <auto Entry, class R, class... A>
-struct Counted<Entry, R (*)(A...)> {
-  static const char* name;
-  static R call(A... a) {
-    ++g_calls[name];
-    return (g_real->*Entry)(a...);
-  }
-};
-template <auto Entry, class R, class... A>
-const char* Counted<Entry, R (*)(A...)>::name = nullptr;
-
-template <auto Entry>
-void count(kernels::OpTable& t, const char* name) {
-  using Fn = std::remove_reference_t<decltype(t.*Entry)>;
-  if (!(g_real->*Entry)) return;
-  Counted<Entry, Fn>::name = name;
-  t.*Entry = &Counted<Entry, Fn>::call;
-}
-
-}  // namespace
-
 int main() {
-  g_real = &kernels::table(Device::cpu());
-  static kernels::OpTable t = *g_real;
-#define SG_COUNT(e) count<&kernels::OpTable::e>(t, #e)
-  SG_COUNT(copy_strided), SG_COUNT(scatter_strided), SG_COUNT(fill), SG_COUNT(binary), SG_COUNT(unary);
-  SG_COUNT(unary_backward), SG_COUNT(reduce), SG_COUNT(gemm), SG_COUNT(softmax), SG_COUNT(softmax_backward);
-  SG_COUNT(layernorm), SG_COUNT(layernorm_backward), SG_COUNT(rmsnorm), SG_COUNT(rmsnorm_backward);
-  SG_COUNT(embedding), SG_COUNT(embedding_backward), SG_COUNT(cross_entropy), SG_COUNT(cross_entropy_backward);
-  SG_COUNT(cross_entropy_fused);
-  SG_COUNT(dropout), SG_COUNT(attention), SG_COUNT(attention_backward), SG_COUNT(random), SG_COUNT(adamw);
-  SG_COUNT(adamw_many), SG_COUNT(sum_squares_many), SG_COUNT(residual_layernorm);
-  SG_COUNT(residual_layernorm_backward);
-#undef SG_COUNT
-
   const int64_t B = 1, T = 32;
   nn::GPTConfig c = nn::gpt_preset("gpt2");
   c.block_size = T;  // T = block_size, as in training at T = 1024: the positions are all of wpe
@@ -77,13 +35,13 @@ int main() {
 
   // Two steps: the first creates the gradients and the optimizer's moments; the second is the one
   // every later step repeats, and the one counted.
-  std::vector<std::pair<std::string, std::map<std::string, long>>> phases;
+  std::vector<std::pair<std::string, std::map<std::string, kernels::OpTime>>> phases;
+  std::optional<kernels::OpProfiler> profiler;  // counts the calls by entry (kernels/profile.h)
   auto phase = [&](const char* name) {
-    phases.emplace_back(name, g_calls);
-    g_calls.clear();
+    if (profiler) phases.emplace_back(name, profiler->take());
   };
   for (int step = 0; step < 2; ++step) {
-    if (step == 1) kernels::register_table(DeviceType::cpu, &t);
+    if (step == 1) profiler.emplace(Device::cpu());
     for (auto& p : model.parameters()) p.set_grad(Tensor());
     autograd::Tape tape;
     Tensor loss;
@@ -91,23 +49,23 @@ int main() {
       autograd::TapeScope scope(tape);
       loss = model.loss(idx, tgt);
     }
-    if (step == 1) phase("forward");
+    phase("forward");
     tape.backward(loss);
-    if (step == 1) phase("backward");
+    phase("backward");
     const double norm = optim::global_grad_norm(model.parameters());
     opt.step(6e-4, optim::clip_coefficient(norm, 1.0));
-    if (step == 1) phase("norm and optimizer");
+    phase("norm and optimizer");
   }
-  kernels::register_table(DeviceType::cpu, g_real);
+  profiler.reset();
 
   long total = 0;
   std::string out;
   for (const auto& [name, calls] : phases) {
     long sum = 0;
     std::string per;
-    for (const auto& [entry, n] : calls) {
-      sum += n;
-      per += (per.empty() ? "" : ", ") + ("\"" + entry + "\": " + std::to_string(n));
+    for (const auto& [entry, t] : calls) {
+      sum += t.calls;
+      per += (per.empty() ? "" : ", ") + ("\"" + entry + "\": " + std::to_string(t.calls));
     }
     total += sum;
     out += (out.empty() ? "" : ", ") + ("\"" + name + "\": {\"calls\": " + std::to_string(sum) + ", " + per + "}");

@@ -7,11 +7,13 @@
 #include <omp.h>
 
 #include <Eigen/Core>
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <thread>
 
 #include "autograd/ops.h"
@@ -22,6 +24,7 @@
 #include "io/dataset.h"
 #include "io/synthetic.h"
 #include "kernels/ops.h"
+#include "kernels/profile.h"
 #include "models/gpt.h"
 #include "optim/loss_scaler.h"
 #include "optim/nonfinite.h"
@@ -101,6 +104,7 @@ void declare_flags(Args& a) {
   a.flag("pp-schedule", "1f1b", "pipeline schedule: gpipe | 1f1b | interleaved");
   a.flag("virtual-stages", "1", "interleaved: model chunks per pipeline rank");
   a.flag("timeline", "", "pipeline: write the last step's measured timeline as an SVG picture");
+  a.flag("profile-ops", "0", "time every op-table call of this step (1-based; 0 = off): calls, host ms and, on CUDA, device ms per entry, printed and put in --log-json");
   a.flag("trace", "", "write per-rank Chrome trace events (compute, collectives, gathers, pipeline actions), merged into this file");
   a.flag("keep", "0", "keep only the newest N checkpoints (0 = all)");
   a.flag("devices", "cpu:0,cpu:1", "dp: the devices to replicate over; the first one holds the model");
@@ -185,6 +189,40 @@ std::string human_bytes(int64_t b) {
   if (b >= (int64_t(1) << 30)) std::snprintf(buf, sizeof buf, "%.2f GiB", double(b) / double(int64_t(1) << 30));
   else std::snprintf(buf, sizeof buf, "%.1f MiB", double(b) / double(1 << 20));
   return buf;
+}
+
+// --profile-ops: the step's op-table calls by entry, the costliest first (device time on a GPU,
+// host time on the CPU), and what the step spent outside the table.
+void print_op_profile(const std::map<std::string, kernels::OpTime>& ops, double step_ms, int64_t step, Device d) {
+  const bool gpu = d.is_cuda();
+  std::vector<std::pair<std::string, kernels::OpTime>> rows(ops.begin(), ops.end());
+  const auto cost = [&](const kernels::OpTime& o) { return gpu ? o.device_ms : o.host_ms; };
+  std::sort(rows.begin(), rows.end(), [&](const auto& x, const auto& y) { return cost(x.second) > cost(y.second); });
+  kernels::OpTime all;
+  for (const auto& [name, o] : rows) {
+    all.calls += o.calls;
+    all.host_ms += o.host_ms;
+    all.device_ms += o.device_ms;
+  }
+  std::printf("op profile, step %lld on %s: %.2f ms (%s)\n", (long long)step, d.str().c_str(), step_ms,
+              gpu ? "device ms: the compute stream between events queued around each call"
+                  : "host ms: wall time in each call");
+  std::printf("  %-28s %7s %10s%s %7s\n", "entry", "calls", "host ms", gpu ? " device ms" : "", "share");
+  const auto line = [&](const std::string& name, const kernels::OpTime& o) {
+    std::printf("  %-28s %7lld %10.3f", name.c_str(), (long long)o.calls, o.host_ms);
+    if (gpu) std::printf(" %9.3f", o.device_ms);
+    std::printf(" %6.1f%%\n", step_ms > 0 ? 100.0 * cost(o) / step_ms : 0.0);
+  };
+  for (const auto& [name, o] : rows) line(name, o);
+  line("all entries", all);
+  std::printf("  %-28s %7s %10.3f%s %6.1f%%\n", "outside the op table", "", step_ms - cost(all), gpu ? "          " : "",
+              step_ms > 0 ? 100.0 * (step_ms - cost(all)) / step_ms : 0.0);
+}
+
+json op_profile_json(const std::map<std::string, kernels::OpTime>& ops) {
+  json out = json::object();
+  for (const auto& [name, o] : ops) out[name] = {{"calls", o.calls}, {"host_ms", o.host_ms}, {"device_ms", o.device_ms}};
+  return out;
 }
 
 json ledger_json(Device d) {
@@ -376,6 +414,10 @@ void Trainer::setup() {
   steps_ = synthetic && !a.given("steps") ? kSyntheticSteps : positive(a, "steps");
   positive(a, "eval-batches");
   SG_CHECK(a.i64("save-every") >= 0 && a.i64("eval-every") >= 0, "train: --save-every/--eval-every must be >= 0");
+  SG_CHECK(a.i64("profile-ops") >= 0, "train: --profile-ops must be a step number (1-based) or 0, got ",
+           a.i64("profile-ops"));
+  SG_CHECK(!a.i64("profile-ops") || strategy_ != "dp", "train: --profile-ops times the calls of the training thread; ",
+           "--strategy dp runs its replicas on threads of their own (profile one device, or ddp under mpirun)");
 
   data_opt_.spec = a.str("data");
   data_opt_.seed = seed_;
@@ -994,8 +1036,16 @@ int Trainer::run() {
     auto t0 = std::chrono::steady_clock::now();
     double norm = 0;
     bool applied = true;
+    std::optional<kernels::OpProfiler> profiler;
+    if (step + 1 == args_.i64("profile-ops")) profiler.emplace(device_);
     const double loss = train_step(step, lr, norm, applied);
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    const bool profiled = profiler.has_value();
+    std::map<std::string, kernels::OpTime> op_times;
+    if (profiled) {
+      op_times = profiler->take();
+      profiler.reset();
+    }
     const double tps = double(B_ * T_) / (ms / 1000.0);
     const MemStats mem = Ledger::global().stats(device_);
     trace::memory(device_);
@@ -1004,9 +1054,11 @@ int Trainer::run() {
                 (long long)step + 1, (long long)steps_, loss, lr, norm, ms, tps, world_size_ > 1 ? "/rank" : "",
                 human_bytes(mem.total_peak).c_str(),
                 applied ? "" : dtype_ == DType::f16 ? " | skipped (overflow)" : " | skipped (non-finite)");
+    if (profiled && lead()) print_op_profile(op_times, ms, step + 1, device_);
     std::fflush(stdout);
     json rec = {{"step", step + 1}, {"loss", loss}, {"lr", lr}, {"grad_norm", norm}, {"step_ms", ms},
                 {"tokens_per_s", tps}, {"mem", ledger_json(device_)}, {"skipped", !applied}};
+    if (profiled) rec["op_profile"] = op_profile_json(op_times);
     if (args_.str("offload") != "none") rec["mem_host"] = ledger_json(Device::cpu(0));  // the offloaded state
     rec["ranks"] = report::step_metrics(device_, traffic_groups(), metrics_.get(), pipe_ ? &pipe_->last_timeline() : nullptr,
                                        pipe_ ? groups_.pp->rank() : -1)["ranks"];

@@ -1,5 +1,7 @@
 #include "kernels/ops.h"
 
+#include <atomic>
+
 #include "core/error.h"
 #ifdef SG_WITH_CUDA
 #include "kernels/cuda/runtime.h"
@@ -8,8 +10,9 @@
 namespace sg::kernels {
 
 namespace {
-const OpTable*& slot(DeviceType t) {
-  static const OpTable* tables[kNumDeviceTypes] = {nullptr, nullptr};
+// Atomic: the op profiler (kernels/profile.h) swaps a table while communication threads run ops.
+std::atomic<const OpTable*>& slot(DeviceType t) {
+  static std::atomic<const OpTable*> tables[kNumDeviceTypes] = {nullptr, nullptr};
   return tables[int(t)];
 }
 }  // namespace
@@ -23,8 +26,9 @@ const OpTable& table(Device d) {
   const OpTable* t = slot(d.type);
   if (!t && d.is_cpu()) {
     extern const OpTable* cpu_table();
-    t = cpu_table();
-    slot(d.type) = t;
+    const OpTable* none = nullptr;
+    slot(d.type).compare_exchange_strong(none, cpu_table());
+    t = slot(d.type);
   }
   SG_CHECK(t, "no kernels registered for device ", d.str(), " (was shardgrad built with CUDA?)");
   return *t;

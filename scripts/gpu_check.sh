@@ -12,6 +12,7 @@ LOG_DIR=${LOG_DIR:-gpu_check}
 BATCH=${BATCH:-16}        # the PyTorch peer's batch, and the first of BATCHES
 BATCHES=${BATCHES:-"$BATCH 64"}  # shardgrad's batches (cudnn attention; flash at BATCH only): llm.c trains at 64
 STEPS=${STEPS:-20}
+PROFILE_STEP=${PROFILE_STEP:-10}  # the step of each training run timed by op-table entry (0 = none)
 mkdir -p "$LOG_DIR"
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(tests train torch kernels)
@@ -44,9 +45,12 @@ PY
                  [ "$a" = cudnn ] || [ "$b" = "$BATCH" ] && echo "$a:$b"; done; done); do
     attn=${run%%:*} batch=${run##*:}
     log="$LOG_DIR/gpt2_bf16_${attn}_b$batch.jsonl"
+    # --profile-ops: one step's time by op-table entry (device ms between events around each call)
     timeout 300 "$BUILD/shardgrad" train --model gpt2 --data "$shard" --device cuda:0 --dtype bf16 --attention "$attn" \
       --batch-size "$batch" --seq-len 1024 --steps "$STEPS" --warmup-steps 2 --lr 6e-4 --eval-every 0 \
-      --log-json "$log" 2>&1 | tail -n 4
+      --profile-ops "$PROFILE_STEP" --log-json "$log" > "${log%.jsonl}.txt" 2>&1
+    sed -n '/^op profile/,/outside the op table/p' "${log%.jsonl}.txt"
+    tail -n 3 "${log%.jsonl}.txt"
     python3 - "$log" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]

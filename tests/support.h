@@ -20,6 +20,19 @@ inline nn::GPTConfig tiny_gpt() {
   return c;
 }
 
+// Loss of one batch, with every parameter's .grad set to this batch's gradient alone.
+inline double loss_and_grads(nn::GPT& m, const Tensor& idx, const Tensor& tgt) {
+  m.zero_grad();
+  autograd::Tape tape;
+  Tensor loss;
+  {
+    autograd::TapeScope s(tape);
+    loss = m.loss(idx, tgt);
+  }
+  tape.backward(loss);
+  return item(loss);
+}
+
 // Global batch `step` of a fixed token stream over 23 tokens (every rank sees the same batch),
 // with some targets ignored, unevenly over the rows.
 inline void token_batch(int64_t step, int64_t B, int64_t T, Tensor& idx, Tensor& tgt) {

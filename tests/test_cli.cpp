@@ -118,6 +118,35 @@ TEST_CASE("train refuses bad flags, missing files and existing checkpoints, nami
   fails_with("train " + kSmall + " --steps 2 --n-layer 2 --resume " + save, "--n-layer 2 does not match the checkpoint");
 }
 
+TEST_CASE("train --profile-ops N prints and logs step N's op-table calls by entry and leaves the losses alone", "[cli]") {
+  TempDir d;
+  const std::string common = "train " + kSmall + " --steps 3 --log-json ";
+  Run plain = shardgrad(common + (d.path / "plain.jsonl").string());
+  Run profiled = shardgrad(common + (d.path / "profiled.jsonl").string() + " --profile-ops 2");
+  INFO(profiled.output);
+  REQUIRE(plain.code == 0);
+  REQUIRE(profiled.code == 0);
+  REQUIRE(profiled.output.find("op profile, step 2 on cpu") != std::string::npos);
+  REQUIRE(profiled.output.find("outside the op table") != std::string::npos);
+  auto a = read_log(d.path / "plain.jsonl"), b = read_log(d.path / "profiled.jsonl");
+  REQUIRE(a.size() == 3);
+  REQUIRE(b.size() == 3);
+  for (size_t i = 0; i < 3; ++i) REQUIRE(b[i]["loss"].get<double>() == a[i]["loss"].get<double>());  // bit-exact
+  CHECK_FALSE(b[0].contains("op_profile"));
+  CHECK_FALSE(b[2].contains("op_profile"));
+  const nlohmann::json& ops = b[1]["op_profile"];
+  // kSmall: 1 layer (4 linears + the tied head: 1 GEMM forward, 2 backward each), 2 micro-batches
+  CHECK(ops["gemm"]["calls"] == 2 * 3 * 5);
+  CHECK(ops["attention_backward"]["calls"] == 2);
+  CHECK(ops["adamw_many"]["calls"] == 1);
+  double host = 0;
+  for (const auto& [name, o] : ops.items()) host += o["host_ms"].get<double>();
+  CHECK(host > 0);
+  CHECK(host <= b[1]["step_ms"].get<double>());
+  refuses(std::string(SG_BINARY) + " train --profile-ops -1", "--profile-ops must be a step number");
+  refuses(std::string(SG_BINARY) + " train --strategy dp --profile-ops 1", "--strategy dp runs its replicas");
+}
+
 TEST_CASE("generate samples from what train saved", "[cli]") {
   TempDir d;
   std::string save = (d.path / "run").string();

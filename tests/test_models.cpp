@@ -10,8 +10,10 @@
 #include "io/safetensors.h"
 #include "models/gpt.h"
 #include "optim/optim.h"
+#include "tests/support.h"
 
 using namespace sg;
+using testing::loss_and_grads;
 
 namespace {
 
@@ -31,19 +33,6 @@ double max_rel_diff(const std::vector<float>& a, const std::vector<float>& b, do
   double m = 0;
   for (size_t i = 0; i < a.size(); ++i) m = std::max(m, std::abs(double(a[i]) - b[i]) / std::max(floor, std::abs(double(b[i]))));
   return m;
-}
-
-// Loss and gradients of one batch (params' .grad are set).
-double loss_and_grads(nn::GPT& m, const Tensor& idx, const Tensor& tgt) {
-  m.zero_grad();
-  autograd::Tape tape;
-  Tensor loss;
-  {
-    autograd::TapeScope s(tape);
-    loss = m.loss(idx, tgt);
-  }
-  tape.backward(loss);
-  return item(loss);
 }
 
 std::string golden_path() { return std::string(SG_SOURCE_DIR) + "/tests/golden/gpt_tiny.safetensors"; }

@@ -169,6 +169,29 @@ cudaStream_t compute_stream(Device d) {
   });
 }
 
+StreamMarks::~StreamMarks() {
+  for (cudaEvent_t e : events_) (void)cudaEventDestroy(e);  // never throws from a destructor
+}
+
+int StreamMarks::mark() {
+  SG_CUDA_CHECK(cudaSetDevice(d_.index));
+  if (used_ == int(events_.size())) {
+    cudaEvent_t e;
+    SG_CUDA_CHECK(cudaEventCreate(&e));
+    events_.push_back(e);
+  }
+  SG_CUDA_CHECK(cudaEventRecord(events_[size_t(used_)], compute_stream(d_)));
+  return used_++;
+}
+
+float StreamMarks::elapsed_ms(int a, int b) {
+  SG_CHECK(a >= 0 && b >= 0 && a < used_ && b < used_, "StreamMarks: no mark ", a, " or ", b, " (", used_, " queued)");
+  SG_CUDA_CHECK(cudaEventSynchronize(events_[size_t(b)]));
+  float ms = 0;
+  SG_CUDA_CHECK(cudaEventElapsedTime(&ms, events_[size_t(a)], events_[size_t(b)]));
+  return ms;
+}
+
 DeferredCheck deferred_check(Device d, std::function<std::string(int)> message) {
   DeferredChecks& c = deferred(d);
   std::unique_lock<std::mutex> lock(c.mu);

@@ -8,6 +8,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "core/device.h"
 #include "core/error.h"
@@ -64,6 +65,24 @@ DeferredCheck deferred_check(Device d, std::function<std::string(int count)> mes
 // Waits for d's compute stream, then reports the deferred checks (above). The op table's host
 // copies and its global norm wait through here.
 void sync(Device d);
+// Timing marks on d's compute stream, for the op profiler (kernels/profile.h): mark() queues an
+// event from the object's pool and returns its number; elapsed_ms(a, b) waits for mark b and
+// returns the stream time between marks a and b; reset() reuses the pool from mark 0.
+class StreamMarks {
+ public:
+  explicit StreamMarks(Device d) : d_(d) {}
+  ~StreamMarks();
+  StreamMarks(const StreamMarks&) = delete;
+  StreamMarks& operator=(const StreamMarks&) = delete;
+  int mark();
+  float elapsed_ms(int a, int b);
+  void reset() { used_ = 0; }
+
+ private:
+  Device d_;
+  std::vector<cudaEvent_t> events_;
+  int used_ = 0;
+};
 // Registers the CUDA allocator and op table (idempotent); called on first use of a cuda device.
 // With SG_CUDA_KERNELS the table holds every kernel; without it only the host<->device copies.
 void ensure_registered();

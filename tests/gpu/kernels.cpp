@@ -12,6 +12,7 @@
 #include "autograd/tape.h"
 #include "kernels/cuda/runtime.h"
 #include "kernels/ops.h"
+#include "kernels/profile.h"
 #include "optim/optim.h"
 #include "tests/gpu/support.h"
 
@@ -734,6 +735,43 @@ TEST_CASE("attention_qkv on packed projections matches the CPU, forward and back
         check_close(dev.first, rounded(cpu.first, dt), tol, tol);
         check_close(dev.second, cpu.second, tol, tol);
       }
+}
+
+TEST_CASE("the op profiler gives each CUDA entry's stream time; the entries' times add up to the stream's", "[gpu][kernels]") {
+  // Three f32 GEMMs of 2 x 2048^3 FLOPs and one fill of 16 MB, queued back to back: the GPU is
+  // behind the host throughout, so the spans between the profiler's events cover the stream's
+  // time between two outer marks, and the GEMMs take most of it.
+  const int64_t n = 2048;
+  Tensor a = put(randn(size_t(n * n), 1), DType::f32, gpu), b = put(randn(size_t(n * n), 2), DType::f32, gpu),
+         c = buffer(n * n, DType::f32, gpu);
+  kernels::GemmArgs g;
+  g.dtype = DType::f32, g.M = n, g.N = n, g.K = n, g.lda = n, g.ldb = n, g.ldc = n;
+  g.A = a.data_ptr(), g.B = b.data_ptr(), g.C = c.data_ptr();
+  G().gemm(g);  // the heuristic's answer and the workspace, outside the window
+  cuda::sync(gpu);
+  cuda::StreamMarks outer(gpu);
+  std::map<std::string, kernels::OpTime> ops;
+  float window = 0;
+  {
+    kernels::OpProfiler profiler(gpu);
+    const int first = outer.mark();
+    for (int i = 0; i < 3; ++i) G().gemm(g);
+    G().fill(c.data_ptr(), DType::f32, n * n, 0.0);
+    const int last = outer.mark();
+    ops = profiler.take();
+    window = outer.elapsed_ms(first, last);
+  }
+  REQUIRE(ops.size() == 2);
+  CHECK(ops["gemm"].calls == 3);
+  CHECK(ops["fill"].calls == 1);
+  const double sum = ops["gemm"].device_ms + ops["fill"].device_ms;
+  std::printf("op profiler: 3 f32 GEMMs %.3f ms, fill %.3f ms on the stream (host %.3f + %.3f ms); window %.3f ms\n",
+              ops["gemm"].device_ms, ops["fill"].device_ms, ops["gemm"].host_ms, ops["fill"].host_ms, window);
+  CHECK(ops["gemm"].device_ms > ops["fill"].device_ms);
+  CHECK(ops["fill"].device_ms > 0);
+  CHECK(sum <= window * 1.001 + 1e-3);
+  CHECK(sum >= 0.9 * window);
+  CHECK(get(c) == std::vector<float>(size_t(n * n), 0.0f));  // the wrapped fill did its work
 }
 
 #endif  // SG_CUDA_KERNELS
