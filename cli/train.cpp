@@ -203,15 +203,19 @@ void print_op_profile(const std::map<std::string, kernels::OpTime>& ops, double 
     all.calls += o.calls;
     all.host_ms += o.host_ms;
     all.device_ms += o.device_ms;
+    all.flops += o.flops;
   }
   std::printf("op profile, step %lld on %s: %.2f ms (%s)\n", (long long)step, d.str().c_str(), step_ms,
               gpu ? "device ms: the compute stream between events queued around each call"
                   : "host ms: wall time in each call");
-  std::printf("  %-28s %7s %10s%s %7s\n", "entry", "calls", "host ms", gpu ? " device ms" : "", "share");
+  std::printf("  %-28s %7s %10s%s %7s %9s\n", "entry", "calls", "host ms", gpu ? " device ms" : "", "share",
+              gpu ? "TFLOP/s" : "GFLOP/s");
   const auto line = [&](const std::string& name, const kernels::OpTime& o) {
     std::printf("  %-28s %7lld %10.3f", name.c_str(), (long long)o.calls, o.host_ms);
     if (gpu) std::printf(" %9.3f", o.device_ms);
-    std::printf(" %6.1f%%\n", step_ms > 0 ? 100.0 * cost(o) / step_ms : 0.0);
+    std::printf(" %6.1f%%", step_ms > 0 ? 100.0 * cost(o) / step_ms : 0.0);
+    if (o.flops > 0 && cost(o) > 0) std::printf(" %9.1f", o.flops / (cost(o) * (gpu ? 1e9 : 1e6)));
+    std::printf("\n");
   };
   for (const auto& [name, o] : rows) line(name, o);
   line("all entries", all);
@@ -221,7 +225,7 @@ void print_op_profile(const std::map<std::string, kernels::OpTime>& ops, double 
 
 json op_profile_json(const std::map<std::string, kernels::OpTime>& ops) {
   json out = json::object();
-  for (const auto& [name, o] : ops) out[name] = {{"calls", o.calls}, {"host_ms", o.host_ms}, {"device_ms", o.device_ms}};
+  for (const auto& [name, o] : ops) out[name] = {{"calls", o.calls}, {"host_ms", o.host_ms}, {"device_ms", o.device_ms}, {"flops", o.flops}};
   return out;
 }
 

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "core/error.h"
@@ -31,7 +32,7 @@ static_assert(sizeof(OpTable) == (1 SG_OP_TABLE_ENTRIES(SG_ONE)) * sizeof(void*)
 struct OpProfiler::Impl {
   struct Call {
     const char* entry;
-    double host_ms;
+    double host_ms, flops;
     int mark_before, mark_after;  // -1 on the CPU
   };
   Device device;
@@ -59,7 +60,7 @@ thread_local int t_depth = 0;  // entries of the owner thread under way (nested 
 
 class Timed {
  public:
-  explicit Timed(const char* entry) {
+  Timed(const char* entry, double flops) {
     OpProfiler::Impl* p = g_active.load();
     if (!p || p->owner != std::this_thread::get_id()) return;
     if (t_depth++ > 0) {
@@ -68,6 +69,7 @@ class Timed {
     }
     p_ = p;
     entry_ = entry;
+    flops_ = flops;
     before_ = p->mark();
     t0_ = std::chrono::steady_clock::now();
   }
@@ -82,7 +84,7 @@ class Timed {
     } catch (...) {  // a failed mark drops this call's device time rather than throw from a destructor
       after = -1;
     }
-    p_->calls.push_back({entry_, host_ms, before_, after});
+    p_->calls.push_back({entry_, host_ms, flops_, before_, after});
   }
   Timed(const Timed&) = delete;
   Timed& operator=(const Timed&) = delete;
@@ -91,6 +93,7 @@ class Timed {
   OpProfiler::Impl* p_ = nullptr;
   bool nested_ = false;
   const char* entry_ = nullptr;
+  double flops_ = 0;
   int before_ = -1;
   std::chrono::steady_clock::time_point t0_;
 };
@@ -100,18 +103,25 @@ struct Wrapped;
 template <auto Entry, class R, class... A>
 struct Wrapped<Entry, R (*)(A...)> {
   static inline const char* name = nullptr;
+  static inline double (*flops)(A...) = nullptr;  // the entries that count model FLOPs
   static R call(A... a) {
-    Timed timed(name);
+    Timed timed(name, flops ? flops(a...) : 0.0);
     return (g_real.load()->*Entry)(a...);
   }
 };
 
 template <auto Entry>
+using WrappedEntry = Wrapped<Entry, std::remove_reference_t<decltype(std::declval<OpTable&>().*Entry)>>;
+
+double attention_flops(const AttentionArgs& a) {
+  return 4.0 * double(a.B) * double(a.H) * double(a.T) * double(a.T) * double(a.D) * (a.causal ? 0.5 : 1.0);
+}
+
+template <auto Entry>
 void wrap(OpTable& t, const char* name) {
   if (!(t.*Entry)) return;  // the device lacks it: calls still fail naming the op
-  using Fn = std::remove_reference_t<decltype(t.*Entry)>;
-  Wrapped<Entry, Fn>::name = name;
-  t.*Entry = &Wrapped<Entry, Fn>::call;
+  WrappedEntry<Entry>::name = name;
+  t.*Entry = &WrappedEntry<Entry>::call;
 }
 
 // One wrapped table per device type, kept for the process (see g_real).
@@ -136,6 +146,11 @@ OpProfiler::OpProfiler(Device d) : impl_(std::make_unique<Impl>()) {
 #define SG_WRAP(e) wrap<&OpTable::e>(t, #e);
   SG_OP_TABLE_ENTRIES(SG_WRAP)
 #undef SG_WRAP
+  WrappedEntry<&OpTable::gemm>::flops = [](const GemmArgs& g) {
+    return 2.0 * double(g.M) * double(g.N) * double(g.K) * double(g.batch);
+  };
+  WrappedEntry<&OpTable::attention>::flops = attention_flops;
+  WrappedEntry<&OpTable::attention_backward>::flops = [](const AttentionArgs& a) { return 2.5 * attention_flops(a); };
   register_table(d.type, &t);
 }
 
@@ -150,6 +165,7 @@ std::map<std::string, OpTime> OpProfiler::take() {
     OpTime& o = out[c.entry];
     ++o.calls;
     o.host_ms += c.host_ms;
+    o.flops += c.flops;
 #ifdef SG_WITH_CUDA
     if (impl_->marks && c.mark_before >= 0 && c.mark_after >= 0)
       o.device_ms += impl_->marks->elapsed_ms(c.mark_before, c.mark_after);  // the first waits for the rest

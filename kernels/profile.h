@@ -22,6 +22,10 @@ struct OpTime {
   int64_t calls = 0;
   double host_ms = 0;
   double device_ms = 0;  // 0 on the CPU
+  // The model FLOPs of the calls, for the entries that count them: gemm (2 M N K per matrix) and
+  // attention (4 B H T^2 D forward, halved when causal; the backward 2.5 times that, whatever the
+  // kernels recompute). 0 for the others.
+  double flops = 0;
 };
 
 class OpProfiler {

@@ -139,6 +139,9 @@ TEST_CASE("train --profile-ops N prints and logs step N's op-table calls by entr
   CHECK(ops["gemm"]["calls"] == 2 * 3 * 5);
   CHECK(ops["attention_backward"]["calls"] == 2);
   CHECK(ops["adamw_many"]["calls"] == 1);
+  CHECK(ops["gemm"]["flops"].get<double>() > 0);
+  CHECK(ops["adamw_many"]["flops"].get<double>() == 0);
+  REQUIRE(profiled.output.find("GFLOP/s") != std::string::npos);
   double host = 0;
   for (const auto& [name, o] : ops.items()) host += o["host_ms"].get<double>();
   CHECK(host > 0);

@@ -64,6 +64,13 @@ TEST_CASE("the op profiler counts a GPT step's op-table calls by entry without c
   CHECK(ops["attention"].calls == c.n_layer);
   CHECK(ops["attention_backward"].calls == c.n_layer);
   CHECK(ops["embedding"].calls == 1);
+  // Model FLOPs: 2 M N K per GEMM, with M = B T rows through 12 C^2 weights a block and the
+  // [C, Vp] head; causal attention 2 B T^2 C a layer forward, 2.5 times that backward.
+  const double C = double(c.n_embd), Vp = double(c.vocab_rows()), BT = double(B * T);
+  CHECK(ops["gemm"].flops == 3 * 2 * BT * (double(c.n_layer) * 12 * C * C + C * Vp));
+  CHECK(ops["attention"].flops == double(c.n_layer) * 2 * double(B) * double(T * T) * C);
+  CHECK(ops["attention_backward"].flops == 2.5 * ops["attention"].flops);
+  CHECK(ops["layernorm"].flops == 0);
   CHECK(ops.count("adamw_many") == 0);  // no optimizer step here
   double host = 0;
   for (const auto& [name, o] : ops) {

@@ -764,6 +764,7 @@ TEST_CASE("the op profiler gives each CUDA entry's stream time; the entries' tim
   REQUIRE(ops.size() == 2);
   CHECK(ops["gemm"].calls == 3);
   CHECK(ops["fill"].calls == 1);
+  CHECK(ops["gemm"].flops == 3 * 2 * double(n) * double(n) * double(n));
   const double sum = ops["gemm"].device_ms + ops["fill"].device_ms;
   std::printf("op profiler: 3 f32 GEMMs %.3f ms, fill %.3f ms on the stream (host %.3f + %.3f ms); window %.3f ms\n",
               ops["gemm"].device_ms, ops["fill"].device_ms, ops["gemm"].host_ms, ops["fill"].host_ms, window);
