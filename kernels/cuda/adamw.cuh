@@ -42,27 +42,56 @@ struct AdamWList {
   float* v[kMaxTensorsPerLaunch];
   G* copy[kMaxTensorsPerLaunch];      // null: none
   float decay[kMaxTensorsPerLaunch];  // 1 - lr * weight_decay
+  bool quads[kMaxTensorsPerLaunch];   // every array aligned for 4-element vector accesses
 };
 
+// One element's update, in the order of the header's formula. Returns the new parameter; m, v in place.
+SG_DEVICE float adamw_update(float p, float g, float& m, float& v, float decay, const AdamWConstants& k) {
+  g *= k.grad_scale;
+  m = k.b1 * m + (1.0f - k.b1) * g;
+  v = k.b2 * v + ((1.0f - k.b2) * g) * g;
+  return p * decay - k.step_size * m / (sqrtf(v) / k.bc2_sqrt + k.eps);
+}
+
+// Four elements a thread at a time where the tensor's arrays allow: one 16-byte access for each
+// f32 array, 8 bytes for a half one (the loads of an element group are in flight together); the
+// tensor's tail, and a tensor at an odd offset, one element at a time.
 template <class P, class G>
 __global__ void adamw_kernel(AdamWList<P, G> list, AdamWConstants k) {
   int64_t begin, end;
   const int t = block_chunk(list.chunks, begin, end);
-  // Distinct buffers (restrict) and every load before any store: the four loads of an element,
-  // and of the unrolled next ones, are in flight together instead of waiting on the stores.
+  // Distinct buffers (restrict) and every load before any store.
   P* __restrict__ p = list.param[t];
   const G* __restrict__ g = list.grad[t];
   G* __restrict__ copy = list.copy[t];
   float* __restrict__ m = list.m[t];
   float* __restrict__ v = list.v[t];
+  const float decay = list.decay[t];
+  const int64_t quads = list.quads[t] ? (end - begin) / 4 : 0;  // begin is a multiple of 4 (chunks of 4096)
+  SG_UNROLL(2)
+  for (int64_t q = threadIdx.x; q < quads; q += blockDim.x) {
+    const int64_t i = begin + 4 * q;
+    const Pack<G, 4> gq = load_pack<G, 4>(g + i);
+    const Pack<P, 4> p0 = load_pack<P, 4>(p + i);
+    Pack<float, 4> mq = load_pack<float, 4>(m + i), vq = load_pack<float, 4>(v + i);
+    Pack<P, 4> pq;
+    for (int j = 0; j < 4; ++j)
+      pq.v[j] = from_f32<P>(adamw_update(to_f32(p0.v[j]), to_f32(gq.v[j]), mq.v[j], vq.v[j], decay, k));
+    store_pack(m + i, mq);
+    store_pack(v + i, vq);
+    store_pack(p + i, pq);
+    if (copy) {
+      Pack<G, 4> cq;
+      for (int j = 0; j < 4; ++j) cq.v[j] = from_f32<G>(to_f32(pq.v[j]));
+      store_pack(copy + i, cq);
+    }
+  }
   SG_UNROLL(4)
-  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
-    const float gi = to_f32(g[i]) * k.grad_scale, m0 = m[i], v0 = v[i], p0 = to_f32(p[i]);
-    const float mi = k.b1 * m0 + (1.0f - k.b1) * gi;
-    const float vi = k.b2 * v0 + ((1.0f - k.b2) * gi) * gi;
+  for (int64_t i = begin + 4 * quads + threadIdx.x; i < end; i += blockDim.x) {
+    float mi = m[i], vi = v[i];
+    const P pi = from_f32<P>(adamw_update(to_f32(p[i]), to_f32(g[i]), mi, vi, decay, k));
     m[i] = mi;
     v[i] = vi;
-    const P pi = from_f32<P>(p0 * list.decay[t] - k.step_size * mi / (sqrtf(vi) / k.bc2_sqrt + k.eps));
     p[i] = pi;
     if (copy) copy[i] = from_f32<G>(to_f32(pi));
   }
@@ -83,6 +112,9 @@ void adamw_multi(const std::vector<AdamWTensor>& tensors, const AdamWHyper& h, S
       list.v[j] = tensors[i].v;
       list.copy[j] = static_cast<G*>(tensors[i].copy);
       list.decay[j] = float(1.0 - h.lr * tensors[i].weight_decay);
+      const AdamWTensor& x = tensors[i];
+      list.quads[j] = aligned_to(x.param, 4 * sizeof(P)) && aligned_to(x.grad, 4 * sizeof(G)) && aligned16(x.m) &&
+                      aligned16(x.v) && aligned_to(x.copy, 4 * sizeof(G));  // (a null copy is aligned)
       list.chunks.add(tensors[i].n);
     }
     if (list.chunks.chunks() > 0)

@@ -10,6 +10,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "kernels/ops.h"
@@ -83,26 +84,36 @@ inline unsigned blocks_for(int64_t n, int threads) { return unsigned((n + thread
 
 SG_HOST_DEVICE bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
-// 16 bytes of T: one 128-bit load or store (ld.global.v4) on the device.
-template <class T>
-struct alignas(16) Pack {
-  static constexpr int N = int(16 / sizeof(T));
+// Count elements of T accessed as one vector load or store: by default 16 bytes (ld.global.v4),
+// the widest; Pack<bf16, 4> is 8 bytes, beside a Pack<float, 4> of the same elements.
+template <class T, int Count = int(16 / sizeof(T))>
+struct alignas(Count * sizeof(T)) Pack {
+  static constexpr int N = Count;
   T v[N];
 };
+SG_HOST_DEVICE bool aligned_to(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 // The emulation checks the alignment the device's vector access needs (it faults otherwise).
-template <class T>
-SG_DEVICE Pack<T> load_pack(const T* p) {
+template <class T, int Count = Pack<T>::N>
+SG_DEVICE Pack<T, Count> load_pack(const T* p) {
 #ifndef __CUDACC__
-  if (!aligned16(p)) sg::emu::fail("load_pack: address not 16-byte aligned (a fault on the device)");
+  if (!aligned_to(p, sizeof(Pack<T, Count>)))
+    sg::emu::fail("load_pack: address not aligned to the vector (a fault on the device)");
 #endif
-  return *reinterpret_cast<const Pack<T>*>(p);
+  return *reinterpret_cast<const Pack<T, Count>*>(p);
 }
-template <class T>
-SG_DEVICE void store_pack(T* p, const Pack<T>& x) {
+template <class T, int Count>
+SG_DEVICE void store_pack(T* p, const Pack<T, Count>& x) {
 #ifndef __CUDACC__
-  if (!aligned16(p)) sg::emu::fail("store_pack: address not 16-byte aligned (a fault on the device)");
+  if (!aligned_to(p, sizeof(Pack<T, Count>)))
+    sg::emu::fail("store_pack: address not aligned to the vector (a fault on the device)");
 #endif
-  *reinterpret_cast<Pack<T>*>(p) = x;
+  if constexpr (sizeof(Pack<T, Count>) == 8) {  // as one 64-bit word: nvcc splits 4 halves into 4 stores
+    unsigned long long bits;
+    memcpy(&bits, &x, 8);
+    *reinterpret_cast<unsigned long long*>(p) = bits;
+  } else {
+    *reinterpret_cast<Pack<T, Count>*>(p) = x;
+  }
 }
 
 SG_DEVICE float warp_sum(float v) {
