@@ -225,7 +225,8 @@ void print_op_profile(const std::map<std::string, kernels::OpTime>& ops, double 
 
 json op_profile_json(const std::map<std::string, kernels::OpTime>& ops) {
   json out = json::object();
-  for (const auto& [name, o] : ops) out[name] = {{"calls", o.calls}, {"host_ms", o.host_ms}, {"device_ms", o.device_ms}, {"flops", o.flops}};
+  for (const auto& [name, o] : ops)
+    out[name] = {{"calls", o.calls}, {"host_ms", o.host_ms}, {"device_ms", o.device_ms}, {"flops", o.flops}};
   return out;
 }
 
@@ -418,8 +419,8 @@ void Trainer::setup() {
   steps_ = synthetic && !a.given("steps") ? kSyntheticSteps : positive(a, "steps");
   positive(a, "eval-batches");
   SG_CHECK(a.i64("save-every") >= 0 && a.i64("eval-every") >= 0, "train: --save-every/--eval-every must be >= 0");
-  SG_CHECK(a.i64("profile-ops") >= 0, "train: --profile-ops must be a step number (1-based) or 0, got ",
-           a.i64("profile-ops"));
+  SG_CHECK(a.i64("profile-ops") >= 0 && a.i64("profile-ops") <= steps_,
+           "train: --profile-ops must be a step number from 1 to --steps (", steps_, ") or 0, got ", a.i64("profile-ops"));
   SG_CHECK(!a.i64("profile-ops") || strategy_ != "dp", "train: --profile-ops times the calls of the training thread; ",
            "--strategy dp runs its replicas on threads of their own (profile one device, or ddp under mpirun)");
 

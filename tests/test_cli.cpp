@@ -147,6 +147,7 @@ TEST_CASE("train --profile-ops N prints and logs step N's op-table calls by entr
   CHECK(host > 0);
   CHECK(host <= b[1]["step_ms"].get<double>());
   refuses(std::string(SG_BINARY) + " train --profile-ops -1", "--profile-ops must be a step number");
+  refuses(std::string(SG_BINARY) + " train --steps 3 --profile-ops 4", "from 1 to --steps (3) or 0, got 4");
   refuses(std::string(SG_BINARY) + " train --strategy dp --profile-ops 1", "--strategy dp runs its replicas");
 }
 
