@@ -5,6 +5,7 @@
 
 #include "autograd/ops.h"
 #include "autograd/tape.h"
+#include "kernels/ops.h"
 #include "models/gpt.h"
 
 namespace sg::testing {
@@ -19,6 +20,21 @@ inline nn::GPTConfig tiny_gpt() {
   c.vocab_size = 23;
   return c;
 }
+
+// The CPU op table as `edit` leaves a copy of it, for the scope's life (the table registered
+// before is put back, also when a failed REQUIRE leaves the scope).
+struct ScopedCpuTable {
+  const kernels::OpTable* real = &kernels::table(Device::cpu());
+  kernels::OpTable t = *real;
+  template <class Edit>
+  explicit ScopedCpuTable(Edit&& edit) {
+    edit(t);
+    kernels::register_table(DeviceType::cpu, &t);
+  }
+  ~ScopedCpuTable() { kernels::register_table(DeviceType::cpu, real); }
+  ScopedCpuTable(const ScopedCpuTable&) = delete;
+  ScopedCpuTable& operator=(const ScopedCpuTable&) = delete;
+};
 
 // Loss of one batch, with every parameter's .grad set to this batch's gradient alone.
 inline double loss_and_grads(nn::GPT& m, const Tensor& idx, const Tensor& tgt) {

@@ -16,9 +16,11 @@
 #include "core/philox.h"
 #include "kernels/cpu/cpu.h"
 #include "kernels/ops.h"
+#include "tests/support.h"
 
 using namespace sg;
 using autograd::TensorList;
+using testing::ScopedCpuTable;
 using Catch::Contains;
 
 namespace {
@@ -734,20 +736,6 @@ TEST_CASE("cross_entropy writes the logits' gradient over them when nothing else
   CHECK(to_vector<float>(held.dx) == to_vector<float>(dropped.dx));
   CHECK(to_vector<float>(held.dw) == to_vector<float>(dropped.dw));
 }
-
-namespace {
-// The CPU op table as `edit` leaves a copy of it, for the scope's life.
-struct ScopedCpuTable {
-  const kernels::OpTable* real = &kernels::table(Device::cpu());
-  kernels::OpTable t = *real;
-  template <class Edit>
-  explicit ScopedCpuTable(Edit&& edit) {
-    edit(t);
-    kernels::register_table(DeviceType::cpu, &t);
-  }
-  ~ScopedCpuTable() { kernels::register_table(DeviceType::cpu, real); }
-};
-}  // namespace
 
 TEST_CASE("cross_entropy over handed-over logits writes their gradient in the forward's pass", "[ops]") {
   // The fused classifier: logits passed with std::move (or a temporary) are read once, by one

@@ -84,10 +84,7 @@ TEST_CASE("the op profiler counts a GPT step's op-table calls by entry without c
 }
 
 TEST_CASE("the op profiler times its own thread's outermost calls only, one profiler at a time", "[profile]") {
-  const kernels::OpTable* real = &kernels::table(Device::cpu());
-  kernels::OpTable nesting = *real;
-  nesting.fill = fill_through_copy;
-  kernels::register_table(DeviceType::cpu, &nesting);
+  testing::ScopedCpuTable nesting([](kernels::OpTable& t) { t.fill = fill_through_copy; });
   {
     kernels::OpProfiler profiler(Device::cpu());
     CHECK_THROWS_WITH(kernels::OpProfiler(Device::cpu()), Catch::Contains("another profiler is active"));
@@ -102,6 +99,5 @@ TEST_CASE("the op profiler times its own thread's outermost calls only, one prof
     CHECK(to_vector<float>(mine) == std::vector<float>(5, 2.5f));
     CHECK(to_vector<float>(theirs) == std::vector<float>(5, 1.0f));  // it ran, through the wrapped table
   }
-  CHECK(&kernels::table(Device::cpu()) == &nesting);  // the table it found is put back
-  kernels::register_table(DeviceType::cpu, real);
+  CHECK(&kernels::table(Device::cpu()) == &nesting.t);  // the table it found is put back
 }

@@ -18,6 +18,8 @@ inline Tensor operand(const Tensor& t) {
   DType cd = compute_dtype(c);
   return cd == c.dtype() ? c : to(c, cd);
 }
+// operand() of an optional input (a bias, a residual): undefined stays undefined.
+inline Tensor operand_if(const Tensor& t) { return t.defined() ? operand(t) : Tensor(); }
 // Whether a node may write its result over g, a gradient the tape handed it (absorb_edge): g holds
 // its bytes alone (autograd::sole_owner) and is already in the dtype the node computes in.
 inline bool can_write_over(const Tensor& g, DType dtype) {

@@ -181,10 +181,10 @@ Tensor linear_impl(const char* op, const Tensor& x, const Tensor& w, const Tenso
   Tensor out, pre;
   {
     autograd::NoGradGuard ng;
-    Tensor X = detail::operand(x), W = detail::operand(w), B = b.defined() ? detail::operand(b) : Tensor();
+    Tensor X = detail::operand(x), W = detail::operand(w), B = detail::operand_if(b);
     out = empty(s, X.dtype(), x.device());
     if (gelu && grad) pre = empty(s, X.dtype(), x.device());
-    linear_gemm(out, X, W, B, gelu, pre, residual.defined() ? detail::operand(residual) : Tensor());
+    linear_gemm(out, X, W, B, gelu, pre, detail::operand_if(residual));
     out = detail::narrow_result(out, x.dtype());
   }
   if (grad) {
@@ -230,15 +230,15 @@ Tensor mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2
   Tensor y, pre, h;
   {
     autograd::NoGradGuard ng;
-    Tensor X = detail::operand(x), W1 = detail::operand(w1), B1 = b1.defined() ? detail::operand(b1) : Tensor();
+    Tensor X = detail::operand(x), W1 = detail::operand(w1), B1 = detail::operand_if(b1);
     Tensor H = empty(sh, X.dtype(), x.device());
     if (grad) pre = empty(sh, X.dtype(), x.device());
     linear_gemm(H, X, W1, B1, true, pre);
     // h as the two-op form would hand it on: in the input's dtype (what the backward keeps).
     h = detail::narrow_result(H, x.dtype());
-    Tensor Hc = detail::operand(h), W2 = detail::operand(w2), B2 = b2.defined() ? detail::operand(b2) : Tensor();
+    Tensor Hc = detail::operand(h), W2 = detail::operand(w2), B2 = detail::operand_if(b2);
     y = empty(sy, Hc.dtype(), x.device());
-    linear_gemm(y, Hc, W2, B2, false, Tensor(), residual.defined() ? detail::operand(residual) : Tensor());
+    linear_gemm(y, Hc, W2, B2, false, Tensor(), detail::operand_if(residual));
     y = detail::narrow_result(y, x.dtype());
   }
   if (grad) {

@@ -32,7 +32,7 @@ std::pair<Tensor, Tensor> layernorm_impl(const char* op, const Tensor& x, const 
     autograd::NoGradGuard ng;
     X = detail::operand(x);
     W = detail::operand(w);
-    Tensor B = b.defined() ? detail::operand(b) : Tensor();
+    Tensor B = detail::operand_if(b);
     const DType st = kernels::stats_dtype(X.dtype());
     y = empty(X.shape(), X.dtype(), X.device());
     mean = empty({rows}, st, X.device());

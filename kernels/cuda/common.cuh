@@ -82,7 +82,9 @@ constexpr unsigned kFullMask = 0xffffffffu;
 
 inline unsigned blocks_for(int64_t n, int threads) { return unsigned((n + threads - 1) / threads); }
 
-SG_HOST_DEVICE bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+SG_HOST_DEVICE bool aligned_to(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+SG_HOST_DEVICE bool aligned16(const void* p) { return aligned_to(p, 16); }
 
 // Count elements of T accessed as one vector load or store: by default 16 bytes (ld.global.v4),
 // the widest; Pack<bf16, 4> is 8 bytes, beside a Pack<float, 4> of the same elements.
@@ -91,7 +93,6 @@ struct alignas(Count * sizeof(T)) Pack {
   static constexpr int N = Count;
   T v[N];
 };
-SG_HOST_DEVICE bool aligned_to(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 // The emulation checks the alignment the device's vector access needs (it faults otherwise).
 template <class T, int Count = Pack<T>::N>
 SG_DEVICE Pack<T, Count> load_pack(const T* p) {
