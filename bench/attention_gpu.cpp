@@ -1,7 +1,8 @@
 // Fused causal attention and cuBLASLt GEMM throughput on cuda:0, bf16, through the CUDA op table.
 //
 // Attention: the hand-written flash kernels and cuDNN's fused SDPA (--attention flash|cudnn) at
-// GPT-2 small's head shape (H=12, T=1024, D=64) for B = 8 and 16: forward alone, and forward +
+// GPT-2 small's head shape (H=12, T=1024, D=64) and at head dim 128 over the same width (H=6,
+// D=128; the tensor-core backward's 16-wide tiles) for B = 8 and 16: forward alone, and forward +
 // backward (the backward entry re-runs the forward for f32 statistics on both paths, as training
 // does). FLOPs are the causal ones: forward 2 matmuls of 2*B*H*T*T*D, halved by the mask;
 // backward 2.5x the forward (5 matmuls to the forward's 2). The cuDNN output is validated
@@ -56,8 +57,8 @@ double rel_l2(const std::vector<float>& got, const std::vector<float>& want) {
   return std::sqrt(err / std::max(ref, 1e-30));
 }
 
-void bench_attention() {
-  const int64_t H = 12, T = 1024, D = 64;
+void bench_attention(int64_t H, int64_t D) {
+  const int64_t T = 1024;
   std::printf("attention, bf16, causal, H=%ld T=%ld D=%ld (median of 20)\n", long(H), long(T), long(D));
   std::printf("%4s  %-7s %9s %9s %12s %12s\n", "B", "backend", "fwd ms", "fwd TF/s", "fwd+bwd ms", "f+b TF/s");
   for (int64_t B : {8, 16}) {
@@ -151,7 +152,9 @@ int main() {
     return 77;
   }
   sg::cuda::ensure_registered();  // the CUDA allocator, before the first buffer
-  bench_attention();
+  bench_attention(12, 64);  // GPT-2 small
+  std::printf("\n");
+  bench_attention(6, 128);
   bench_gemm();
   bench_gemm_residual();
   return 0;

@@ -16,9 +16,11 @@
 // heads (the last rows see the most keys), so that the grid's tail is its lightest blocks.
 // Backward, two kernels and no atomics (deterministic), with P rebuilt from the saved lse:
 //   dk/dv: a block owns 64 keys, 16 per warp, K and V held as A fragments; per tile of 32 queries
+//          (16 at head dim 128, kTcBackwardTile)
 //          S^T = K Q^T, P^T = exp(scale S^T - lse), dP^T = V dO^T, dS^T = P^T o (dP^T - Dv),
 //          dV += P^T dO, dK += scale dS^T Q;
-//   dq:    a block owns 64 queries like the forward; per tile of 32 keys S = Q K^T, P, dP = dO V^T,
+//   dq:    a block owns 64 queries like the forward; per tile of 32 keys (16 at head dim 128)
+//          S = Q K^T, P, dP = dO V^T,
 //          dS = P o (dP - Dv), dQ += scale dS K.
 // Dv = rowsum(dO o O) comes from attention.cuh's dot kernel. P and dS are rounded to E as the
 // A operands of the second products (P lies in [0, 1]; dS, like the stored gradients, must fit in
@@ -30,7 +32,13 @@
 namespace sg::cuda {
 
 constexpr int kTcRows = 64;  // query rows per block: 16 per warp, 4 warps
-constexpr int kTcKeys = 32;  // keys per shared-memory tile
+constexpr int kTcKeys = 32;  // keys per shared-memory tile (forward)
+// Keys (dq) or queries (dk/dv) per shared-memory tile of the backward kernels. Head dim 128 takes
+// 16: at 32 its register state (K and V or Q and dO as fragments, two 16 x D accumulators, two
+// S-sized tiles and the next tile's loads) passes 255 registers and ptxas spills (444 bytes in
+// dk/dv, 56 in dq); a 16-wide tile halves the S-sized part and the loads in flight.
+template <int D>
+constexpr int kTcBackwardTile = D == 128 ? 16 : 32;
 constexpr int kTcThreads = 128;  // kTcRows / 16 warps
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -100,11 +108,11 @@ SG_DEVICE void load_warp_rows(FragA<E> (&f)[D / 16], E* buf, const E* src, int64
 }
 
 // acc[n] = a tile^T over the head dim: this warp's 16 rows (a, one fragment per 16 columns) against
-// the kTcKeys rows of a staged tile, 8 rows per accumulator (S = Q K^T and its kin).
+// the 8 N rows of a staged tile, 8 rows per accumulator (S = Q K^T and its kin).
 // One ldmatrix.x4 per n-tile and two k-steps.
-template <class E, int D>
-SG_DEVICE void mma_tile_t(FragC (&acc)[kTcKeys / 8], const FragA<E> (&a)[D / 16], const E* tile, int ld) {
-  for (int n = 0; n < kTcKeys / 8; ++n)
+template <class E, int D, int N>
+SG_DEVICE void mma_tile_t(FragC (&acc)[N], const FragA<E> (&a)[D / 16], const E* tile, int ld) {
+  for (int n = 0; n < N; ++n)
     for (int kk = 0; kk < D / 16; kk += 2) {
       FragB<E> b0, b1;
       load_b_col_major_x2(b0, b1, tile + n * 8 * ld + 16 * kk, ld);
@@ -238,16 +246,17 @@ inline void attention_forward_tensor_cores(const kernels::AttentionArgs& a, Stre
   });
 }
 
-// A [kTcKeys] slice of a per-row f32 vector times factor (rows past T: 0), fetched to a register of
-// the first kTcKeys threads and put into shared memory later, as TileCopy does.
+// A [kCount] slice of a per-row f32 vector times factor (rows past T: 0), fetched to a register of
+// the first kCount threads and put into shared memory later, as TileCopy does.
+template <int kCount>
 struct RowValues {
   float value = 0.0f;
   SG_DEVICE void fetch(const float* src, int64_t r0, int64_t rows, float factor = 1.0f) {
     const int e = int(threadIdx.x);
-    value = e < kTcKeys && r0 + e < rows ? src[r0 + e] * factor : 0.0f;
+    value = e < kCount && r0 + e < rows ? src[r0 + e] * factor : 0.0f;
   }
   SG_DEVICE void put(float* dst) const {
-    if (int(threadIdx.x) < kTcKeys) dst[threadIdx.x] = value;
+    if (int(threadIdx.x) < kCount) dst[threadIdx.x] = value;
   }
 };
 
@@ -257,12 +266,12 @@ __global__ void __launch_bounds__(kTcThreads) attention_dkdv_tc_kernel(E* dk, E*
                                                                        const float* dvec, HeadLayout ql,
                                                                        HeadLayout ol, int64_t T_, float scale,
                                                                        bool causal) {
-  constexpr int ld = D + 8;
+  constexpr int ld = D + 8, kQueries = kTcBackwardTile<D>;
   SG_SHARED(E, kv, kTcRows * ld);  // this block's keys, then its values
-  SG_SHARED(E, qs, kTcKeys * ld);
-  SG_SHARED(E, dos, kTcKeys * ld);
-  SG_SHARED(float, lse_s, kTcKeys);
-  SG_SHARED(float, dvec_s, kTcKeys);
+  SG_SHARED(E, qs, kQueries * ld);
+  SG_SHARED(E, dos, kQueries * ld);
+  SG_SHARED(float, lse_s, kQueries);
+  SG_SHARED(float, dvec_s, kQueries);
   const int64_t bh = blockIdx.y, qh = ql.head(bh), oh = ol.head(bh), key0 = int64_t(blockIdx.x) * kTcRows;
   const float* lse_h = lse + bh * T_;
   const float* dvec_h = dvec + bh * T_;
@@ -276,9 +285,9 @@ __global__ void __launch_bounds__(kTcThreads) attention_dkdv_tc_kernel(E* dk, E*
 
   FragC dkc[D / 8], dvc[D / 8];
   // Queries before this block's first key see none of its keys.
-  const int64_t first = causal ? key0 / kTcKeys * kTcKeys : 0;
-  TileCopy<E, D, kTcKeys> qc, doc;
-  RowValues lc, dc;
+  const int64_t first = causal ? key0 / kQueries * kQueries : 0;
+  TileCopy<E, D, kQueries> qc, doc;
+  RowValues<kQueries> lc, dc;
   const auto fetch = [&](int64_t i0) {
     qc.fetch(q + qh, ql.st, i0, T_);
     doc.fetch(dout + oh, ol.st, i0, T_);
@@ -286,22 +295,22 @@ __global__ void __launch_bounds__(kTcThreads) attention_dkdv_tc_kernel(E* dk, E*
     dc.fetch(dvec_h, i0, T_);
   };
   fetch(first);
-  for (int64_t i0 = first; i0 < T_; i0 += kTcKeys) {
+  for (int64_t i0 = first; i0 < T_; i0 += kQueries) {
     __syncthreads();  // the previous tile is no longer read
     qc.put(qs, ld);
     doc.put(dos, ld);
     lc.put(lse_s);
     dc.put(dvec_s);
     __syncthreads();
-    if (i0 + kTcKeys < T_) fetch(i0 + kTcKeys);  // in flight while this tile is computed on
+    if (i0 + kQueries < T_) fetch(i0 + kQueries);  // in flight while this tile is computed on
 
-    FragC st[kTcKeys / 8], dpt[kTcKeys / 8];  // S^T and dP^T: 16 keys x 32 queries
+    FragC st[kQueries / 8], dpt[kQueries / 8];  // S^T and dP^T: 16 keys x kQueries queries
     mma_tile_t<E, D>(st, kf, qs, ld);
     mma_tile_t<E, D>(dpt, vf, dos, ld);
     // Only a tile with a query before the block's last key (causal) or past the end needs the
     // mask (keys past the end are never written).
-    const bool edge = (causal && i0 < key0 + kTcRows - 1) || i0 + kTcKeys > T_;
-    for (int n = 0; n < kTcKeys / 8; ++n)
+    const bool edge = (causal && i0 < key0 + kTcRows - 1) || i0 + kQueries > T_;
+    for (int n = 0; n < kQueries / 8; ++n)
       for (int i = 0; i < 4; ++i) {
         const int c = 8 * n + 2 * t + (i & 1);
         float p = exp2f(st[n].x[i] * scale2 - lse_s[c]);
@@ -312,7 +321,7 @@ __global__ void __launch_bounds__(kTcThreads) attention_dkdv_tc_kernel(E* dk, E*
         st[n].x[i] = p;                              // P^T
         dpt[n].x[i] = p * (dpt[n].x[i] - dvec_s[c]);  // dS^T
       }
-    for (int kk = 0; kk < kTcKeys / 16; ++kk) {
+    for (int kk = 0; kk < kQueries / 16; ++kk) {
       const FragA<E> p = a_from_accumulators<E>(st[2 * kk], st[2 * kk + 1]);
       const FragA<E> ds = a_from_accumulators<E>(dpt[2 * kk], dpt[2 * kk + 1]);
       mma_rows<E, D>(dvc, p, dos + 16 * kk * ld, ld);
@@ -335,10 +344,10 @@ __global__ void __launch_bounds__(kTcThreads) attention_dq_tc_kernel(E* dq, cons
                                                                      const float* dvec, HeadLayout ql,
                                                                      HeadLayout ol, int64_t T_, float scale,
                                                                      bool causal) {
-  constexpr int ld = D + 8;
+  constexpr int ld = D + 8, kKeys = kTcBackwardTile<D>;
   SG_SHARED(E, rows_s, kTcRows * ld);  // this block's queries, then its output gradients
-  SG_SHARED(E, ks, kTcKeys * ld);
-  SG_SHARED(E, vs, kTcKeys * ld);
+  SG_SHARED(E, ks, kKeys * ld);
+  SG_SHARED(E, vs, kKeys * ld);
   const QueryBlock qb = query_block(causal);
   const int64_t bh = qb.bh, qh = ql.head(bh), oh = ol.head(bh), row0 = qb.row0;
   const int warp = int(threadIdx.x) / 32, t = mma_thread_in_group();
@@ -357,26 +366,26 @@ __global__ void __launch_bounds__(kTcThreads) attention_dq_tc_kernel(E* dq, cons
 
   FragC dqc[D / 8];
   const int64_t last = causal ? (row0 + kTcRows < T_ ? row0 + kTcRows : T_) : T_;
-  TileCopy<E, D, kTcKeys> kc, vc;
+  TileCopy<E, D, kKeys> kc, vc;
   kc.fetch(k + qh, ql.st, 0, T_);
   vc.fetch(v + qh, ql.st, 0, T_);
-  for (int64_t j0 = 0; j0 < last; j0 += kTcKeys) {
+  for (int64_t j0 = 0; j0 < last; j0 += kKeys) {
     __syncthreads();
     kc.put(ks, ld);
     vc.put(vs, ld);
     __syncthreads();
-    if (j0 + kTcKeys < last) {
-      kc.fetch(k + qh, ql.st, j0 + kTcKeys, T_);
-      vc.fetch(v + qh, ql.st, j0 + kTcKeys, T_);
+    if (j0 + kKeys < last) {
+      kc.fetch(k + qh, ql.st, j0 + kKeys, T_);
+      vc.fetch(v + qh, ql.st, j0 + kKeys, T_);
     }
 
-    FragC s[kTcKeys / 8], dp[kTcKeys / 8];  // S and dP: 16 queries x 32 keys
+    FragC s[kKeys / 8], dp[kKeys / 8];  // S and dP: 16 queries x kKeys keys
     mma_tile_t<E, D>(s, qf, ks, ld);
     mma_tile_t<E, D>(dp, dof, vs, ld);
     // As in the forward: only tiles crossing the diagonal or the end are masked (rows past the end
     // are never written).
-    const bool edge = (causal && j0 + kTcKeys - 1 > row0) || j0 + kTcKeys > T_;
-    for (int n = 0; n < kTcKeys / 8; ++n)
+    const bool edge = (causal && j0 + kKeys - 1 > row0) || j0 + kKeys > T_;
+    for (int n = 0; n < kKeys / 8; ++n)
       for (int i = 0; i < 4; ++i) {
         float p = exp2f(s[n].x[i] * scale2 - row_lse[i / 2]);
         if (edge) {
@@ -385,7 +394,7 @@ __global__ void __launch_bounds__(kTcThreads) attention_dq_tc_kernel(E* dq, cons
         }
         dp[n].x[i] = p * (dp[n].x[i] - row_dvec[i / 2]);  // dS
       }
-    for (int kk = 0; kk < kTcKeys / 16; ++kk) {
+    for (int kk = 0; kk < kKeys / 16; ++kk) {
       const FragA<E> ds = a_from_accumulators<E>(dp[2 * kk], dp[2 * kk + 1]);
       mma_rows<E, D>(dqc, ds, ks + 16 * kk * ld, ld);
     }
