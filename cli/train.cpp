@@ -308,6 +308,13 @@ class Trainer {
   std::unique_ptr<parallel::pp::PipelineExecutor> pipe_;
   int tp_ = 1, pp_ = 1, dp_size_ = 1, dp_rank_ = 0;  // the mesh: rows are split over dp only
   bool lead() const { return rank_ == 0; }
+  // Evaluation runs the whole model on rank 0; under tp/pp on every rank of the first data-parallel
+  // replica, under zero3/fsdp on every rank (the forward is collective there); rank 0 reports.
+  bool evaluates_here() const {
+    if (fsdp_) return true;
+    if (tp_ > 1 || pp_ > 1) return groups_.coord.dp == 0;
+    return lead();
+  }
   bool distributed() const { return strategy_ == "ddp" || zero_stage() > 0 || tp_ > 1 || pp_ > 1; }
   void write_timeline();
   double pipeline_step(int64_t step, const Tensor& idx, const Tensor& tgt, int64_t counted, double lr, double& grad_norm, bool& applied);
@@ -898,16 +905,20 @@ json Trainer::evaluate() {
   const int64_t nb = args_.i64("eval-batches");
   for (int64_t i = 0; i < nb; ++i) {
     io::Batch b = val_->next(B_, T_);
-    total += item(model_->loss(to(b.inputs, device_), to(b.targets, device_)));
+    const Tensor idx = to(b.inputs, device_), tgt = to(b.targets, device_);
+    // The pipeline's loss is a sum (times scale), as in training: the mean over the counted targets.
+    if (pipe_) total += item(pipe_->forward(idx, tgt, 1.0 / double(std::max<int64_t>(1, count_targets(b.targets, -1)))));
+    else total += item(model_->loss(idx, tgt));
   }
   out["val_loss"] = total / double(nb);
   // Under sequence parallelism prompts of any length cannot be split over tp: loss only.
   auto* task = dynamic_cast<const io::SyntheticDataset*>(val_.get());
   if (task && !cfg_.sequence_parallel) {
-    // Under tp every rank of the group runs the same prompts in lockstep and sees the whole
-    // vocabulary: the slices of the logits are gathered.
+    // Under tp and pp every rank of the replica runs the same prompts in lockstep and sees the whole
+    // vocabulary: the pipeline's last stage sends its logits to every stage, the slices of the
+    // logits are gathered over tp.
     auto logits_fn = [this](const Tensor& idx) {
-      Tensor logits = model_->forward(to(idx, device_));
+      Tensor logits = pipe_ ? pipe_->forward(to(idx, device_)) : model_->forward(to(idx, device_));
       if (tp_ > 1) logits = parallel::all_gather_along(logits, -1, *groups_.tp);
       return to(logits, Device::cpu());
     };
@@ -1069,9 +1080,7 @@ int Trainer::run() {
                                        pipe_ ? groups_.pp->rank() : -1)["ranks"];
     const bool last = step + 1 == steps_;
     if (last && pipe_ && !args_.str("timeline").empty()) write_timeline();
-    // Evaluation runs the whole model on rank 0; zero3/fsdp and tp evaluate on every rank (the
-    // forward is collective); rank 0 reports. Under --pp no rank holds the model (not yet available).
-    if (((eval_every && (step + 1) % eval_every == 0) || last) && (lead() || fsdp_ || tp_ > 1) && !pipe_) {
+    if (((eval_every && (step + 1) % eval_every == 0) || last) && evaluates_here()) {
       json ev = evaluate();
       if (lead()) {
         std::printf("eval  step %lld | val loss %.4f", (long long)step + 1, ev["val_loss"].get<double>());

@@ -52,7 +52,44 @@ Tensor PipelineExecutor::stage_forward(int s, const Tensor& input, const Tensor&
   Tensor x = s == 0 ? model_.embed(input) : input;
   for (int b = s * L; b < (s + 1) * L; ++b) x = model_.h[size_t(b)]->forward(x, model_.recompute);
   if (s != S - 1) return x;
+  if (!targets.defined()) return model_.head(x);
   return model_.loss_from_logits(model_.head(x), targets, true, scale);
+}
+
+Tensor PipelineExecutor::forward(const Tensor& idx, const Tensor& targets, double scale) {
+  const int S = schedule_.stages(), last = schedule_.rank_of(S - 1);
+  const int64_t rows = idx.size(0), C = model_.config.n_embd;
+  const int64_t T = model_.config.sequence_parallel ? idx.size(1) / model_.config.tp : idx.size(1);
+  // Stages in order: a rank waits only on a lower stage, which the rank holding it runs before any
+  // higher one, so the chain never deadlocks (with several stages per rank, too).
+  std::vector<std::pair<std::shared_ptr<comm::Work>, Tensor>> sends;
+  Tensor result;
+  for (int s = 0; s < S; ++s) {
+    if (!holds_stage(s)) continue;
+    Tensor input = idx;
+    if (s > 0) {
+      input = empty({rows, T, C}, model_.wpe->weight.dtype(), idx.device());
+      group_->recv(input, schedule_.rank_of(s - 1), tag(s, 0, false))->wait();
+    }
+    Tensor out = stage_forward(s, input, targets, scale);
+    if (s == S - 1) result = to(out, DType::f32);
+    else sends.emplace_back(group_->send(out, schedule_.rank_of(s + 1), tag(s + 1, 0, false)), out);
+  }
+  for (auto& [w, t] : sends) w->wait();
+  // The last stage's result to every rank of the pipeline: its shape first, then the values.
+  std::vector<int64_t> header(5, 0);  // rank, then up to 4 sizes
+  if (group_->rank() == last) {
+    header[0] = result.dim();
+    for (int64_t d = 0; d < result.dim(); ++d) header[size_t(d + 1)] = result.size(d);
+  }
+  Tensor shape = from_vector<int64_t>(header, {5});
+  group_->broadcast(shape, last)->wait();
+  if (group_->rank() != last) {
+    const int64_t* h = shape.data<int64_t>();
+    result = empty(Shape(h + 1, h + 1 + h[0]), DType::f32, idx.device());
+  }
+  group_->broadcast(result, last)->wait();
+  return result;
 }
 
 double PipelineExecutor::run(const Tensor& idx, const Tensor& targets, double scale) {

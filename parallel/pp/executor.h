@@ -30,6 +30,12 @@ class PipelineExecutor {
   // One step over this rank's rows [m * micro, T]: returns the mean loss of those rows (summed
   // loss * scale, the same on every rank of the pipeline). Gradients are left in the parameters.
   double run(const Tensor& idx, const Tensor& targets, double scale);
+  // Forward only, for evaluation (call it under NoGradGuard; no tape, no timeline): the whole batch
+  // at once, every rank of the pipeline running its stages in stage order and sending each output
+  // on. Returns on every rank of the pipeline the last stage's result, as f32: with targets, the
+  // loss (the sum over the targets that are not -1, times scale); without, the logits (under tp,
+  // this rank's vocabulary slice, as GPT::forward gives them).
+  Tensor forward(const Tensor& idx, const Tensor& targets = Tensor(), double scale = 1.0);
   // Sums the two copies of the tied embedding's gradient (first and last stage).
   void reduce_tied_embedding();
   // This rank's parameters (those of its stages); the tied embedding appears on both its holders.
@@ -41,6 +47,8 @@ class PipelineExecutor {
   bool holds_stage(int s) const { return schedule_.rank_of(s) == group_->rank(); }
 
  private:
+  // Stage s on input (tokens for stage 0); the last stage returns the loss, or the logits when
+  // targets are undefined.
   Tensor stage_forward(int s, const Tensor& input, const Tensor& targets, double scale);
   int blocks_per_stage() const;
 
