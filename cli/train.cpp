@@ -479,13 +479,11 @@ void Trainer::setup() {
   if (tp_ > 1 || pp_ > 1) {
     // Model parallelism composes with data parallelism over the mesh's dp axis: the rows are split
     // over dp, and DDP, ZeRO-1/2 (any tp/pp) or ZeRO-3/FSDP (tp without SP) reduce over dp only.
-    const bool fsdp_ok = (strategy_ == "zero3" || strategy_ == "fsdp" || strategy_ == "fsdp-grad-op") && pp_ == 1 &&
-                         !a.on("sequence-parallel");
+    const bool fsdp_ok = (strategy_ == "zero3" || strategy_ == "fsdp" || strategy_ == "fsdp-grad-op") && pp_ == 1;
     SG_CHECK(strategy_ == "single" || strategy_ == "ddp" || strategy_ == "zero1" || strategy_ == "zero2" || fsdp_ok,
              "train: --strategy ", strategy_, " does not compose with ",
-             pp_ > 1 ? "--pp" : (a.on("sequence-parallel") ? "--sequence-parallel" : "--tp"),
-             " yet (ddp, zero1 and zero2 compose with any --tp/--pp; zero3, fsdp and fsdp-grad-op with --tp "
-             "without sequence parallelism)");
+             pp_ > 1 ? "--pp" : "--tp", " yet (ddp, zero1 and zero2 compose with any --tp/--pp; zero3, fsdp and "
+             "fsdp-grad-op with --tp, with or without --sequence-parallel)");
     SG_CHECK(mesh.mesh.dp() == 1 || strategy_ != "single", "train: --tp ", tp_, " x --pp ", pp_, " on ", world_size_,
              " ranks leaves dp = ", mesh.mesh.dp(),
              ": the data-parallel replicas need a --strategy (ddp, zero1, zero2, or zero3/fsdp with --tp)");
@@ -667,12 +665,13 @@ double Trainer::train_step(int64_t step, double lr, double& grad_norm, bool& app
     parallel::watchdog::Waiting w("the gradient all-reduce");
     ddp_->finish_gradients();
   }
-  if (cfg_.sequence_parallel) parallel::tp::sync_sequence_parallel_grads(*model_, *groups_.tp);
+  if (cfg_.sequence_parallel && !fsdp_) parallel::tp::sync_sequence_parallel_grads(*model_, *groups_.tp);
   loss_sum = dp_loss(loss_sum);
   if (fsdp_) {  // the units were reduce-scattered during backward, micro-batch by micro-batch
     {
       parallel::watchdog::Waiting w("the gradient reduce-scatter");
       fsdp_->finish_gradients();
+      if (cfg_.sequence_parallel) fsdp_->sum_replicated_gradients(*groups_.tp);
       grad_norm = tp_ > 1 ? std::sqrt(world_sum(fsdp_->grad_sum_squares(parallel::mesh_grad_weight(groups_.tp->rank(), true))))
                           : fsdp_->grad_norm();
     }

@@ -49,10 +49,6 @@ FullyShardedDataParallel::FullyShardedDataParallel(nn::GPT& model, std::shared_p
     : model_(model), world_(std::move(group)), adam_(adam), opt_(opt), alive_(std::make_shared<bool>(true)) {
   const char* mode = fsdp_mode_name(opt_.mode);
   SG_CHECK(world_, "fsdp: no process group");
-  // Under tp the units hold this rank's slices; sequence parallelism would need its replicated
-  // gradients summed over tp before the units' reduce-scatters, which the hooks do not wait for.
-  SG_CHECK(!model_.config.sequence_parallel, "fsdp: --sequence-parallel is not supported (its replicated gradients "
-           "must be summed over tp before they are reduced over dp)");
   SG_CHECK(!opt_.offload_params || opt_.offload_optimizer, "fsdp: offloading the parameters needs the optimizer "
            "offloaded too (the step updates the host shards)");
   SG_CHECK(!opt_.offload_params || opt_.mode != FsdpMode::no_shard, "fsdp: no_shard keeps whole replicas on the "
@@ -388,6 +384,23 @@ void FullyShardedDataParallel::finish_gradients() {
   for (size_t k = 0; k < units_.size(); ++k)  // unit order: every rank issues the same sequence
     if (units_[k].ready > 0 || (shard_ && units_[k].gathered)) reduce(k);
   reap(true);
+}
+
+void FullyShardedDataParallel::sum_replicated_gradients(comm::ProcessGroup& tp_group) {
+  autograd::NoGradGuard ng;
+  reap(true);
+  std::vector<Tensor> pieces;
+  for (auto& u : units_)
+    for (const Segment& s : u.segments)
+      if (tp::gpt_param_split(u.params[s.param].first).replicated()) pieces.push_back(narrow(u.grad_shard, 0, s.at, s.len));
+  if (pieces.empty()) return;  // the same on every tp rank: same units, same segments
+  Tensor packed = cat(pieces, 0);
+  tp_group.all_reduce(packed, comm::ReduceOp::sum, comm::Sync::blocking);
+  int64_t at = 0;
+  for (const Tensor& piece : pieces) {
+    copy_(piece, narrow(packed, 0, at, piece.numel()));
+    at += piece.numel();
+  }
 }
 
 double FullyShardedDataParallel::grad_norm() {

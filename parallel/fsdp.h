@@ -50,8 +50,12 @@
 // Tensor parallelism (dp × tp, the group given is the dp group): the units hold this rank's tp
 // slices (a Block's ParallelAttention/ParallelMLP, the VocabParallelEmbedding's rows); every
 // formula above is per tp rank, Ψ its slice count. The global norm sums
-// grad_sum_squares(mesh_grad_weight(tp_rank, true)) over the whole world. Not with sequence
-// parallelism, nor with the pipeline.
+// grad_sum_squares(mesh_grad_weight(tp_rank, true)) over the whole world. With sequence
+// parallelism the tp-replicated parameters' gradients (LayerNorms, row-parallel biases, wpe) are
+// partial sums, each tp rank's over its own positions: the reduction over dp is linear, so
+// sum_replicated_gradients(tp) sums them over tp afterwards, on the shards (every tp rank of a dp
+// coordinate has the same units and segments), and the units' hooks need not wait for tp. Not
+// with the pipeline.
 #pragma once
 #include <map>
 #include <memory>
@@ -106,6 +110,10 @@ class FullyShardedDataParallel {
   // and waits for every reduction: every shard gradient then holds the group's average, and every
   // sharded unit is released.
   void finish_gradients();
+  // Sequence parallelism, after finish_gradients(): all-reduces (sum) over tp_group, in one
+  // packed buffer, the segments of this rank's shard gradients that belong to tp-replicated
+  // parameters (tp::gpt_param_split).
+  void sum_replicated_gradients(comm::ProcessGroup& tp_group);
   // sqrt(Σ over shards of the shard gradients' sums of squares): one 8-byte all_reduce over the
   // shard group (none under no_shard). The norm of the gradients as stored (before grad_scale).
   double grad_norm();

@@ -371,7 +371,7 @@ double number_after(const std::string& text, const std::string& key) {
   return at == std::string::npos ? std::nan("") : std::atof(text.c_str() + at + key.size());
 }
 
-TEST_CASE("3-D layouts (dp x tp x pp; ddp, zero1/2 or zero3 across dp) give the single-process losses and gradient norms", "[cli][mpi]") {
+TEST_CASE("3-D layouts (dp x tp x pp; ddp, zero1/2 or zero3 across dp, with and without sequence parallelism) give the single-process losses and gradient norms", "[cli][mpi]") {
   TempDir d;
   const std::string args = " train --n-layer 4 --n-embd 32 --n-head 2 --seq-len 16 --batch-size 8 --micro-batch-size 2 "
                            "--steps 3 --threads 1 --eval-every 0 --log-json ";
@@ -389,6 +389,7 @@ TEST_CASE("3-D layouts (dp x tp x pp; ddp, zero1/2 or zero3 across dp) give the 
       {4, "--tp 2 --strategy zero1 --sequence-parallel"},
       {4, "--pp 2 --strategy zero2"},
       {4, "--tp 2 --strategy zero3"},
+      {4, "--tp 2 --strategy zero3 --sequence-parallel"},
       {8, "--tp 2 --pp 2 --strategy zero2 --pp-schedule gpipe"}};
   for (size_t k = 0; k < layouts.size(); ++k) {
     INFO(layouts[k].second);

@@ -503,13 +503,16 @@ namespace {
 
 // FSDP over the dp group of a dp x tp mesh: the units hold this rank's tp slices; the global norm
 // is every rank's grad_sum_squares(mesh_grad_weight) summed by one all-reduce over the world.
-std::vector<double> train_dp_tp(const FsdpOptions& o, int steps, std::vector<double>& norms,
+// sp: sequence parallelism, the replicated parameters' shard gradients summed over tp after the
+// reduction over dp.
+std::vector<double> train_dp_tp(const FsdpOptions& o, bool sp, int steps, std::vector<double>& norms,
                                 std::vector<ckpt::Piece>* pieces = nullptr) {
   auto w = world();
   const int dp = w->size() / 2;
   comm::MeshGroups g = comm::create_mesh_groups(comm::DeviceMesh(dp, 1, 2), *w);
   nn::GPTConfig c = testing::tiny_gpt();
   c.tp = 2;
+  c.sequence_parallel = sp;
   nn::GPT model(c, DType::f32, Device::cpu(), g.tp);
   model.init_weights(5);
   optim::AdamWConfig oc;
@@ -522,6 +525,7 @@ std::vector<double> train_dp_tp(const FsdpOptions& o, int steps, std::vector<dou
     batch(s, idx, tgt);
     const double loss = testing::backward_rank_rows(model, idx, tgt, g.coord.dp, dp, kB / dp / 2);
     fsdp.finish_gradients();
+    if (sp) fsdp.sum_replicated_gradients(*g.tp);
     const double norm = std::sqrt(testing::sum_over(*w, fsdp.grad_sum_squares(weight)));
     fsdp.step(1e-2, optim::clip_coefficient(norm, kClip));
     fsdp.zero_grad();
@@ -534,7 +538,7 @@ std::vector<double> train_dp_tp(const FsdpOptions& o, int steps, std::vector<dou
 
 }  // namespace
 
-TEST_CASE("full_shard and shard_grad_op across dp with tp 2 reproduce the single-process losses and norms; state pieces assemble to its state", "[fsdp][mesh]") {
+TEST_CASE("full_shard and shard_grad_op across dp with tp 2 (with and without sequence parallelism) reproduce the single-process losses and norms; state pieces assemble to its state", "[fsdp][mesh]") {
   auto w = world();
   if (w->size() % 2) return;  // the mesh needs tp = 2
   std::vector<double> reference_norms;
@@ -544,11 +548,13 @@ TEST_CASE("full_shard and shard_grad_op across dp with tp 2 reproduce the single
   single.norms = &reference_norms;
   single.single_state = &state10;
   const std::vector<double> reference = train(single, nullptr);
-  for (FsdpMode m : {FsdpMode::full_shard, FsdpMode::shard_grad_op}) {
-    INFO(parallel::fsdp_mode_name(m) << " over dp " << w->size() / 2 << " x tp 2, rank " << w->rank());
+  for (auto [m, sp] : {std::pair{FsdpMode::full_shard, false}, {FsdpMode::shard_grad_op, false},
+                       {FsdpMode::full_shard, true}, {FsdpMode::shard_grad_op, true}}) {
+    INFO(parallel::fsdp_mode_name(m) << " over dp " << w->size() / 2 << " x tp 2" << (sp ? " + sp" : "") << ", rank "
+                                     << w->rank());
     std::vector<double> norms;
     std::vector<ckpt::Piece> pieces;
-    testing::require_same_losses(train_dp_tp(mode(m), 10, norms, &pieces), reference);
+    testing::require_same_losses(train_dp_tp(mode(m), sp, 10, norms, &pieces), reference);
     for (size_t i = 0; i < norms.size(); ++i) {
       INFO("step " << i << ": norm " << norms[i] << ", single-process " << reference_norms[i]);
       REQUIRE(std::abs(norms[i] - reference_norms[i]) <= 1e-5 * reference_norms[i]);
