@@ -308,6 +308,13 @@ class Trainer {
   std::unique_ptr<parallel::pp::PipelineExecutor> pipe_;
   int tp_ = 1, pp_ = 1, dp_size_ = 1, dp_rank_ = 0;  // the mesh: rows are split over dp only
   bool lead() const { return rank_ == 0; }
+  // The model's parameters this rank holds: all of them, or under --pp its stages'.
+  io::NamedTensors held_parameters() const { return pipe_ ? pipe_->parameters() : model_->named_parameters(); }
+  // bf16/f16 without ZeRO: the f32 masters take the held parameters' half gradients as they are.
+  void take_half_gradients() {
+    const io::NamedTensors params = held_parameters();
+    for (size_t i = 0; i < params.size(); ++i) master_[i].second.set_grad(params[i].second.grad());
+  }
   // Evaluation runs the whole model on rank 0; under tp/pp on every rank of the first data-parallel
   // replica, under zero3/fsdp on every rank (the forward is collective there); rank 0 reports.
   bool evaluates_here() const {
@@ -317,7 +324,8 @@ class Trainer {
   }
   bool distributed() const { return strategy_ == "ddp" || zero_stage() > 0 || tp_ > 1 || pp_ > 1; }
   void write_timeline();
-  double pipeline_step(int64_t step, const Tensor& idx, const Tensor& tgt, int64_t counted, double lr, double& grad_norm, bool& applied);
+  double pipeline_step(int64_t step, const Tensor& idx, const Tensor& tgt, int64_t counted, double loss_scale, double lr,
+                       double& grad_norm, bool& applied);
   // zero3 and the FSDP family all shard the parameters (stage 3's memory and more or less of its traffic).
   bool fsdp_family() const {
     return strategy_ == "zero3" || strategy_ == "fsdp" || strategy_ == "fsdp-grad-op" || strategy_ == "hsdp" ||
@@ -487,7 +495,6 @@ void Trainer::setup() {
     SG_CHECK(mesh.mesh.dp() == 1 || strategy_ != "single", "train: --tp ", tp_, " x --pp ", pp_, " on ", world_size_,
              " ranks leaves dp = ", mesh.mesh.dp(),
              ": the data-parallel replicas need a --strategy (ddp, zero1, zero2, or zero3/fsdp with --tp)");
-    SG_CHECK(dtype_ == DType::f32, "train: --tp/--pp support --dtype fp32 only for now");
   }
   if (tp_ > 1) {
     SG_CHECK(a.str("init-from").empty(), "train: --init-from is not available with --tp yet (use --resume with a checkpoint)");
@@ -527,12 +534,12 @@ void Trainer::setup() {
   if (pp_ > 1) {
     auto sched = parallel::pp::make_schedule(a.str("pp-schedule"), pp_, int((B_ / dp_size_) / micro_), v);
     pipe_ = std::make_unique<parallel::pp::PipelineExecutor>(*model_, sched, groups_.pp);
-    master_ = pipe_->parameters();  // this rank's stages only
-  } else if (dtype_ == DType::f32 || zero_stage()) {  // zero keeps f32 masters for its own shard only
-    master_ = model_->named_parameters();
+  }
+  if (dtype_ == DType::f32 || zero_stage()) {  // zero keeps f32 masters for its own shard only
+    master_ = held_parameters();
   } else {
     MemScope scope(MemCategory::optim_state);  // f32 master weights are optimizer state (ZeRO's K)
-    for (auto& [n, p] : model_->named_parameters()) master_.emplace_back(n, to(p, DType::f32));
+    for (auto& [n, p] : held_parameters()) master_.emplace_back(n, to(p, DType::f32));
   }
   optim::AdamWConfig oc;
   oc.beta1 = a.f64("beta1");
@@ -555,9 +562,9 @@ void Trainer::setup() {
     zero_->broadcast_parameters();
   } else {
     opt_ = std::make_unique<optim::AdamW>(master_, oc);
-    if (dtype_ != DType::f32 && !pipe_) {  // the model's half weights, rewritten by every step
+    if (dtype_ != DType::f32) {  // the model's half weights, rewritten by every step
       std::vector<Tensor> copies;
-      for (auto& [n, p] : model_->named_parameters()) copies.push_back(p);
+      for (auto& [n, p] : held_parameters()) copies.push_back(p);
       opt_->set_copies(std::move(copies));
     }
   }
@@ -566,8 +573,7 @@ void Trainer::setup() {
     SG_CHECK(a.f64("bucket-mb") > 0, "train: --bucket-mb must be > 0");
     d.bucket_bytes = int64_t(a.f64("bucket-mb") * double(1 << 20));
     d.find_unused_parameters = a.on("find-unused-parameters");
-    ddp_ = std::make_unique<parallel::DistributedDataParallel>(pipe_ ? pipe_->parameters() : model_->named_parameters(),
-                                                               groups_.dp, d);
+    ddp_ = std::make_unique<parallel::DistributedDataParallel>(held_parameters(), groups_.dp, d);
     parallel::watchdog::Waiting w("the parameter broadcast");
     ddp_->broadcast_parameters();
   }
@@ -625,7 +631,7 @@ double Trainer::train_step(int64_t step, double lr, double& grad_norm, bool& app
   const int64_t local = B_ / dp_size_, n_micro = local / micro_;
   Tensor idx = to(narrow(b.inputs, 0, dp_rank_ * local, local), device_);
   Tensor tgt = to(narrow(b.targets, 0, dp_rank_ * local, local), device_);
-  if (pipe_) return pipeline_step(step, idx, tgt, counted, lr, grad_norm, applied);
+  if (pipe_) return pipeline_step(step, idx, tgt, counted, loss_scale, lr, grad_norm, applied);
   // With ddp the gradients are averaged over ranks, so each rank's loss is scaled by the world
   // size: the average of the ranks' gradients is then the gradient of the global batch's mean.
   const double rank_scale = double(dp_size_);
@@ -704,8 +710,7 @@ double Trainer::train_step(int64_t step, double lr, double& grad_norm, bool& app
     // The f32 masters take the model's bf16/f16 gradients as they are: the norm divides by the
     // loss scale and the update's scale carries it, AdamW widens each gradient as it reads it and
     // writes the model's weights back in the same pass (AdamW::set_copies). No f32 gradient copies.
-    auto params = model_->named_parameters();
-    for (size_t i = 0; i < params.size(); ++i) master_[i].second.set_grad(params[i].second.grad());
+    take_half_gradients();
   }
   if (tp_ > 1) {
     grad_norm = model_parallel_grad_norm() / loss_scale;
@@ -726,8 +731,8 @@ double Trainer::train_step(int64_t step, double lr, double& grad_norm, bool& app
 
 // One pipeline step: the executor runs this rank's actions over the micro-batches; the tied
 // embedding's two gradients are summed; the global norm sums every rank's share.
-double Trainer::pipeline_step(int64_t step, const Tensor& idx, const Tensor& tgt, int64_t counted, double lr, double& grad_norm,
-                              bool& applied) {
+double Trainer::pipeline_step(int64_t step, const Tensor& idx, const Tensor& tgt, int64_t counted, double loss_scale,
+                              double lr, double& grad_norm, bool& applied) {
   if (!args_.str("timeline").empty()) metrics_->barrier()->wait();  // a common time origin
   double loss;
   {
@@ -736,7 +741,8 @@ double Trainer::pipeline_step(int64_t step, const Tensor& idx, const Tensor& tgt
     if (zero_) zero_->set_sync(false);
     // Scaled by dp like the plain path: the dp average of the ranks' gradients is the global mean's.
     trace::Scope ts("forward+backward", "compute");
-    loss = pipe_->run(idx, tgt, double(dp_size_) / double(counted)) / double(dp_size_);
+    // fp16: the loss scale rides in the loss's scale as on the plain path.
+    loss = pipe_->run(idx, tgt, loss_scale * double(dp_size_) / double(counted)) / (loss_scale * double(dp_size_));
     pipe_->reduce_tied_embedding();
   }
   if (cfg_.sequence_parallel) parallel::tp::sync_sequence_parallel_grads(*model_, *groups_.tp);
@@ -751,17 +757,20 @@ double Trainer::pipeline_step(int64_t step, const Tensor& idx, const Tensor& tgt
       zero_->reduce_now();
     }
     const int tpr = groups_.tp ? groups_.tp->rank() : 0;
-    grad_norm = std::sqrt(world_sum(zero_->grad_sum_squares(parallel::mesh_grad_weight(tpr, pipe_->holds_stage(0)))));
+    grad_norm = std::sqrt(world_sum(zero_->grad_sum_squares(parallel::mesh_grad_weight(tpr, pipe_->holds_stage(0))))) /
+                loss_scale;
     applied = accept_step(step, loss, grad_norm);
     parallel::watchdog::Waiting w("the parameter all-gather");
-    if (applied) zero_->step(lr, optim::clip_coefficient(grad_norm, args_.f64("clip")));
+    if (applied) zero_->step(lr, optim::clip_coefficient(grad_norm, args_.f64("clip")) / loss_scale);
     zero_->zero_grad();
     return loss;
   }
-  grad_norm = model_parallel_grad_norm();
+  if (dtype_ != DType::f32) take_half_gradients();
+  grad_norm = model_parallel_grad_norm() / loss_scale;
   applied = accept_step(step, loss, grad_norm);
   trace::Scope opt_scope("optimizer", "compute");
-  if (applied) opt_->step(lr, optim::clip_coefficient(grad_norm, args_.f64("clip")));
+  if (applied) opt_->step(lr, optim::clip_coefficient(grad_norm, args_.f64("clip")) / loss_scale);
+  for (auto& [n, p] : held_parameters()) p.set_grad(Tensor());
   for (auto& [n, p] : master_) p.set_grad(Tensor());
   return loss;
 }
@@ -840,7 +849,7 @@ bool Trainer::accept_step(int64_t step, double loss, double grad_norm) {
     return false;
   }
   io::NamedTensors grads;
-  for (auto& [n, p] : pipe_ ? pipe_->parameters() : model_->named_parameters())
+  for (auto& [n, p] : held_parameters())
     if (p.grad().defined()) grads.emplace_back(n, p.grad());
   optim::NonFinite bad = optim::first_nonfinite(grads);  // the gradient first: the loss is its symptom
   if (!bad.found()) bad = optim::first_nonfinite(loss, {});
@@ -953,7 +962,7 @@ std::vector<ckpt::Piece> Trainer::state_pieces() const {
     add(fsdp_->state_pieces());
     return out;
   }
-  const auto params = pipe_ ? pipe_->parameters() : model_->named_parameters();
+  const auto params = held_parameters();
   if (dp_rank_ == 0)
     for (const auto& [n, p] : params) add(ckpt::pieces_of(view_of(n, p.shape()), p));
   if (zero_) {
