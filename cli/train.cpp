@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <optional>
+#include <set>
 #include <thread>
 
 #include "autograd/ops.h"
@@ -487,11 +488,13 @@ void Trainer::setup() {
   if (tp_ > 1 || pp_ > 1) {
     // Model parallelism composes with data parallelism over the mesh's dp axis: the rows are split
     // over dp, and DDP, ZeRO-1/2 (any tp/pp) or ZeRO-3/FSDP (tp without SP) reduce over dp only.
-    const bool fsdp_ok = (strategy_ == "zero3" || strategy_ == "fsdp" || strategy_ == "fsdp-grad-op") && pp_ == 1;
+    // fsdp-grad-op keeps a unit gathered from its forward to its backward, which a pipeline's
+    // interleaved micro-batches would hold for the whole step.
+    const bool fsdp_ok = strategy_ == "zero3" || strategy_ == "fsdp" || (strategy_ == "fsdp-grad-op" && pp_ == 1);
     SG_CHECK(strategy_ == "single" || strategy_ == "ddp" || strategy_ == "zero1" || strategy_ == "zero2" || fsdp_ok,
              "train: --strategy ", strategy_, " does not compose with ",
-             pp_ > 1 ? "--pp" : "--tp", " yet (ddp, zero1 and zero2 compose with any --tp/--pp; zero3, fsdp and "
-             "fsdp-grad-op with --tp, with or without --sequence-parallel)");
+             pp_ > 1 ? "--pp" : "--tp", " yet (ddp, zero1, zero2, zero3 and fsdp compose with any --tp/--pp, "
+             "fsdp-grad-op with --tp)");
     SG_CHECK(mesh.mesh.dp() == 1 || strategy_ != "single", "train: --tp ", tp_, " x --pp ", pp_, " on ", world_size_,
              " ranks leaves dp = ", mesh.mesh.dp(),
              ": the data-parallel replicas need a --strategy (ddp, zero1, zero2, or zero3/fsdp with --tp)");
@@ -552,6 +555,7 @@ void Trainer::setup() {
   if (zero_stage() == 3) {
     parallel::watchdog::Waiting w("the parameter broadcast");
     fsdp_ = std::make_unique<parallel::FullyShardedDataParallel>(*model_, groups_.dp, oc, fsdp_options());
+    if (pipe_) pipe_->before_forward = [this](int) { fsdp_->gather_roots(); };
   } else if (zero_stage()) {
     parallel::ZeroOptions z;
     z.stage = zero_stage();
@@ -743,20 +747,35 @@ double Trainer::pipeline_step(int64_t step, const Tensor& idx, const Tensor& tgt
     trace::Scope ts("forward+backward", "compute");
     // fp16: the loss scale rides in the loss's scale as on the plain path.
     loss = pipe_->run(idx, tgt, loss_scale * double(dp_size_) / double(counted)) / (loss_scale * double(dp_size_));
-    pipe_->reduce_tied_embedding();
+    if (!fsdp_) pipe_->reduce_tied_embedding();  // fsdp: on the shard gradients, below
   }
-  if (cfg_.sequence_parallel) parallel::tp::sync_sequence_parallel_grads(*model_, *groups_.tp);
+  if (cfg_.sequence_parallel && !fsdp_) parallel::tp::sync_sequence_parallel_grads(*model_, *groups_.tp);
   if (ddp_) {
     parallel::watchdog::Waiting w("the gradient all-reduce");
     ddp_->reduce_now();
   }
   loss = dp_loss(loss);
+  const int tpr = groups_.tp ? groups_.tp->rank() : 0;
+  if (fsdp_) {  // the Block units were reduce-scattered during backward; the roots are now
+    {
+      parallel::watchdog::Waiting w("the gradient reduce-scatter");
+      fsdp_->finish_gradients();
+      pipe_->sum_tied(fsdp_->tied_grad_shard());
+      if (cfg_.sequence_parallel) fsdp_->sum_replicated_gradients(*groups_.tp);
+    }
+    grad_norm = std::sqrt(world_sum(fsdp_->grad_sum_squares(parallel::mesh_grad_weight(tpr, pipe_->holds_stage(0))))) /
+                loss_scale;
+    applied = accept_step(step, loss, grad_norm);
+    trace::Scope opt_scope("optimizer", "compute");
+    if (applied) fsdp_->step(lr, optim::clip_coefficient(grad_norm, args_.f64("clip")) / loss_scale);
+    fsdp_->zero_grad();
+    return loss;
+  }
   if (zero_) {
     {
       parallel::watchdog::Waiting w("the gradient reduce-scatter");
       zero_->reduce_now();
     }
-    const int tpr = groups_.tp ? groups_.tp->rank() : 0;
     grad_norm = std::sqrt(world_sum(zero_->grad_sum_squares(parallel::mesh_grad_weight(tpr, pipe_->holds_stage(0))))) /
                 loss_scale;
     applied = accept_step(step, loss, grad_norm);
@@ -816,6 +835,11 @@ parallel::FsdpOptions Trainer::fsdp_options() const {
     const DType d = parse_dtype(rd);
     SG_CHECK(d == DType::f32 || d == DType::bf16 || d == DType::f16, "train: --reduce-dtype must be param, fp32, bf16 or fp16");
     o.reduce_dtype = d;
+  }
+  if (pipe_) {  // this rank's stages only
+    std::set<std::string> names;
+    for (const auto& [n, p] : pipe_->parameters()) names.insert(n);
+    o.holds = [names](const std::string& n) { return names.count(n) > 0; };
   }
   return o;
 }

@@ -54,6 +54,12 @@ FullyShardedDataParallel::FullyShardedDataParallel(nn::GPT& model, std::shared_p
   SG_CHECK(!opt_.offload_params || opt_.mode != FsdpMode::no_shard, "fsdp: no_shard keeps whole replicas on the "
            "device; there are no parameter shards to offload");
   const int N = world_->size();
+  const bool piped = bool(opt_.holds);
+  SG_CHECK(!piped || opt_.mode == FsdpMode::full_shard, "fsdp: under a pipeline only full_shard (zero3, fsdp) is "
+           "available, not ", mode, ": the micro-batches' forwards and backwards interleave, so a unit is gathered "
+           "and released per action");
+  SG_CHECK(!piped || (!opt_.forward_prefetch && !opt_.backward_prefetch), "fsdp: --prefetch is not available "
+           "under a pipeline yet (a rank's units do not run in model order)");
   SG_CHECK(opt_.mode == FsdpMode::hybrid || opt_.shard_group_size == 0, "fsdp: --shard-group-size applies to hybrid "
            "sharding only, not ", mode);
   SG_CHECK(opt_.limit_all_gathers >= 1, "fsdp: --limit-all-gathers must be >= 1, got ", opt_.limit_all_gathers);
@@ -92,25 +98,49 @@ FullyShardedDataParallel::FullyShardedDataParallel(nn::GPT& model, std::shared_p
   if (!shard_) reshard_ = false;
   const int Ns = shard_size(), r = shard_ ? shard_->rank() : 0;
 
-  // Units: the root (wte, wpe, ln_f) first, then runs of consecutive blocks.
-  Unit root;
-  root.name = "root";
-  root.first = root.last = &model_;
-  root.root = true;
+  // Units: the root (wte, wpe, ln_f) first, then runs of consecutive blocks. Under a pipeline,
+  // only what this rank holds: "wte" and "root" (wpe, ln_f) when it holds them, then runs of its
+  // consecutive blocks.
+  const auto held = [&](const std::string& name) { return !piped || opt_.holds(name); };
   // Parameters keep the model's names ("wte.weight", "h.0.attn.c_attn.weight"): the global
   // tensors of the checkpoint state.
-  auto add = [](Unit& u, const std::string& prefix, const nn::Module& m) {
-    for (auto& [n, p] : m.named_parameters()) u.params.emplace_back(prefix + "." + n, p);
+  auto add = [&](Unit& u, const std::string& prefix, const nn::Module& m) {
+    for (auto& [n, p] : m.named_parameters())
+      if (held(prefix + "." + n)) u.params.emplace_back(prefix + "." + n, p);
   };
-  add(root, "wte", model_.wte ? static_cast<const nn::Module&>(*model_.wte) : *model_.tp_wte);
+  const nn::Module& wte = model_.wte ? static_cast<const nn::Module&>(*model_.wte) : *model_.tp_wte;
+  auto add_root = [&](Unit u) {
+    u.root = true;
+    u.deferred = piped;
+    if (!piped) u.first = u.last = &model_;
+    if (!u.params.empty()) units_.push_back(std::move(u));
+  };
+  Unit root;
+  root.name = "root";
+  if (piped) {  // the tied embedding alone: the same unit (and shard) on the first and the last stage
+    Unit tied;
+    tied.name = "wte";
+    add(tied, "wte", wte);
+    add_root(std::move(tied));
+  } else {
+    add(root, "wte", wte);
+  }
   add(root, "wpe", *model_.wpe);
   add(root, "ln_f", *model_.ln_f);
-  units_.push_back(std::move(root));
+  add_root(std::move(root));
   size_t begin = 0;
   int64_t run = 0;
   for (size_t i = 0; i < model_.h.size(); ++i) {
+    const std::string prefix = "h." + std::to_string(i);
+    if (!held(prefix + "." + model_.h[i]->named_parameters().front().first)) {  // another rank's stage
+      SG_CHECK(run == 0, "fsdp: unit ", begin, "-", i, " would span another rank's blocks");
+      begin = i + 1;
+      continue;
+    }
     run += model_.h[i]->num_parameters();
-    if (opt_.wrap_min_params > 0 && run < opt_.wrap_min_params && i + 1 < model_.h.size()) continue;
+    const bool next_mine = i + 1 < model_.h.size() &&
+                           held("h." + std::to_string(i + 1) + "." + model_.h[i + 1]->named_parameters().front().first);
+    if (opt_.wrap_min_params > 0 && run < opt_.wrap_min_params && next_mine) continue;
     Unit u;
     u.name = "h." + std::to_string(begin) + (i > begin ? "-" + std::to_string(i) : "");
     u.first = model_.h[begin].get();
@@ -120,10 +150,11 @@ FullyShardedDataParallel::FullyShardedDataParallel(nn::GPT& model, std::shared_p
     begin = i + 1;
     run = 0;
   }
-  size_t covered = 0;
+  size_t covered = 0, mine = 0;
   for (auto& u : units_) covered += u.params.size();
-  SG_CHECK(covered == model_.parameters().size(), "fsdp: the units cover ", covered, " of the model's ",
-           model_.parameters().size(), " parameters");
+  for (auto& [n, p] : model_.named_parameters()) mine += held(n);
+  SG_CHECK(!units_.empty() && covered == mine, "fsdp: the units cover ", covered, " of the ", mine,
+           " parameters this rank holds");
 
   dtype_ = units_[0].params[0].second.dtype();
   SG_CHECK(dtype_ == DType::f32 || half(dtype_), "fsdp: parameters are ", dtype_name(dtype_),
@@ -189,6 +220,11 @@ FullyShardedDataParallel::FullyShardedDataParallel(nn::GPT& model, std::shared_p
     u.marked.assign(u.params.size(), 0);
 
     std::weak_ptr<bool> alive = alive_;
+    for (size_t i = 0; i < u.params.size(); ++i)
+      u.params[i].second.add_grad_ready_hook([this, k, i, alive](const Tensor&) {
+        if (alive.lock()) on_grad_ready(k, i);
+      });
+    if (!u.first) continue;  // the pipeline's roots: gather_roots()
     u.first->pre_forward = [this, k, alive] {
       if (!alive.lock()) return;
       wait_gather(units_[k]);
@@ -204,10 +240,6 @@ FullyShardedDataParallel::FullyShardedDataParallel(nn::GPT& model, std::shared_p
       release(units_[k]);
       return wrap(k, y);
     };
-    for (size_t i = 0; i < u.params.size(); ++i)
-      u.params[i].second.add_grad_ready_hook([this, k, i, alive](const Tensor&) {
-        if (alive.lock()) on_grad_ready(k, i);
-      });
   }
 }
 
@@ -220,8 +252,8 @@ FullyShardedDataParallel::~FullyShardedDataParallel() {
     if (u.gathering) u.gathering->wait();
   *alive_ = false;
   for (auto& u : units_) {
-    u.first->pre_forward = nullptr;
-    u.last->post_forward = nullptr;
+    if (u.first) u.first->pre_forward = nullptr;
+    if (u.last) u.last->post_forward = nullptr;
   }
 }
 
@@ -317,7 +349,7 @@ void FullyShardedDataParallel::on_grad_ready(size_t k, size_t i) {
   Unit& u = units_[k];
   if (u.marked[i]) return;
   u.marked[i] = 1;
-  if (++u.ready == int(u.params.size())) reduce(k);
+  if (++u.ready == int(u.params.size()) && !u.deferred) reduce(k);
 }
 
 // Packs unit k's full gradients into one comm_buffer in the reduce dtype (zeros for padding and
@@ -401,6 +433,18 @@ void FullyShardedDataParallel::sum_replicated_gradients(comm::ProcessGroup& tp_g
     copy_(piece, narrow(packed, 0, at, piece.numel()));
     at += piece.numel();
   }
+}
+
+void FullyShardedDataParallel::gather_roots() {
+  for (auto& u : units_)
+    if (u.deferred) wait_gather(u);
+}
+
+Tensor FullyShardedDataParallel::tied_grad_shard() {
+  reap(true);
+  for (auto& u : units_)
+    if (u.deferred && u.name == "wte") return u.grad_shard;
+  return Tensor();
 }
 
 double FullyShardedDataParallel::grad_norm() {

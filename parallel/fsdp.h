@@ -54,9 +54,18 @@
 // parallelism the tp-replicated parameters' gradients (LayerNorms, row-parallel biases, wpe) are
 // partial sums, each tp rank's over its own positions: the reduction over dp is linear, so
 // sum_replicated_gradients(tp) sums them over tp afterwards, on the shards (every tp rank of a dp
-// coordinate has the same units and segments), and the units' hooks need not wait for tp. Not
-// with the pipeline.
+// coordinate has the same units and segments), and the units' hooks need not wait for tp.
+//
+// Pipeline parallelism (dp × pp, FsdpOptions::holds): the units are this rank's stages' — runs of
+// its own Blocks, "wte" alone (the tied embedding lives on the first and the last stage; the two
+// ranks sum its shard gradient, tied_grad_shard(), segment for segment, since the unit is the same
+// on both) and "root" (wpe on the first stage, ln_f on the last). The stages' embedding and head
+// run outside GPT::forward, so the pipeline calls gather_roots() before a stage's forward; the two
+// root units then stay gathered until finish_gradients(), their gradients accumulating over the
+// micro-batches and reduced once (micro-batches' forwards and backwards interleave). Block units
+// gather and release per action as without the pipeline. full_shard only, without prefetch.
 #pragma once
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -86,6 +95,8 @@ struct FsdpOptions {
   int limit_all_gathers = 2;      // Block units gathered at once, counting prefetched ones (>= 1)
   std::optional<DType> reduce_dtype;  // gradient reduction and shard gradient dtype; unset: parameters'
   bool broadcast_from_rank0 = true;   // start every rank from rank 0's parameters
+  // Under a pipeline: whether this rank holds a parameter (by model name); unset: it holds all.
+  std::function<bool(const std::string& name)> holds;
   // Optimizer offload (ZeRO-Offload's split): m, v and an f32 master of the shard live on this
   // host device and AdamW runs there; the compute device keeps only the parameter and gradient
   // shards, and each step moves the gradient shard to the host and the updated parameters back.
@@ -114,6 +125,12 @@ class FullyShardedDataParallel {
   // packed buffer, the segments of this rank's shard gradients that belong to tp-replicated
   // parameters (tp::gpt_param_split).
   void sum_replicated_gradients(comm::ProcessGroup& tp_group);
+  // Under a pipeline: gathers the root units ("wte", "root"; collective over the shard group)
+  // before a stage's forward; they stay gathered until finish_gradients().
+  void gather_roots();
+  // Under a pipeline, after finish_gradients(): the tied embedding's shard gradient (the "wte"
+  // unit's), undefined on a rank without it.
+  Tensor tied_grad_shard();
   // sqrt(Σ over shards of the shard gradients' sums of squares): one 8-byte all_reduce over the
   // shard group (none under no_shard). The norm of the gradients as stored (before grad_scale).
   double grad_norm();
@@ -166,9 +183,10 @@ class FullyShardedDataParallel {
   };
   struct Unit {
     std::string name;
-    nn::Module* first = nullptr;  // pre_forward gathers
+    nn::Module* first = nullptr;  // pre_forward gathers (no hooks when null: the pipeline's roots)
     nn::Module* last = nullptr;   // post_forward releases and wraps
     bool root = false;
+    bool deferred = false;        // reduced by finish_gradients() only (the pipeline's roots)
     std::vector<std::pair<std::string, Tensor>> params;
     std::vector<int64_t> offsets;       // of each parameter in the flat vector
     int64_t numel = 0, shard = 0;       // Ψu, S

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -303,7 +304,8 @@ TEST_CASE("a checkpoint saved under one layout resumes under any other with the 
   REQUIRE(saved.code == 0);
   REQUIRE(fs::exists(d.path / "run" / "step_00000003" / "rank_00003.safetensors"));
   const std::vector<std::pair<int, std::string>> layouts = {
-      {4, "--tp 2 --pp 2"}, {2, "--strategy zero2"}, {4, "--strategy ddp --tp 2"}, {2, "--strategy fsdp-grad-op"}, {1, ""}};
+      {4, "--tp 2 --pp 2"}, {2, "--strategy zero2"}, {4, "--strategy ddp --tp 2"}, {2, "--strategy fsdp-grad-op"},
+      {4, "--pp 2 --strategy zero3"}, {1, ""}};
   for (size_t k = 0; k < layouts.size(); ++k) {
     INFO(layouts[k].second);
     const fs::path log = d.path / ("r" + std::to_string(k) + ".jsonl");
@@ -318,6 +320,19 @@ TEST_CASE("a checkpoint saved under one layout resumes under any other with the 
       REQUIRE(std::abs(b[i]["loss"].get<double>() - a[i + 3]["loss"].get<double>()) <= 1e-5 * a[i + 3]["loss"].get<double>());
     }
   }
+  // saved by zero3 under a pipeline (each stage's shards; the tied embedding once, from the first
+  // stage), resumed by one process
+  const std::string piped = (d.path / "piped").string();
+  Run zp = run_command(mpirun(4) + args + (d.path / "zp.jsonl").string() + " --pp 2 --strategy zero3 --steps 3 --save " + piped);
+  INFO(zp.output);
+  REQUIRE(zp.code == 0);
+  Run from_zp = shardgrad(args + (d.path / "fzp.jsonl").string() + " --resume " + piped);
+  INFO(from_zp.output);
+  REQUIRE(from_zp.code == 0);
+  auto c = read_log(d.path / "fzp.jsonl");
+  REQUIRE(c.size() == 3);
+  for (size_t i = 0; i < 3; ++i)
+    REQUIRE(std::abs(c[i]["loss"].get<double>() - a[i + 3]["loss"].get<double>()) <= 1e-5 * a[i + 3]["loss"].get<double>());
   // consolidated into one Hugging Face-named file that train and generate read back
   const std::string hf = (d.path / "model.safetensors").string();
   Run ex = shardgrad("export " + run + " --out " + hf);
@@ -390,7 +405,11 @@ TEST_CASE("3-D layouts (dp x tp x pp; ddp, zero1/2 or zero3 across dp, with and 
       {4, "--pp 2 --strategy zero2"},
       {4, "--tp 2 --strategy zero3"},
       {4, "--tp 2 --strategy zero3 --sequence-parallel"},
-      {8, "--tp 2 --pp 2 --strategy zero2 --pp-schedule gpipe"}};
+      {8, "--tp 2 --pp 2 --strategy zero2 --pp-schedule gpipe"},
+      {4, "--pp 2 --strategy zero3"},
+      {4, "--pp 2 --strategy fsdp --pp-schedule interleaved --virtual-stages 2"},
+      {8, "--tp 2 --pp 2 --strategy zero3 --sequence-parallel"}};
+  std::map<std::string, int64_t> param_bytes;  // rank 0's after the step, by layout
   for (size_t k = 0; k < layouts.size(); ++k) {
     INFO(layouts[k].second);
     const fs::path log = d.path / ("l" + std::to_string(k) + ".jsonl");
@@ -404,6 +423,7 @@ TEST_CASE("3-D layouts (dp x tp x pp; ddp, zero1/2 or zero3 across dp, with and 
       REQUIRE(std::abs(b[i]["grad_norm"].get<double>() - a[i]["grad_norm"].get<double>()) <=
               1e-5 * a[i]["grad_norm"].get<double>());
     }
+    param_bytes[layouts[k].second] = b[2]["mem"]["param"]["current"].get<int64_t>();
     // under a pipeline every rank's step record has its busy time from its own place in the
     // pipeline (the mesh makes that differ from its world rank)
     if (layouts[k].second.find("--pp") != std::string::npos) {
@@ -423,8 +443,15 @@ TEST_CASE("3-D layouts (dp x tp x pp; ddp, zero1/2 or zero3 across dp, with and 
       REQUIRE(ev["examples"] == ref["examples"]);
     }
   }
-  refuses(mpirun(4) + args + (d.path / "z.jsonl").string() + " --pp 2 --strategy fsdp",
-          "--strategy fsdp does not compose with --pp yet");
+  // zero3 under the pipeline: rank 0 holds the same stages (wte, wpe, h.0, h.2) as under ddp, half
+  // of them over dp 2, up to one padding element in each of its 4 units
+  const int64_t replicated = param_bytes.at("--pp 2 --strategy ddp --pp-schedule interleaved --virtual-stages 2");
+  const int64_t sharded = param_bytes.at("--pp 2 --strategy fsdp --pp-schedule interleaved --virtual-stages 2");
+  REQUIRE(replicated > 0);
+  REQUIRE(2 * sharded >= replicated);
+  REQUIRE(2 * sharded <= replicated + 2 * 4 * 4);
+  refuses(mpirun(4) + args + (d.path / "z.jsonl").string() + " --pp 2 --strategy fsdp-grad-op",
+          "--strategy fsdp-grad-op does not compose with --pp yet");
   refuses(mpirun(4) + args + (d.path / "s.jsonl").string() + " --tp 2",
           "leaves dp = 2: the data-parallel replicas need a --strategy");
 }
@@ -446,7 +473,8 @@ TEST_CASE("bf16 and fp16 under tp, pp and their compositions stay with the singl
     REQUIRE(a.size() == 4);
     const std::vector<std::pair<int, std::string>> layouts = {
         {2, "--pp 2"}, {2, "--tp 2"}, {4, "--pp 2 --strategy ddp --pp-schedule interleaved --virtual-stages 1"},
-        {4, "--tp 2 --pp 2"}, {4, "--tp 2 --strategy zero3 --sequence-parallel"}, {4, "--pp 2 --strategy zero1"}};
+        {4, "--tp 2 --pp 2"}, {4, "--tp 2 --strategy zero3 --sequence-parallel"}, {4, "--pp 2 --strategy zero1"},
+        {4, "--pp 2 --strategy zero3"}};
     for (size_t k = 0; k < layouts.size(); ++k) {
       INFO(layouts[k].second);
       const fs::path log = d.path / ("m" + std::to_string(k) + ".jsonl");

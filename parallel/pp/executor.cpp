@@ -71,6 +71,7 @@ Tensor PipelineExecutor::forward(const Tensor& idx, const Tensor& targets, doubl
       input = empty({rows, T, C}, model_.wpe->weight.dtype(), idx.device());
       group_->recv(input, schedule_.rank_of(s - 1), tag(s, 0, false))->wait();
     }
+    if (before_forward) before_forward(s);
     Tensor out = stage_forward(s, input, targets, scale);
     if (s == S - 1) result = to(out, DType::f32);
     else sends.emplace_back(group_->send(out, schedule_.rank_of(s + 1), tag(s + 1, 0, false)), out);
@@ -126,6 +127,7 @@ double PipelineExecutor::run(const Tensor& idx, const Tensor& targets, double sc
       }
       {
         autograd::TapeScope scope(*f.tape);
+        if (before_forward) before_forward(a.stage);
         f.output = stage_forward(a.stage, f.input, mt, scale);
       }
       if (a.stage == S - 1) loss += item(f.output);
@@ -156,22 +158,37 @@ double PipelineExecutor::run(const Tensor& idx, const Tensor& targets, double sc
   return item(l);
 }
 
-void PipelineExecutor::reduce_tied_embedding() {
+int PipelineExecutor::tied_peer() const {
   const int first = schedule_.rank_of(0), last = schedule_.rank_of(schedule_.stages() - 1);
-  if (first == last) return;  // both uses on one rank: already one gradient
+  if (first == last) return -1;  // both uses on one rank: already one gradient
   const int rank = group_->rank();
-  if (rank != first && rank != last) return;
+  return rank == first ? last : rank == last ? first : -1;
+}
+
+Tensor PipelineExecutor::add_peer(const Tensor& t, int peer) {
+  Tensor other = empty(t.shape(), t.dtype(), t.device());
+  const int tied_tag = 1 << 28;  // above every activation tag
+  auto s = group_->send(t, peer, tied_tag);
+  group_->recv(other, peer, tied_tag)->wait();
+  s->wait();
+  return add(t, other);
+}
+
+void PipelineExecutor::reduce_tied_embedding() {
+  const int peer = tied_peer();
+  if (peer < 0) return;
   const Tensor& w = model_.wte ? model_.wte->weight : model_.tp_wte->weight;  // this tp rank's rows
   Tensor g = w.grad();
   if (!g.defined()) g = zeros_like(w);
-  Tensor other = empty(g.shape(), g.dtype(), g.device());
-  const int peer = rank == first ? last : first;
-  const int tied_tag = 1 << 28;  // above every activation tag
-  auto s = group_->send(g, peer, tied_tag);
-  group_->recv(other, peer, tied_tag)->wait();
-  s->wait();
-  Tensor sum = add(g, other);
-  w.set_grad(sum);
+  w.set_grad(add_peer(g, peer));
+}
+
+void PipelineExecutor::sum_tied(const Tensor& t) {
+  const int peer = tied_peer();
+  if (peer < 0) return;
+  SG_CHECK(t.defined(), "pipeline: rank ", group_->rank(), " holds the tied embedding but has no tensor to sum");
+  autograd::NoGradGuard ng;
+  copy_(t, add_peer(t, peer));
 }
 
 double PipelineExecutor::grad_sum_squares() const {

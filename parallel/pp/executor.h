@@ -11,6 +11,7 @@
 // and stay equal because their gradients are summed between the two ranks before the step.
 // Each action's start and end are recorded, so the bubble is measured, not assumed.
 #pragma once
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -38,6 +39,9 @@ class PipelineExecutor {
   Tensor forward(const Tensor& idx, const Tensor& targets = Tensor(), double scale = 1.0);
   // Sums the two copies of the tied embedding's gradient (first and last stage).
   void reduce_tied_embedding();
+  // The same for a tensor that both holders hold alike (FSDP's shard gradient of the tied
+  // embedding), in place; nothing on the other ranks.
+  void sum_tied(const Tensor& t);
   // This rank's parameters (those of its stages); the tied embedding appears on both its holders.
   const NamedTensors& parameters() const { return owned_; }
   // Sum of squared gradients of this rank's parameters, the tied embedding counted only on the
@@ -45,12 +49,20 @@ class PipelineExecutor {
   double grad_sum_squares() const;
   const Timeline& last_timeline() const { return timeline_; }
   bool holds_stage(int s) const { return schedule_.rank_of(s) == group_->rank(); }
+  // Called before every stage's forward (training and evaluation) with the stage: FSDP gathers
+  // the embedding and head parameters there, which run outside GPT::forward.
+  std::function<void(int stage)> before_forward;
 
  private:
   // Stage s on input (tokens for stage 0); the last stage returns the loss, or the logits when
   // targets are undefined.
   Tensor stage_forward(int s, const Tensor& input, const Tensor& targets, double scale);
   int blocks_per_stage() const;
+  // The other holder of the tied embedding (the first stage's rank for the last stage's, and the
+  // reverse), or -1 on every other rank and when one rank holds both.
+  int tied_peer() const;
+  // t + the peer's t (the two ranks add in opposite order; the sums are equal).
+  Tensor add_peer(const Tensor& t, int peer);
 
   nn::GPT& model_;
   Schedule schedule_;
