@@ -424,6 +424,14 @@ TEST_CASE("3-D layouts (dp x tp x pp; ddp, zero1/2 or zero3 across dp, with and 
               1e-5 * a[i]["grad_norm"].get<double>());
     }
     param_bytes[layouts[k].second] = b[2]["mem"]["param"]["current"].get<int64_t>();
+    if (layouts[k].second == "--pp 2 --strategy zero3") {
+      // rank 0 (stage 0: wte, wpe and 2 blocks; 2 micro-batches a step): the two root units are
+      // gathered once a step and reduced once; each block unit is gathered for every forward and
+      // again for every backward, and reduced after every backward (counters since the start)
+      const nlohmann::json& comm = b[2]["ranks"][0]["comm"];
+      REQUIRE(comm["all_gather"]["calls"] == 3 * (2 + 2 * 2 * 2));
+      REQUIRE(comm["reduce_scatter"]["calls"] == 3 * (2 + 2 * 2));
+    }
     // under a pipeline every rank's step record has its busy time from its own place in the
     // pipeline (the mesh makes that differ from its world rank)
     if (layouts[k].second.find("--pp") != std::string::npos) {
