@@ -55,9 +55,11 @@ FullyShardedDataParallel::FullyShardedDataParallel(nn::GPT& model, std::shared_p
            "device; there are no parameter shards to offload");
   const int N = world_->size();
   const bool piped = bool(opt_.holds);
-  SG_CHECK(!piped || opt_.mode == FsdpMode::full_shard, "fsdp: under a pipeline only full_shard (zero3, fsdp) is "
-           "available, not ", mode, ": the micro-batches' forwards and backwards interleave, so a unit is gathered "
-           "and released per action");
+  const bool per_action = opt_.mode == FsdpMode::full_shard || opt_.mode == FsdpMode::no_shard ||
+                          (opt_.mode == FsdpMode::hybrid && opt_.reshard_after_forward.value_or(true));
+  SG_CHECK(!piped || per_action, "fsdp: under a pipeline a unit is gathered and released per action (the "
+           "micro-batches' forwards and backwards interleave): full_shard, hybrid resharding after forward or "
+           "no_shard, not ", mode, opt_.mode == FsdpMode::hybrid ? " without resharding" : "");
   SG_CHECK(!piped || (!opt_.forward_prefetch && !opt_.backward_prefetch), "fsdp: --prefetch is not available "
            "under a pipeline yet (a rank's units do not run in model order)");
   SG_CHECK(opt_.mode == FsdpMode::hybrid || opt_.shard_group_size == 0, "fsdp: --shard-group-size applies to hybrid "

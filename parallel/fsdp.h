@@ -63,7 +63,8 @@
 // run outside GPT::forward, so the pipeline calls gather_roots() before a stage's forward; the two
 // root units then stay gathered until finish_gradients(), their gradients accumulating over the
 // micro-batches and reduced once (micro-batches' forwards and backwards interleave). Block units
-// gather and release per action as without the pipeline. full_shard only, without prefetch.
+// gather and release per action as without the pipeline: full_shard, hybrid resharding after
+// forward and no_shard (shard_grad_op would keep every unit gathered all step), without prefetch.
 #pragma once
 #include <functional>
 #include <map>

@@ -386,7 +386,7 @@ double number_after(const std::string& text, const std::string& key) {
   return at == std::string::npos ? std::nan("") : std::atof(text.c_str() + at + key.size());
 }
 
-TEST_CASE("3-D layouts (dp x tp x pp; ddp, zero1/2 or zero3 across dp, with and without sequence parallelism) give the single-process losses and gradient norms", "[cli][mpi]") {
+TEST_CASE("3-D layouts (dp x tp x pp; ddp, zero1/2, zero3, hsdp or no-shard across dp, with and without sequence parallelism) give the single-process losses and gradient norms", "[cli][mpi]") {
   TempDir d;
   const std::string args = " train --n-layer 4 --n-embd 32 --n-head 2 --seq-len 16 --batch-size 8 --micro-batch-size 2 "
                            "--steps 3 --threads 1 --eval-every 0 --log-json ";
@@ -408,7 +408,10 @@ TEST_CASE("3-D layouts (dp x tp x pp; ddp, zero1/2 or zero3 across dp, with and 
       {8, "--tp 2 --pp 2 --strategy zero2 --pp-schedule gpipe"},
       {4, "--pp 2 --strategy zero3"},
       {4, "--pp 2 --strategy fsdp --pp-schedule interleaved --virtual-stages 2"},
-      {8, "--tp 2 --pp 2 --strategy zero3 --sequence-parallel"}};
+      {8, "--tp 2 --pp 2 --strategy zero3 --sequence-parallel"},
+      {8, "--tp 2 --strategy hsdp --shard-group-size 2"},
+      {8, "--pp 2 --strategy hsdp --shard-group-size 2 --pp-schedule gpipe"},
+      {4, "--pp 2 --strategy no-shard"}};
   std::map<std::string, int64_t> param_bytes;  // rank 0's after the step, by layout
   for (size_t k = 0; k < layouts.size(); ++k) {
     INFO(layouts[k].second);
@@ -460,6 +463,8 @@ TEST_CASE("3-D layouts (dp x tp x pp; ddp, zero1/2 or zero3 across dp, with and 
   REQUIRE(2 * sharded <= replicated + 2 * 4 * 4);
   refuses(mpirun(4) + args + (d.path / "z.jsonl").string() + " --pp 2 --strategy fsdp-grad-op",
           "--strategy fsdp-grad-op does not compose with --pp yet");
+  refuses(mpirun(4) + args + (d.path / "h.jsonl").string() + " --pp 2 --strategy hsdp --shard-group-size 1 "
+          "--reshard-after-forward false", "not hybrid without resharding");
   refuses(mpirun(4) + args + (d.path / "s.jsonl").string() + " --tp 2",
           "leaves dp = 2: the data-parallel replicas need a --strategy");
 }
