@@ -260,13 +260,17 @@ TEST_CASE("the planner's param, grad and optimizer bytes and bytes per collectiv
       {"--strategy zero3 --micro-batch-size 2", layout(2, 1, 1, "zero3", 2), 2, true},
       {"--pp 2 --micro-batch-size 2 --pp-schedule 1f1b", layout(1, 1, 2, "ddp", 2), 2, false},
       {"--pp 2 --micro-batch-size 2 --pp-schedule gpipe", layout(1, 1, 2, "ddp", 2), 2, false},
+      {"--pp 2 --strategy zero3 --micro-batch-size 2", layout(2, 1, 2, "zero3", 2), 4, true},
+      {"--pp 2 --strategy hsdp --shard-group-size 2 --micro-batch-size 2", layout(2, 1, 2, "hsdp", 2), 4, true},
       {"--tp 2", layout(1, 2, 1, "ddp", 8), 2, false},
       {"--tp 2 --micro-batch-size 4", layout(1, 2, 1, "ddp", 4), 2, false},
       {"--tp 2 --sequence-parallel", [&] { Layout l = layout(1, 2, 1, "ddp", 8); l.sequence_parallel = true; return l; }(), 2, false},
   };
   for (const Case& c : cases) {
     INFO("train " << c.flags << " on " << c.ranks << " rank(s)");
-    const Plan plan = make_plan(tiny_plan(c.layout));
+    PlanInput in = tiny_plan(c.layout);
+    in.cluster.gpus_per_node = std::max(in.cluster.gpus_per_node, c.ranks);  // one node of this many ranks
+    const Plan plan = make_plan(in);
     EngineRun run = run_engine(c.ranks, c.flags);
     INFO(run.output);
     REQUIRE(run.code == 0);

@@ -28,16 +28,28 @@ bool shards_optimizer(const std::string& s) { return s != "ddp"; }
 
 // What one pipeline rank holds of the model (elements, before data-parallel sharding): its units
 // (the root unit of embeddings/ln_f it holds, then one per block), as the engine builds them.
-std::vector<int64_t> stage_units(const ModelShape& m, int tp, int pp, int rank) {
-  if (!m.has_shape()) return {ceil_div(m.num_params(), int64_t(tp) * pp)};
+// A pipeline rank's FSDP units (parallel/fsdp.h), parameter counts of its tp slices: the roots
+// first, then one per block. Without a pipeline one root (wte, wpe, ln_f); under one, the tied
+// embedding's own unit on the first and the last stage and a root of wpe (first) or ln_f (last),
+// both gathered once a step and reduced once.
+struct StageUnits {
+  std::vector<int64_t> units;
+  size_t roots = 0;
+};
+
+StageUnits stage_units(const ModelShape& m, int tp, int pp, int rank) {
+  if (!m.has_shape()) return {{ceil_div(m.num_params(), int64_t(tp) * pp)}, 0};
   const int64_t C = m.n_embd, wte = m.vocab_rows() * C / tp, wpe = m.block_size * C;
   const int64_t block = tp > 1 ? (12 * C * C + 7 * C) / tp + 6 * C : 12 * C * C + 13 * C;
-  int64_t root = 0;
-  if (rank == 0) root += wte + wpe;
-  if (rank == pp - 1) root += 2 * C + (pp > 1 ? wte : 0);  // ln_f; the tied head's copy of wte
-  std::vector<int64_t> units{root};
-  for (int64_t b = 0; b < m.n_layer / pp; ++b) units.push_back(block);
-  return units;
+  StageUnits s;
+  if (pp == 1) {
+    s.units = {wte + wpe + 2 * C};
+  } else if (rank == 0 || rank == pp - 1) {
+    s.units = {wte, rank == 0 ? wpe : 2 * C};  // 2C: ln_f
+  }
+  s.roots = s.units.size();
+  for (int64_t b = 0; b < m.n_layer / pp; ++b) s.units.push_back(block);
+  return s;
 }
 
 // Korthikanti et al.: activation bytes of one layer for one micro-batch of b sequences (2-byte
@@ -163,12 +175,14 @@ Plan make_plan(const PlanInput& in) {
   double dp_time = 0, other_time = 0;  // the slowest rank's data-parallel / tp + pp + host transfer seconds
 
   for (int r = 0; r < l.pp; ++r) {
-    const std::vector<int64_t> units = stage_units(m, l.tp, l.pp, r);
-    int64_t E = 0, E_shard_units = 0, biggest_unit = 0;
-    for (int64_t u : units) {
-      E += u;
-      E_shard_units += ceil_div(u, shard_n);
-      biggest_unit = std::max(biggest_unit, u);
+    const StageUnits su = stage_units(m, l.tp, l.pp, r);
+    const std::vector<int64_t>& units = su.units;
+    int64_t E = 0, E_shard_units = 0, biggest_unit = 0, roots = 0;
+    for (size_t i = 0; i < units.size(); ++i) {
+      E += units[i];
+      E_shard_units += ceil_div(units[i], shard_n);
+      if (i < su.roots) roots += units[i];
+      else biggest_unit = std::max(biggest_unit, units[i]);
     }
     const int64_t E_shard_flat = ceil_div(E, N);  // zero1/2: one flat vector padded to a multiple of N
     RankMemory mem;
@@ -192,7 +206,7 @@ Plan make_plan(const PlanInput& in) {
       if (l.strategy == "ddp") mem.buffers = double(E) * d;
       else if (l.strategy == "zero1" || l.strategy == "zero2") mem.buffers = std::min(double(in.bucket_bytes), double(E) * d);
       else if (l.strategy == "fsdp-grad-op") mem.buffers = double(E - E_shard_flat) * d;  // params held unsharded
-      else mem.buffers = double(units.front() + biggest_unit) * d + double(biggest_unit) * d;
+      else mem.buffers = double(roots + biggest_unit) * d + double(std::max(roots, biggest_unit)) * d;
     }
     p.per_stage.push_back(mem);
     if (mem.total() > p.worst.total()) p.worst = mem;
@@ -207,21 +221,24 @@ Plan make_plan(const PlanInput& in) {
       } else if (l.strategy == "zero1" || l.strategy == "zero2") {
         k["reduce_scatter"] += comm::reduce_scatter_bytes(E_shard_flat * N * d, N);
         k["all_gather"] += comm::all_gather_bytes(E_shard_flat * N * d, N);
-        k["all_reduce"] += comm::all_reduce_bytes(8, N);  // the gradient norm's partial sums (f64)
       } else {
         const int gathers = l.strategy == "fsdp-grad-op" ? 1 : 2;  // forward, and again in backward
-        for (int64_t u : units) {
-          const int64_t padded = ceil_div(u, shard_n) * shard_n * d;
-          k["all_gather"] += gathers * mb * comm::all_gather_bytes(padded, shard_n);
-          k["reduce_scatter"] += mb * comm::reduce_scatter_bytes(padded, shard_n);
+        for (size_t i = 0; i < units.size(); ++i) {
+          // Every micro-batch gathers and reduces a unit; a pipeline's roots once a step.
+          const bool once = l.pp > 1 && i < su.roots;
+          const int64_t padded = ceil_div(units[i], shard_n) * shard_n * d;
+          k["all_gather"] += (once ? 1 : gathers * mb) * comm::all_gather_bytes(padded, shard_n);
+          k["reduce_scatter"] += (once ? 1 : mb) * comm::reduce_scatter_bytes(padded, shard_n);
+          if (replicas > 1) {  // each reduced shard, across the replicas
+            const int64_t ar = (once ? 1 : mb) * comm::all_reduce_bytes(padded / shard_n, replicas);
+            k["all_reduce"] += ar;
+            dp_inter += double(ar);
+          }
         }
-        if (replicas > 1) {
-          const int64_t ar = comm::all_reduce_bytes(E_shard_units * d, replicas);
-          k["all_reduce"] += ar;
-          dp_inter += double(ar);
-        }
-        k["all_reduce"] += comm::all_reduce_bytes(8, N);
       }
+      // The gradient norm's partial sum (f64) over dp; under tp/pp over the whole world, on the
+      // metrics group, which the counters leave out.
+      if (l.strategy != "ddp" && l.tp * l.pp == 1) k["all_reduce"] += comm::all_reduce_bytes(8, N);
       for (const auto& [kind, bytes] : k) dp_bytes += double(bytes);
       dp_bytes -= dp_inter;
     }
@@ -243,6 +260,13 @@ Plan make_plan(const PlanInput& in) {
         std::vector<int64_t> replicated(size_t(m.n_layer / l.pp * 6), m.n_embd);
         if (r == 0) replicated.push_back(m.block_size * m.n_embd);
         if (r == l.pp - 1) replicated.insert(replicated.end(), {m.n_embd, m.n_embd});
+        // The FSDP family sums them after the reduce over dp, on this rank's shards, packed into
+        // one all-reduce: about 1/shard_n of them (the segments' cuts move it by a few elements).
+        if (shards_params(l.strategy)) {
+          int64_t total = 0;
+          for (int64_t e : replicated) total += e;
+          replicated = {ceil_div(total, shard_n)};
+        }
         for (int64_t e : replicated) {
           k["all_reduce"] += comm::all_reduce_bytes(e * d, l.tp);
           tp_bytes += double(comm::all_reduce_bytes(e * d, l.tp));
@@ -266,8 +290,9 @@ Plan make_plan(const PlanInput& in) {
         if (s > 0) k["send"] += mb * act, k["recv"] += mb * act;           // gradient back, activation in
       }
       if (r == 0 || r == l.pp - 1) {  // the tied embedding's gradient, exchanged between its holders
-        const int64_t wte = m.vocab_rows() * m.n_embd / l.tp * d;
-        k["send"] += wte, k["recv"] += wte;
+        const int64_t wte = m.vocab_rows() * m.n_embd / l.tp;
+        const int64_t bytes = (shards_params(l.strategy) ? ceil_div(wte, shard_n) : wte) * d;  // fsdp: its shard
+        k["send"] += bytes, k["recv"] += bytes;
       }
       k["all_reduce"] += comm::all_reduce_bytes(8, l.pp);  // the step's loss, known to every stage
       pp_bytes = double(k["send"]);
