@@ -1,5 +1,5 @@
 // shardgrad bench: runs a matrix of layouts (single, dp, ddp, zero1-3, fsdp variants, tp, tp+sp,
-// every pipeline schedule, a 3-D layout; or rows from a JSON file) for one model on this machine,
+// every pipeline schedule, a 3-D layout, zero3 under a pipeline; or rows from a JSON file) for one model on this machine,
 // each as its own `mpirun ... shardgrad train --log-json` job, and collects per layout the median
 // step time and tokens/s after warm-up, peak ledger bytes per rank per category, bytes per
 // collective kind per step and the measured bubble, next to the planner's prediction. Layouts

@@ -108,7 +108,7 @@ TEST_CASE("the default matrix has every strategy, tensor and pipeline layout, an
   std::vector<std::string> names;
   for (const auto& l : sg::report::default_matrix(2)) names.push_back(l.name);
   for (const char* n : {"single", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp-grad-op", "hsdp", "tp", "tp+sp",
-                        "pp-gpipe", "pp-1f1b", "pp-interleaved", "3d-dp2-tp2-pp2"})
+                        "pp-gpipe", "pp-1f1b", "pp-interleaved", "3d-dp2-tp2-pp2", "zero3+pp"})
     CHECK(std::find(names.begin(), names.end(), n) != names.end());
 }
 

@@ -47,6 +47,7 @@ std::vector<BenchLayout> default_matrix(int n) {
       {"pp-1f1b", n, "--pp " + N + " --pp-schedule 1f1b"},
       {"pp-interleaved", n, "--pp " + N + " --pp-schedule interleaved --virtual-stages 2"},
       {"3d-dp2-tp2-pp2", 8, "--strategy zero1 --tp 2 --pp 2"},
+      {"zero3+pp", 4, "--strategy zero3 --pp 2"},
   };
   return m;
 }
