@@ -487,7 +487,7 @@ void Trainer::setup() {
   comm::MeshPlan mesh = comm::validate_mesh(world_size_, tp_, pp_, cfg_.n_head, cfg_.n_layer, cfg_.vocab_rows(), B_, micro_);
   if (tp_ > 1 || pp_ > 1) {
     // Model parallelism composes with data parallelism over the mesh's dp axis: the rows are split
-    // over dp, and DDP, ZeRO-1/2 (any tp/pp) or ZeRO-3/FSDP (tp without SP) reduce over dp only.
+    // over dp, and DDP, ZeRO-1/2 or the FSDP family reduce over dp only.
     // fsdp-grad-op keeps a unit gathered from its forward to its backward, which a pipeline's
     // interleaved micro-batches would hold for the whole step (so does hsdp without resharding,
     // which FullyShardedDataParallel refuses under --pp).
@@ -499,7 +499,7 @@ void Trainer::setup() {
              "--tp/--pp, fsdp-grad-op with --tp)");
     SG_CHECK(mesh.mesh.dp() == 1 || strategy_ != "single", "train: --tp ", tp_, " x --pp ", pp_, " on ", world_size_,
              " ranks leaves dp = ", mesh.mesh.dp(),
-             ": the data-parallel replicas need a --strategy (ddp, zero1, zero2, or zero3/fsdp with --tp)");
+             ": the data-parallel replicas need a --strategy (ddp, zero1, zero2, zero3, fsdp, hsdp or no-shard)");
   }
   if (tp_ > 1) {
     SG_CHECK(a.str("init-from").empty(), "train: --init-from is not available with --tp yet (use --resume with a checkpoint)");
