@@ -56,21 +56,23 @@ Tensor PipelineExecutor::stage_forward(int s, const Tensor& input, const Tensor&
   return model_.loss_from_logits(model_.head(x), targets, true, scale);
 }
 
+Tensor PipelineExecutor::receive_input(int stage, int micro, const Tensor& idx, int64_t rows) {
+  // Under sequence parallelism the activations between stages are this tp rank's T/tp positions.
+  const int64_t T = model_.config.sequence_parallel ? idx.size(1) / model_.config.tp : idx.size(1);
+  Tensor input = empty({rows, T, model_.config.n_embd}, model_.wpe->weight.dtype(), idx.device());
+  group_->recv(input, schedule_.rank_of(stage - 1), tag(stage, micro, false))->wait();
+  return input;
+}
+
 Tensor PipelineExecutor::forward(const Tensor& idx, const Tensor& targets, double scale) {
   const int S = schedule_.stages(), last = schedule_.rank_of(S - 1);
-  const int64_t rows = idx.size(0), C = model_.config.n_embd;
-  const int64_t T = model_.config.sequence_parallel ? idx.size(1) / model_.config.tp : idx.size(1);
   // Stages in order: a rank waits only on a lower stage, which the rank holding it runs before any
   // higher one, so the chain never deadlocks (with several stages per rank, too).
   std::vector<std::pair<std::shared_ptr<comm::Work>, Tensor>> sends;
   Tensor result;
   for (int s = 0; s < S; ++s) {
     if (!holds_stage(s)) continue;
-    Tensor input = idx;
-    if (s > 0) {
-      input = empty({rows, T, C}, model_.wpe->weight.dtype(), idx.device());
-      group_->recv(input, schedule_.rank_of(s - 1), tag(s, 0, false))->wait();
-    }
+    const Tensor input = s == 0 ? idx : receive_input(s, 0, idx, idx.size(0));
     if (before_forward) before_forward(s);
     Tensor out = stage_forward(s, input, targets, scale);
     if (s == S - 1) result = to(out, DType::f32);
@@ -96,9 +98,7 @@ Tensor PipelineExecutor::forward(const Tensor& idx, const Tensor& targets, doubl
 double PipelineExecutor::run(const Tensor& idx, const Tensor& targets, double scale) {
   const int m = schedule_.micro_batches, S = schedule_.stages(), rank = group_->rank();
   SG_CHECK(idx.size(0) % m == 0, "pipeline: ", idx.size(0), " rows do not split into ", m, " micro-batches");
-  const int64_t rows = idx.size(0) / m, C = model_.config.n_embd;
-  // Under sequence parallelism the activations between stages are this tp rank's T/tp positions.
-  const int64_t T = model_.config.sequence_parallel ? idx.size(1) / model_.config.tp : idx.size(1);
+  const int64_t rows = idx.size(0) / m;
   struct InFlight {
     std::unique_ptr<autograd::Tape> tape;
     Tensor input, output;
@@ -121,8 +121,7 @@ double PipelineExecutor::run(const Tensor& idx, const Tensor& targets, double sc
       if (a.stage == 0) {
         f.input = mi;
       } else {
-        f.input = empty({rows, T, C}, model_.wpe->weight.dtype(), idx.device());
-        group_->recv(f.input, schedule_.rank_of(a.stage - 1), tag(a.stage, a.micro, false))->wait();
+        f.input = receive_input(a.stage, a.micro, idx, rows);
         f.input.set_requires_grad(true);  // a leaf: its .grad is what goes back upstream
       }
       {

@@ -58,6 +58,9 @@ class PipelineExecutor {
   // targets are undefined.
   Tensor stage_forward(int s, const Tensor& input, const Tensor& targets, double scale);
   int blocks_per_stage() const;
+  // Stage `stage`'s input activation for micro-batch `micro` ([rows, T or T/tp, C]), received from
+  // the previous stage's rank; idx gives T and the device.
+  Tensor receive_input(int stage, int micro, const Tensor& idx, int64_t rows);
   // The other holder of the tied embedding (the first stage's rank for the last stage's, and the
   // reverse), or -1 on every other rank and when one rank holds both.
   int tied_peer() const;
