@@ -23,6 +23,7 @@
 #include "cli/args.h"
 #include "cli/commands.h"
 #include "core/error.h"
+#include "io/file.h"
 
 namespace sg::cli {
 
@@ -36,12 +37,6 @@ std::string read_text(const fs::path& p) {
   std::stringstream s;
   s << f.rdbuf();
   return s.str();
-}
-
-void write_text(const std::string& path, const std::string& text) {
-  std::ofstream f(path);
-  SG_CHECK(f.good(), "bench: cannot write ", path);
-  f << text;
 }
 
 // The reason train gave: the text after "error: " on its first error line.
@@ -116,10 +111,14 @@ int bench_main(int argc, char** argv) {
     SG_CHECK(!a.str("report").empty(), "bench: --from needs --report FILE.html");
     const std::string text = read_text(a.str("from"));
     SG_CHECK(!text.empty(), "bench: cannot read --from ", a.str("from"));
-    write_text(a.str("report"), report::results_html(json::parse(text)));
+    io::make_parent_folder(a.str("report"), "bench: --report");
+    io::write_text_atomic(a.str("report"), "bench: --report", report::results_html(json::parse(text)));
     std::printf("wrote %s\n", a.str("report").c_str());
     return 0;
   }
+  // The outputs' folders first: a bad path fails here, not after every layout has run.
+  io::make_parent_folder(a.str("out") + ".json", "bench: --out");
+  if (!a.str("report").empty()) io::make_parent_folder(a.str("report"), "bench: --report");
   const int ranks = int(a.i64("ranks"));
   SG_CHECK(ranks >= 1, "bench: --ranks must be >= 1");
   std::vector<report::BenchLayout> matrix =
@@ -230,11 +229,11 @@ int bench_main(int argc, char** argv) {
   }
   if (a.str("work-dir").empty()) fs::remove_all(work);
   const std::string prefix = a.str("out");
-  write_text(prefix + ".json", results.dump(1) + "\n");
-  write_text(prefix + ".csv", report::results_csv(results));
+  io::write_text_atomic(prefix + ".json", "bench: --out", results.dump(1) + "\n");
+  io::write_text_atomic(prefix + ".csv", "bench: --out", report::results_csv(results));
   std::printf("wrote %s.json and %s.csv\n", prefix.c_str(), prefix.c_str());
   if (!a.str("report").empty()) {
-    write_text(a.str("report"), report::results_html(results));
+    io::write_text_atomic(a.str("report"), "bench: --report", report::results_html(results));
     std::printf("wrote %s\n", a.str("report").c_str());
   }
   return 0;

@@ -11,6 +11,7 @@
 #include "cli/args.h"
 #include "cli/commands.h"
 #include "core/error.h"
+#include "io/file.h"
 #include "parallel/pp/schedule.h"
 
 namespace sg::cli {
@@ -38,10 +39,10 @@ void simulate_schedule(const Args& a, const report::Plan& plan) {
   std::printf("bubble: %.4f of busy time (formula (p-1)/(v m) = %.4f); step = %.2f times one stage's forward\n",
               t.bubble_fraction(), formula, t.makespan);
   if (!a.str("svg").empty()) {
-    std::ofstream f(a.str("svg"));
-    SG_CHECK(f.good(), "plan: cannot write ", a.str("svg"));
-    f << report::timeline_svg(t, kind + ", p=" + std::to_string(p) + ", m=" + std::to_string(m) +
-                                     (v > 1 ? ", v=" + std::to_string(v) : ""));
+    io::make_parent_folder(a.str("svg"), "plan: --svg");
+    io::write_text_atomic(a.str("svg"), "plan: --svg",
+                          report::timeline_svg(t, kind + ", p=" + std::to_string(p) + ", m=" + std::to_string(m) +
+                                                      (v > 1 ? ", v=" + std::to_string(v) : "")));
     std::printf("wrote %s\n", a.str("svg").c_str());
   }
 }

@@ -23,6 +23,7 @@
 #include "cli/args.h"
 #include "cli/commands.h"
 #include "io/dataset.h"
+#include "io/file.h"
 #include "io/synthetic.h"
 #include "kernels/ops.h"
 #include "kernels/profile.h"
@@ -921,10 +922,9 @@ void Trainer::write_timeline() {
       t.per_rank[size_t(r)].push_back({sched.per_rank[size_t(r)][k], start, end});
       t.makespan = std::max(t.makespan, end);
     }
-  std::ofstream f(args_.str("timeline"));
-  SG_CHECK(f.good(), "train: cannot write --timeline ", args_.str("timeline"));
-  f << report::timeline_svg(t, sched.name + " pipeline, measured: p=" + std::to_string(pp_) + ", m=" +
-                                   std::to_string(sched.micro_batches));
+  io::write_text_atomic(args_.str("timeline"), "train: --timeline",
+                        report::timeline_svg(t, sched.name + " pipeline, measured: p=" + std::to_string(pp_) +
+                                                    ", m=" + std::to_string(sched.micro_batches)));
   std::printf("timeline: measured bubble %.1f%% of busy time (formula (p-1)/(v m) = %.1f%%), written to %s\n",
               100.0 * t.bubble_fraction(), 100.0 * double(pp_ - 1) / double(sched.chunks * sched.micro_batches),
               args_.str("timeline").c_str());
@@ -1060,6 +1060,8 @@ void Trainer::save(int64_t next_step) {
 }
 
 int Trainer::run() {
+  for (const char* flag : {"log-json", "timeline", "trace"})  // their folders exist before the work, not after it
+    if (!args_.str(flag).empty()) io::make_parent_folder(args_.str(flag), std::string("train: --") + flag);
   setup();
   std::unique_ptr<std::ofstream> log;
   if (!args_.str("log-json").empty() && lead()) {

@@ -90,4 +90,16 @@ void write_file_atomic(const std::string& path, const std::string& what,
   SG_CHECK(rc == 0, what, " ", path, ": fsync of folder ", dir.string(), " failed (", why, ")");
 }
 
+void write_text_atomic(const std::string& path, const std::string& what, const std::string& text) {
+  write_file_atomic(path, what, [&](const ByteSink& sink) { sink(text.data(), text.size()); });
+}
+
+void make_parent_folder(const std::string& path, const std::string& what) {
+  const std::filesystem::path dir = std::filesystem::path(path).parent_path();
+  if (dir.empty()) return;
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  SG_CHECK(!ec, what, " ", path, ": cannot create the folder ", dir.string(), " (", ec.message(), ")");
+}
+
 }  // namespace sg::io

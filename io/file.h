@@ -35,4 +35,12 @@ using ByteSink = std::function<void(const void* data, size_t n)>;
 void write_file_atomic(const std::string& path, const std::string& what,
                        const std::function<void(const ByteSink&)>& write);
 
+// write_file_atomic of text's bytes.
+void write_text_atomic(const std::string& path, const std::string& what, const std::string& text);
+
+// Creates the folder that is to hold path (with its missing parents), so that an output named on
+// the command line fails before the work that produces it, not after; the error names `what`
+// (the flag) and the reason.
+void make_parent_folder(const std::string& path, const std::string& what);
+
 }  // namespace sg::io

@@ -11,6 +11,7 @@
 
 #include "autograd/ops.h"
 #include "core/error.h"
+#include "io/file.h"
 #include "parallel/watchdog.h"
 
 namespace fs = std::filesystem;
@@ -30,18 +31,6 @@ void fsync_path(const std::string& p) {
   ::close(fd);
 }
 
-void write_text_durably(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp-" + std::to_string(::getpid());
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    SG_CHECK(f.good(), "checkpoint: cannot write ", tmp);
-    f << text;
-    f.flush();
-    SG_CHECK(f.good(), "checkpoint: write to ", tmp, " failed (disk full?)");
-  }
-  fsync_path(tmp);
-  fs::rename(tmp, path);
-}
 
 std::string bytes_checksum(const void* data, size_t n) {
   const auto* p = static_cast<const unsigned char*>(data);
@@ -97,7 +86,7 @@ std::string commit_step_dir(const std::string& run_dir, const std::string& tmp, 
   fsync_path(tmp);
   fs::rename(tmp, final_dir);
   fsync_path(run.string());
-  write_text_durably((run / "latest").string(), step_dir_name(step) + "\n");
+  io::write_text_atomic((run / "latest").string(), "checkpoint", step_dir_name(step) + "\n");
   fsync_path(run.string());
   if (keep > 0) {  // only after the new one is committed and pointed at
     std::error_code ec;
@@ -122,7 +111,7 @@ std::string save_checkpoint(const std::string& run_dir, int64_t step, const io::
   io::save_safetensors((tmp / "model.safetensors").string(), model, model_metadata);
   parallel::maybe_inject_in_save(step);  // testing: a fault with some files written, no manifest
   io::save_safetensors((tmp / "optim.safetensors").string(), optim);
-  write_text_durably((tmp / kFullManifest).string(), state.dump(2));  // the manifest: written last
+  io::write_text_atomic((tmp / kFullManifest).string(), "checkpoint", state.dump(2));  // the manifest: written last
   return commit_step_dir(run_dir, tmp.string(), step, keep);
 }
 

@@ -32,8 +32,6 @@ inline constexpr const char* kShardedManifest = "index.json";
 std::string temp_step_dir(const std::string& run_dir, int64_t step, const std::string& suffix = "");
 // Refuses (naming it) when RUN/step_... already exists.
 void check_step_is_new(const std::string& run_dir, int64_t step);
-// Writes text to path through a fsynced temporary file and a rename.
-void write_text_durably(const std::string& path, const std::string& text);
 void fsync_path(const std::string& path);  // a file or a directory; best effort
 // tmp (its manifest already written last) becomes RUN/step_...; then `latest` names it; then, with
 // keep > 0, only the newest `keep` step directories remain. Returns the step directory.

@@ -113,7 +113,7 @@ void write_rank_shard(const std::string& run_dir, int64_t step, int rank, const 
     p["data_offsets"] = {b, e};
   }
   json listing = {{"file", file}, {"bytes", int64_t(fs::file_size(path))}, {"pieces", pieces}};
-  write_text_durably((tmp / rank_pieces_file(rank)).string(), listing.dump());
+  io::write_text_atomic((tmp / rank_pieces_file(rank)).string(), "checkpoint", listing.dump());
 }
 
 std::string commit_sharded(const std::string& run_dir, int64_t step, int world, const json& state,
@@ -157,7 +157,7 @@ std::string commit_sharded(const std::string& run_dir, int64_t step, int world, 
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(tmp))
     if (!keep_files.count(e.path().filename().string())) fs::remove_all(e.path(), ec);
-  write_text_durably((tmp / kShardedManifest).string(), text);  // the manifest: written last
+  io::write_text_atomic((tmp / kShardedManifest).string(), "checkpoint", text);  // the manifest: written last
   return commit_step_dir(run_dir, tmp.string(), step, keep);
 }
 

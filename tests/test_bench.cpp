@@ -51,7 +51,7 @@ int run_bench(const fs::path& dir, const json& matrix, int steps, const std::str
   const std::string mpirun = std::string(SG_MPIEXEC) + " --oversubscribe --allow-run-as-root --bind-to none";
   const std::string cmd = std::string(SG_BINARY) + " bench --n-layer 2 --steps " + std::to_string(steps) +
                           " --warmup 1 " + extra + " --matrix " + (dir / "matrix.json").string() + " --mpirun '" + mpirun +
-                          "' --out " + (dir / "res").string() + " --report " + (dir / "report.html").string() + " > " +
+                          "' --out " + (dir / "results" / "res").string() + " --report " + (dir / "html" / "report.html").string() + " > " +
                           (dir / "out.txt").string() + " 2>&1";
   return std::system(cmd.c_str());
 }
@@ -122,7 +122,7 @@ TEST_CASE("shardgrad bench runs a matrix file, measures every layout and reports
   INFO(read_text(dir / "out.txt"));
   REQUIRE(WIFEXITED(status));
   REQUIRE(WEXITSTATUS(status) == 0);
-  json res = json::parse(read_text(dir / "res.json"));
+  json res = json::parse(read_text(dir / "results" / "res.json"));  // bench made the folders
   REQUIRE(res["layouts"].size() == 4);
   // measured MFU: tokens/s x the model's FLOPs per token over the ranks' peak (0.5 TFLOP/s each)
   for (int i = 0; i < 3; ++i) {
@@ -152,10 +152,23 @@ TEST_CASE("shardgrad bench runs a matrix file, measures every layout and reports
   CHECK(res["layouts"][2]["measured"].contains("bubble"));
   CHECK(res["layouts"][3]["status"] == "refused");
   CHECK(res["layouts"][3]["reason"].get<std::string>().find("heads") != std::string::npos);
-  CHECK(count(read_text(dir / "res.csv"), "\n") == 5);
-  const std::string html = read_text(dir / "report.html");
+  CHECK(count(read_text(dir / "results" / "res.csv"), "\n") == 5);
+  const std::string html = read_text(dir / "html" / "report.html");
   CHECK(html.find("chart-memory") != std::string::npos);
   CHECK(html.find("1f1b pipeline, measured") != std::string::npos);
+  // A report that cannot be written (its folder would be inside a file) is refused before any
+  // layout runs, naming the flag and the reason.
+  std::ofstream(dir / "a_file") << "x";
+  const std::string bad = std::string(SG_BINARY) + " bench --layouts single --out " + (dir / "res2").string() +
+                          " --report " + (dir / "a_file" / "report.html").string() + " > " + (dir / "bad.txt").string() +
+                          " 2>&1";
+  const int bad_status = std::system(bad.c_str());
+  const std::string bad_out = read_text(dir / "bad.txt");
+  INFO(bad_out);
+  CHECK((WIFEXITED(bad_status) && WEXITSTATUS(bad_status) != 0));
+  CHECK(bad_out.find("bench: --report " + (dir / "a_file" / "report.html").string() + ": cannot create the folder") !=
+        std::string::npos);
+  CHECK(bad_out.find("[1/1]") == std::string::npos);
   fs::remove_all(dir);
 }
 

@@ -109,6 +109,25 @@ TEST_CASE("train refuses bad flags, missing files and existing checkpoints, nami
     INFO(r.output);
     if (r.code != 0) REQUIRE(r.output.find("sees no CUDA device") != std::string::npos);
   }
+  {
+    // an output file's folder is made first; one that cannot be (inside a file) is refused before
+    // the first step, naming the flag
+    std::ofstream(d.path / "a_file") << "x";
+    for (const char* flag : {"--log-json", "--trace", "--timeline"}) {
+      Run r = shardgrad("train " + kSmall + " --steps 1 " + flag + " " + (d.path / "a_file" / "out").string());
+      INFO(r.output);
+      CHECK(r.code != 0);
+      CHECK(r.output.find(std::string("train: ") + flag + " " + (d.path / "a_file" / "out").string() +
+                          ": cannot create the folder") != std::string::npos);
+      CHECK(r.output.find("| loss") == std::string::npos);
+    }
+    const fs::path log = d.path / "logs" / "a" / "log.jsonl", trace = d.path / "traces" / "t.json";
+    Run r = shardgrad("train " + kSmall + " --steps 1 --log-json " + log.string() + " --trace " + trace.string());
+    INFO(r.output);
+    CHECK(r.code == 0);
+    CHECK(sg::testing::read_json_lines(log).size() == 1);
+    CHECK(fs::exists(trace));
+  }
   // a run directory is never overwritten
   std::string save = (d.path / "run").string();
   REQUIRE(shardgrad("train " + kSmall + " --steps 1 --save " + save).code == 0);
