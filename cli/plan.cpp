@@ -76,6 +76,7 @@ int plan_main(int argc, char** argv) {
   a.toggle("sequence-parallel", "with --tp: LayerNorm/dropout activations split along the sequence");
   a.flag("pp", "1", "pipeline stages");
   a.flag("strategy", "ddp", "ddp | zero1 | zero2 | zero3 | fsdp | fsdp-grad-op | hsdp");
+  a.flag("shard-group-size", "0", "hsdp: dp ranks per shard group (0 = the dp ranks of one node)");
   a.flag("pp-schedule", "1f1b", "gpipe | 1f1b | interleaved");
   a.flag("virtual-stages", "1", "interleaved: model chunks per pipeline rank");
   a.flag("recompute", "none", "none | selective | full");
@@ -144,6 +145,7 @@ int plan_main(int argc, char** argv) {
   }
   l.sequence_parallel = a.on("sequence-parallel");
   l.strategy = a.str("strategy");
+  l.shard_group_size = int(a.i64("shard-group-size"));
   l.pp_schedule = a.str("pp-schedule");
   l.virtual_stages = int(a.i64("virtual-stages"));
   l.recompute = a.str("recompute");

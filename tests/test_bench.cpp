@@ -110,6 +110,16 @@ TEST_CASE("the default matrix has every strategy, tensor and pipeline layout, an
   for (const char* n : {"single", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp-grad-op", "hsdp", "tp", "tp+sp",
                         "pp-gpipe", "pp-1f1b", "pp-interleaved", "3d-dp2-tp2-pp2", "zero3+pp"})
     CHECK(std::find(names.begin(), names.end(), n) != names.end());
+  // The planner reads each row's layout from its train flags: hsdp's shard group is the flag's 2
+  // ranks of its 4, not every rank of the (one-node) machine.
+  for (const auto& row : sg::report::default_matrix(2)) {
+    if (row.name != "hsdp") continue;
+    sg::report::Layout l;
+    REQUIRE(sg::report::planner_layout(row, 16, l));
+    CHECK(l.dp == 4);
+    CHECK(l.strategy == "hsdp");
+    CHECK(l.shard_group_size == 2);
+  }
 }
 
 TEST_CASE("shardgrad bench runs a matrix file, measures every layout and reports the one train refuses", "[cli][mpi]") {

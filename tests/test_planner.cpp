@@ -94,7 +94,8 @@ TEST_CASE("hsdp shards inside a node and all-reduces the shards across nodes") {
   PlanInput in = raw(8000000, 16, "hsdp", "fp32");  // 2 nodes of 8
   const Plan p = make_plan(in);
   CHECK(p.worst.param == 4 * 8000000 / 8);
-  CHECK(p.comm.at("all_reduce") == 2 * 1 * (4 * 1000000) / 2 + 2 * 15 * 8 / 16);
+  // the shards across the 2 nodes, and the norm's partial sum inside a shard group of 8
+  CHECK(p.comm.at("all_reduce") == 2 * 1 * (4 * 1000000) / 2 + 2 * 7 * 8 / 8);
   CHECK(p.inter_bytes > 0);
   CHECK(p.intra_bytes > 0);
 }
@@ -262,6 +263,9 @@ TEST_CASE("the planner's param, grad and optimizer bytes and bytes per collectiv
       {"--pp 2 --micro-batch-size 2 --pp-schedule gpipe", layout(1, 1, 2, "ddp", 2), 2, false},
       {"--pp 2 --strategy zero3 --micro-batch-size 2", layout(2, 1, 2, "zero3", 2), 4, true},
       {"--pp 2 --strategy hsdp --shard-group-size 2 --micro-batch-size 2", layout(2, 1, 2, "hsdp", 2), 4, true},
+      // shard groups of 2 inside one node of 4: the group's size comes from the flag, not the node
+      {"--strategy hsdp --shard-group-size 2 --micro-batch-size 2",
+       [&] { Layout l = layout(4, 1, 1, "hsdp", 2); l.shard_group_size = 2; return l; }(), 4, true},
       {"--tp 2", layout(1, 2, 1, "ddp", 8), 2, false},
       {"--tp 2 --micro-batch-size 4", layout(1, 2, 1, "ddp", 4), 2, false},
       {"--tp 2 --sequence-parallel", [&] { Layout l = layout(1, 2, 1, "ddp", 8); l.sequence_parallel = true; return l; }(), 2, false},

@@ -165,6 +165,7 @@ bool planner_layout(const BenchLayout& row, int64_t batch, Layout& out) {
   if (!flag_value(row.args, "pp-schedule").empty()) out.pp_schedule = flag_value(row.args, "pp-schedule");
   if (!flag_value(row.args, "virtual-stages").empty()) out.virtual_stages = std::stoi(flag_value(row.args, "virtual-stages"));
   if (!flag_value(row.args, "recompute").empty()) out.recompute = flag_value(row.args, "recompute");
+  if (!flag_value(row.args, "shard-group-size").empty()) out.shard_group_size = std::stoi(flag_value(row.args, "shard-group-size"));
   const std::string mbs = flag_value(row.args, "micro-batch-size");
   out.micro_batch_size = mbs.empty() || mbs == "0" ? batch / out.dp : std::stoll(mbs);
   return true;

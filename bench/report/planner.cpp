@@ -106,6 +106,7 @@ Cluster cluster_preset(const std::string& name) {
 std::string Layout::label() const {
   std::string s = "dp" + std::to_string(dp) + " tp" + std::to_string(tp) + (sequence_parallel ? "+sp" : "") + " pp" +
                   std::to_string(pp) + " " + strategy;
+  if (shard_group_size > 0) s += "/" + std::to_string(shard_group_size);
   if (pp > 1) s += " " + pp_schedule + (virtual_stages > 1 ? "/v" + std::to_string(virtual_stages) : "");
   s += " mb" + std::to_string(micro_batch_size);
   if (recompute != "none") s += " rc:" + recompute;
@@ -161,11 +162,16 @@ Plan make_plan(const PlanInput& in) {
     for (int r = 0; r < l.pp; ++r) in_flight[size_t(r)] = tl.peak_in_flight(r);
   }
 
-  // Data-parallel sharding: N ranks share the sharded states (hsdp: the ranks of one node).
+  // Data-parallel sharding: N ranks share the sharded states (hsdp: those of a shard group, by
+  // default the dp ranks of one node).
   const int N = l.dp;
-  const int shard_n = l.strategy == "hsdp" ? std::max(1, std::min(N, c.gpus_per_node / (l.tp * l.pp))) : N;
-  SG_CHECK(l.strategy != "hsdp" || N % shard_n == 0, "plan: hsdp: dp ", N, " is not a multiple of the ", shard_n,
-           " ranks of a node's shard group");
+  SG_CHECK(l.shard_group_size >= 0, "plan: --shard-group-size must be >= 0, got ", l.shard_group_size);
+  SG_CHECK(l.shard_group_size == 0 || l.strategy == "hsdp", "plan: --shard-group-size is for hsdp, not ", l.strategy);
+  const int shard_n = l.strategy != "hsdp"     ? N
+                      : l.shard_group_size > 0 ? l.shard_group_size
+                                               : std::max(1, std::min(N, c.gpus_per_node / (l.tp * l.pp)));
+  SG_CHECK(l.strategy != "hsdp" || N % shard_n == 0, "plan: hsdp: dp ", N, " is not a multiple of the shard group's ",
+           shard_n, " ranks");
   const int replicas = N / shard_n;
   const int optim_bytes = 8 + (d < 4 ? 4 : 0);  // AdamW m, v (+ f32 master weights)
   const double b = double(l.micro_batch_size), sbhd = double(m.seq_len) * b * double(m.n_embd) * d;
@@ -236,9 +242,10 @@ Plan make_plan(const PlanInput& in) {
           }
         }
       }
-      // The gradient norm's partial sum (f64) over dp; under tp/pp over the whole world, on the
-      // metrics group, which the counters leave out.
-      if (l.strategy != "ddp" && l.tp * l.pp == 1) k["all_reduce"] += comm::all_reduce_bytes(8, N);
+      // The gradient norm's partial sum (f64) over dp (hsdp: over one shard group, since every
+      // replica holds the same shards); under tp/pp over the whole world, on the metrics group,
+      // which the counters leave out.
+      if (l.strategy != "ddp" && l.tp * l.pp == 1) k["all_reduce"] += comm::all_reduce_bytes(8, shard_n);
       for (const auto& [kind, bytes] : k) dp_bytes += double(bytes);
       dp_bytes -= dp_inter;
     }
@@ -298,7 +305,7 @@ Plan make_plan(const PlanInput& in) {
       pp_bytes = double(k["send"]);
     }
     if (r == 0) p.comm = k;
-    const bool shard_intra = dp_intra || (l.strategy == "hsdp" && replicas > 1);  // hsdp's shard group is one node
+    const bool shard_intra = dp_intra || (l.strategy == "hsdp" && shard_n * l.tp * l.pp <= c.gpus_per_node);
     const double intra = (shard_intra ? dp_bytes : 0) + (tp_intra ? tp_bytes : 0) + (pp_intra ? pp_bytes : 0);
     const double inter = (shard_intra ? 0 : dp_bytes) + dp_inter + (tp_intra ? 0 : tp_bytes) + (pp_intra ? 0 : pp_bytes);
     busiest_intra = std::max(busiest_intra, intra);
@@ -396,7 +403,7 @@ nlohmann::json Plan::to_json() const {
   nlohmann::json j;
   const Layout& l = input.layout;
   j["layout"] = {{"label", l.label()}, {"dp", l.dp}, {"tp", l.tp}, {"pp", l.pp},
-                 {"sequence_parallel", l.sequence_parallel}, {"strategy", l.strategy},
+                 {"sequence_parallel", l.sequence_parallel}, {"strategy", l.strategy}, {"shard_group_size", l.shard_group_size},
                  {"pp_schedule", l.pp_schedule}, {"virtual_stages", l.virtual_stages}, {"recompute", l.recompute},
                  {"offload", l.offload}, {"micro_batch_size", l.micro_batch_size}};
   j["model"] = {{"name", input.model.name}, {"params", input.model.num_params()}, {"n_layer", input.model.n_layer},

@@ -62,6 +62,7 @@ struct Layout {
   int dp = 1, tp = 1, pp = 1;
   bool sequence_parallel = false;
   std::string strategy = "ddp";  // ddp | zero1 | zero2 | zero3 | fsdp | fsdp-grad-op | hsdp
+  int shard_group_size = 0;      // hsdp: dp ranks per shard group (train's --shard-group-size); 0 = a node's
   std::string pp_schedule = "1f1b";
   int virtual_stages = 1;
   std::string recompute = "none";  // none | selective | full
