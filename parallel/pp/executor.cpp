@@ -112,16 +112,31 @@ double PipelineExecutor::run(const Tensor& idx, const Tensor& targets, double sc
   const auto t0 = std::chrono::steady_clock::now();
   auto now = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
   for (const Action& a : schedule_.per_rank[size_t(rank)]) {
+    Tensor mi = narrow(idx, 0, a.micro * rows, rows), mt = narrow(targets, 0, a.micro * rows, rows);
+    // What the action needs from another stage is received before its clock starts: the wait is
+    // the bubble, and counting it as the action's work would hide it.
+    Tensor received;
+    auto it = live.end();
+    if (a.phase == Phase::forward && a.stage > 0) {
+      received = receive_input(a.stage, a.micro, idx, rows);
+    } else if (a.phase == Phase::backward) {
+      it = live.find({a.stage, a.micro});
+      SG_CHECK(it != live.end(), "pipeline: backward of stage ", a.stage, " micro-batch ", a.micro, " before its forward");
+      if (a.stage < S - 1) {
+        const Tensor& out = it->second.output;
+        received = empty(out.shape(), out.dtype(), out.device());
+        group_->recv(received, schedule_.rank_of(a.stage + 1), tag(a.stage + 1, a.micro, true))->wait();
+      }
+    }
     const double start = now();
     trace::Scope ts(a.phase == Phase::forward ? "F" : "B", "pipeline", {{"stage", a.stage}, {"micro", a.micro}});
-    Tensor mi = narrow(idx, 0, a.micro * rows, rows), mt = narrow(targets, 0, a.micro * rows, rows);
     if (a.phase == Phase::forward) {
       InFlight f;
       f.tape = std::make_unique<autograd::Tape>();
       if (a.stage == 0) {
         f.input = mi;
       } else {
-        f.input = receive_input(a.stage, a.micro, idx, rows);
+        f.input = received;
         f.input.set_requires_grad(true);  // a leaf: its .grad is what goes back upstream
       }
       {
@@ -133,16 +148,9 @@ double PipelineExecutor::run(const Tensor& idx, const Tensor& targets, double sc
       else sends.emplace_back(group_->send(f.output, schedule_.rank_of(a.stage + 1), tag(a.stage + 1, a.micro, false)), f.output);
       live[{a.stage, a.micro}] = std::move(f);
     } else {
-      auto it = live.find({a.stage, a.micro});
-      SG_CHECK(it != live.end(), "pipeline: backward of stage ", a.stage, " micro-batch ", a.micro, " before its forward");
       InFlight& f = it->second;
-      if (a.stage == S - 1) {
-        f.tape->backward(f.output);
-      } else {
-        Tensor g = empty(f.output.shape(), f.output.dtype(), f.output.device());
-        group_->recv(g, schedule_.rank_of(a.stage + 1), tag(a.stage + 1, a.micro, true))->wait();
-        f.tape->backward({f.output}, {g});
-      }
+      if (a.stage == S - 1) f.tape->backward(f.output);
+      else f.tape->backward({f.output}, {received});
       if (a.stage > 0)
         sends.emplace_back(group_->send(f.input.grad(), schedule_.rank_of(a.stage - 1), tag(a.stage, a.micro, true)), f.input.grad());
       live.erase(it);  // the stage's activations for this micro-batch go now

@@ -2,7 +2,9 @@
 // reproduces the single-process losses; the recorded timeline and the ledger show the bubble and
 // GPipe's larger activation memory.
 #include <catch2/catch.hpp>
+#include <chrono>
 #include <cmath>
+#include <thread>
 
 #include "autograd/ops.h"
 #include "autograd/tape.h"
@@ -120,4 +122,36 @@ TEST_CASE("gpipe keeps every micro-batch's activations alive, 1f1b at most p (le
   }
   INFO("rank " << world->rank() << ": gpipe peak " << peak[0] << " B, 1f1b peak " << peak[1] << " B");
   if (world->rank() == 0) REQUIRE(peak[0] > 2 * peak[1]);  // the first stage holds m vs p micro-batches
+}
+
+TEST_CASE("the measured timeline leaves waits for another stage out of the actions: the bubble shows", "[pp]") {
+  // Stage 0's forwards are slowed by 40 ms each: every later stage waits for its inputs, and that
+  // wait is idle time in its timeline, not part of its (millisecond) actions.
+  auto world = comm::MpiProcessGroup::world();
+  const int p = world->size(), m = 2;
+  if (p < 2) return;
+  nn::GPT model(config(p));
+  model.init_weights(3);
+  pp::PipelineExecutor ex(model, pp::make_schedule("gpipe", p, m), world);
+  constexpr double kSlow = 0.040;
+  ex.before_forward = [=](int stage) {
+    if (stage == 0) std::this_thread::sleep_for(std::chrono::duration<double>(kSlow));
+  };
+  Tensor idx, tgt;
+  batch(0, idx, tgt);
+  world->barrier()->wait();  // the ranks' clocks start together
+  ex.run(idx, tgt, 1.0);
+  const auto& mine = ex.last_timeline().per_rank[size_t(world->rank())];
+  REQUIRE(mine.size() == size_t(2 * m));
+  double busy = 0;
+  for (const auto& act : mine) busy += act.end - act.start;
+  const double makespan = ex.last_timeline().makespan;
+  INFO("rank " << world->rank() << ": first action at " << mine[0].start << " s, busy " << busy << " s of "
+               << makespan << " s");
+  if (world->rank() == 0) {
+    REQUIRE(busy >= m * kSlow);  // its own forwards hold the sleeps
+  } else {
+    REQUIRE(mine[0].start >= 0.75 * kSlow);  // the first forward starts once its input has come
+    REQUIRE(makespan - busy >= 0.75 * m * kSlow);  // both slow forwards upstream are idle time here
+  }
 }
