@@ -60,8 +60,6 @@ FullyShardedDataParallel::FullyShardedDataParallel(nn::GPT& model, std::shared_p
   SG_CHECK(!piped || per_action, "fsdp: under a pipeline a unit is gathered and released per action (the "
            "micro-batches' forwards and backwards interleave): full_shard, hybrid resharding after forward or "
            "no_shard, not ", mode, opt_.mode == FsdpMode::hybrid ? " without resharding" : "");
-  SG_CHECK(!piped || (!opt_.forward_prefetch && !opt_.backward_prefetch), "fsdp: --prefetch is not available "
-           "under a pipeline yet (a rank's units do not run in model order)");
   SG_CHECK(opt_.mode == FsdpMode::hybrid || opt_.shard_group_size == 0, "fsdp: --shard-group-size applies to hybrid "
            "sharding only, not ", mode);
   SG_CHECK(opt_.limit_all_gathers >= 1, "fsdp: --limit-all-gathers must be >= 1, got ", opt_.limit_all_gathers);
@@ -147,6 +145,7 @@ FullyShardedDataParallel::FullyShardedDataParallel(nn::GPT& model, std::shared_p
     u.name = "h." + std::to_string(begin) + (i > begin ? "-" + std::to_string(i) : "");
     u.first = model_.h[begin].get();
     u.last = model_.h[i].get();
+    u.first_block = int(begin), u.last_block = int(i);
     for (size_t j = begin; j <= i; ++j) add(u, "h." + std::to_string(j), *model_.h[j]);
     units_.push_back(std::move(u));
     begin = i + 1;
@@ -314,19 +313,26 @@ int FullyShardedDataParallel::gathered_blocks() const {
 
 // Issues the all-gathers of the units that run after unit k (forward: k+1, k+2, ...; backward:
 // from the root to the last block unit, then downwards), while fewer than limit_all_gathers block
-// units are gathered.
+// units are gathered. Under a pipeline an action runs one chunk of consecutive blocks, and the
+// next unit runs in the same action only if its blocks continue the previous one's (the rank's
+// other chunks start further on, in later actions): prefetch stops at the chunk's end.
 void FullyShardedDataParallel::prefetch(size_t k, bool backward) {
   if (!shard_) return;
   const size_t n = units_.size();
+  const auto next_in_chunk = [&](size_t a, size_t b) {  // unit b's blocks right after unit a's
+    return !units_[a].root && !units_[b].root && units_[b].first_block == units_[a].last_block + 1;
+  };
   for (size_t step = 1; step < n; ++step) {
     size_t j;
     if (!backward) {
       j = k + step;
       if (j >= n) return;
+      if (opt_.holds && !next_in_chunk(j - 1, j)) return;
     } else {
       const size_t from = k == 0 ? n : k;  // backward order: root, n-1, n-2, ..., 1
       if (from < step + 1) return;
       j = from - step;
+      if (opt_.holds && !next_in_chunk(j, j + 1)) return;
     }
     if (units_[j].gathered) continue;
     if (gathered_blocks() >= opt_.limit_all_gathers) return;

@@ -64,7 +64,9 @@
 // root units then stay gathered until finish_gradients(), their gradients accumulating over the
 // micro-batches and reduced once (micro-batches' forwards and backwards interleave). Block units
 // gather and release per action as without the pipeline: full_shard, hybrid resharding after
-// forward and no_shard (shard_grad_op would keep every unit gathered all step), without prefetch.
+// forward and no_shard (shard_grad_op would keep every unit gathered all step). Prefetch stays
+// inside the action's chunk (a run of consecutive blocks): the first unit of each action is
+// gathered when the action reaches it.
 #pragma once
 #include <functional>
 #include <map>
@@ -187,6 +189,7 @@ class FullyShardedDataParallel {
     nn::Module* first = nullptr;  // pre_forward gathers (no hooks when null: the pipeline's roots)
     nn::Module* last = nullptr;   // post_forward releases and wraps
     bool root = false;
+    int first_block = -1, last_block = -1;  // a block unit's run, h.first_block .. h.last_block
     bool deferred = false;        // reduced by finish_gradients() only (the pipeline's roots)
     std::vector<std::pair<std::string, Tensor>> params;
     std::vector<int64_t> offsets;       // of each parameter in the flat vector

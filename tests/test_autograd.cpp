@@ -88,7 +88,7 @@ TEST_CASE("Tape::grad returns gradients and leaves every .grad untouched", "[aut
   CHECK(fired == 0);  // no .grad was written, so no gradient became ready
 }
 
-TEST_CASE("two tapes live at once record different micro-batches; backward in either order", "[autograd]") {
+TEST_CASE("two tapes live at once record different micro-batches, backward in either order", "[autograd]") {
   Tensor xa = randn({3, 5}, 5, 10, 0, 1, DType::f64), xb = randn({3, 5}, 5, 11, 0, 1, DType::f64);
   auto grad_of = [&](const Tensor& w, const Tensor& x) {  // d/dw sum(tanh(x w)) for w [5, 2]
     Tensor h = tanh(matmul(x, w));

@@ -238,8 +238,8 @@ TEST_CASE("bench --report draws memory over one step of each layout: zero3's gat
   INFO(read_text(dir / "out.txt"));
   REQUIRE(WIFEXITED(status));
   REQUIRE(WEXITSTATUS(status) == 0);
-  const json res = json::parse(read_text(dir / "res.json"));
-  const std::string html = read_text(dir / "report.html");
+  const json res = json::parse(read_text(dir / "results" / "res.json"));
+  const std::string html = read_text(dir / "html" / "report.html");
   for (const json& r : res["layouts"]) {
     const std::string name = r["name"].get<std::string>();
     INFO(name);

@@ -52,7 +52,7 @@ TEST_CASE("a flipped byte in a checkpoint is caught by its checksum, naming tens
   REQUIRE_THROWS_WITH(ckpt::load_checkpoint(d.p.string()), Catch::Contains("fails its checksum") && Catch::Contains("model.safetensors"));
 }
 
-TEST_CASE("after a crash mid-save the previous checkpoint still loads; auto: finds the newest complete", "[ckpt]") {
+TEST_CASE("after a crash mid-save the previous checkpoint still loads, auto: finds the newest complete", "[ckpt]") {
   Dir d;
   save(d.p, 10);
   save(d.p, 20);

@@ -231,7 +231,7 @@ TEST_CASE("the default run (tiny GPT, synthetic 3-digit addition) learns to >= 9
   REQUIRE(log.back()["loss"].get<double>() < log.front()["loss"].get<double>() / 2);
 }
 
-TEST_CASE("the FSDP family through the CLI on 4 ranks gives the single-process losses; bf16 stays close; offload moves the optimizer state", "[cli][mpi]") {
+TEST_CASE("the FSDP family through the CLI on 4 ranks gives the single-process losses, bf16 stays close, offload moves the optimizer state", "[cli][mpi]") {
   TempDir d;
   const std::string args = " train " + kSmall + " --dropout 0 --n-layer 2 --micro-batch-size 1 --steps 3 --log-json ";
   for (const char* dtype : {"fp32", "bf16"}) {
@@ -405,7 +405,7 @@ double number_after(const std::string& text, const std::string& key) {
   return at == std::string::npos ? std::nan("") : std::atof(text.c_str() + at + key.size());
 }
 
-TEST_CASE("3-D layouts (dp x tp x pp; ddp, zero1/2, zero3, hsdp or no-shard across dp, with and without sequence parallelism) give the single-process losses and gradient norms", "[cli][mpi]") {
+TEST_CASE("3-D layouts (dp x tp x pp, ddp, zero1/2, zero3, hsdp or no-shard across dp, with and without sequence parallelism) give the single-process losses and gradient norms", "[cli][mpi]") {
   TempDir d;
   const std::string args = " train --n-layer 4 --n-embd 32 --n-head 2 --seq-len 16 --batch-size 8 --micro-batch-size 2 "
                            "--steps 3 --threads 1 --eval-every 0 --log-json ";
@@ -426,12 +426,14 @@ TEST_CASE("3-D layouts (dp x tp x pp; ddp, zero1/2, zero3, hsdp or no-shard acro
       {4, "--tp 2 --strategy zero3 --sequence-parallel"},
       {8, "--tp 2 --pp 2 --strategy zero2 --pp-schedule gpipe"},
       {4, "--pp 2 --strategy zero3"},
+      {4, "--pp 2 --strategy zero3 --prefetch both"},
       {4, "--pp 2 --strategy fsdp --pp-schedule interleaved --virtual-stages 2"},
+      {4, "--pp 2 --strategy fsdp --pp-schedule interleaved --virtual-stages 2 --prefetch both"},
       {8, "--tp 2 --pp 2 --strategy zero3 --sequence-parallel"},
       {8, "--tp 2 --strategy hsdp --shard-group-size 2"},
       {8, "--pp 2 --strategy hsdp --shard-group-size 2 --pp-schedule gpipe"},
       {4, "--pp 2 --strategy no-shard"}};
-  std::map<std::string, int64_t> param_bytes;  // rank 0's after the step, by layout
+  std::map<std::string, int64_t> param_bytes, param_peak;  // rank 0's after the step and at its peak, by layout
   for (size_t k = 0; k < layouts.size(); ++k) {
     INFO(layouts[k].second);
     const fs::path log = d.path / ("l" + std::to_string(k) + ".jsonl");
@@ -446,7 +448,8 @@ TEST_CASE("3-D layouts (dp x tp x pp; ddp, zero1/2, zero3, hsdp or no-shard acro
               1e-5 * a[i]["grad_norm"].get<double>());
     }
     param_bytes[layouts[k].second] = b[2]["mem"]["param"]["current"].get<int64_t>();
-    if (layouts[k].second == "--pp 2 --strategy zero3") {
+    param_peak[layouts[k].second] = b[2]["mem"]["param"]["peak"].get<int64_t>();
+    if (layouts[k].second.rfind("--pp 2 --strategy zero3", 0) == 0) {  // with and without prefetch
       // rank 0 (stage 0: wte, wpe and 2 blocks; 2 micro-batches a step): the two root units are
       // gathered once a step and reduced once; each block unit is gathered for every forward and
       // again for every backward, and reduced after every backward (counters since the start)
@@ -480,6 +483,13 @@ TEST_CASE("3-D layouts (dp x tp x pp; ddp, zero1/2, zero3, hsdp or no-shard acro
   REQUIRE(replicated > 0);
   REQUIRE(2 * sharded >= replicated);
   REQUIRE(2 * sharded <= replicated + 2 * 4 * 4);
+  // prefetch under the pipeline: stage 0's chunk is h.0-h.1, so gathering h.1 while h.0 runs
+  // holds one more block unit (the same gathers, made earlier); the interleaved rank 0's chunks
+  // are h.0 and h.2, one unit each, so there is nothing to prefetch and no other chunk is gathered
+  const int64_t C = 32, block_bytes = 4 * (12 * C * C + 13 * C);  // one gathered block unit, f32
+  REQUIRE(param_peak.at("--pp 2 --strategy zero3 --prefetch both") - param_peak.at("--pp 2 --strategy zero3") == block_bytes);
+  REQUIRE(param_peak.at("--pp 2 --strategy fsdp --pp-schedule interleaved --virtual-stages 2 --prefetch both") ==
+          param_peak.at("--pp 2 --strategy fsdp --pp-schedule interleaved --virtual-stages 2"));
   refuses(mpirun(4) + args + (d.path / "z.jsonl").string() + " --pp 2 --strategy fsdp-grad-op",
           "--strategy fsdp-grad-op does not compose with --pp yet");
   refuses(mpirun(4) + args + (d.path / "h.jsonl").string() + " --pp 2 --strategy hsdp --shard-group-size 1 "
@@ -488,7 +498,7 @@ TEST_CASE("3-D layouts (dp x tp x pp; ddp, zero1/2, zero3, hsdp or no-shard acro
           "leaves dp = 2: the data-parallel replicas need a --strategy");
 }
 
-TEST_CASE("bf16 and fp16 under tp, pp and their compositions stay with the single-process run; a bf16 pipeline's f32 masters resume in one process", "[cli][mpi]") {
+TEST_CASE("bf16 and fp16 under tp, pp and their compositions stay with the single-process run, a bf16 pipeline's f32 masters resume in one process", "[cli][mpi]") {
   TempDir d;
   const std::string args = " train --n-layer 2 --n-embd 32 --n-head 2 --seq-len 16 --batch-size 8 --micro-batch-size 2 "
                            "--threads 1 --eval-every 0 --dropout 0 --log-json ";
@@ -542,7 +552,7 @@ TEST_CASE("bf16 and fp16 under tp, pp and their compositions stay with the singl
   for (size_t i = 0; i < 2; ++i) REQUIRE(std::abs(r[i]["loss"].get<double>() - w[i + 2]["loss"].get<double>()) <= 1e-5 * w[i + 2]["loss"].get<double>());
 }
 
-TEST_CASE("non-finite steps: --on-nonfinite stop names the step and the tensor; skip leaves the step out and counts it", "[cli][mpi]") {
+TEST_CASE("non-finite steps: --on-nonfinite stop names the step and the tensor, skip leaves the step out and counts it", "[cli][mpi]") {
   TempDir d;
   const std::string args = " train " + kSmall + " --dropout 0 --steps 4 --strategy ddp --inject-fault rank=1,step=2,kind=nan";
   Run stop = run_command(mpirun(2) + args);

@@ -8,7 +8,7 @@
 
 using namespace sg;
 
-TEST_CASE("the first non-finite gradient is named with its element; finite ones pass", "[optim]") {
+TEST_CASE("the first non-finite gradient is named with its element, finite ones pass", "[optim]") {
   const double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
   optim::NamedTensors g = {{"a", full({2, 3}, 1.0)}, {"b", from_vector<float>({1, 2, float(inf), float(nan)}, {4})},
                            {"c", full({3}, nan)}, {"d", Tensor()}};

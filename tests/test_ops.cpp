@@ -666,7 +666,7 @@ TEST_CASE("every op: forward matches a double reference loop, backward matches f
 
 // ---- what a single forward/backward pair does not show ----
 
-TEST_CASE("cross_entropy over a padded vocabulary equals the unpadded loss; padded columns get zero gradient", "[ops]") {
+TEST_CASE("cross_entropy over a padded vocabulary equals the unpadded loss, padded columns get zero gradient", "[ops]") {
   const int64_t V = 5, Vp = 8;
   Tensor logits = randn({4, V}, 9, 1, 0, 1, DType::f64);
   Tensor junk = randn({4, Vp - V}, 9, 2, 0, 50, DType::f64);  // anything: padding never counts

@@ -62,7 +62,7 @@ TEST_CASE("fp32 training keeps no master copy: 4Ψ + 4Ψ + 8Ψ") {
   CHECK(make_plan(raw(1000, 4, "zero2", "fp32")).worst.grad == 4 * 250);
 }
 
-TEST_CASE("offloading the optimizer leaves no optimizer state on the GPU; offloading params needs sharded params") {
+TEST_CASE("offloading the optimizer leaves no optimizer state on the GPU, offloading params needs sharded params") {
   PlanInput in = raw(1000000, 8, "zero3");
   in.layout.offload = "optimizer";
   CHECK(make_plan(in).worst.optim_state == 0);

@@ -56,7 +56,7 @@ TEST_CASE("an operation nobody waits for runs on the queue's thread while the ca
   REQUIRE(q.run_by_callers() == 0);
 }
 
-TEST_CASE("an operation's error comes back from wait(), whoever ran it; stop() runs what is queued", "[comm]") {
+TEST_CASE("an operation's error comes back from wait(), whoever ran it, stop() runs what is queued", "[comm]") {
   WorkQueue q;
   auto bad = q.push([] { throw std::runtime_error("all_reduce: MPI error (rank 1 of 2)"); });
   REQUIRE_THROWS_WITH(bad->wait(), "all_reduce: MPI error (rank 1 of 2)");

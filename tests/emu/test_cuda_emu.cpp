@@ -418,7 +418,7 @@ TEMPLATE_TEST_CASE("emu embedding gathers rows and its backward sums repeated ro
   }
 }
 
-TEMPLATE_TEST_CASE("emu embedding zero-fills and counts indices outside the table; its backward skips them", "[emu]",
+TEMPLATE_TEST_CASE("emu embedding zero-fills and counts indices outside the table, its backward skips them", "[emu]",
                    float, cu::bf16) {
   using T = TestType;
   const int64_t rows = 16, C = 24, guard = 3;  // guard rows before and after the table must stay as they are
