@@ -22,7 +22,7 @@ json record(int step, double ms, int64_t mem_base, int64_t all_reduce_total) {
   json ranks = json::array();
   for (int r = 0; r < 2; ++r)
     ranks.push_back({{"rank", r},
-                     {"mem", {{"param", {{"current", 1}, {"peak", mem_base * (r + 1)}}},
+                     {"mem", {{"param", {{"current", step}, {"peak", mem_base * (r + 1)}}},
                               {"activation", {{"current", 0}, {"peak", 3 * mem_base}}}}},
                      {"comm", {{"all_reduce", {{"calls", step}, {"bytes", all_reduce_total * (r + 1)}}}}},
                      {"busy_s", 1.0 + r},
@@ -70,6 +70,7 @@ TEST_CASE("a layout's summary drops warm-up steps: medians, largest peaks, bytes
   CHECK(s["mem_peak"][0]["param"] == 50);
   CHECK(s["mem_peak"][1]["param"] == 100);
   CHECK(s["mem_peak"][0]["activation"] == 150);
+  CHECK(s["mem_end"][1]["param"] == 5);  // held after the last step
   CHECK(s["comm_per_step"][0]["all_reduce"].get<double>() == 40.0);
   CHECK(s["comm_per_step"][1]["all_reduce"].get<double>() == 80.0);
   // Busy 1 s and 2 s in a 2 s step: idle (1 + 0) over busy (1 + 2).
@@ -81,9 +82,11 @@ TEST_CASE("the report of a small results file is one HTML page with every chart,
   results["description"] = "two layouts and a refused one";
   json ok1 = {{"name", "ddp"}, {"ranks", 2}, {"status", "ok"}, {"args", "--strategy ddp"}};
   ok1["measured"] = sg::report::summarise_log({record(1, 9, 10, 100), record(2, 8, 10, 200)}, 1);
-  ok1["predicted"] = {{"param", 10}, {"optim_state", 20}, {"activation", 30}, {"comm_bytes", 100}};
+  ok1["predicted"] = {{"param", 2}, {"optim_state", 20}, {"activation", 30}, {"comm_bytes", 100}};
   json ok2 = {{"name", "pp-1f1b"}, {"ranks", 2}, {"status", "ok"}, {"args", "--pp 2"}};
   ok2["measured"] = ok1["measured"];
+  ok2["predicted"] = ok1["predicted"];
+  ok2["predicted"]["bubble"] = 0.25;
   ok2["timeline_svg"] = "<svg xmlns='http://www.w3.org/2000/svg' id='the-gantt'><rect width='4' height='4'/></svg>";
   json refused = {{"name", "tp3"}, {"ranks", 3}, {"status", "refused"}, {"args", "--tp 3"},
                   {"reason", "--tp 3: 4 heads cannot be split 3 ways"}};
@@ -98,6 +101,10 @@ TEST_CASE("the report of a small results file is one HTML page with every chart,
   CHECK(html.find("ddp / rank 1") != std::string::npos);
   CHECK(html.find("pp-1f1b / rank 0") != std::string::npos);
   CHECK(html.find("4 heads cannot be split 3 ways") != std::string::npos);
+  // param: predicted / held after the step (exact), then the step's peak; the bubble: the
+  // schedule's / measured
+  CHECK(html.find("<td title='param'>2 B / 2 B (0%); peak 10 B</td>") != std::string::npos);
+  CHECK(html.find("<td>25 % / 33.3 %</td>") != std::string::npos);
   CHECK(html.find("<script") == std::string::npos);  // self-contained, static
   const std::string csv = sg::report::results_csv(results);
   CHECK(count(csv, "\n") == 4);

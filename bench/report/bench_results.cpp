@@ -87,13 +87,15 @@ nlohmann::json summarise_log(const std::vector<nlohmann::json>& steps, int warmu
   if (ms.empty() || !steps.back().contains("ranks")) return s;
   // Peaks: the largest per-step peak over the measured steps, per rank and category.
   const auto& last = steps.back()["ranks"];
-  nlohmann::json mem = nlohmann::json::array(), comm = nlohmann::json::array();
+  nlohmann::json mem = nlohmann::json::array(), end = nlohmann::json::array(), comm = nlohmann::json::array();
   for (size_t r = 0; r < last.size(); ++r) {
-    nlohmann::json pk = nlohmann::json::object();
+    nlohmann::json pk = nlohmann::json::object(), held = nlohmann::json::object();
     for (size_t i = first; i < steps.size(); ++i)
       for (const auto& [cat, v] : steps[i]["ranks"][r]["mem"].items())
         pk[cat] = std::max(pk.value(cat, int64_t(0)), v["peak"].get<int64_t>());
+    for (const auto& [cat, v] : last[r]["mem"].items()) held[cat] = v["current"].get<int64_t>();
     mem.push_back(pk);
+    end.push_back(held);
     // The counters are cumulative: the measured steps' share is last minus the last warm-up step.
     nlohmann::json c = nlohmann::json::object();
     const nlohmann::json* before = first > 0 ? &steps[first - 1]["ranks"][r]["comm"] : nullptr;
@@ -104,6 +106,7 @@ nlohmann::json summarise_log(const std::vector<nlohmann::json>& steps, int warmu
     comm.push_back(c);
   }
   s["mem_peak"] = mem;
+  s["mem_end"] = end;  // what each rank holds after the last step: the persistent model states
   s["comm_per_step"] = comm;
   return s;
 }

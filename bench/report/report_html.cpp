@@ -214,15 +214,28 @@ std::string results_html(const nlohmann::json& results) {
     table << "<tr><td>" << escape(name) << "</td><td>" << r["ranks"].get<int>() << "</td><td>"
           << human(m["step_ms"].get<double>() / 1e3, "s") << "</td><td>" << human(m["tokens_per_s"].get<double>(), "tok/s")
           << (m.contains("mfu") ? " (MFU " + human(100 * m["mfu"].get<double>(), "%") + ")" : std::string())
-          << "</td><td>" << (m.contains("bubble") ? human(100 * m["bubble"].get<double>(), "%") : "") << "</td>";
+          << "</td><td>";
+    if (m.contains("bubble")) {  // the schedule's (p-1)/(v m) / measured
+      if (r.contains("predicted") && r["predicted"].value("bubble", 0.0) > 0)
+        table << human(100 * r["predicted"]["bubble"].get<double>(), "%") << " / ";
+      table << human(100 * m["bubble"].get<double>(), "%");
+    }
+    table << "</td>";
     if (r.contains("predicted") && r["predicted"].contains("param") && m.contains("mem_peak")) {
       const auto& p = r["predicted"];
-      auto cell = [&](const char* what, double want, double got) {
+      auto cell = [&](const char* what, double want, double got, double peak = 0) {
         table << "<td title='" << what << "'>" << human(want, "B") << " / " << human(got, "B");
         if (got > 0) table << " (" << std::lround(100 * (want - got) / got) << "%)";
+        if (peak > got) table << "; peak " << human(peak, "B");
         table << "</td>";
       };
-      cell("param", p["param"].get<double>(), double(m["mem_peak"][0].value("param", int64_t(0))));
+      // The parameters the rank keeps between steps (the planner's figure), and, where units are
+      // gathered during the step (ZeRO-3/FSDP), their peak.
+      const double param_peak = double(m["mem_peak"][0].value("param", int64_t(0)));
+      if (m.contains("mem_end"))
+        cell("param", p["param"].get<double>(), double(m["mem_end"][0].value("param", int64_t(0))), param_peak);
+      else
+        cell("param", p["param"].get<double>(), param_peak);
       cell("optimizer", p["optim_state"].get<double>(), double(m["mem_peak"][0].value("optim_state", int64_t(0))));
       cell("activation", p["activation"].get<double>(), double(m["mem_peak"][0].value("activation", int64_t(0))));
       double sent = 0;
@@ -253,7 +266,9 @@ std::string results_html(const nlohmann::json& results) {
        "release, on each ZeRO stripe's launch, and after the optimizer; ticks mark the samples.</p>\n"
     << memtime.str();
   o << "<h2>Measured and predicted</h2>\n<p>Rank 0; cells are predicted / measured (error). The planner's "
-       "model states are exact; activations follow Korthikanti et al.'s formulas.</p>\n"
+       "model states are exact: param is what the rank keeps between steps, with the peak while ZeRO-3/FSDP units "
+       "are gathered; the bubble's prediction is the schedule's (p-1)/(v m); activations follow Korthikanti et "
+       "al.'s formulas.</p>\n"
     << "<table id='table-layouts'><tr><th>layout</th><th>ranks</th><th>step</th><th>throughput</th><th>bubble</th>"
        "<th>param</th><th>optimizer</th><th>activation</th><th>bytes sent / step</th></tr>\n"
     << table.str() << "</table>\n";
