@@ -259,6 +259,7 @@ TEST_CASE("the planner's param, grad and optimizer bytes and bytes per collectiv
       {"--strategy zero2", layout(2, 1, 1, "zero2", 4), 2, true},
       {"--strategy zero3", layout(2, 1, 1, "zero3", 4), 2, true},
       {"--strategy zero3 --micro-batch-size 2", layout(2, 1, 1, "zero3", 2), 2, true},
+      {"--strategy fsdp-grad-op --micro-batch-size 2", layout(2, 1, 1, "fsdp-grad-op", 2), 2, true},
       {"--pp 2 --micro-batch-size 2 --pp-schedule 1f1b", layout(1, 1, 2, "ddp", 2), 2, false},
       {"--pp 2 --micro-batch-size 2 --pp-schedule gpipe", layout(1, 1, 2, "ddp", 2), 2, false},
       {"--pp 2 --strategy zero3 --micro-batch-size 2", layout(2, 1, 2, "zero3", 2), 4, true},

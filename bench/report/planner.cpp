@@ -22,7 +22,9 @@ int dtype_bytes(const std::string& d) {
   throw Error(str("plan: --dtype must be fp32, bf16 or fp16, got '", d, "'"));
 }
 
-bool shards_params(const std::string& s) { return s == "zero3" || s == "fsdp" || s == "hsdp"; }
+// The FSDP family keeps only its units' shards between steps (fsdp-grad-op too: it gathers every
+// unit for the step's forward and releases them after its backward).
+bool shards_params(const std::string& s) { return s == "zero3" || s == "fsdp" || s == "fsdp-grad-op" || s == "hsdp"; }
 bool shards_grads(const std::string& s) { return s == "zero2" || s == "fsdp-grad-op" || shards_params(s); }
 bool shards_optimizer(const std::string& s) { return s != "ddp"; }
 
@@ -206,12 +208,12 @@ Plan make_plan(const PlanInput& in) {
       if (r == l.pp - 1)  // f32 logits and their softmax for the loss, vocabulary split over tp
         mem.activation += 2.0 * 4.0 * double(m.seq_len) * b * double(m.vocab_rows()) / l.tp;
     }
-    // Buffers: ddp's gradient buckets; zero's stripe; fsdp's gathered root + one block and a flat
-    // gradient of one unit.
+    // Buffers: ddp's gradient buckets; zero's stripe; fsdp's gathered root + one block (fsdp-grad-op:
+    // every unit, gathered from forward to the end of backward) and a flat gradient of one unit.
     if (N > 1) {
       if (l.strategy == "ddp") mem.buffers = double(E) * d;
       else if (l.strategy == "zero1" || l.strategy == "zero2") mem.buffers = std::min(double(in.bucket_bytes), double(E) * d);
-      else if (l.strategy == "fsdp-grad-op") mem.buffers = double(E - E_shard_flat) * d;  // params held unsharded
+      else if (l.strategy == "fsdp-grad-op") mem.buffers = double(E) * d + double(std::max(roots, biggest_unit)) * d;
       else mem.buffers = double(roots + biggest_unit) * d + double(std::max(roots, biggest_unit)) * d;
     }
     p.per_stage.push_back(mem);
