@@ -27,7 +27,6 @@ tokens_per_s = B*T / median step time.
 import argparse
 import json
 import os
-import re
 import statistics
 import sys
 import time
@@ -35,33 +34,8 @@ import time
 sys.dont_write_bytecode = True  # keep tests/golden free of __pycache__
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests",
                                 "golden"))
-
-
-def blas_info(torch):
-    """Best effort: BLAS_INFO from torch.__config__.show(), plus the BLAS / oneDNN shared
-    libraries actually mapped into this process (Debian's torch says BLAS_INFO=generic and
-    uses whatever libblas.so.3 the alternatives system points at, usually OpenBLAS)."""
-    parts = []
-    try:
-        cfg = torch.__config__.show()
-        m = re.search(r"BLAS_INFO=([^,\n]+)", cfg)
-        parts.append("BLAS_INFO=" + (m.group(1).strip() if m else "unknown"))
-        if "USE_MKLDNN=ON" in cfg:
-            parts.append("mkldnn")
-    except Exception:
-        pass
-    try:
-        libs = set()
-        with open("/proc/self/maps") as f:
-            for line in f:
-                path = line.split()[-1]
-                name = os.path.basename(path)
-                if re.search(r"blas|mkl_|dnnl|blis", name, re.I):
-                    libs.add(os.path.realpath(path))
-        parts += sorted(libs)
-    except OSError:
-        pass
-    return "; ".join(parts) or "unknown"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from torch_blas import blas_info, warn_if_reference  # noqa: E402
 
 
 def main():
@@ -150,6 +124,7 @@ def main():
         "first_loss": losses[0],
         "last_loss": losses[-1],
     }
+    warn_if_reference(out["blas"])
     line = json.dumps(out)
     print(line)
     if a.json_out:

@@ -23,6 +23,8 @@ import time
 
 sys.dont_write_bytecode = True
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "golden"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from torch_blas import blas_info, warn_if_reference  # noqa: E402
 
 
 def worker(rank, args):
@@ -75,7 +77,9 @@ def worker(rank, args):
             times.append(dt)
     if rank == 0:
         med = statistics.median(times)
-        print(json.dumps({"impl": "pytorch-ddp-gloo", "torch_version": torch.__version__, "world": args.world,
+        blas = blas_info(torch)
+        warn_if_reference(blas)
+        print(json.dumps({"impl": "pytorch-ddp-gloo", "torch_version": torch.__version__, "blas": blas, "world": args.world,
                           "threads_per_rank": args.threads, "config": {k: getattr(args, k) for k in
                           ("n_layer", "n_head", "n_embd", "seq_len", "batch_size", "vocab_size")},
                           "median_step_ms": med * 1e3, "min_step_ms": min(times) * 1e3,

@@ -11,7 +11,12 @@ with the same thread environment as bench/torch_cpu_step.py.  Prints one JSON li
 import argparse
 import json
 import os
+import sys
 import time
+
+sys.dont_write_bytecode = True
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from torch_blas import blas_info, warn_if_reference  # noqa: E402
 
 
 def main():
@@ -39,7 +44,9 @@ def main():
             best = min(best, time.perf_counter() - t0)
         shapes.append({"M": m, "N": n, "K": k, "gflops": 2 * m * n * k / best / 1e9})
     env = {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OMP_WAIT_POLICY")}
-    print(json.dumps({"impl": "pytorch", "torch_version": torch.__version__, "threads": a.threads,
+    blas = blas_info(torch)
+    warn_if_reference(blas)
+    print(json.dumps({"impl": "pytorch", "torch_version": torch.__version__, "blas": blas, "threads": a.threads,
                       "env": env, "gemm_peak_gflops": max(s["gflops"] for s in shapes),
                       "gemm_peak_shapes": shapes}))
 
