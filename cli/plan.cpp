@@ -4,7 +4,6 @@
 // first. With --pp > 1 it also simulates the pipeline schedule: each rank's actions, the bubble
 // measured on the simulated timeline against its formula, and the timeline as an SVG (--svg).
 #include <cstdio>
-#include <fstream>
 
 #include "bench/report/planner.h"
 #include "bench/report/timeline_svg.h"

@@ -31,7 +31,6 @@ void fsync_path(const std::string& p) {
   ::close(fd);
 }
 
-
 std::string bytes_checksum(const void* data, size_t n) {
   const auto* p = static_cast<const unsigned char*>(data);
   uint64_t x = 1469598103934665603ull;
@@ -86,8 +85,7 @@ std::string commit_step_dir(const std::string& run_dir, const std::string& tmp, 
   fsync_path(tmp);
   fs::rename(tmp, final_dir);
   fsync_path(run.string());
-  io::write_text_atomic((run / "latest").string(), "checkpoint", step_dir_name(step) + "\n");
-  fsync_path(run.string());
+  io::write_text_atomic((run / "latest").string(), "checkpoint", step_dir_name(step) + "\n");  // fsyncs the folder
   if (keep > 0) {  // only after the new one is committed and pointed at
     std::error_code ec;
     auto dirs = step_dirs(run);
