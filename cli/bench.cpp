@@ -89,6 +89,8 @@ int bench_main(int argc, char** argv) {
   a.flag("micro-batch-size", "4", "sequences per forward/backward in every layout");
   a.flag("steps", "10", "steps per layout");
   a.flag("warmup", "3", "first steps dropped from the medians");
+  a.flag("repeat", "1", "passes over the whole matrix: each layout's step time is the median of its passes' medians, "
+         "with their range");
   a.flag("ranks", "2", "processes of the default matrix's distributed layouts");
   a.flag("layouts", "", "comma-separated names from the default matrix (default: all)");
   a.flag("matrix", "", "a JSON file: [{\"name\", \"ranks\", \"args\"}, ...] instead of the default matrix");
@@ -137,6 +139,7 @@ int bench_main(int argc, char** argv) {
   const double peak_flops = a.f64("peak-tflops") * 1e12;
   SG_CHECK(peak_flops >= 0, "bench: --peak-tflops must be >= 0");
   SG_CHECK(steps > warmup && warmup >= 0, "bench: --steps must exceed --warmup");
+  SG_CHECK(a.i64("repeat") >= 1, "bench: --repeat must be >= 1, got ", a.i64("repeat"));
   report::ModelShape model = report::model_preset(a.str("model"));
   model.n_layer = a.i64("n-layer"), model.n_head = a.i64("n-head"), model.n_embd = a.i64("n-embd");
   model.seq_len = model.block_size = a.i64("seq-len");
@@ -162,15 +165,18 @@ int bench_main(int argc, char** argv) {
   results["description"] = "model " + a.str("model") + " (" + a.str("n-layer") + " layers, width " + a.str("n-embd") +
                            ", " + a.str("n-head") + " heads, seq " + a.str("seq-len") + "), global batch " +
                            a.str("batch-size") + ", micro-batch " + a.str("micro-batch-size") + ", " + a.str("steps") +
-                           " steps (" + a.str("warmup") + " warm-up) per layout, " +
+                           " steps (" + a.str("warmup") + " warm-up) per layout" +
+                           (a.i64("repeat") > 1 ? ", " + a.str("repeat") + " passes" : std::string()) + ", " +
                            std::to_string(std::thread::hardware_concurrency()) + " CPU cores";
   results["command"] = "shardgrad bench";
   for (const auto& w : a.argv_copy) results["command"] = results["command"].get<std::string>() + " " + w;
   results["common_args"] = common;
   results["warmup"] = warmup;
   results["layouts"] = json::array();
-  for (size_t i = 0; i < matrix.size(); ++i) {
-    const report::BenchLayout& row = matrix[i];
+  // One run of a layout: its row, measured or with the reason it did not run, and its progress line.
+  const int64_t repeat = a.i64("repeat");
+  auto run_layout = [&](const report::BenchLayout& row, size_t i, int64_t pass) {
+    if (repeat > 1) std::printf("[pass %lld/%lld] ", (long long)pass + 1, (long long)repeat);
     std::printf("[%zu/%zu] %-16s %d rank(s)  %s ... ", i + 1, matrix.size(), row.name.c_str(), row.ranks, row.args.c_str());
     std::fflush(stdout);
     const fs::path log = work / (row.name + ".jsonl"), out = work / (row.name + ".out"), svg = work / (row.name + ".svg");
@@ -215,6 +221,22 @@ int bench_main(int argc, char** argv) {
       r["reason"] = failure_reason(read_text(out), code);
       std::printf("%s: %s\n", r["status"].get<std::string>().c_str(), r["reason"].get<std::string>().c_str());
     }
+    std::fflush(stdout);
+    return r;
+  };
+  // --repeat passes over the whole matrix, so that a slow spell of the machine touches every
+  // layout alike; a layout refused or failed once is not run again.
+  std::vector<std::vector<json>> runs(matrix.size());
+  for (int64_t pass = 0; pass < repeat; ++pass)
+    for (size_t i = 0; i < matrix.size(); ++i)
+      if (pass == 0 || runs[i].back()["status"] == "ok") runs[i].push_back(run_layout(matrix[i], i, pass));
+  if (repeat > 1) std::printf("\nmedian over %lld passes (range of the passes' medians):\n", (long long)repeat);
+  for (size_t i = 0; i < matrix.size(); ++i) {
+    const report::BenchLayout& row = matrix[i];
+    json r = report::combine_passes(runs[i]);
+    if (repeat > 1 && r["status"] == "ok")
+      std::printf("  %-16s %8.2f ms/step (%.2f-%.2f)\n", row.name.c_str(), r["measured"]["step_ms"].get<double>(),
+                  r["measured"]["step_ms_range"][0].get<double>(), r["measured"]["step_ms_range"][1].get<double>());
     json p = predicted(row, common, model, batch);
     if (!p.is_null()) r["predicted"] = p;
     // MFU as PaLM defines it: the model's FLOPs (6 per parameter per token plus attention; no
@@ -222,10 +244,10 @@ int bench_main(int argc, char** argv) {
     if (peak_flops > 0 && r.contains("measured") && !p.is_null() && p.contains("model_flops_per_token")) {
       r["measured"]["mfu"] = r["measured"]["tokens_per_s"].get<double>() * p["model_flops_per_token"].get<double>() /
                              (double(row.ranks) * peak_flops);
-      std::printf("    MFU %.2f%% of %g TFLOP/s per rank\n", 100 * r["measured"]["mfu"].get<double>(), peak_flops / 1e12);
+      std::printf("  %-16s MFU %.2f%% of %g TFLOP/s per rank\n", row.name.c_str(), 100 * r["measured"]["mfu"].get<double>(),
+                  peak_flops / 1e12);
     }
     results["layouts"].push_back(r);
-    std::fflush(stdout);
   }
   if (a.str("work-dir").empty()) fs::remove_all(work);
   const std::string prefix = a.str("out");

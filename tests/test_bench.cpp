@@ -77,6 +77,28 @@ TEST_CASE("a layout's summary drops warm-up steps: medians, largest peaks, bytes
   CHECK(s["bubble"].get<double>() == Approx(1.0 / 3.0));
 }
 
+TEST_CASE("bench --repeat: medians over the passes with their range, the first pass's bytes, a failed pass named") {
+  auto pass = [](double ms, double bubble, int64_t param) {
+    json m = {{"step_ms", ms}, {"tokens_per_s", 1000.0 / ms}, {"bubble", bubble}, {"mem_peak", {{{"param", param}}}}};
+    return json{{"name", "pp"}, {"ranks", 2}, {"args", "--pp 2"}, {"status", "ok"}, {"measured", m}};
+  };
+  const json r = sg::report::combine_passes({pass(9, 0.3, 10), pass(5, 0.2, 10), pass(7, 0.4, 11)});
+  CHECK(r["status"] == "ok");
+  CHECK(r["measured"]["step_ms"].get<double>() == 7.0);
+  CHECK(r["measured"]["tokens_per_s"].get<double>() == Approx(1000.0 / 7));
+  CHECK(r["measured"]["bubble"].get<double>() == 0.3);
+  CHECK(r["measured"]["passes"] == 3);
+  CHECK(r["measured"]["step_ms_range"] == json::array({5.0, 9.0}));
+  CHECK(r["measured"]["mem_peak"][0]["param"] == 10);  // the first pass's
+  CHECK_FALSE(sg::report::combine_passes({pass(9, 0.3, 10)})["measured"].contains("step_ms_range"));
+  json failed = {{"name", "pp"}, {"status", "timeout"}, {"reason", "timed out"}};
+  const json f = sg::report::combine_passes({pass(9, 0.3, 10), failed});
+  CHECK(f["status"] == "timeout");
+  CHECK(f["reason"] == "pass 2: timed out");
+  const std::string csv = sg::report::results_csv({{"layouts", {r}}});
+  CHECK(csv.find("pp,2,ok,7.000000,5.000000,9.000000,") != std::string::npos);
+}
+
 TEST_CASE("the report of a small results file is one HTML page with every chart, layout and refusal") {
   json results;
   results["description"] = "two layouts and a refused one";
@@ -135,7 +157,7 @@ TEST_CASE("shardgrad bench runs a matrix file, measures every layout and reports
                              {{"name", "zero2"}, {"ranks", 2}, {"args", "--strategy zero2"}},
                              {{"name", "pp-1f1b"}, {"ranks", 2}, {"args", "--pp 2 --pp-schedule 1f1b"}},
                              {{"name", "tp3"}, {"ranks", 3}, {"args", "--tp 3"}}});
-  const int status = run_bench(dir, matrix, 4, "--peak-tflops 0.5");
+  const int status = run_bench(dir, matrix, 4, "--peak-tflops 0.5 --repeat 2");
   INFO(read_text(dir / "out.txt"));
   REQUIRE(WIFEXITED(status));
   REQUIRE(WEXITSTATUS(status) == 0);
@@ -156,6 +178,9 @@ TEST_CASE("shardgrad bench runs a matrix file, measures every layout and reports
     INFO(r.dump());
     CHECK(r["status"] == "ok");
     CHECK(r["measured"]["steps"] == 3);
+    CHECK(r["measured"]["passes"] == 2);  // --repeat 2
+    CHECK(r["measured"]["step_ms_range"][0].get<double>() <= r["measured"]["step_ms"].get<double>());
+    CHECK(r["measured"]["step_ms"].get<double>() <= r["measured"]["step_ms_range"][1].get<double>());
     CHECK(r["measured"]["step_ms"].get<double>() > 0);
     CHECK(r["measured"]["mem_peak"].size() == r["ranks"].get<size_t>());
     // The planner's model states equal what the ledger held (fp32, rank 0).
@@ -168,6 +193,8 @@ TEST_CASE("shardgrad bench runs a matrix file, measures every layout and reports
   CHECK(res["layouts"][2].contains("timeline_svg"));
   CHECK(res["layouts"][2]["measured"].contains("bubble"));
   CHECK(res["layouts"][3]["status"] == "refused");
+  CHECK(read_text(dir / "out.txt").find("[pass 2/2] [4/4]") == std::string::npos);  // a refusal is not run again
+  CHECK(read_text(dir / "out.txt").find("[pass 2/2] [3/4]") != std::string::npos);
   CHECK(res["layouts"][3]["reason"].get<std::string>().find("heads") != std::string::npos);
   CHECK(count(read_text(dir / "results" / "res.csv"), "\n") == 5);
   const std::string html = read_text(dir / "html" / "report.html");

@@ -111,6 +111,32 @@ nlohmann::json summarise_log(const std::vector<nlohmann::json>& steps, int warmu
   return s;
 }
 
+nlohmann::json combine_passes(const std::vector<nlohmann::json>& passes) {
+  SG_CHECK(!passes.empty(), "bench: a layout with no runs");
+  for (size_t k = 0; k < passes.size(); ++k)
+    if (passes[k].value("status", std::string()) != "ok") {
+      nlohmann::json r = passes[k];
+      if (passes.size() > 1) r["reason"] = "pass " + std::to_string(k + 1) + ": " + r.value("reason", std::string());
+      return r;
+    }
+  nlohmann::json r = passes[0];
+  if (passes.size() == 1) return r;
+  std::vector<double> ms, tps, bubbles;
+  for (const auto& p : passes) {
+    const nlohmann::json& m = p.at("measured");
+    ms.push_back(m.at("step_ms").get<double>());
+    tps.push_back(m.at("tokens_per_s").get<double>());
+    if (m.contains("bubble")) bubbles.push_back(m["bubble"].get<double>());
+  }
+  nlohmann::json& m = r["measured"];
+  m["step_ms"] = median(ms);
+  m["tokens_per_s"] = median(tps);
+  if (!bubbles.empty()) m["bubble"] = median(bubbles);
+  m["passes"] = passes.size();
+  m["step_ms_range"] = {*std::min_element(ms.begin(), ms.end()), *std::max_element(ms.begin(), ms.end())};
+  return r;
+}
+
 nlohmann::json memory_timeline(const nlohmann::json& trace) {
   if (!trace.contains("traceEvents")) return nullptr;
   const auto& events = trace["traceEvents"];
@@ -178,7 +204,7 @@ std::string results_csv(const nlohmann::json& results) {
   static const char* cats[] = {"param", "grad", "optim_state", "activation", "comm_buffer", "workspace", "total"};
   static const char* kinds[] = {"all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "send", "recv"};
   std::ostringstream o;
-  o << "layout,ranks,status,step_ms,tokens_per_s,mfu,bubble";
+  o << "layout,ranks,status,step_ms,step_ms_min,step_ms_max,tokens_per_s,mfu,bubble";
   for (const char* c : cats) o << ",rank0_peak_" << c;
   for (const char* k : kinds) o << ",rank0_" << k << "_bytes_per_step";
   o << ",reason\n";
@@ -186,7 +212,11 @@ std::string results_csv(const nlohmann::json& results) {
     o << r["name"].get<std::string>() << "," << r["ranks"].get<int>() << "," << r["status"].get<std::string>();
     const nlohmann::json m = r.value("measured", nlohmann::json::object());
     auto num = [&](const char* k) { return m.contains(k) ? std::to_string(m[k].get<double>()) : std::string(); };
-    o << "," << num("step_ms") << "," << num("tokens_per_s") << "," << num("mfu") << "," << num("bubble");
+    const bool ranged = m.contains("step_ms_range");  // --repeat: the passes' extremes; else the one median
+    const std::string lo = ranged ? std::to_string(m["step_ms_range"][0].get<double>()) : num("step_ms");
+    const std::string hi = ranged ? std::to_string(m["step_ms_range"][1].get<double>()) : num("step_ms");
+    o << "," << num("step_ms") << "," << lo << "," << hi << "," << num("tokens_per_s") << "," << num("mfu") << ","
+      << num("bubble");
     for (const char* c : cats)
       o << "," << (m.contains("mem_peak") && m["mem_peak"][0].contains(c) ? std::to_string(m["mem_peak"][0][c].get<int64_t>()) : "");
     for (const char* k : kinds)

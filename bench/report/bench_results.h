@@ -29,6 +29,13 @@ std::vector<BenchLayout> matrix_from_json(const nlohmann::json& j);
 // "comm_per_step": [per rank {kind: bytes}], "bubble"?}.
 nlohmann::json summarise_log(const std::vector<nlohmann::json>& steps, int warmup);
 
+// One layout's row from its runs in `passes` passes over the matrix (bench --repeat), each a row
+// {"name", "ranks", "args", "status", "measured"? | "reason"?, ...}: the first pass's row, with
+// step_ms, tokens_per_s and bubble the medians over the passes and, for more than one,
+// "passes" and "step_ms_range" [min, max] of the passes' medians. A pass that did not end "ok"
+// gives the row its status and reason ("pass K: ...").
+nlohmann::json combine_passes(const std::vector<nlohmann::json>& passes);
+
 // Memory over time within the last traced step, from a merged `train --trace` file: per rank (the
 // trace's pid), the "memory" counter samples whose time falls in that rank's last "step" event on
 // the compute track (ended where an "evaluate" inside it starts): {"step", "ranks": [{"rank",

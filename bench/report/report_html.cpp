@@ -212,7 +212,11 @@ std::string results_html(const nlohmann::json& results) {
     if (r.contains("timeline_svg"))
       gantt << "<h3>" << escape(name) << "</h3>\n<div class='gantt'>" << r["timeline_svg"].get<std::string>() << "</div>\n";
     table << "<tr><td>" << escape(name) << "</td><td>" << r["ranks"].get<int>() << "</td><td>"
-          << human(m["step_ms"].get<double>() / 1e3, "s") << "</td><td>" << human(m["tokens_per_s"].get<double>(), "tok/s")
+          << human(m["step_ms"].get<double>() / 1e3, "s")
+          << (m.contains("step_ms_range") ? " (" + human(m["step_ms_range"][0].get<double>() / 1e3, "s") + "–" +
+                                                 human(m["step_ms_range"][1].get<double>() / 1e3, "s") + ")"
+                                           : std::string())
+          << "</td><td>" << human(m["tokens_per_s"].get<double>(), "tok/s")
           << (m.contains("mfu") ? " (MFU " + human(100 * m["mfu"].get<double>(), "%") + ")" : std::string())
           << "</td><td>";
     if (m.contains("bubble")) {  // the schedule's (p-1)/(v m) / measured
