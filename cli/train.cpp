@@ -558,7 +558,10 @@ void Trainer::setup() {
   if (zero_stage() == 3) {
     parallel::watchdog::Waiting w("the parameter broadcast");
     fsdp_ = std::make_unique<parallel::FullyShardedDataParallel>(*model_, groups_.dp, oc, fsdp_options());
-    if (pipe_) pipe_->before_forward = [this](int) { fsdp_->gather_roots(); };
+    if (pipe_) {
+      pipe_->before_forward = [this](int) { fsdp_->gather_roots(); };
+      pipe_->before_action = [this](int first, int last, bool forward) { fsdp_->prefetch_action(first, last, forward); };
+    }
   } else if (zero_stage()) {
     parallel::ZeroOptions z;
     z.stage = zero_stage();
@@ -1112,6 +1115,7 @@ int Trainer::run() {
                 {"tokens_per_s", tps}, {"mem", ledger_json(device_)}, {"skipped", !applied}};
     if (profiled) rec["op_profile"] = op_profile_json(op_times);
     if (args_.str("offload") != "none") rec["mem_host"] = ledger_json(Device::cpu(0));  // the offloaded state
+    if (fsdp_) rec["fsdp"] = {{"gathers_ahead", fsdp_->gathers_ahead()}};  // since the start: --prefetch at work
     rec["ranks"] = report::step_metrics(device_, traffic_groups(), metrics_.get(), pipe_ ? &pipe_->last_timeline() : nullptr,
                                        pipe_ ? groups_.pp->rank() : -1)["ranks"];
     const bool last = step + 1 == steps_;

@@ -336,8 +336,22 @@ void FullyShardedDataParallel::prefetch(size_t k, bool backward) {
     }
     if (units_[j].gathered) continue;
     if (gathered_blocks() >= opt_.limit_all_gathers) return;
-    issue_gather(units_[j]);
+    issue_ahead(units_[j]);
   }
+}
+
+void FullyShardedDataParallel::issue_ahead(Unit& u) {
+  issue_gather(u);
+  ++gathers_ahead_;
+}
+
+void FullyShardedDataParallel::prefetch_action(int first_block, int last_block, bool forward) {
+  if (!shard_ || !(forward ? opt_.forward_prefetch : opt_.backward_prefetch)) return;
+  for (auto& u : units_)
+    if (!u.root && (forward ? u.first_block == first_block : u.last_block == last_block)) {
+      if (!u.gathered && gathered_blocks() < opt_.limit_all_gathers) issue_ahead(u);
+      return;
+    }
 }
 
 Tensor FullyShardedDataParallel::wrap(size_t k, const Tensor& y) {

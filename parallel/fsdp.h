@@ -64,9 +64,10 @@
 // root units then stay gathered until finish_gradients(), their gradients accumulating over the
 // micro-batches and reduced once (micro-batches' forwards and backwards interleave). Block units
 // gather and release per action as without the pipeline: full_shard, hybrid resharding after
-// forward and no_shard (shard_grad_op would keep every unit gathered all step). Prefetch stays
-// inside the action's chunk (a run of consecutive blocks): the first unit of each action is
-// gathered when the action reaches it.
+// forward and no_shard (shard_grad_op would keep every unit gathered all step). Prefetch follows
+// the schedule: an action's first unit is gathered as the action begins, while it waits for the
+// other stage (prefetch_action), and the next units of its chunk (a run of consecutive blocks)
+// while the chunk computes; a rank's other chunks are never gathered ahead of their action.
 #pragma once
 #include <functional>
 #include <map>
@@ -131,6 +132,13 @@ class FullyShardedDataParallel {
   // Under a pipeline: gathers the root units ("wte", "root"; collective over the shard group)
   // before a stage's forward; they stay gathered until finish_gradients().
   void gather_roots();
+  // Under a pipeline, as an action on blocks [first_block, last_block] begins and before it waits
+  // for the other stage: with the prefetch of that direction on, issues the all-gather of the unit
+  // the action runs first (forward: the one starting at first_block; backward: the one ending at
+  // last_block), so that it overlaps the wait. Within limit_all_gathers, like every prefetch.
+  void prefetch_action(int first_block, int last_block, bool forward);
+  // All-gathers issued ahead of their unit's need so far (prefetch, in-action and across actions).
+  int64_t gathers_ahead() const { return gathers_ahead_; }
   // Under a pipeline, after finish_gradients(): the tied embedding's shard gradient (the "wte"
   // unit's), undefined on a rank without it.
   Tensor tied_grad_shard();
@@ -216,6 +224,7 @@ class FullyShardedDataParallel {
   void release(Unit& u);
   void prefetch(size_t k, bool backward);
   int gathered_blocks() const;
+  void issue_ahead(Unit& u);  // a prefetch: issue_gather, counted in gathers_ahead_
   Tensor wrap(size_t k, const Tensor& y);  // identity node whose backward gathers unit k
   void on_grad_ready(size_t k, size_t param);
   void reduce(size_t k);
@@ -235,6 +244,7 @@ class FullyShardedDataParallel {
   std::vector<Unit> units_;
   std::vector<Reduction> reductions_;  // issue order
   int64_t step_ = 0;
+  int64_t gathers_ahead_ = 0;
   std::shared_ptr<bool> alive_;  // hooks and tape nodes may outlive us: they check this first
 };
 

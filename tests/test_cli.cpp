@@ -449,6 +449,15 @@ TEST_CASE("3-D layouts (dp x tp x pp, ddp, zero1/2, zero3, hsdp or no-shard acro
     }
     param_bytes[layouts[k].second] = b[2]["mem"]["param"]["current"].get<int64_t>();
     param_peak[layouts[k].second] = b[2]["mem"]["param"]["peak"].get<int64_t>();
+    if (layouts[k].second.find("--prefetch both") != std::string::npos) {
+      // rank 0 runs 2 micro-batches a step. Under 1F1B (stage 0: h.0, h.1) each forward gathers
+      // h.0 as it begins and h.1 while h.0 runs, each backward h.1 as it begins and h.0 while h.1
+      // runs: 8 gathers ahead a step. Interleaved (chunks h.0 and h.2, one unit each): each of
+      // the 8 actions gathers its unit as it begins.
+      REQUIRE(b[2]["fsdp"]["gathers_ahead"] == 3 * 8);
+    } else if (b[2].contains("fsdp")) {
+      REQUIRE(b[2]["fsdp"]["gathers_ahead"] == 0);
+    }
     if (layouts[k].second.rfind("--pp 2 --strategy zero3", 0) == 0) {  // with and without prefetch
       // rank 0 (stage 0: wte, wpe and 2 blocks; 2 micro-batches a step): the two root units are
       // gathered once a step and reduced once; each block unit is gathered for every forward and

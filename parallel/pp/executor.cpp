@@ -115,6 +115,8 @@ double PipelineExecutor::run(const Tensor& idx, const Tensor& targets, double sc
     Tensor mi = narrow(idx, 0, a.micro * rows, rows), mt = narrow(targets, 0, a.micro * rows, rows);
     // What the action needs from another stage is received before its clock starts: the wait is
     // the bubble, and counting it as the action's work would hide it.
+    if (before_action)
+      before_action(a.stage * blocks_per_stage(), (a.stage + 1) * blocks_per_stage() - 1, a.phase == Phase::forward);
     Tensor received;
     auto it = live.end();
     if (a.phase == Phase::forward && a.stage > 0) {

@@ -52,6 +52,10 @@ class PipelineExecutor {
   // Called before every stage's forward (training and evaluation) with the stage: FSDP gathers
   // the embedding and head parameters there, which run outside GPT::forward.
   std::function<void(int stage)> before_forward;
+  // Called as each training action begins, before it waits for what another stage sends, with
+  // the blocks its stage runs [first_block, last_block] and its phase: FSDP's prefetch issues the
+  // all-gather of the action's first unit there, so that it overlaps the wait.
+  std::function<void(int first_block, int last_block, bool forward)> before_action;
 
  private:
   // Stage s on input (tokens for stage 0); the last stage returns the loss, or the logits when
