@@ -350,8 +350,19 @@ void Trainer::setup() {
            strategy_, "' is not available (expected single, dp, ddp, zero1, zero2, zero3, fsdp, fsdp-grad-op, hsdp or no-shard)");
   tp_ = int(positive(a, "tp"));
   pp_ = int(positive(a, "pp"));
-  SG_CHECK(a.str("offload") == "none" || fsdp_family(), "train: --offload is for the fsdp family (zero3, fsdp, "
-           "fsdp-grad-op, hsdp), not --strategy ", strategy_);
+  // A flag of one strategy or layout, given where it would do nothing, is refused by name rather
+  // than ignored.
+  const auto only_for = [&](const char* flag, bool applies, const char* what) {
+    SG_CHECK(!a.given(flag) || applies, "train: --", flag, " is for ", what, "; this run is --strategy ", strategy_,
+             pp_ > 1 ? " --pp " + std::to_string(pp_) : std::string());
+  };
+  for (const char* flag : {"offload", "wrap-min-params", "reshard-after-forward", "prefetch", "limit-all-gathers",
+                           "reduce-dtype"})
+    only_for(flag, fsdp_family(), "the fsdp family (zero3, fsdp, fsdp-grad-op, hsdp, no-shard)");
+  only_for("shard-group-size", strategy_ == "hsdp", "--strategy hsdp");
+  only_for("bucket-mb", strategy_ == "ddp" || strategy_ == "zero1" || strategy_ == "zero2", "ddp, zero1 and zero2");
+  only_for("find-unused-parameters", strategy_ == "ddp", "--strategy ddp");
+  for (const char* flag : {"pp-schedule", "virtual-stages"}) only_for(flag, pp_ > 1, "pipelines (--pp > 1)");
   device_spec_ = a.str("device");
   SG_CHECK(a.str("backend") == "mpi" || a.str("backend") == "nccl", "train: --backend must be mpi or nccl, got '",
            a.str("backend"), "'");
@@ -807,7 +818,6 @@ parallel::FsdpOptions Trainer::fsdp_options() const {
            : strategy_ == "hsdp"       ? parallel::FsdpMode::hybrid
            : strategy_ == "no-shard"   ? parallel::FsdpMode::no_shard
                                        : parallel::FsdpMode::full_shard;
-  SG_CHECK(strategy_ == "hsdp" || !a.given("shard-group-size"), "train: --shard-group-size is for --strategy hsdp");
   if (strategy_ == "hsdp") {
     const int64_t g = a.i64("shard-group-size");
     SG_CHECK(g != 0, "train: --strategy hsdp needs --shard-group-size G: the ranks of one shard group (e.g. the ranks of a "

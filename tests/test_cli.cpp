@@ -81,6 +81,13 @@ TEST_CASE("train refuses bad flags, missing files and existing checkpoints, nami
   fails_with("train --strategy ddp --backend nccl", "--backend nccl carries CUDA tensors: pass --device cuda");
   fails_with("train --backend nccl", "--backend nccl is for multi-rank strategies");
   fails_with("train --strategy ddp --rendezvous tcp://x", "--rendezvous must be mpi or file:PATH");
+  // a flag of another strategy or layout is refused, not ignored
+  fails_with("train --prefetch both", "--prefetch is for the fsdp family (zero3, fsdp, fsdp-grad-op, hsdp, no-shard); "
+             "this run is --strategy single");
+  fails_with("train --strategy zero3 --bucket-mb 5", "--bucket-mb is for ddp, zero1 and zero2; this run is --strategy zero3");
+  fails_with("train --strategy zero3 --shard-group-size 2", "--shard-group-size is for --strategy hsdp");
+  fails_with("train --virtual-stages 2", "--virtual-stages is for pipelines (--pp > 1)");
+  fails_with("train --strategy zero1 --find-unused-parameters", "--find-unused-parameters is for --strategy ddp");
   {
     // --rendezvous file: (no MPI): the NCCL world from the file is the job's group; RANK and
     // WORLD_SIZE come from the launcher and are refused by name when missing or wrong.
@@ -300,7 +307,8 @@ TEST_CASE("zero1, zero2 and zero3 through the CLI on 2 ranks give the single-pro
   for (const char* strategy : {"zero1", "zero2", "zero3"}) {
     INFO(strategy);
     const fs::path log = d.path / (std::string(strategy) + ".jsonl");
-    Run two = run_command(mpirun(2) + args + log.string() + " --strategy " + strategy + " --bucket-mb 0.01");
+    const std::string stripes = std::string(strategy) == "zero3" ? "" : " --bucket-mb 0.01";  // zero1/2's stripes
+    Run two = run_command(mpirun(2) + args + log.string() + " --strategy " + strategy + stripes);
     INFO(two.output);
     REQUIRE(two.code == 0);
     auto b = read_log(log);
