@@ -363,6 +363,8 @@ void Trainer::setup() {
   only_for("bucket-mb", strategy_ == "ddp" || strategy_ == "zero1" || strategy_ == "zero2", "ddp, zero1 and zero2");
   only_for("find-unused-parameters", strategy_ == "ddp", "--strategy ddp");
   for (const char* flag : {"pp-schedule", "virtual-stages"}) only_for(flag, pp_ > 1, "pipelines (--pp > 1)");
+  only_for("devices", strategy_ == "dp", "--strategy dp (one process, several devices)");
+  for (const char* flag : {"save-every", "keep"}) SG_CHECK(!a.given(flag) || a.given("save"), "train: --", flag, " needs --save DIR");
   device_spec_ = a.str("device");
   SG_CHECK(a.str("backend") == "mpi" || a.str("backend") == "nccl", "train: --backend must be mpi or nccl, got '",
            a.str("backend"), "'");

@@ -88,6 +88,8 @@ TEST_CASE("train refuses bad flags, missing files and existing checkpoints, nami
   fails_with("train --strategy zero3 --shard-group-size 2", "--shard-group-size is for --strategy hsdp");
   fails_with("train --virtual-stages 2", "--virtual-stages is for pipelines (--pp > 1)");
   fails_with("train --strategy zero1 --find-unused-parameters", "--find-unused-parameters is for --strategy ddp");
+  fails_with("train --devices cpu:0,cpu:1", "--devices is for --strategy dp (one process, several devices)");
+  fails_with("train --save-every 5", "--save-every needs --save DIR");
   {
     // --rendezvous file: (no MPI): the NCCL world from the file is the job's group; RANK and
     // WORLD_SIZE come from the launcher and are refused by name when missing or wrong.
