@@ -39,6 +39,16 @@ std::string read_text(const fs::path& p) {
   return s.str();
 }
 
+// A JSON file named by `flag`: missing, unreadable or malformed files are refused, naming both.
+json read_json_file(const std::string& path, const char* flag) {
+  SG_CHECK(fs::is_regular_file(path), "bench: --", flag, " ", path, ": no such file");
+  try {
+    return json::parse(read_text(path));
+  } catch (const json::exception& e) {
+    throw Error(str("bench: --", flag, " ", path, " is not valid JSON: ", e.what()));
+  }
+}
+
 // The reason train gave: the text after "error: " on its first error line.
 std::string failure_reason(const std::string& output, int code) {
   std::istringstream in(output);
@@ -111,10 +121,9 @@ int bench_main(int argc, char** argv) {
   }
   if (!a.str("from").empty()) {
     SG_CHECK(!a.str("report").empty(), "bench: --from needs --report FILE.html");
-    const std::string text = read_text(a.str("from"));
-    SG_CHECK(!text.empty(), "bench: cannot read --from ", a.str("from"));
+    const json from = read_json_file(a.str("from"), "from");
     io::make_parent_folder(a.str("report"), "bench: --report");
-    io::write_text_atomic(a.str("report"), "bench: --report", report::results_html(json::parse(text)));
+    io::write_text_atomic(a.str("report"), "bench: --report", report::results_html(from));
     std::printf("wrote %s\n", a.str("report").c_str());
     return 0;
   }
@@ -124,7 +133,7 @@ int bench_main(int argc, char** argv) {
   const int ranks = int(a.i64("ranks"));
   SG_CHECK(ranks >= 1, "bench: --ranks must be >= 1");
   std::vector<report::BenchLayout> matrix =
-      a.str("matrix").empty() ? report::default_matrix(ranks) : report::matrix_from_json(json::parse(read_text(a.str("matrix"))));
+      a.str("matrix").empty() ? report::default_matrix(ranks) : report::matrix_from_json(read_json_file(a.str("matrix"), "matrix"));
   if (!a.str("layouts").empty()) {
     std::vector<report::BenchLayout> chosen;
     std::stringstream names(a.str("layouts"));

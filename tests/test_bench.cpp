@@ -213,6 +213,15 @@ TEST_CASE("shardgrad bench runs a matrix file, measures every layout and reports
   CHECK(bad_out.find("bench: --report " + (dir / "a_file" / "report.html").string() + ": cannot create the folder") !=
         std::string::npos);
   CHECK(bad_out.find("[1/1]") == std::string::npos);
+  // a matrix file that is missing or not JSON is refused naming the flag and the file
+  std::ofstream(dir / "broken.json") << "[{\"name\": ";
+  for (const auto& [file, why] : {std::pair<std::string, std::string>{(dir / "none.json").string(), ": no such file"},
+                                  {(dir / "broken.json").string(), " is not valid JSON"}}) {
+    const std::string cmd = std::string(SG_BINARY) + " bench --matrix " + file + " > " + (dir / "m.txt").string() + " 2>&1";
+    const int st = std::system(cmd.c_str());
+    CHECK((WIFEXITED(st) && WEXITSTATUS(st) != 0));
+    CHECK(read_text(dir / "m.txt").find("bench: --matrix " + file + why) != std::string::npos);
+  }
   fs::remove_all(dir);
 }
 
