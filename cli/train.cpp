@@ -1114,13 +1114,24 @@ int Trainer::run() {
       profiler.reset();
     }
     const double tps = double(B_ * T_) / (ms / 1000.0);
-    const MemStats mem = Ledger::global().stats(device_);
     trace::memory(device_);
+    // Every rank's ledger (collective): the line shows the range of the ranks' peaks, which differ
+    // under pipelines and uneven shards.
+    const json ranks = report::step_metrics(device_, traffic_groups(), metrics_.get(),
+                                            pipe_ ? &pipe_->last_timeline() : nullptr, pipe_ ? groups_.pp->rank() : -1)["ranks"];
+    int64_t peak_lo = INT64_MAX, peak_hi = 0;
+    for (const auto& r : ranks) {
+      const int64_t p = r["mem"]["total"]["peak"].get<int64_t>();
+      peak_lo = std::min(peak_lo, p), peak_hi = std::max(peak_hi, p);
+    }
+    const std::string lo = human_bytes(peak_lo), hi = human_bytes(peak_hi);  // "2.9-4.0 MiB"
+    const std::string peak = lo == hi ? hi
+                             : lo.substr(lo.rfind(' ')) == hi.substr(hi.rfind(' ')) ? lo.substr(0, lo.rfind(' ')) + "-" + hi
+                                                                                  : lo + "-" + hi;
     if (lead())
       std::printf("step %5lld/%lld | loss %.4f | lr %.2e | norm %.3f | %7.1f ms | %8.0f tok/s | peak%s %s%s\n",
-                (long long)step + 1, (long long)steps_, loss, lr, norm, ms, tps, world_size_ > 1 ? "/rank" : "",
-                human_bytes(mem.total_peak).c_str(),
-                applied ? "" : dtype_ == DType::f16 ? " | skipped (overflow)" : " | skipped (non-finite)");
+                (long long)step + 1, (long long)steps_, loss, lr, norm, ms, tps, ranks.size() > 1 ? "/rank" : "",
+                peak.c_str(), applied ? "" : dtype_ == DType::f16 ? " | skipped (overflow)" : " | skipped (non-finite)");
     if (profiled && lead()) print_op_profile(op_times, ms, step + 1, device_);
     std::fflush(stdout);
     json rec = {{"step", step + 1}, {"loss", loss}, {"lr", lr}, {"grad_norm", norm}, {"step_ms", ms},
@@ -1128,8 +1139,7 @@ int Trainer::run() {
     if (profiled) rec["op_profile"] = op_profile_json(op_times);
     if (args_.str("offload") != "none") rec["mem_host"] = ledger_json(Device::cpu(0));  // the offloaded state
     if (fsdp_) rec["fsdp"] = {{"gathers_ahead", fsdp_->gathers_ahead()}};  // since the start: --prefetch at work
-    rec["ranks"] = report::step_metrics(device_, traffic_groups(), metrics_.get(), pipe_ ? &pipe_->last_timeline() : nullptr,
-                                       pipe_ ? groups_.pp->rank() : -1)["ranks"];
+    rec["ranks"] = ranks;
     const bool last = step + 1 == steps_;
     if (last && pipe_ && !args_.str("timeline").empty()) write_timeline();
     if (((eval_every && (step + 1) % eval_every == 0) || last) && evaluates_here()) {

@@ -457,6 +457,24 @@ TEST_CASE("3-D layouts (dp x tp x pp, ddp, zero1/2, zero3, hsdp or no-shard acro
       REQUIRE(std::abs(b[i]["grad_norm"].get<double>() - a[i]["grad_norm"].get<double>()) <=
               1e-5 * a[i]["grad_norm"].get<double>());
     }
+    {
+      // the progress line shows the range of the ranks' peaks (they differ under a pipeline)
+      int64_t lo = INT64_MAX, hi = 0;
+      for (const auto& rk : b[2]["ranks"]) {
+        lo = std::min(lo, rk["mem"]["total"]["peak"].get<int64_t>());
+        hi = std::max(hi, rk["mem"]["total"]["peak"].get<int64_t>());
+      }
+      auto mib = [](int64_t v) {
+        char buf[32];
+        std::snprintf(buf, sizeof buf, "%.1f", double(v) / double(1 << 20));
+        return std::string(buf);
+      };
+      const std::string want = "peak/rank " + (mib(lo) == mib(hi) ? mib(hi) : mib(lo) + "-" + mib(hi)) + " MiB";
+      const size_t at = r.output.find("step     3/3");
+      REQUIRE(at != std::string::npos);
+      REQUIRE(r.output.substr(at, r.output.find('\n', at) - at).find(want) != std::string::npos);
+      if (layouts[k].second.find("--pp 2 --strategy zero3") == 0) REQUIRE(lo < hi);
+    }
     param_bytes[layouts[k].second] = b[2]["mem"]["param"]["current"].get<int64_t>();
     param_peak[layouts[k].second] = b[2]["mem"]["param"]["peak"].get<int64_t>();
     if (layouts[k].second.find("--prefetch both") != std::string::npos) {
