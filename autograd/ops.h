@@ -134,8 +134,16 @@ struct CrossEntropyOptions {
 Tensor cross_entropy(Tensor logits, const Tensor& targets, const CrossEntropyOptions& opt = {});
 int64_t count_targets(const Tensor& targets, int64_t ignore_index);
 
-// Dropout with a Philox mask drawn from the dropout generator; identity when p == 0.
+// Dropout with a Philox mask from the dropout generator's next stream; identity when p == 0 or
+// the generator is off (evaluation).
 Tensor dropout(const Tensor& x, double p);
+// Dropout of a model activation x [rows, T, C] at call site `site` (a fixed number per place in
+// the model): element (r, t, c) keeps when Philox(seed, stream(step, site, row0 + r),
+// (t0 + t) C + c) >= p, with (step, row0, t0) the generator's place. The mask is thus a function
+// of where the element sits in the step's global batch, not of which rank, micro-batch or call
+// order computes it: every layout (dp, tp with sequence parallelism, pp, any micro-batching)
+// draws the single-process run's masks.
+Tensor dropout(const Tensor& x, double p, int64_t site);
 // Causal (or full) attention on q, k, v [B, H, T, D]; scale defaults to 1/sqrt(D).
 Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal = true, double scale = 0);
 // Causal self-attention straight from a packed projection qkv [B, T, 3C] (q, k, v side by side,
@@ -144,12 +152,34 @@ Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal 
 // merge copies, forward and backward, do not exist. Same values as attention() on the split heads.
 Tensor attention_qkv(const Tensor& qkv, int64_t n_head, bool causal = true, double scale = 0);
 
-// The generator dropout draws from: (seed, next stream). Recompute saves and restores it so a
-// re-run region draws the same masks.
+// Where the rows a site dropout draws for sit: the training step, the step's global batch row of
+// the tensor's first row, and the sequence position of its first position (sequence parallelism
+// holds a slice of T). The trainer sets it per micro-batch, the pipeline per action.
+struct DropoutPlace {
+  int64_t step = 0;
+  int64_t row0 = 0;
+  int64_t t0 = 0;
+};
+// The generator dropout draws from (per thread): the seed, the next stream of plain dropout, the
+// place of site dropout, and whether dropout is on. Recompute saves and restores it so a re-run
+// region draws the same masks.
 struct DropoutGenerator {
   uint64_t seed = 0;
   uint64_t next_stream = 0;
+  DropoutPlace place;
+  bool active = true;  // off: dropout is the identity (evaluation)
 };
 DropoutGenerator& dropout_generator();
+// Evaluation: dropout is the identity while this lives (what PyTorch's model.eval() does).
+class DropoutOff {
+ public:
+  DropoutOff() : was_(dropout_generator().active) { dropout_generator().active = false; }
+  ~DropoutOff() { dropout_generator().active = was_; }
+  DropoutOff(const DropoutOff&) = delete;
+  DropoutOff& operator=(const DropoutOff&) = delete;
+
+ private:
+  bool was_;
+};
 
 }  // namespace sg

@@ -654,6 +654,10 @@ double Trainer::train_step(int64_t step, double lr, double& grad_norm, bool& app
   const int64_t local = B_ / dp_size_, n_micro = local / micro_;
   Tensor idx = to(narrow(b.inputs, 0, dp_rank_ * local, local), device_);
   Tensor tgt = to(narrow(b.targets, 0, dp_rank_ * local, local), device_);
+  // Dropout's place: this step, this rank's first row of the global batch and (under sequence
+  // parallelism) its first position; each micro-batch (pipeline action) moves the row on.
+  DropoutPlace& place = dropout_generator().place;
+  place = DropoutPlace{step, dp_rank_ * local, cfg_.sequence_parallel ? groups_.tp->rank() * (T_ / tp_) : 0};
   if (pipe_) return pipeline_step(step, idx, tgt, counted, loss_scale, lr, grad_norm, applied);
   // With ddp the gradients are averaged over ranks, so each rank's loss is scaled by the world
   // size: the average of the ranks' gradients is then the gradient of the global batch's mean.
@@ -664,6 +668,7 @@ double Trainer::train_step(int64_t step, double lr, double& grad_norm, bool& app
   std::vector<Tensor> losses;
   for (int64_t m = 0; m < n_micro; ++m) {
     Tensor mi = narrow(idx, 0, m * micro_, micro_), mt = narrow(tgt, 0, m * micro_, micro_);
+    place.row0 = dp_rank_ * local + m * micro_;
     if (ddp_) ddp_->set_sync(m == n_micro - 1);  // no_sync for all but the last micro-batch
     // under SP the replicated gradients are summed over tp before ZeRO reduces them over dp
     if (zero_) zero_->set_sync(m == n_micro - 1 && !cfg_.sequence_parallel);
@@ -947,6 +952,7 @@ void Trainer::write_timeline() {
 
 json Trainer::evaluate() {
   autograd::NoGradGuard ng;
+  DropoutOff eval_mode;  // the model as it is, without dropout
   trace::Scope ts("evaluate", "compute");
   json out;
   val_->set_position(0);  // the same held-out batches at every evaluation

@@ -180,8 +180,12 @@ struct OpTable {
   void (*cross_entropy_fused)(DType dtype, DType tgt_dtype, void* loss, void* dlogits, const void* logits,
                               const void* targets, double dloss, int64_t rows, int64_t Vp, int64_t V,
                               int64_t ignore_index) = nullptr;
-  // out = x * keep / (1 - p), keep drawn from Philox(seed, stream, index); backward uses the same draw.
-  void (*dropout)(DType dtype, void* out, const void* x, int64_t n, double p, uint64_t seed, uint64_t stream) = nullptr;
+  // out = x * keep / (1 - p) over n elements seen as rows of row_len: element j of row r keeps
+  // when Philox(seed, stream + r, first + j) >= p (row_len = n, first = 0: one stream, index i).
+  // The backward is the same call on dy. Rows and an index offset let a rank draw its slice of a
+  // global [B, T, C] tensor's mask: stream per global row, index per (t, c).
+  void (*dropout)(DType dtype, void* out, const void* x, int64_t n, double p, uint64_t seed, uint64_t stream,
+                  int64_t row_len, uint64_t first) = nullptr;
   // Fused causal scaled-dot-product attention: forward writes out and lse; backward dq, dk, dv.
   void (*attention)(const AttentionArgs& a) = nullptr;
   void (*attention_backward)(const AttentionArgs& a) = nullptr;

@@ -79,7 +79,7 @@ Tensor causal_attention(const Tensor& qkv, int64_t n_head, bool recompute_core) 
 Tensor CausalSelfAttention::forward(const Tensor& x, bool recompute_core, const Tensor& residual) const {
   Tensor y = causal_attention(c_attn->forward(x), n_head, recompute_core);  // c_attn: [B, T, 3C]
   if (dropout == 0) return c_proj->forward(y, residual);
-  Tensor a = sg::dropout(c_proj->forward(y), dropout);
+  Tensor a = sg::dropout(c_proj->forward(y), dropout, dropout_site);
   return residual.defined() ? add(residual, a) : a;
 }
 
@@ -92,14 +92,17 @@ Tensor MLP::forward(const Tensor& x, const Tensor& residual) const {
   return mlp(x, c_fc->weight, c_fc->bias, c_proj->weight, c_proj->bias, residual);  // one node: sg::mlp
 }
 
-Block::Block(const GPTConfig& c, DType dtype, Device device, std::shared_ptr<comm::ProcessGroup> tp_group)
-    : dropout(c.dropout) {
+Block::Block(const GPTConfig& c, DType dtype, Device device, std::shared_ptr<comm::ProcessGroup> tp_group,
+             int64_t layer_index)
+    : dropout(c.dropout), layer(layer_index) {
   ln_1 = register_module("ln_1", std::make_shared<LayerNorm>(c.n_embd, c.ln_eps, dtype, device));
   if (c.tp > 1) tp_attn = register_module("attn", std::make_shared<parallel::tp::ParallelAttention>(c, tp_group, dtype, device));
   else attn = register_module("attn", std::make_shared<CausalSelfAttention>(c, dtype, device));
   ln_2 = register_module("ln_2", std::make_shared<LayerNorm>(c.n_embd, c.ln_eps, dtype, device));
   if (c.tp > 1) tp_mlp = register_module("mlp", std::make_shared<parallel::tp::ParallelMLP>(c, tp_group, dtype, device));
   else mlp = register_module("mlp", std::make_shared<MLP>(c, dtype, device));
+  if (attn) attn->dropout_site = attn_dropout_site(layer);
+  else tp_attn->dropout_site = attn_dropout_site(layer);
 }
 
 Tensor Block::forward(const Tensor& x, Recompute rc) const {
@@ -114,7 +117,7 @@ Tensor Block::forward(const Tensor& x, Recompute rc) const {
     Tensor a = attn ? attn->forward(ln_1->forward(in[0]), sel) : tp_attn->forward(ln_1->forward(in[0]), sel);
     auto [h, normed] = ln_2->forward_add(in[0], a);  // h = x + attn, normed = ln_2(h): one fused op
     Tensor m = mlp ? mlp->forward(normed) : tp_mlp->forward(normed);
-    return autograd::TensorList{add(h, dropout > 0 ? sg::dropout(m, dropout) : m)};
+    return autograd::TensorList{add(h, dropout > 0 ? sg::dropout(m, dropout, mlp_dropout_site(layer)) : m)};
   };
   if (pre_forward) pre_forward();
   Tensor y = rc == Recompute::full ? autograd::recompute(body, {x}, parameters())[0] : body({x})[0];
@@ -133,7 +136,7 @@ GPT::GPT(const GPTConfig& c, DType dtype, Device device, std::shared_ptr<comm::P
     wte = register_module("wte", std::make_shared<Embedding>(c.vocab_rows(), c.n_embd, dtype, device));
   }
   wpe = register_module("wpe", std::make_shared<Embedding>(c.block_size, c.n_embd, dtype, device));
-  for (int64_t i = 0; i < c.n_layer; ++i) h.push_back(register_module("h." + std::to_string(i), std::make_shared<Block>(c, dtype, device, tp_group)));
+  for (int64_t i = 0; i < c.n_layer; ++i) h.push_back(register_module("h." + std::to_string(i), std::make_shared<Block>(c, dtype, device, tp_group, i)));
   ln_f = register_module("ln_f", std::make_shared<LayerNorm>(c.n_embd, c.ln_eps, dtype, device));
 }
 
@@ -180,7 +183,7 @@ Tensor GPT::embed(const Tensor& idx) const {
   }
   const Tensor tokens = wte ? wte->forward(idx) : tp_wte->forward(idx);
   Tensor x = add(tokens, narrow(wpe->weight, 0, first, len));  // [B, T, C] + [T, C]
-  if (config.dropout > 0) x = dropout(x, config.dropout);
+  if (config.dropout > 0) x = dropout(x, config.dropout, kEmbedDropoutSite);
   return x;
 }
 

@@ -35,7 +35,8 @@ struct GPTConfig {
   int64_t tp = 1;
   // With tp > 1: activations outside the tensor-parallel regions are split along the sequence
   // (parallel/tp/layers.h); gradients of replicated parameters then need
-  // parallel::tp::sync_sequence_parallel_grads after backward. Dropout masks are drawn per rank.
+  // parallel::tp::sync_sequence_parallel_grads after backward. Dropout draws the masks of this
+  // rank's positions (the dropout place's t0, which the trainer sets).
   bool sequence_parallel = false;
   int64_t vocab_rows() const;
   int64_t head_dim() const { return n_embd / n_head; }
@@ -52,6 +53,12 @@ GPTConfig gpt_preset(const std::string& name);
 // re-run in backward (selective recompute: its saved q, k, v, out are not kept).
 Tensor causal_attention(const Tensor& qkv, int64_t n_head, bool recompute_core);
 
+// Dropout call sites (sg::dropout(x, p, site)): the embedding's, then each block's attention
+// output and MLP output. A site and the element's place in the step's batch fix its mask.
+constexpr int64_t kEmbedDropoutSite = 0;
+inline int64_t attn_dropout_site(int64_t layer) { return 1 + 2 * layer; }
+inline int64_t mlp_dropout_site(int64_t layer) { return 2 + 2 * layer; }
+
 class CausalSelfAttention : public Module {
  public:
   CausalSelfAttention(const GPTConfig& c, DType dtype, Device device);
@@ -62,6 +69,7 @@ class CausalSelfAttention : public Module {
   std::shared_ptr<Linear> c_attn, c_proj;
   int64_t n_head;
   double dropout;
+  int64_t dropout_site = 0;  // its block's attn_dropout_site
 };
 
 class MLP : public Module {
@@ -77,7 +85,9 @@ class Block : public Module {
  public:
   // With c.tp > 1: tp_attn and tp_mlp over tp_group (registered as "attn" and "mlp"), attn
   // and mlp null.
-  Block(const GPTConfig& c, DType dtype, Device device, std::shared_ptr<comm::ProcessGroup> tp_group = nullptr);
+  // layer: the block's index in the model (its dropout sites).
+  Block(const GPTConfig& c, DType dtype, Device device, std::shared_ptr<comm::ProcessGroup> tp_group = nullptr,
+        int64_t layer = 0);
   // Calls pre_forward first and returns post_forward(output) when they are set.
   Tensor forward(const Tensor& x, Recompute rc) const;
   const char* type_name() const override { return "Block"; }
@@ -87,6 +97,7 @@ class Block : public Module {
   std::shared_ptr<parallel::tp::ParallelAttention> tp_attn;
   std::shared_ptr<parallel::tp::ParallelMLP> tp_mlp;
   double dropout;
+  int64_t layer;
 };
 
 class GPT : public Module {

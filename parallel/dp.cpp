@@ -57,7 +57,10 @@ double DataParallel::forward_backward(const Tensor& idx, const Tensor& targets, 
     for (auto& e : errors)
       if (e) std::rethrow_exception(e);
   };
+  const DropoutGenerator caller_rng = dropout_generator();  // each replica thread: its rows' place
   run([&](int64_t k) {
+    dropout_generator() = caller_rng;
+    dropout_generator().place.row0 += k * rows;
     tapes[size_t(k)] = std::make_unique<autograd::Tape>();
     autograd::TapeScope scope(*tapes[size_t(k)]);
     Tensor mine = to(narrow(idx, 0, k * rows, rows), devices_[size_t(k)]);

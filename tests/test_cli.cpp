@@ -535,6 +535,55 @@ TEST_CASE("3-D layouts (dp x tp x pp, ddp, zero1/2, zero3, hsdp or no-shard acro
           "leaves dp = 2: the data-parallel replicas need a --strategy");
 }
 
+TEST_CASE("with dropout every layout draws the single-process masks and gives its losses, and evaluation runs without dropout", "[cli][mpi]") {
+  TempDir d;
+  const std::string args = " train --n-layer 4 --n-embd 32 --n-head 2 --seq-len 16 --batch-size 8 --micro-batch-size 2 "
+                           "--steps 3 --threads 1 --eval-every 0 --dropout 0.1 --log-json ";
+  Run one = shardgrad(args + (d.path / "one.jsonl").string());
+  INFO(one.output);
+  REQUIRE(one.code == 0);
+  auto a = read_log(d.path / "one.jsonl");
+  REQUIRE(a.size() == 3);
+  // masks follow the element's place in the step's batch (row, position), not the rank, the
+  // micro-batch or the order of the calls
+  const std::vector<std::pair<int, std::string>> layouts = {
+      {1, "--micro-batch-size 4"},
+      {1, "--recompute full"},
+      {1, "--strategy dp"},
+      {2, "--strategy ddp"},
+      {2, "--strategy zero3"},
+      {2, "--tp 2 --sequence-parallel"},
+      {2, "--pp 2 --pp-schedule interleaved --virtual-stages 2"},
+      {8, "--tp 2 --pp 2 --strategy zero1 --sequence-parallel"}};
+  for (size_t k = 0; k < layouts.size(); ++k) {
+    INFO(layouts[k].second);
+    const fs::path log = d.path / ("l" + std::to_string(k) + ".jsonl");
+    Run r = run_command(mpirun(layouts[k].first) + args + log.string() + " " + layouts[k].second);
+    INFO(r.output);
+    REQUIRE(r.code == 0);
+    auto b = read_log(log);
+    REQUIRE(b.size() == 3);
+    for (size_t i = 0; i < 3; ++i) {
+      REQUIRE(std::abs(b[i]["loss"].get<double>() - a[i]["loss"].get<double>()) <= 1e-5 * a[i]["loss"].get<double>());
+      REQUIRE(std::abs(b[i]["grad_norm"].get<double>() - a[i]["grad_norm"].get<double>()) <=
+              1e-5 * a[i]["grad_norm"].get<double>());
+    }
+  }
+  // with a learning rate of 1e-12 the weights stay as initialised (to 1e-12): the validation loss is
+  // the same whatever the dropout, as evaluation drops nothing (with dropout it moves by ~1e-2)
+  std::map<std::string, double> val;
+  for (const char* p : {"0", "0.1", "0.5"}) {
+    const fs::path log = d.path / ("p" + std::string(p) + ".jsonl");
+    Run r = shardgrad(" train --n-layer 2 --n-embd 32 --n-head 2 --seq-len 16 --batch-size 8 --steps 1 --threads 1 "
+                      "--eval-every 0 --lr 1e-12 --min-lr 0 --dropout " + std::string(p) + " --log-json " + log.string());
+    INFO(r.output);
+    REQUIRE(r.code == 0);
+    val[p] = read_log(log).back()["eval"]["val_loss"].get<double>();
+  }
+  CHECK(val["0.1"] == Approx(val["0"]).epsilon(1e-9));
+  CHECK(val["0.5"] == Approx(val["0"]).epsilon(1e-9));
+}
+
 TEST_CASE("bf16 and fp16 under tp, pp and their compositions stay with the single-process run, a bf16 pipeline's f32 masters resume in one process", "[cli][mpi]") {
   TempDir d;
   const std::string args = " train --n-layer 2 --n-embd 32 --n-head 2 --seq-len 16 --batch-size 8 --micro-batch-size 2 "

@@ -934,6 +934,39 @@ TEST_CASE("dropout: drops a fraction p, scales survivors by 1/(1-p), backward re
   REQUIRE_THROWS_WITH(dropout(x, 1.0), Contains("dropout: probability 1 is outside [0, 1)"));
 }
 
+TEST_CASE("site dropout: a slice of the batch draws the slice of the whole batch's mask, whoever computes it", "[ops]") {
+  const double p = 0.3;
+  Tensor x = add(rand({8, 12, 5}, 9, 1, 0, 1), 1.0);  // [rows, T, C], never zero
+  DropoutGenerator& gen = dropout_generator();
+  gen = {321, 0};
+  gen.place = DropoutPlace{7, 0, 0};
+  const auto whole = to_vector<float>(dropout(x, p, 3));
+  CHECK(gen.next_stream == 0);  // site dropout takes no stream from the counter
+  // rows 4..7, positions 6..11 (a dp rank's rows, a sequence-parallel rank's positions)
+  gen.place = DropoutPlace{7, 4, 6};
+  const auto part = to_vector<float>(dropout(contiguous(narrow(narrow(x, 0, 4, 4), 1, 6, 6)), p, 3));
+  for (int64_t r = 0; r < 4; ++r)
+    for (int64_t t = 0; t < 6; ++t)
+      for (int64_t c = 0; c < 5; ++c)
+        REQUIRE(part[size_t((r * 6 + t) * 5 + c)] == whole[size_t(((4 + r) * 12 + 6 + t) * 5 + c)]);
+  // another step or site: another mask
+  gen.place = DropoutPlace{8, 0, 0};
+  CHECK(to_vector<float>(dropout(x, p, 3)) != whole);
+  gen.place = DropoutPlace{7, 0, 0};
+  CHECK(to_vector<float>(dropout(x, p, 4)) != whole);
+  CHECK(to_vector<float>(dropout(x, p, 3)) == whole);
+  {
+    DropoutOff eval;  // evaluation: the identity, for both kinds
+    CHECK(dropout(x, p, 3).impl() == x.impl());
+    CHECK(dropout(x, p).impl() == x.impl());
+  }
+  CHECK(to_vector<float>(dropout(x, p, 3)) == whole);
+  REQUIRE_THROWS_WITH(dropout(reshape(contiguous(narrow(x, 2, 0, 1)), {8, 12}), p, 3), Contains("expected an activation [rows, T, C]"));
+  gen.place = DropoutPlace{7, (int64_t(1) << 24) - 4, 0};
+  REQUIRE_THROWS_WITH(dropout(x, p, 3), Contains("outside [0, 2^24)"));
+  gen = {};
+}
+
 TEST_CASE("to(dtype) round trips keep values representable in the target and cast gradients back", "[ops]") {
   Tensor x = randn({3, 5, 7}, 8, 1, 0, 1, DType::f64);
   auto xv = to_vector<double>(x);

@@ -31,7 +31,8 @@ void reduce(Reduce op, DType dtype, void* out, const void* x, int64_t outer, int
 double sum_squares_many(DType dtype, const void* const* xs, const int64_t* ns, const double* weights, int64_t count);
 void random(DType dtype, void* out, int64_t n, bool normal, double a, double b, uint64_t seed, uint64_t stream,
             uint64_t first);
-void dropout(DType dtype, void* out, const void* x, int64_t n, double p, uint64_t seed, uint64_t stream);
+void dropout(DType dtype, void* out, const void* x, int64_t n, double p, uint64_t seed, uint64_t stream,
+             int64_t row_len, uint64_t first);
 void gemm(const GemmArgs& a);
 void softmax(DType dtype, void* y, const void* x, int64_t rows, int64_t cols, bool log);
 void softmax_backward(DType dtype, void* dx, const void* dy, const void* y, int64_t rows, int64_t cols, bool log);

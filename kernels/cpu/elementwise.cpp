@@ -363,7 +363,9 @@ void random(DType dtype, void* out, int64_t n, bool normal, double a, double b, 
   });
 }
 
-void dropout(DType dtype, void* out, const void* x, int64_t n, double p, uint64_t seed, uint64_t stream) {
+void dropout(DType dtype, void* out, const void* x, int64_t n, double p, uint64_t seed, uint64_t stream,
+             int64_t row_len, uint64_t first) {
+  SG_CHECK(row_len > 0 && n % row_len == 0, "dropout: ", n, " elements are not rows of ", row_len);
   dispatch_float(dtype, "dropout", [&](auto tag) {
     using T = decltype(tag);
     auto* o = static_cast<T*>(out);
@@ -371,7 +373,10 @@ void dropout(DType dtype, void* out, const void* x, int64_t n, double p, uint64_
     const T scale = T(1.0 / (1.0 - p));
     const float pf = float(p);
 #pragma omp parallel for schedule(static) if (n > 16384)
-    for (int64_t i = 0; i < n; ++i) o[i] = Philox::uniform(seed, stream, uint64_t(i)) >= pf ? in[i] * scale : T(0);
+    for (int64_t i = 0; i < n; ++i) {
+      const uint64_t r = uint64_t(i / row_len), j = uint64_t(i % row_len);
+      o[i] = Philox::uniform(seed, stream + r, first + j) >= pf ? in[i] * scale : T(0);
+    }
   });
 }
 

@@ -2,7 +2,8 @@
 // uses Philox(seed, stream, index) from core/philox.h, the same function the CPU kernels call, so
 // a GPU mask equals the CPU mask bit for bit (uniform() is integer arithmetic; normal() goes
 // through the device's logf/cosf, which may differ from the host libm in the last ulp).
-//   dropout forward:  out = x keep / (1 - p),  keep = uniform(seed, stream, i) >= p       ('=')
+//   dropout forward:  out = x keep / (1 - p),  keep = uniform(seed, stream + r, first + j) >= p
+//                     for element j of row r (rows of row_len)                             ('=')
 //   dropout backward: dx = dy keep / (1 - p), the same draw                               ('=')
 #pragma once
 #include "core/philox.h"
@@ -11,9 +12,12 @@
 namespace sg::cuda {
 
 template <class T>
-__global__ void dropout_kernel(T* out, const T* x, int64_t n, float p, float scale, uint64_t seed, uint64_t stream) {
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    out[i] = Philox::uniform(seed, stream, uint64_t(i)) >= p ? from_f32<T>(to_f32(x[i]) * scale) : from_f32<T>(0.0f);
+__global__ void dropout_kernel(T* out, const T* x, int64_t n, float p, float scale, uint64_t seed, uint64_t stream,
+                               int64_t row_len, uint64_t first) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const uint64_t r = uint64_t(i / row_len), j = uint64_t(i % row_len);
+    out[i] = Philox::uniform(seed, stream + r, first + j) >= p ? from_f32<T>(to_f32(x[i]) * scale) : from_f32<T>(0.0f);
+  }
 }
 
 // Computed in double like the CPU table, so f32 fills match it exactly.
@@ -31,18 +35,20 @@ __global__ void random_kernel(T* out, int64_t n, bool normal, double a, double b
 constexpr int kPhiloxThreads = 256;
 
 inline void dropout(DType dtype, void* out, const void* x, int64_t n, double p, uint64_t seed, uint64_t rng_stream,
-                    Stream stream) {
+                    int64_t row_len, uint64_t first, Stream stream) {
+  SG_CHECK(row_len > 0 && n % row_len == 0, "dropout (cuda): ", n, " elements are not rows of ", row_len);
   dispatch_storage(dtype, "dropout", [&](auto tag) {
     using T = decltype(tag);
     launch(dropout_kernel<T>, dim3(blocks_for(n, kPhiloxThreads)), dim3(kPhiloxThreads), 0, stream,
-           static_cast<T*>(out), static_cast<const T*>(x), n, float(p), float(1.0 / (1.0 - p)), seed, rng_stream);
+           static_cast<T*>(out), static_cast<const T*>(x), n, float(p), float(1.0 / (1.0 - p)), seed, rng_stream,
+           row_len, first);
   });
 }
 
-// The backward is the forward applied to dy with the same (seed, stream).
+// The backward is the forward applied to dy with the same draw.
 inline void dropout_backward(DType dtype, void* dx, const void* dy, int64_t n, double p, uint64_t seed,
-                             uint64_t rng_stream, Stream stream) {
-  dropout(dtype, dx, dy, n, p, seed, rng_stream, stream);
+                             uint64_t rng_stream, int64_t row_len, uint64_t first, Stream stream) {
+  dropout(dtype, dx, dy, n, p, seed, rng_stream, row_len, first, stream);
 }
 
 inline void random(DType dtype, void* out, int64_t n, bool normal, double a, double b, uint64_t seed,

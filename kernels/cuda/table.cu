@@ -254,9 +254,10 @@ void cross_entropy_fused(DType dtype, DType tgt_dtype, void* loss, void* dlogits
                                     o.stream);
 }
 
-void dropout(DType dtype, void* out, const void* x, int64_t n, double p, uint64_t seed, uint64_t stream) {
+void dropout(DType dtype, void* out, const void* x, int64_t n, double p, uint64_t seed, uint64_t stream,
+             int64_t row_len, uint64_t first) {
   if (n == 0) return;
-  cuda::dropout(dtype, out, x, n, p, seed, stream, on(out, "dropout").stream);
+  cuda::dropout(dtype, out, x, n, p, seed, stream, row_len, first, on(out, "dropout").stream);
 }
 
 void random(DType dtype, void* out, int64_t n, bool normal, double a, double b, uint64_t seed, uint64_t stream,

@@ -111,6 +111,9 @@ double PipelineExecutor::run(const Tensor& idx, const Tensor& targets, double sc
   timeline_.per_rank.resize(size_t(schedule_.ranks));
   const auto t0 = std::chrono::steady_clock::now();
   auto now = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
+  // Dropout's place: the caller's first row of these rows, moved to each action's micro-batch.
+  DropoutPlace& place = dropout_generator().place;
+  const int64_t first_row = place.row0;
   for (const Action& a : schedule_.per_rank[size_t(rank)]) {
     Tensor mi = narrow(idx, 0, a.micro * rows, rows), mt = narrow(targets, 0, a.micro * rows, rows);
     // What the action needs from another stage is received before its clock starts: the wait is
@@ -132,6 +135,7 @@ double PipelineExecutor::run(const Tensor& idx, const Tensor& targets, double sc
     }
     const double start = now();
     trace::Scope ts(a.phase == Phase::forward ? "F" : "B", "pipeline", {{"stage", a.stage}, {"micro", a.micro}});
+    place.row0 = first_row + a.micro * rows;
     if (a.phase == Phase::forward) {
       InFlight f;
       f.tape = std::make_unique<autograd::Tape>();
@@ -159,6 +163,7 @@ double PipelineExecutor::run(const Tensor& idx, const Tensor& targets, double sc
     }
     timeline_.per_rank[size_t(rank)].push_back({a, start, now()});
   }
+  place.row0 = first_row;
   for (auto& [w, t] : sends) w->wait();
   timeline_.makespan = now();
   // Every rank reports the pipeline's loss (only the last stage computed it).

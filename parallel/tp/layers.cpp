@@ -152,7 +152,7 @@ ParallelAttention::ParallelAttention(const nn::GPTConfig& c, GroupPtr group, DTy
 
 Tensor ParallelAttention::forward(const Tensor& x, bool recompute_core) const {
   Tensor y = c_proj->forward(nn::causal_attention(c_attn->forward(x), local_heads, recompute_core));
-  return dropout > 0 ? sg::dropout(y, dropout) : y;
+  return dropout > 0 ? sg::dropout(y, dropout, dropout_site) : y;
 }
 
 void ParallelAttention::load_full(const nn::CausalSelfAttention& full) {

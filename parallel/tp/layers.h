@@ -119,6 +119,7 @@ class ParallelAttention : public nn::Module {
   std::shared_ptr<RowParallelLinear> c_proj;
   int64_t local_heads;
   double dropout;
+  int64_t dropout_site = 0;  // its block's nn::attn_dropout_site
 };
 
 class ParallelMLP : public nn::Module {

@@ -478,11 +478,11 @@ TEMPLATE_TEST_CASE("emu dropout and Philox fills draw the CPU table's numbers", 
   const int64_t n = 1001;
   const auto x = rounded<T>(randn(n, 31));
   std::vector<float> want(n);
-  cpu::dropout(DType::f32, want.data(), x.data(), n, 0.3, 1234, 99);
+  cpu::dropout(DType::f32, want.data(), x.data(), n, 0.3, 1234, 99, n, 0);
   const auto xs = to_storage<T>(x);
   std::vector<T> got(n), back(n);
-  cu::dropout(dtype_of<T>(), got.data(), xs.data(), n, 0.3, 1234, 99, nullptr);
-  cu::dropout_backward(dtype_of<T>(), back.data(), xs.data(), n, 0.3, 1234, 99, nullptr);
+  cu::dropout(dtype_of<T>(), got.data(), xs.data(), n, 0.3, 1234, 99, n, 0, nullptr);
+  cu::dropout_backward(dtype_of<T>(), back.data(), xs.data(), n, 0.3, 1234, 99, n, 0, nullptr);
   int64_t dropped = 0;
   for (int64_t i = 0; i < n; ++i) {
     REQUIRE((cu::to_f32(got[size_t(i)]) == 0.0f) == (want[size_t(i)] == 0.0f));  // the same mask
@@ -493,6 +493,20 @@ TEMPLATE_TEST_CASE("emu dropout and Philox fills draw the CPU table's numbers", 
   if constexpr (std::is_same_v<T, float>) REQUIRE(to_float(got) == want);
   check_close(got, want);
   check_close(back, want);
+  {
+    // rows of 77 (13 of them): row r on stream 99 + r, element j at index 500 + j, as the CPU
+    const int64_t row_len = 77;
+    std::vector<float> rows_want(n);
+    cpu::dropout(DType::f32, rows_want.data(), x.data(), n, 0.3, 1234, 99, row_len, 500);
+    std::vector<T> rows_got(n);
+    cu::dropout(dtype_of<T>(), rows_got.data(), xs.data(), n, 0.3, 1234, 99, row_len, 500, nullptr);
+    for (int64_t i = 0; i < n; ++i) {
+      const bool keep = Philox::uniform(1234, 99 + uint64_t(i / row_len), 500 + uint64_t(i % row_len)) >= 0.3f;
+      REQUIRE((rows_want[size_t(i)] != 0.0f) == keep);
+      REQUIRE((cu::to_f32(rows_got[size_t(i)]) != 0.0f) == keep);
+    }
+    check_close(rows_got, rows_want);
+  }
   for (bool normal : {false, true}) {
     std::vector<float> ref(n);
     cpu::random(DType::f32, ref.data(), n, normal, -0.5, 2.0, 77, 5, 1000);

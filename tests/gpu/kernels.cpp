@@ -511,9 +511,12 @@ TEST_CASE("dropout and Philox fills give the CPU's numbers", "[gpu][kernels]") {
   const auto x = randn(size_t(n), 26);
   Tensor gx = put(x, DType::f32, gpu), cx = put(x, DType::f32, host);
   Tensor go = buffer(n, DType::f32, gpu), co = buffer(n, DType::f32, host);
-  G().dropout(DType::f32, go.data_ptr(), gx.data_ptr(), n, 0.3, 42, 7);
-  C().dropout(DType::f32, co.data_ptr(), cx.data_ptr(), n, 0.3, 42, 7);
+  G().dropout(DType::f32, go.data_ptr(), gx.data_ptr(), n, 0.3, 42, 7, n, 0);
+  C().dropout(DType::f32, co.data_ptr(), cx.data_ptr(), n, 0.3, 42, 7, n, 0);
   check_close(get(go), get(co), 1e-6, 0);  // the same mask, bit for bit
+  G().dropout(DType::f32, go.data_ptr(), gx.data_ptr(), n, 0.3, 42, 7, 91, 300);  // rows of 91, from index 300
+  C().dropout(DType::f32, co.data_ptr(), cx.data_ptr(), n, 0.3, 42, 7, 91, 300);
+  check_close(get(go), get(co), 1e-6, 0);
   G().random(DType::f32, go.data_ptr(), n, false, -2.0, 3.0, 5, 1, 100);
   C().random(DType::f32, co.data_ptr(), n, false, -2.0, 3.0, 5, 1, 100);
   REQUIRE(get(go) == get(co));
