@@ -409,6 +409,46 @@ TEST_CASE("impossible layouts are refused before any work, with the reason", "[c
   refuses(mpirun(2) + " train " + kSmall + " --n-layer 2 --pp 2 --pp-schedule zigzag", "unknown schedule 'zigzag'");
 }
 
+// Step by step, b's losses and gradient norms equal a's to 1e-5 (relative).
+void same_losses_and_norms(const std::vector<nlohmann::json>& a, const std::vector<nlohmann::json>& b) {
+  REQUIRE(b.size() == a.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    INFO("step " << i + 1);
+    REQUIRE(std::abs(b[i]["loss"].get<double>() - a[i]["loss"].get<double>()) <= 1e-5 * a[i]["loss"].get<double>());
+    REQUIRE(std::abs(b[i]["grad_norm"].get<double>() - a[i]["grad_norm"].get<double>()) <=
+            1e-5 * a[i]["grad_norm"].get<double>());
+  }
+}
+
+// The layout tests' model and run, 3 steps; the flags that follow end with --log-json.
+const std::string kLayoutRun = " train --n-layer 4 --n-embd 32 --n-head 2 --seq-len 16 --batch-size 8 "
+                               "--micro-batch-size 2 --steps 3 --threads 1 --eval-every 0 ";
+
+// The one-process run of `args` (ending in --log-json) logged to dir/one.jsonl: its 3 records.
+std::vector<nlohmann::json> one_process(const std::string& args, const fs::path& dir, Run* run = nullptr) {
+  Run one = shardgrad(args + (dir / "one.jsonl").string());
+  INFO(one.output);
+  REQUIRE(one.code == 0);
+  if (run) *run = one;
+  auto a = read_log(dir / "one.jsonl");
+  REQUIRE(a.size() == 3);
+  return a;
+}
+
+// `args` (ending in --log-json) + log + `layout` on `ranks` processes: it succeeds and gives the
+// one-process records a; its records.
+std::vector<nlohmann::json> matches_one_process(const std::vector<nlohmann::json>& a, int ranks, const std::string& args,
+                                                const std::string& layout, const fs::path& log, Run* run = nullptr) {
+  INFO(layout);
+  Run r = run_command(mpirun(ranks) + args + log.string() + " " + layout);
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  if (run) *run = r;
+  auto b = read_log(log);
+  same_losses_and_norms(a, b);
+  return b;
+}
+
 // The number after `key` in a progress line ("val loss 2.3456"), or NaN.
 double number_after(const std::string& text, const std::string& key) {
   const size_t at = text.find(key);
@@ -417,13 +457,9 @@ double number_after(const std::string& text, const std::string& key) {
 
 TEST_CASE("3-D layouts (dp x tp x pp, ddp, zero1/2, zero3, hsdp or no-shard across dp, with and without sequence parallelism) give the single-process losses and gradient norms", "[cli][mpi]") {
   TempDir d;
-  const std::string args = " train --n-layer 4 --n-embd 32 --n-head 2 --seq-len 16 --batch-size 8 --micro-batch-size 2 "
-                           "--steps 3 --threads 1 --eval-every 0 --log-json ";
-  Run one = shardgrad(args + (d.path / "one.jsonl").string());
-  INFO(one.output);
-  REQUIRE(one.code == 0);
-  auto a = read_log(d.path / "one.jsonl");
-  REQUIRE(a.size() == 3);
+  const std::string args = kLayoutRun + "--log-json ";
+  Run one;
+  auto a = one_process(args, d.path, &one);
   const std::vector<std::pair<int, std::string>> layouts = {
       {4, "--tp 2 --strategy ddp"},
       {4, "--pp 2 --strategy ddp --pp-schedule interleaved --virtual-stages 2"},
@@ -446,17 +482,9 @@ TEST_CASE("3-D layouts (dp x tp x pp, ddp, zero1/2, zero3, hsdp or no-shard acro
   std::map<std::string, int64_t> param_bytes, param_peak;  // rank 0's after the step and at its peak, by layout
   for (size_t k = 0; k < layouts.size(); ++k) {
     INFO(layouts[k].second);
-    const fs::path log = d.path / ("l" + std::to_string(k) + ".jsonl");
-    Run r = run_command(mpirun(layouts[k].first) + args + log.string() + " " + layouts[k].second);
+    Run r;
+    auto b = matches_one_process(a, layouts[k].first, args, layouts[k].second, d.path / ("l" + std::to_string(k) + ".jsonl"), &r);
     INFO(r.output);
-    REQUIRE(r.code == 0);
-    auto b = read_log(log);
-    REQUIRE(b.size() == 3);
-    for (size_t i = 0; i < 3; ++i) {
-      REQUIRE(std::abs(b[i]["loss"].get<double>() - a[i]["loss"].get<double>()) <= 1e-5 * a[i]["loss"].get<double>());
-      REQUIRE(std::abs(b[i]["grad_norm"].get<double>() - a[i]["grad_norm"].get<double>()) <=
-              1e-5 * a[i]["grad_norm"].get<double>());
-    }
     {
       // the progress line shows the range of the ranks' peaks (they differ under a pipeline)
       int64_t lo = INT64_MAX, hi = 0;
@@ -537,13 +565,8 @@ TEST_CASE("3-D layouts (dp x tp x pp, ddp, zero1/2, zero3, hsdp or no-shard acro
 
 TEST_CASE("with dropout every layout draws the single-process masks and gives its losses, and evaluation runs without dropout", "[cli][mpi]") {
   TempDir d;
-  const std::string args = " train --n-layer 4 --n-embd 32 --n-head 2 --seq-len 16 --batch-size 8 --micro-batch-size 2 "
-                           "--steps 3 --threads 1 --eval-every 0 --dropout 0.1 --log-json ";
-  Run one = shardgrad(args + (d.path / "one.jsonl").string());
-  INFO(one.output);
-  REQUIRE(one.code == 0);
-  auto a = read_log(d.path / "one.jsonl");
-  REQUIRE(a.size() == 3);
+  const std::string args = kLayoutRun + "--dropout 0.1 --log-json ";
+  const auto a = one_process(args, d.path);
   // masks follow the element's place in the step's batch (row, position), not the rank, the
   // micro-batch or the order of the calls
   const std::vector<std::pair<int, std::string>> layouts = {
@@ -555,20 +578,8 @@ TEST_CASE("with dropout every layout draws the single-process masks and gives it
       {2, "--tp 2 --sequence-parallel"},
       {2, "--pp 2 --pp-schedule interleaved --virtual-stages 2"},
       {8, "--tp 2 --pp 2 --strategy zero1 --sequence-parallel"}};
-  for (size_t k = 0; k < layouts.size(); ++k) {
-    INFO(layouts[k].second);
-    const fs::path log = d.path / ("l" + std::to_string(k) + ".jsonl");
-    Run r = run_command(mpirun(layouts[k].first) + args + log.string() + " " + layouts[k].second);
-    INFO(r.output);
-    REQUIRE(r.code == 0);
-    auto b = read_log(log);
-    REQUIRE(b.size() == 3);
-    for (size_t i = 0; i < 3; ++i) {
-      REQUIRE(std::abs(b[i]["loss"].get<double>() - a[i]["loss"].get<double>()) <= 1e-5 * a[i]["loss"].get<double>());
-      REQUIRE(std::abs(b[i]["grad_norm"].get<double>() - a[i]["grad_norm"].get<double>()) <=
-              1e-5 * a[i]["grad_norm"].get<double>());
-    }
-  }
+  for (size_t k = 0; k < layouts.size(); ++k)
+    matches_one_process(a, layouts[k].first, args, layouts[k].second, d.path / ("l" + std::to_string(k) + ".jsonl"));
   // with a learning rate of 1e-12 the weights stay as initialised (to 1e-12): the validation loss is
   // the same whatever the dropout, as evaluation drops nothing (with dropout it moves by ~1e-2)
   std::map<std::string, double> val;
