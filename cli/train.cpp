@@ -193,6 +193,19 @@ std::string human_bytes(int64_t b) {
   return buf;
 }
 
+// The lowest and highest of the ranks' peak ledger bytes ("2.9-4.0 MiB"; one figure when equal).
+std::string peak_range(const json& ranks) {
+  int64_t lo = INT64_MAX, hi = 0;
+  for (const auto& r : ranks) {
+    const int64_t p = r["mem"]["total"]["peak"].get<int64_t>();
+    lo = std::min(lo, p), hi = std::max(hi, p);
+  }
+  const std::string a = human_bytes(lo), b = human_bytes(hi);
+  if (a == b) return b;
+  const size_t unit_a = a.rfind(' '), unit_b = b.rfind(' ');
+  return a.substr(unit_a) == b.substr(unit_b) ? a.substr(0, unit_a) + "-" + b : a + "-" + b;
+}
+
 // --profile-ops: the step's op-table calls by entry, the costliest first (device time on a GPU,
 // host time on the CPU), and what the step spent outside the table.
 void print_op_profile(const std::map<std::string, kernels::OpTime>& ops, double step_ms, int64_t step, Device d) {
@@ -1125,15 +1138,7 @@ int Trainer::run() {
     // under pipelines and uneven shards.
     const json ranks = report::step_metrics(device_, traffic_groups(), metrics_.get(),
                                             pipe_ ? &pipe_->last_timeline() : nullptr, pipe_ ? groups_.pp->rank() : -1)["ranks"];
-    int64_t peak_lo = INT64_MAX, peak_hi = 0;
-    for (const auto& r : ranks) {
-      const int64_t p = r["mem"]["total"]["peak"].get<int64_t>();
-      peak_lo = std::min(peak_lo, p), peak_hi = std::max(peak_hi, p);
-    }
-    const std::string lo = human_bytes(peak_lo), hi = human_bytes(peak_hi);  // "2.9-4.0 MiB"
-    const std::string peak = lo == hi ? hi
-                             : lo.substr(lo.rfind(' ')) == hi.substr(hi.rfind(' ')) ? lo.substr(0, lo.rfind(' ')) + "-" + hi
-                                                                                  : lo + "-" + hi;
+    const std::string peak = peak_range(ranks);
     if (lead())
       std::printf("step %5lld/%lld | loss %.4f | lr %.2e | norm %.3f | %7.1f ms | %8.0f tok/s | peak%s %s%s\n",
                 (long long)step + 1, (long long)steps_, loss, lr, norm, ms, tps, ranks.size() > 1 ? "/rank" : "",
