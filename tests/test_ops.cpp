@@ -942,6 +942,22 @@ TEST_CASE("site dropout: a slice of the batch draws the slice of the whole batch
   gen.place = DropoutPlace{7, 0, 0};
   const auto whole = to_vector<float>(dropout(x, p, 3));
   CHECK(gen.next_stream == 0);  // site dropout takes no stream from the counter
+  {
+    // the backward draws the forward's mask, wherever the place has moved since
+    Tensor xg = autograd::detach(x);
+    xg.set_requires_grad(true);
+    autograd::Tape tape;
+    Tensor y;
+    {
+      autograd::TapeScope s(tape);
+      y = dropout(xg, p, 3);
+    }
+    gen.place = DropoutPlace{9, 2, 1};
+    tape.backward({y}, {ones_like(y)});
+    const auto g = to_vector<float>(xg.grad()), xv = to_vector<float>(x);
+    for (size_t i = 0; i < g.size(); ++i) REQUIRE(g[i] == Approx(whole[i] / xv[i]));  // 0 or 1/(1-p)
+    gen.place = DropoutPlace{7, 0, 0};
+  }
   // rows 4..7, positions 6..11 (a dp rank's rows, a sequence-parallel rank's positions)
   gen.place = DropoutPlace{7, 4, 6};
   const auto part = to_vector<float>(dropout(contiguous(narrow(narrow(x, 0, 4, 4), 1, 6, 6)), p, 3));
