@@ -72,6 +72,7 @@ int generate_main(int argc, char** argv) {
   SG_CHECK(!ids.empty(), "generate: the prompt is empty (give --prompt)");
   const uint64_t seed = uint64_t(a.i64("seed"));
   autograd::NoGradGuard ng;
+  DropoutOff eval_mode;  // sampling is evaluation: no dropout, whatever the weights were trained with
   std::vector<int64_t> out;
   for (int64_t s = 0; s < max_new; ++s) {
     const int64_t start = std::max<int64_t>(0, int64_t(ids.size()) - cfg.block_size);
