@@ -510,6 +510,8 @@ void Trainer::setup() {
   if (auto* task = dynamic_cast<const io::SyntheticDataset*>(train_.get()); task && !a.i64("seq-len"))
     T_ = std::min(cfg_.block_size, task->task().problem_length());
   SG_CHECK(T_ <= cfg_.block_size, "train: --seq-len ", T_, " exceeds the model's block size ", cfg_.block_size);
+  train_->check_batch(B_, T_);
+  val_->check_batch(B_, T_);  // the final evaluation reads one batch of the held-out split
   // The mesh, refused before any work when it does not fit the model and the batch.
   comm::MeshPlan mesh = comm::validate_mesh(world_size_, tp_, pp_, cfg_.n_head, cfg_.n_layer, cfg_.vocab_rows(), B_, micro_);
   if (tp_ > 1 || pp_ > 1) {

@@ -41,11 +41,15 @@ class FileDataset : public Dataset {
     SG_CHECK(total_ > 0, "data ", spec_, ": the ", split_name(split_), " split is empty");
   }
 
-  Batch next(int64_t B, int64_t T) override {
+  void check_batch(int64_t B, int64_t T) const override {
     SG_CHECK(B > 0 && T > 0, "data ", spec_, ": batch shape B=", B, ", T=", T, " must be positive");
     const int64_t need = shuffle_ ? T + 1 : B * T + 1;
     SG_CHECK(total_ >= need, "data ", spec_, ": the ", split_name(split_), " split has ", total_, " tokens, fewer than ",
              shuffle_ ? str("one row needs (T+1 = ", need, ")") : str("one batch needs (B*T+1 = ", need, ")"));
+  }
+
+  Batch next(int64_t B, int64_t T) override {
+    check_batch(B, T);
     std::vector<int64_t> inputs(size_t(B * T)), targets(size_t(B * T));
     if (shuffle_) {
       std::vector<int64_t> row(size_t(T + 1));
@@ -59,6 +63,7 @@ class FileDataset : public Dataset {
       }
       ++pos_;
     } else {
+      const int64_t need = B * T + 1;
       if (pos_ + need > total_) pos_ = 0;
       std::vector<int64_t> buf(static_cast<size_t>(need));
       read(pos_, need, buf.data());

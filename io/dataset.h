@@ -23,6 +23,9 @@ class Dataset {
  public:
   virtual ~Dataset() = default;
   virtual Batch next(int64_t B, int64_t T) = 0;
+  // Refuses (naming the data) a batch shape next() could not serve: checked before training, so
+  // that a held-out split too small for the final evaluation fails first, not after the run.
+  virtual void check_batch(int64_t B, int64_t T) const { (void)B, (void)T; }
   virtual int64_t position() const = 0;      // opaque cursor (token offset or batch counter)
   virtual void set_position(int64_t p) = 0;
   virtual int64_t vocab_size() const = 0;    // tokens are in [0, vocab_size)

@@ -91,6 +91,17 @@ TEST_CASE("train refuses bad flags, missing files and existing checkpoints, nami
   fails_with("train --devices cpu:0,cpu:1", "--devices is for --strategy dp (one process, several devices)");
   fails_with("train --save-every 5", "--save-every needs --save DIR");
   {
+    // a held-out split too small for the final evaluation is refused before training, not after it
+    const std::string small = (d.path / "small.txt").string();
+    std::ofstream(small) << "hello world";
+    Run r = shardgrad("train --data " + small + " --seq-len 4 --batch-size 2 --steps 2 --eval-every 0");
+    INFO(r.output);
+    CHECK(r.code != 0);
+    CHECK(r.output.find("data " + small + ": the val split has 1 tokens, fewer than one batch needs (B*T+1 = 9)") !=
+          std::string::npos);
+    CHECK(r.output.find("| loss") == std::string::npos);
+  }
+  {
     // --rendezvous file: (no MPI): the NCCL world from the file is the job's group; RANK and
     // WORLD_SIZE come from the launcher and are refused by name when missing or wrong.
     const std::string id = (d.path / "id").string();
