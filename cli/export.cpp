@@ -7,6 +7,7 @@
 
 #include "cli/args.h"
 #include "cli/commands.h"
+#include "io/file.h"
 #include "parallel/sharded_checkpoint.h"
 
 namespace sg::cli {
@@ -25,6 +26,7 @@ int export_main(int argc, char** argv) {
   std::unique_ptr<ckpt::Checkpoint> c = ckpt::open_checkpoint(a.str("checkpoint"));
   io::NamedTensors tensors = ckpt::hf_model_tensors(*c);
   SG_CHECK(!tensors.empty(), "export: ", c->path(), " holds no model parameters");
+  io::make_parent_folder(out, "export: --out");
   io::save_safetensors(out, tensors, c->metadata());
   std::printf("exported %zu tensors from %s to %s\n", tensors.size(), c->path().c_str(), out.c_str());
   return 0;

@@ -319,7 +319,7 @@ TEST_CASE("export consolidates a sharded checkpoint into one Hugging Face file t
   for (size_t r = 0; r < ranks.size(); ++r) write_rank_shard(d.p.string(), 3, int(r), ranks[r]);
   commit_sharded(d.p.string(), 3, 4, {{"step", 3}},
                  {{"n_head", "2"}, {"padded_vocab", std::to_string(cfg.vocab_rows())}, {"format", "shardgrad-gpt2"}});
-  const fs::path out = d.p / "model.safetensors";
+  const fs::path out = d.p / "exported" / "model.safetensors";  // export makes the folder
   const std::string cmd = std::string(SG_BINARY) + " export " + d.p.string() + " --out " + out.string();
   REQUIRE(std::system((cmd + " > /dev/null").c_str()) == 0);
   io::SafetensorsFile f = io::load_safetensors(out.string());
