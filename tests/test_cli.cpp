@@ -584,6 +584,7 @@ TEST_CASE("with dropout every layout draws the single-process masks and gives it
   const std::vector<std::pair<int, std::string>> layouts = {
       {1, "--micro-batch-size 4"},
       {1, "--recompute full"},
+      {1, "--eval-every 1"},  // evaluating between steps takes nothing from training's masks
       {1, "--strategy dp"},
       {2, "--strategy ddp"},
       {2, "--strategy zero3"},
