@@ -186,9 +186,16 @@ TEST_CASE("search finds only layouts that fit, fastest first, and a model too bi
     CHECK(found[i].world == 8);
     if (i) CHECK(found[i - 1].tokens_per_s >= found[i].tokens_per_s);
   }
-  bool any_ddp = false;
-  for (const auto& p : found) any_ddp |= p.input.layout.strategy == "ddp" && p.input.layout.tp * p.input.layout.pp == 1;
+  bool any_ddp = false, grad_op = false;
+  for (const auto& p : found) {
+    any_ddp |= p.input.layout.strategy == "ddp" && p.input.layout.tp * p.input.layout.pp == 1;
+    if (p.input.layout.strategy == "fsdp-grad-op") {
+      grad_op = true;
+      CHECK(p.input.layout.pp == 1);  // train refuses it under a pipeline
+    }
+  }
   CHECK_FALSE(any_ddp);
+  CHECK(grad_op);  // a candidate: ZeRO-2's traffic with the parameters sharded between steps
 }
 
 // ---- against the engine ----

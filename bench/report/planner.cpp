@@ -133,8 +133,11 @@ Plan make_plan(const PlanInput& in) {
   SG_CHECK(l.offload == "none" || l.offload == "optimizer" || l.offload == "params", "plan: --offload '", l.offload,
            "' (expected none, optimizer or params)");
   SG_CHECK(l.offload != "params" || shards_params(l.strategy), "plan: --offload params needs a strategy that shards ",
-           "the parameters (zero3, fsdp, hsdp), not ", l.strategy);
+           "the parameters (zero3, fsdp, fsdp-grad-op, hsdp), not ", l.strategy);
   SG_CHECK(!l.sequence_parallel || l.tp > 1, "plan: --sequence-parallel needs --tp > 1");
+  SG_CHECK(l.strategy != "fsdp-grad-op" || l.pp == 1, "plan: fsdp-grad-op keeps every unit gathered from forward to "
+           "backward, which a pipeline's interleaved micro-batches would make the whole step (train refuses it "
+           "with --pp)");
   p.world = l.dp * l.tp * l.pp;
   SG_CHECK(p.world <= c.gpus_per_node * c.nodes, "plan: dp ", l.dp, " x tp ", l.tp, " x pp ", l.pp, " = ", p.world,
            " GPUs, the cluster has ", c.gpus_per_node * c.nodes, " (", c.nodes, " x ", c.gpus_per_node, ")");
@@ -365,7 +368,7 @@ std::vector<Plan> search_plans(const PlanInput& base) {
     for (int pp = 1; pp <= world / tp; ++pp) {
       if ((world / tp) % pp) continue;
       const int dp = world / (tp * pp);
-      for (const char* strategy : {"ddp", "zero1", "zero2", "zero3", "hsdp"}) {
+      for (const char* strategy : {"ddp", "zero1", "zero2", "zero3", "fsdp-grad-op", "hsdp"}) {
         if (std::string(strategy) == "hsdp" && dp * tp * pp <= base.cluster.gpus_per_node) continue;
         for (const char* schedule : {"1f1b", "interleaved"}) {
           if (pp == 1 && std::string(schedule) != "1f1b") continue;
