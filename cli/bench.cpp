@@ -119,17 +119,16 @@ int bench_main(int argc, char** argv) {
     std::printf("%s", a.usage().c_str());
     return 0;
   }
+  // The outputs' folders first: a bad path fails here, not after every layout has run.
+  if (!a.str("report").empty()) io::make_parent_folder(a.str("report"), "bench: --report");
   if (!a.str("from").empty()) {
     SG_CHECK(!a.str("report").empty(), "bench: --from needs --report FILE.html");
     const json from = read_json_file(a.str("from"), "from");
-    io::make_parent_folder(a.str("report"), "bench: --report");
     io::write_text_atomic(a.str("report"), "bench: --report", report::results_html(from));
     std::printf("wrote %s\n", a.str("report").c_str());
     return 0;
   }
-  // The outputs' folders first: a bad path fails here, not after every layout has run.
   io::make_parent_folder(a.str("out") + ".json", "bench: --out");
-  if (!a.str("report").empty()) io::make_parent_folder(a.str("report"), "bench: --report");
   const int ranks = int(a.i64("ranks"));
   SG_CHECK(ranks >= 1, "bench: --ranks must be >= 1");
   std::vector<report::BenchLayout> matrix =

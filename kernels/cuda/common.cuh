@@ -82,7 +82,6 @@ constexpr unsigned kFullMask = 0xffffffffu;
 
 inline unsigned blocks_for(int64_t n, int threads) { return unsigned((n + threads - 1) / threads); }
 
-
 SG_HOST_DEVICE bool aligned_to(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 SG_HOST_DEVICE bool aligned16(const void* p) { return aligned_to(p, 16); }
 

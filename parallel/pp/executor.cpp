@@ -64,6 +64,12 @@ Tensor PipelineExecutor::receive_input(int stage, int micro, const Tensor& idx, 
   return input;
 }
 
+Tensor PipelineExecutor::receive_output_grad(const Tensor& output, int stage, int micro) {
+  Tensor g = empty(output.shape(), output.dtype(), output.device());
+  group_->recv(g, schedule_.rank_of(stage + 1), tag(stage + 1, micro, true))->wait();
+  return g;
+}
+
 Tensor PipelineExecutor::forward(const Tensor& idx, const Tensor& targets, double scale) {
   const int S = schedule_.stages(), last = schedule_.rank_of(S - 1);
   // Stages in order: a rank waits only on a lower stage, which the rank holding it runs before any
@@ -116,10 +122,10 @@ double PipelineExecutor::run(const Tensor& idx, const Tensor& targets, double sc
   const int64_t first_row = place.row0;
   for (const Action& a : schedule_.per_rank[size_t(rank)]) {
     Tensor mi = narrow(idx, 0, a.micro * rows, rows), mt = narrow(targets, 0, a.micro * rows, rows);
-    // What the action needs from another stage is received before its clock starts: the wait is
-    // the bubble, and counting it as the action's work would hide it.
     if (before_action)
       before_action(a.stage * blocks_per_stage(), (a.stage + 1) * blocks_per_stage() - 1, a.phase == Phase::forward);
+    // What the action needs from another stage is received before its clock starts: the wait is
+    // the bubble, and counting it as the action's work would hide it.
     Tensor received;
     auto it = live.end();
     if (a.phase == Phase::forward && a.stage > 0) {
@@ -127,11 +133,7 @@ double PipelineExecutor::run(const Tensor& idx, const Tensor& targets, double sc
     } else if (a.phase == Phase::backward) {
       it = live.find({a.stage, a.micro});
       SG_CHECK(it != live.end(), "pipeline: backward of stage ", a.stage, " micro-batch ", a.micro, " before its forward");
-      if (a.stage < S - 1) {
-        const Tensor& out = it->second.output;
-        received = empty(out.shape(), out.dtype(), out.device());
-        group_->recv(received, schedule_.rank_of(a.stage + 1), tag(a.stage + 1, a.micro, true))->wait();
-      }
+      if (a.stage < S - 1) received = receive_output_grad(it->second.output, a.stage, a.micro);
     }
     const double start = now();
     trace::Scope ts(a.phase == Phase::forward ? "F" : "B", "pipeline", {{"stage", a.stage}, {"micro", a.micro}});

@@ -65,6 +65,8 @@ class PipelineExecutor {
   // Stage `stage`'s input activation for micro-batch `micro` ([rows, T or T/tp, C]), received from
   // the previous stage's rank; idx gives T and the device.
   Tensor receive_input(int stage, int micro, const Tensor& idx, int64_t rows);
+  // The gradient of stage `stage`'s output for micro-batch `micro`, received from the next stage's rank.
+  Tensor receive_output_grad(const Tensor& output, int stage, int micro);
   // The other holder of the tied embedding (the first stage's rank for the last stage's, and the
   // reverse), or -1 on every other rank and when one rank holds both.
   int tied_peer() const;
