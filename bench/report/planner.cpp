@@ -25,7 +25,7 @@ int dtype_bytes(const std::string& d) {
 // The FSDP family keeps only its units' shards between steps (fsdp-grad-op too: it gathers every
 // unit for the step's forward and releases them after its backward).
 bool shards_params(const std::string& s) { return s == "zero3" || s == "fsdp" || s == "fsdp-grad-op" || s == "hsdp"; }
-bool shards_grads(const std::string& s) { return s == "zero2" || s == "fsdp-grad-op" || shards_params(s); }
+bool shards_grads(const std::string& s) { return s == "zero2" || shards_params(s); }
 bool shards_optimizer(const std::string& s) { return s != "ddp"; }
 
 // What one pipeline rank holds of the model (elements, before data-parallel sharding): its units
