@@ -1,9 +1,11 @@
 // io/: safetensors round-trips every dtype and refuses every malformed file naming it; saves are
 // atomic; token shards are validated; file datasets yield exactly the expected token windows and
-// resume exactly; the synthetic task is deterministic, split-disjoint and scored correctly.
+// resume exactly; the synthetic task is deterministic, split-disjoint and scored correctly; GPT-2's
+// tokenizer matches its Python oracle.
 #include <catch2/catch.hpp>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -12,8 +14,11 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "autograd/ops.h"
 #include "io/dataset.h"
+#include "io/gpt2_tokenizer.h"
 #include "io/safetensors.h"
 #include "io/synthetic.h"
 #include "io/token_shards.h"
@@ -514,4 +519,99 @@ TEST_CASE("synthetic accuracy: 1 for an oracle, 0 for a constant model", "[io]")
   REQUIRE_THROWS_WITH(synthetic_accuracy(task, oracle, 10, 11, 5), Contains("12 tokens"));
   LogitsFn narrow_vocab = [&](const Tensor& idx) { return zeros({idx.size(0), idx.size(1), 5}); };
   REQUIRE_THROWS_WITH(synthetic_accuracy(task, narrow_vocab, 1, 64, 5), Contains("V >= 13"));
+}
+
+// GPT-2's byte-level BPE against the Python oracle (tests/golden/make_bpe_golden.py: GPT-2's
+// pattern matched by the `regex` module, and a tokenizer of 355 merges learned on its corpus).
+namespace {
+std::string golden_bpe() { return std::string(SG_SOURCE_DIR) + "/tests/golden/bpe"; }
+}  // namespace
+
+TEST_CASE("GPT-2 tokenizer: pieces and ids equal the Python oracle's, and decode gives the text back", "[io][tokenizer]") {
+  const Gpt2Tokenizer tok = Gpt2Tokenizer::load(golden_bpe());
+  REQUIRE(tok.vocab_size() == 612);
+  REQUIRE(tok.eot() == 611);
+  const nlohmann::json cases = nlohmann::json::parse(read_bytes(golden_bpe() + "/cases.json"));
+  REQUIRE(cases.size() == 20);
+  size_t multi = 0;  // cases where a piece takes more than one token: the merges' order matters
+  for (const auto& c : cases) {
+    const std::string text = c["text"];
+    INFO("text '" << text << "'");
+    std::vector<std::string> pieces;
+    for (size_t pos = 0;;) {  // the pattern runs between the end-of-text markers
+      const size_t eot = text.find("<|endoftext|>", pos);
+      for (auto& p : Gpt2Tokenizer::split(text.substr(pos, eot == std::string::npos ? eot : eot - pos))) pieces.push_back(p);
+      if (eot == std::string::npos) break;
+      pos = eot + 13;
+    }
+    CHECK(pieces == c["pieces"].get<std::vector<std::string>>());
+    const std::vector<int64_t> ids = tok.encode(text);
+    CHECK(ids == c["ids"].get<std::vector<int64_t>>());
+    CHECK(tok.decode(ids) == text);
+    if (ids.size() > pieces.size()) ++multi;
+  }
+  REQUIRE(multi >= 10);
+}
+
+TEST_CASE("GPT-2 tokenizer: any bytes, not UTF-8 included, encode and decode back unchanged", "[io][tokenizer]") {
+  const Gpt2Tokenizer tok = Gpt2Tokenizer::load(golden_bpe());
+  const std::vector<std::string> texts = {std::string("\xff\xfe bad \x80 lead", 14), std::string("a\0b", 3),
+                                          "\xc3\x28 overlong \xc0\xaf surrogate \xed\xa0\x80 end \xf0\x9f",
+                                          "the model learns\xe2\x80"};
+  for (const std::string& t : texts) CHECK(tok.decode(tok.encode(t)) == t);
+  uint64_t s = 88172645463325252ull;  // xorshift: 200 strings of random bytes, ASCII-heavy
+  for (int k = 0; k < 200; ++k) {
+    std::string t;
+    for (int i = 0; i < 1 + k % 40; ++i) {
+      s ^= s << 13, s ^= s >> 7, s ^= s << 17;
+      t += char(s % 3 ? 0x20 + s % 0x5F : s >> 8 & 0xFF);
+    }
+    INFO("case " << k);
+    CHECK(tok.decode(tok.encode(t)) == t);
+  }
+  // invalid bytes stand alone in the "other" class, between the valid characters around them
+  CHECK(Gpt2Tokenizer::split("ab\xff" "cd 1\x80") == std::vector<std::string>{"ab", "\xff", "cd", " 1", "\x80"});
+}
+
+TEST_CASE("GPT-2 tokenizer: a long text encoded in parts gives the ids of one encode", "[io][tokenizer]") {
+  const Gpt2Tokenizer tok = Gpt2Tokenizer::load(golden_bpe());
+  std::string text;
+  const char* lines[] = {"The model learns, the model learns again\n", "\n\n  indented tokens'\n", " spaced\n",
+                         "It's the pieces\t\n", "\xc3\xa9t\xc3\xa9 caf\xc3\xa9\n", "<|endoftext|>Numbers 1024\n"};
+  for (int k = 0; k < 60; ++k) text += lines[k % 6];
+  const std::vector<int64_t> whole = tok.encode(text);
+  for (size_t chunk : {size_t(1), size_t(7), size_t(50), size_t(333), text.size()}) {
+    INFO("chunk " << chunk);
+    std::vector<size_t> done;
+    CHECK(tok.encode_chunks(text, chunk, [&](size_t n) { done.push_back(n); }) == whole);
+    REQUIRE(!done.empty());
+    CHECK(done.back() == text.size());
+    CHECK(std::is_sorted(done.begin(), done.end()));
+    if (chunk <= 50) CHECK(done.size() >= 10);  // it did cut
+  }
+}
+
+TEST_CASE("GPT-2 tokenizer: bad files and ids are refused, naming the file and line", "[io][tokenizer]") {
+  TempDir d;
+  const std::string vocab = R"({"a": 0, "b": 1, "ab": 2})";
+  REQUIRE_THROWS_WITH(Gpt2Tokenizer::load(d / "missing"), Contains("missing: expected a folder holding GPT-2's vocab.json"));
+  REQUIRE_THROWS_WITH(Gpt2Tokenizer::load(d.path.string()), Contains("vocab.json"));
+  write_bytes(d / "vocab.json", vocab);
+  REQUIRE_THROWS_WITH(Gpt2Tokenizer::load(d.path.string()), Contains("merges.txt"));
+  write_bytes(d / "merges.txt", "#version: 0.2\na b\n");
+  const Gpt2Tokenizer ok = Gpt2Tokenizer::load(d.path.string());
+  CHECK(ok.encode("abab") == std::vector<int64_t>{2, 2});
+  CHECK(ok.eot() == -1);
+  REQUIRE_THROWS_WITH(ok.encode("abc"), Contains("the symbol 'c' has no id in vocab.json"));
+  REQUIRE_THROWS_WITH(ok.decode({0, 3}), Contains("token id 3 is outside its vocabulary of 3"));
+  REQUIRE_THROWS_WITH(Gpt2Tokenizer("{\"a\": 0,", "", "t"), Contains("tokenizer t: vocab.json is not JSON"));
+  REQUIRE_THROWS_WITH(Gpt2Tokenizer(R"({"a": 0, "b": 0})", "", "t"), Contains("has id 0 (ids must be 0..1, each once)"));
+  REQUIRE_THROWS_WITH(Gpt2Tokenizer(R"({"a": 0, "b": 5})", "", "t"), Contains("token 'b' has id 5"));
+  REQUIRE_THROWS_WITH(Gpt2Tokenizer(vocab, "#version: 0.2\na b\nab\n", "t"),
+                      Contains("merges.txt line 3: 'ab' is not two symbols and one space"));
+  REQUIRE_THROWS_WITH(Gpt2Tokenizer(vocab, "b a\n", "t"),
+                      Contains("merges.txt line 1: the merge 'b a' makes 'ba', which vocab.json does not have"));
+  // without "<|endoftext|>" in the vocabulary the marker is ordinary text
+  const Gpt2Tokenizer bytes_only(R"({"<": 0, "|": 1, "e": 2, "n": 3, "d": 4, "o": 5, "f": 6, "t": 7, "x": 8, ">": 9})", "", "t");
+  CHECK(bytes_only.encode("<|endoftext|>").size() == 13);
 }
