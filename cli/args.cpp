@@ -21,12 +21,22 @@ void Args::toggle(const std::string& name, const std::string& help) {
 
 void Args::positional(const std::string& name, const std::string& help) { positionals_.emplace_back(name, help); }
 
+void Args::positional_list(const std::string& name, const std::string& help) {
+  positional(name, help);
+  list_name_ = name;
+}
+
 bool Args::parse(int argc, char** argv) {
   for (int i = 0; i < argc; ++i) argv_copy.emplace_back(argv[i]);
   for (int i = 0; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--help" || a == "-h") return false;
     if (a.rfind("--", 0) != 0) {
+      if (!list_name_.empty() && positional_values_.size() + 1 >= positionals_.size()) {
+        list_values_.push_back(a);
+        if (positional_values_.size() + 1 == positionals_.size()) positional_values_.push_back(a);
+        continue;
+      }
       SG_CHECK(positional_values_.size() < positionals_.size(), command_, ": unexpected argument '", a, "'");
       flags_[positionals_[positional_values_.size()].first] = Flag{a, "", false, true};
       positional_values_.push_back(a);
@@ -67,6 +77,25 @@ const Args::Flag& Args::get(const std::string& name) const {
 std::string Args::str(const std::string& name) const { return get(name).value; }
 bool Args::on(const std::string& name) const { return get(name).value == "1"; }
 bool Args::given(const std::string& name) const { return get(name).given; }
+std::string Args::spelled(const std::string& name) const {
+  const Flag& f = get(name);
+  if (f.is_toggle) return f.value == "1" ? "--" + name : "";
+  return "--" + name + " " + f.value;
+}
+
+void Args::inherit(const std::string& name, const std::string& value) {
+  SG_CHECK(flags_.count(name), "internal: flag --", name, " was never declared");
+  Flag& f = flags_[name];
+  SG_CHECK(!f.given, "internal: --", name, " was given on the command line");
+  f.value = value;
+  f.given = true;
+  inherited_.push_back(name);
+}
+
+std::vector<std::string> Args::list(const std::string& name) const {
+  SG_CHECK(name == list_name_, "internal: <", name, "> is not a positional list");
+  return list_values_;
+}
 
 int64_t Args::i64(const std::string& name) const {
   const std::string& v = get(name).value;
@@ -90,7 +119,7 @@ double Args::f64(const std::string& name) const {
 std::string Args::usage() const {
   std::ostringstream os;
   os << "usage: shardgrad " << command_;
-  for (auto& [n, h] : positionals_) os << " <" << n << ">";
+  for (auto& [n, h] : positionals_) os << " <" << n << ">" << (n == list_name_ ? "..." : "");
   os << " [flags]\n" << summary_ << "\n\n";
   for (auto& [n, h] : positionals_) os << "  <" << n << ">  " << h << "\n";
   for (const auto& n : order_) {

@@ -14,6 +14,8 @@ class Args {
   void flag(const std::string& name, const std::string& default_value, const std::string& help);
   void toggle(const std::string& name, const std::string& help);  // boolean, no value
   void positional(const std::string& name, const std::string& help);
+  // The last positional, taking one or more values (list(name)), as `shardgrad tokenize a.txt b.txt`.
+  void positional_list(const std::string& name, const std::string& help);
   // Throws sg::Error for bad input; returns false when --help was asked (usage printed).
   bool parse(int argc, char** argv);
 
@@ -21,7 +23,13 @@ class Args {
   int64_t i64(const std::string& name) const;
   double f64(const std::string& name) const;
   bool on(const std::string& name) const;
-  bool given(const std::string& name) const;  // set on the command line (not defaulted)
+  // "--name value" (a toggle: "--name" when on, "" when off), as it would be typed
+  std::string spelled(const std::string& name) const;
+  std::vector<std::string> list(const std::string& name) const;  // a positional_list's values
+  bool given(const std::string& name) const;  // set on the command line or inherited (not defaulted)
+  // Sets a flag the command line did not give, as if it had (train --resume: the checkpoint's flags).
+  void inherit(const std::string& name, const std::string& value);
+  const std::vector<std::string>& inherited() const { return inherited_; }
   std::string usage() const;
   std::vector<std::string> argv_copy;  // the command line, for run configs
 
@@ -36,6 +44,9 @@ class Args {
   std::vector<std::string> order_;
   std::vector<std::pair<std::string, std::string>> positionals_;
   std::vector<std::string> positional_values_;
+  std::vector<std::string> inherited_;
+  std::string list_name_;  // the positional_list, when declared
+  std::vector<std::string> list_values_;
 };
 
 }  // namespace sg::cli

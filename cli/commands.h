@@ -8,4 +8,5 @@ int export_main(int argc, char** argv);
 int plan_main(int argc, char** argv);
 int launch_main(int argc, char** argv);
 int bench_main(int argc, char** argv);
+int tokenize_main(int argc, char** argv);
 }  // namespace sg::cli

@@ -5,6 +5,8 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
+#include <memory>
 
 #include "autograd/ops.h"
 #include "autograd/tape.h"
@@ -12,6 +14,7 @@
 #include "cli/commands.h"
 #include "core/philox.h"
 #include "io/dataset.h"
+#include "io/gpt2_tokenizer.h"
 #include "models/gpt.h"
 #include "parallel/checkpoint.h"
 #include "parallel/sharded_checkpoint.h"
@@ -19,7 +22,7 @@
 namespace sg::cli {
 
 int generate_main(int argc, char** argv) {
-  Args a("generate", "Sample from a model trained on bytes or on the synthetic task.");
+  Args a("generate", "Sample from a model trained on bytes, on the synthetic task, or on GPT-2 tokens (--tokenizer).");
   a.flag("from", "", "checkpoint directory (run or step) or a .safetensors file written by shardgrad");
   a.flag("prompt", "", "text to continue");
   a.flag("max-new-tokens", "64", "tokens to sample");
@@ -28,6 +31,7 @@ int generate_main(int argc, char** argv) {
   a.flag("seed", "42", "sampling seed");
   a.flag("n-head", "0", "head count, for files that do not record it");
   a.flag("data", "", "tokenizer: synthetic or a text file's bytes (default: what the model was trained on)");
+  a.flag("tokenizer", "", "GPT-2 tokens: a folder holding GPT-2's vocab.json and merges.txt (an empty prompt starts from <|endoftext|>)");
   if (!a.parse(argc, argv)) {
     std::printf("%s", a.usage().c_str());
     return 0;
@@ -58,17 +62,42 @@ int generate_main(int argc, char** argv) {
   nn::GPT model(cfg);
   nn::load_hf_state(model, weights);
 
+  // Text <-> ids: GPT-2's tokenizer, or the tokens of the data the model was trained on.
+  std::function<std::vector<int64_t>(const std::string&)> encode;
+  std::function<std::string(const std::vector<int64_t>&)> decode;
+  std::unique_ptr<io::Dataset> tok;
+  std::unique_ptr<io::Gpt2Tokenizer> bpe;
+  int64_t sample_vocab = cfg.vocab_size;  // ids that may be drawn
   std::string data = a.str("data");
   if (data.empty()) {
     auto it = weights.metadata.find("data");
     data = it != weights.metadata.end() ? it->second : "";
   }
-  SG_CHECK(!data.empty(), "generate: ", file, " does not say what data it was trained on; pass --data");
-  io::DataOptions opt;
-  opt.spec = data;
-  std::unique_ptr<io::Dataset> tok = io::open_dataset(opt);
+  if (!a.str("tokenizer").empty()) {
+    SG_CHECK(!a.given("data"), "generate: give --tokenizer or --data, not both");
+    bpe = std::make_unique<io::Gpt2Tokenizer>(io::Gpt2Tokenizer::load(a.str("tokenizer")));
+    SG_CHECK(bpe->vocab_size() <= cfg.vocab_size, "generate: the tokenizer ", bpe->source(), " has ",
+             bpe->vocab_size(), " tokens, more than the model's vocabulary of ", cfg.vocab_size, " (", file, ")");
+    sample_vocab = bpe->vocab_size();
+    encode = [&](const std::string& t) {
+      if (!t.empty()) return bpe->encode(t);
+      SG_CHECK(bpe->eot() >= 0, "generate: the prompt is empty and the tokenizer ", bpe->source(),
+               " has no <|endoftext|> to start from (give --prompt)");
+      return std::vector<int64_t>{bpe->eot()};
+    };
+    decode = [&](const std::vector<int64_t>& ids) { return bpe->decode(ids); };
+  } else {
+    SG_CHECK(!data.empty(), "generate: ", file, " does not say what data it was trained on; pass --data, or --tokenizer for GPT-2 tokens");
+    SG_CHECK(!io::is_shard_spec(data), "generate: ", file, " was trained on GPT-2 token shards (", data,
+             "); pass --tokenizer, a folder with GPT-2's vocab.json and merges.txt");
+    io::DataOptions opt;
+    opt.spec = data;
+    tok = io::open_dataset(opt);
+    encode = [&](const std::string& t) { return tok->encode(t); };
+    decode = [&](const std::vector<int64_t>& ids) { return tok->decode(ids); };
+  }
 
-  std::vector<int64_t> ids = tok->encode(a.str("prompt"));
+  std::vector<int64_t> ids = encode(a.str("prompt"));
   SG_CHECK(!ids.empty(), "generate: the prompt is empty (give --prompt)");
   const uint64_t seed = uint64_t(a.i64("seed"));
   autograd::NoGradGuard ng;
@@ -79,7 +108,7 @@ int generate_main(int argc, char** argv) {
     std::vector<int64_t> window(ids.begin() + start, ids.end());
     Tensor logits = model.forward(from_vector(window, {1, int64_t(window.size())}));
     std::vector<float> last = to_vector<float>(narrow(logits, 1, int64_t(window.size()) - 1, 1));
-    last.resize(size_t(cfg.vocab_size));  // the padded columns are never sampled
+    last.resize(size_t(sample_vocab));  // the padded columns (and ids past the tokenizer's) are never sampled
     int64_t next = 0;
     if (temperature == 0) {
       next = std::max_element(last.begin(), last.end()) - last.begin();
@@ -103,7 +132,7 @@ int generate_main(int argc, char** argv) {
     ids.push_back(next);
     out.push_back(next);
   }
-  std::printf("%s%s\n", a.str("prompt").c_str(), tok->decode(out).c_str());
+  std::printf("%s%s\n", a.str("prompt").c_str(), decode(out).c_str());
   return 0;
 }
 

@@ -1,4 +1,4 @@
-// shardgrad: train, generate (bench, plan and export arrive with their issues).
+// shardgrad: train, generate, plan, bench, export, launch, tokenize.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -17,7 +17,8 @@ static void usage() {
       "  plan       predict a layout's memory per GPU, traffic, bubble, step time and MFU; --search ranks layouts\n"
       "  bench      run a matrix of parallel layouts here and report them (JSON, CSV, HTML)\n"
       "  export     write a checkpoint's weights as one Hugging Face GPT-2 .safetensors file\n"
-      "  launch     run train under mpirun; restart it from its latest checkpoint when it fails\n\n"
+      "  launch     run train under mpirun; restart it from its latest checkpoint when it fails\n"
+      "  tokenize   turn text files into an llm.c token shard with GPT-2's tokenizer, for train --data\n\n"
       "run 'shardgrad <command> --help' for the flags of a command.\n");
 }
 
@@ -33,6 +34,7 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[1], "plan")) return sg::cli::plan_main(argc - 2, argv + 2);
     if (!std::strcmp(argv[1], "launch")) return sg::cli::launch_main(argc - 2, argv + 2);
     if (!std::strcmp(argv[1], "bench")) return sg::cli::bench_main(argc - 2, argv + 2);
+    if (!std::strcmp(argv[1], "tokenize")) return sg::cli::tokenize_main(argc - 2, argv + 2);
     std::fprintf(stderr, "shardgrad: unknown command '%s'\n", argv[1]);
     usage();
     return 2;

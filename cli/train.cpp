@@ -120,6 +120,33 @@ void declare_flags(Args& a) {
   a.toggle("find-unused-parameters", "ddp: allow parameters that get no gradient (their gradient counts as zero)");
 }
 
+// The flags that say what a run trains on and how it learns (not where or on what layout). A
+// checkpoint records those its run was given; `--resume` takes them where the command line does
+// not give them, so `train --resume DIR --steps N` goes on with the run's own data, batch,
+// schedule, optimizer and seed. A flag on the command line still wins (other data, a longer run).
+const char* const kRunFlags[] = {"data",  "shuffle",      "seq-len",      "dropout", "batch-size", "steps",
+                                 "lr",    "lr-schedule",  "warmup-steps", "min-lr",  "beta1",      "beta2",
+                                 "eps",   "weight-decay", "clip",         "seed",    "dtype",      "eval-every",
+                                 "eval-batches", "eval-problems", "on-nonfinite"};
+
+// The checkpoint --resume names (nullptr for `--resume auto` before the first save).
+std::unique_ptr<ckpt::Checkpoint> resume_checkpoint(const Args& a) {
+  if (a.str("resume") == "auto") {
+    SG_CHECK(!a.str("save").empty(), "train: --resume auto needs --save (the run directory to look in)");
+    return std::filesystem::exists(a.str("save")) ? ckpt::open_checkpoint("auto:" + a.str("save")) : nullptr;
+  }
+  return a.str("resume").empty() ? nullptr : ckpt::open_checkpoint(a.str("resume"));
+}
+
+void inherit_run_flags(Args& a) {
+  std::unique_ptr<ckpt::Checkpoint> ck = resume_checkpoint(a);
+  if (!ck || !ck->state().contains("train_flags")) return;  // older checkpoints recorded none
+  for (const char* f : kRunFlags) {
+    const json& saved = ck->state()["train_flags"];
+    if (!a.given(f) && saved.contains(f)) a.inherit(f, saved[f].get<std::string>());
+  }
+}
+
 int64_t positive(const Args& a, const std::string& f, int64_t min = 1) {
   int64_t v = a.i64(f);
   SG_CHECK(v >= min, "train: --", f, " must be >= ", min, ", got ", v);
@@ -476,14 +503,8 @@ void Trainer::setup() {
   val_ = io::open_dataset(vo);
 
   // A checkpoint of any layout (sharded, or the older full format): this run reads its own slices.
-  std::unique_ptr<ckpt::Checkpoint> ck;
   // --resume auto: the newest complete checkpoint of the --save directory.
-  if (a.str("resume") == "auto") {
-    SG_CHECK(!a.str("save").empty(), "train: --resume auto needs --save (the run directory to look in)");
-    if (std::filesystem::exists(a.str("save"))) ck = ckpt::open_checkpoint("auto:" + a.str("save"));
-  } else if (!a.str("resume").empty()) {
-    ck = ckpt::open_checkpoint(a.str("resume"));
-  }
+  std::unique_ptr<ckpt::Checkpoint> ck = resume_checkpoint(a);
   if (ck) {
     cfg_ = config_from_metadata(ck->metadata(), ck->path());
     for (const char* f : {"n-layer", "n-head", "n-embd", "block-size", "vocab-size"}) {
@@ -626,7 +647,8 @@ void Trainer::setup() {
   sched_.warmup_steps = a.i64("warmup-steps");
   sched_.total_steps = steps_;
   sched_.validate();
-  dropout_generator() = DropoutGenerator{seed_ ^ 0xd50b5eedull, 0};
+  dropout_generator() = DropoutGenerator{};
+  dropout_generator().seed = seed_ ^ 0xd50b5eedull;
 
   if (ck) {
     const json& s = ck->state();
@@ -639,7 +661,12 @@ void Trainer::setup() {
     scaler_.skipped_steps = s.value("skipped_steps", int64_t(0));
     nonfinite_skipped_ = s.value("nonfinite_skipped", int64_t(0));
     load_optimizer(*ck, s.at("optimizer_step").get<int64_t>());
-    if (lead()) std::printf("resumed from %s at step %lld\n", ck->path().c_str(), (long long)start_step_);
+    if (lead()) {
+      std::string flags;
+      for (const std::string& f : a.inherited()) flags += " " + a.spelled(f);
+      std::printf("resumed from %s at step %lld%s\n", ck->path().c_str(), (long long)start_step_,
+                  flags.empty() ? "" : (", with the run's" + flags).c_str());
+    }
   }
   save_dir_ = a.str("save");
   SG_CHECK(a.i64("keep") >= 0, "train: --keep must be >= 0");
@@ -1082,6 +1109,10 @@ void Trainer::save(int64_t next_step) {
   s["dtype"] = dtype_name(dtype_);
   s["data"] = data_opt_.spec;
   s["argv"] = args_.argv_copy;
+  json flags = json::object();
+  for (const char* f : kRunFlags)
+    if (args_.given(f)) flags[f] = args_.str(f);
+  s["train_flags"] = flags;
   s["layout"] = {{"strategy", strategy_}, {"world", world_size_}, {"dp", dp_size_}, {"tp", tp_}, {"pp", pp_}};
   const std::vector<ckpt::Piece> mine = state_pieces();
   const auto meta = config_metadata(cfg_, data_opt_.spec);
@@ -1195,6 +1226,7 @@ int train_main(int argc, char** argv) {
     std::printf("%s", a.usage().c_str());
     return 0;
   }
+  inherit_run_flags(a);
   int rc = 0;
   try {
     Trainer t(a);

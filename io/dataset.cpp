@@ -88,14 +88,14 @@ class FileDataset : public Dataset {
   }
 
   std::vector<int64_t> encode(const std::string& text) const override {
-    SG_CHECK(vocab_ == 256, "data ", spec_, ": GPT-2 token shards have no tokenizer in shardgrad (encode elsewhere)");
+    SG_CHECK(vocab_ == 256, "data ", spec_, ": token shards carry no tokenizer (io::Gpt2Tokenizer encodes GPT-2 tokens)");
     std::vector<int64_t> out;
     for (unsigned char c : text) out.push_back(c);
     return out;
   }
 
   std::string decode(const std::vector<int64_t>& tokens) const override {
-    SG_CHECK(vocab_ == 256, "data ", spec_, ": GPT-2 token shards have no tokenizer in shardgrad (decode elsewhere)");
+    SG_CHECK(vocab_ == 256, "data ", spec_, ": token shards carry no tokenizer (io::Gpt2Tokenizer decodes GPT-2 tokens)");
     std::string out;
     for (int64_t t : tokens) out.push_back(t >= 0 && t < 256 ? char(t) : '?');
     return out;
@@ -140,11 +140,11 @@ class FileDataset : public Dataset {
   int64_t pos_ = 0;
 };
 
+}  // namespace
+
 bool is_shard_spec(const std::string& s) {
   return s.find_first_of("*?[") != std::string::npos || (s.size() >= 4 && s.compare(s.size() - 4, 4, ".bin") == 0);
 }
-
-}  // namespace
 
 std::unique_ptr<Dataset> open_dataset(const DataOptions& opt) {
   const std::string& spec = opt.spec;

@@ -30,7 +30,8 @@ class Dataset {
   virtual void set_position(int64_t p) = 0;
   virtual int64_t vocab_size() const = 0;    // tokens are in [0, vocab_size)
   virtual std::string describe() const = 0;  // for the progress header
-  // Text <-> tokens for `shardgrad generate` (bytes and the synthetic task; token shards have no decoder here).
+  // Text <-> tokens for `shardgrad generate` (bytes and the synthetic task; GPT-2 token shards are
+  // read through io::Gpt2Tokenizer instead).
   virtual std::vector<int64_t> encode(const std::string& text) const = 0;
   virtual std::string decode(const std::vector<int64_t>& tokens) const = 0;
 };
@@ -42,6 +43,9 @@ struct DataOptions {
   bool shuffle = false;
   double val_fraction = 0.1;  // for a single text file: the tail held out
 };
+
+// Whether a data spec names llm.c token shards (a glob, or a .bin file) rather than a text file.
+bool is_shard_spec(const std::string& spec);
 
 // Throws sg::Error naming the file/glob when it cannot be opened or is malformed.
 std::unique_ptr<Dataset> open_dataset(const DataOptions& opt);

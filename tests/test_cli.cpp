@@ -11,6 +11,8 @@
 #include <sstream>
 #include <string>
 
+#include "io/gpt2_tokenizer.h"
+#include "io/token_shards.h"
 #include "tests/cli_support.h"
 
 namespace fs = std::filesystem;
@@ -191,6 +193,49 @@ TEST_CASE("train --profile-ops N prints and logs step N's op-table calls by entr
   refuses(std::string(SG_BINARY) + " train --strategy dp --profile-ops 1", "--strategy dp runs its replicas");
 }
 
+TEST_CASE("resume takes the run's data, batch, schedule and seed from the checkpoint; a flag given wins", "[cli]") {
+  TempDir d;
+  std::string text;
+  for (int i = 0; i < 400; ++i) text += "line " + std::to_string(i * 7919 % 1000) + ": the quick brown fox.\n";
+  const std::string data = (d.path / "in.txt").string(), run = (d.path / "run").string();
+  std::ofstream(data) << text;
+  // none of these is train's default; the layout and thread flags are not the run's and are not kept
+  const std::string flags = "--data " + data + " --shuffle --seq-len 24 --batch-size 6 --lr 3e-3 --warmup-steps 2 "
+                            "--weight-decay 0.05 --seed 7 --dropout 0.1 --steps 6 --eval-every 0 --eval-batches 1";
+  Run full = shardgrad("train " + flags + " --n-layer 1 --n-embd 32 --n-head 2 --threads 1 --save-every 2 --save " + run +
+                       " --log-json " + (d.path / "full.jsonl").string());
+  INFO(full.output);
+  REQUIRE(full.code == 0);
+  // from step 2 with nothing but the checkpoint (and a save into the same run), then from step 4
+  // of that resumed run: the flags travel with the checkpoints
+  Run r1 = shardgrad("train --resume " + run + "/step_00000002 --threads 1 --save-every 2 --save " + (d.path / "r").string() +
+                     " --log-json " + (d.path / "r1.jsonl").string());
+  INFO(r1.output);
+  REQUIRE(r1.code == 0);
+  REQUIRE(r1.output.find("with the run's --data " + data + " --shuffle --seq-len 24 --dropout 0.1 --batch-size 6 --steps 6") != std::string::npos);
+  Run r2 = shardgrad("train --resume " + (d.path / "r" / "step_00000004").string() + " --threads 1 --log-json " +
+                     (d.path / "r2.jsonl").string());
+  INFO(r2.output);
+  REQUIRE(r2.code == 0);
+  auto a = read_log(d.path / "full.jsonl"), b = read_log(d.path / "r1.jsonl"), c = read_log(d.path / "r2.jsonl");
+  REQUIRE(a.size() == 6);
+  REQUIRE(b.size() == 4);
+  REQUIRE(c.size() == 2);
+  for (size_t i = 0; i < 4; ++i) CHECK(b[i]["loss"].get<double>() == a[i + 2]["loss"].get<double>());  // bit-exact
+  for (size_t i = 0; i < 2; ++i) {
+    CHECK(c[i]["loss"].get<double>() == a[i + 4]["loss"].get<double>());
+    CHECK(c[i]["lr"].get<double>() == a[i + 4]["lr"].get<double>());
+  }
+  // given on the command line, a flag overrides the checkpoint's
+  Run o = shardgrad("train --resume " + run + "/step_00000002 --lr 1e-4 --threads 1 --log-json " + (d.path / "o.jsonl").string());
+  INFO(o.output);
+  REQUIRE(o.code == 0);
+  REQUIRE(o.output.find("--lr 3e-3") == std::string::npos);
+  auto ov = read_log(d.path / "o.jsonl");
+  REQUIRE(ov.size() == 4);  // --steps 6 came from the checkpoint
+  CHECK(ov[0]["lr"].get<double>() < a[2]["lr"].get<double>() / 10);
+}
+
 TEST_CASE("generate samples from what train saved", "[cli]") {
   TempDir d;
   std::string save = (d.path / "run").string();
@@ -200,6 +245,55 @@ TEST_CASE("generate samples from what train saved", "[cli]") {
   REQUIRE(g.code == 0);
   REQUIRE(g.output.rfind("12+34=", 0) == 0);
   REQUIRE(shardgrad("generate --from " + save + " --prompt x --top-k -1").code != 0);
+}
+
+TEST_CASE("tokenize writes GPT-2 tokens that train reads and generate decodes with the same tokenizer", "[cli][tokenizer]") {
+  TempDir d;
+  const std::string bpe = std::string(SG_SOURCE_DIR) + "/tests/golden/bpe", data = (d.path / "shards" / "data.bin").string();
+  const std::string a = "It's the pieces that the merges work on.\n", b = "The model learns, the model learns again!\n";
+  std::ofstream((d.path / "a.txt").string()) << a;
+  std::string long_b;
+  for (int i = 0; i < 200; ++i) long_b += b;
+  std::ofstream((d.path / "b1.txt").string()) << long_b;
+  Run t = shardgrad("tokenize " + (d.path / "a.txt").string() + " '" + (d.path / "b*.txt").string() + "' --tokenizer " +
+                    bpe + " --out " + data);
+  INFO(t.output);
+  REQUIRE(t.code == 0);
+  REQUIRE(t.output.find("a.txt: 41 bytes -> ") != std::string::npos);
+  // every file one document, opened by <|endoftext|> (611), as llm.c writes its shards; the ids are
+  // the Python oracle's (tests/golden/bpe/cases.json encodes these texts the same way)
+  const std::vector<uint16_t> tokens = sg::io::read_token_shard(data);
+  const sg::io::Gpt2Tokenizer tok = sg::io::Gpt2Tokenizer::load(bpe);
+  std::vector<uint16_t> want = {611};
+  for (int64_t id : tok.encode(a)) want.push_back(uint16_t(id));
+  want.push_back(611);
+  for (int64_t id : tok.encode(long_b)) want.push_back(uint16_t(id));
+  REQUIRE(tokens == want);
+  REQUIRE(tokens.size() < a.size() + long_b.size() / 4);  // the merges did merge
+  refuses(std::string(SG_BINARY) + " tokenize " + (d.path / "a.txt").string() + " --tokenizer " + bpe + " --out " + data,
+          "already exists; refusing to overwrite it");
+  refuses(std::string(SG_BINARY) + " tokenize " + (d.path / "a.txt").string() + " --tokenizer " + d.path.string() + " --out x.bin",
+          "vocab.json");
+
+  const std::string run = (d.path / "run").string();
+  Run tr = shardgrad("train --data " + data + " --n-layer 1 --n-embd 32 --n-head 2 --seq-len 16 --batch-size 4 --steps 2 "
+                     "--threads 1 --eval-every 0 --eval-batches 1 --save " + run);
+  INFO(tr.output);
+  REQUIRE(tr.code == 0);
+  Run g = shardgrad("generate --from " + run + " --tokenizer " + bpe + " --prompt 'The model' --max-new-tokens 6 --temperature 0");
+  INFO(g.output);
+  REQUIRE(g.code == 0);
+  REQUIRE(g.output.rfind("The model", 0) == 0);
+  REQUIRE(g.output.size() > std::string("The model\n").size());
+  Run e = shardgrad("generate --from " + run + " --tokenizer " + bpe + " --max-new-tokens 3");  // from <|endoftext|>
+  INFO(e.output);
+  REQUIRE(e.code == 0);
+  refuses(std::string(SG_BINARY) + " generate --from " + run + " --prompt x", "trained on GPT-2 token shards");
+  // a tokenizer with more ids than the model can embed
+  const std::string small = (d.path / "small").string();
+  REQUIRE(shardgrad("train " + kSmall + " --steps 1 --save " + small).code == 0);
+  refuses(std::string(SG_BINARY) + " generate --from " + small + " --tokenizer " + bpe + " --prompt x",
+          "has 612 tokens, more than the model's vocabulary");
 }
 
 namespace {
@@ -234,6 +328,8 @@ TEST_CASE("a failing rank ends the whole job within --comm-timeout, naming the r
     REQUIRE(r.code != 0);
     REQUIRE(secs < 40);  // 10 s timeout plus start-up and teardown on a loaded 2-core machine
     REQUIRE(r.output.find("rank 1") != std::string::npos);
+    REQUIRE(r.output.find("terminate called") == std::string::npos);  // each fault is itself, not an abort
+    if (std::string(kind) == "exit") REQUIRE(r.code == 7);             // mpirun passes the rank's status on
   }
 }
 

@@ -1,0 +1,73 @@
+// shardgrad tokenize: text files -> one llm.c token shard of GPT-2 tokens, which `train --data`
+// reads (a single shard: its last tenth is the held-out split). Each file is one document and, as
+// llm.c's preprocessing does, starts with <|endoftext|>.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+
+#include "cli/args.h"
+#include "cli/commands.h"
+#include "core/error.h"
+#include "io/file.h"
+#include "io/gpt2_tokenizer.h"
+#include "io/token_shards.h"
+
+namespace sg::cli {
+
+int tokenize_main(int argc, char** argv) {
+  Args a("tokenize", "Turn text files into an llm.c token shard (GPT-2's tokenizer) for train --data.");
+  a.positional_list("text", "text files or quoted globs ('corpus/*.txt', its files in name order); each file is one document");
+  a.flag("tokenizer", "", "folder holding GPT-2's vocab.json and merges.txt (as a Hugging Face GPT-2 folder does)");
+  a.flag("out", "", "the .bin token shard to write (must not exist)");
+  if (!a.parse(argc, argv)) {
+    std::printf("%s", a.usage().c_str());
+    return 0;
+  }
+  const std::string out = a.str("out");
+  SG_CHECK(!a.str("tokenizer").empty(), "tokenize: --tokenizer is required (a folder with vocab.json and merges.txt)");
+  SG_CHECK(!out.empty(), "tokenize: --out is required");
+  SG_CHECK(!std::filesystem::exists(out), "tokenize: ", out, " already exists; refusing to overwrite it");
+  const io::Gpt2Tokenizer tok = io::Gpt2Tokenizer::load(a.str("tokenizer"));
+  SG_CHECK(tok.vocab_size() <= 65536, "tokenize: the tokenizer ", tok.source(), " has ", tok.vocab_size(),
+           " tokens; a token shard stores 16-bit ids (at most 65536)");
+  std::vector<std::string> files;
+  for (const std::string& t : a.list("text"))
+    for (std::string& f : io::expand_glob(t)) files.push_back(std::move(f));
+  io::make_parent_folder(out, "tokenize: --out");
+
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<uint16_t> tokens;
+  int64_t bytes = 0;
+  for (const std::string& path : files) {
+    std::string text;
+    {
+      io::ReadFile f(path, "tokenize");
+      text.resize(size_t(f.size()));
+      if (!text.empty()) f.read_at(text.data(), text.size(), 0);
+    }
+    const size_t before = tokens.size();
+    if (tok.eot() >= 0) tokens.push_back(uint16_t(tok.eot()));
+    constexpr size_t kPart = size_t(1) << 20, kReport = size_t(64) << 20;
+    size_t reported = 0;
+    auto progress = [&](size_t done) {  // a line per 64 MiB of a long file
+      if (done - reported < kReport || done == text.size()) return;
+      std::printf("  %s: %.0f of %.0f MiB\n", path.c_str(), double(done) / (1 << 20), double(text.size()) / (1 << 20));
+      std::fflush(stdout);
+      reported = done;
+    };
+    for (int64_t id : tok.encode_chunks(text, kPart, progress)) tokens.push_back(uint16_t(id));
+    bytes += int64_t(text.size());
+    std::printf("%s: %zu bytes -> %zu tokens\n", path.c_str(), text.size(), tokens.size() - before);
+    std::fflush(stdout);
+  }
+  io::write_token_shard(out, tokens);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("wrote %s: %zu tokens from %zu file%s (%.2f bytes per token, %.1f MB/s); train with --data %s\n",
+              out.c_str(), tokens.size(), files.size(), files.size() == 1 ? "" : "s",
+              tokens.empty() ? 0.0 : double(bytes) / double(tokens.size()), double(bytes) / 1e6 / std::max(s, 1e-9),
+              out.c_str());
+  return 0;
+}
+
+}  // namespace sg::cli
