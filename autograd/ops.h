@@ -168,6 +168,11 @@ struct DropoutGenerator {
   uint64_t next_stream = 0;
   DropoutPlace place;
   bool active = true;  // off: dropout is the identity (evaluation)
+  static DropoutGenerator seeded(uint64_t seed, uint64_t next_stream = 0) {
+    DropoutGenerator g;
+    g.seed = seed, g.next_stream = next_stream;
+    return g;
+  }
 };
 DropoutGenerator& dropout_generator();
 // Evaluation: dropout is the identity while this lives (what PyTorch's model.eval() does).

@@ -68,7 +68,8 @@ void declare_flags(Args& a) {
   a.flag("batch-size", "0", "global batch: sequences per optimizer step (0 = 32; 128 one-problem rows on the synthetic task)");
   a.flag("micro-batch-size", "0", "sequences per forward/backward (0 = the whole batch); must divide --batch-size");
   a.flag("steps", "1000", "optimizer steps (1500 on the synthetic task unless given)");
-  a.flag("lr", "1e-2", "peak learning rate (5e-3 on the synthetic task unless given)");
+  a.flag("lr", "0", "peak learning rate (0 = by model size, non-embedding parameters: 1e-2 below 1M, 1e-3 below "
+         "20M, then GPT-3's 6e-4 / 3e-4 / 2.5e-4 / 2e-4 for GPT-2's four sizes; 5e-3 on the synthetic task)");
   a.flag("lr-schedule", "cosine", "constant | cosine");
   a.flag("warmup-steps", "20", "linear warmup steps");
   a.flag("min-lr", "0", "final learning rate of the cosine schedule");
@@ -642,13 +643,12 @@ void Trainer::setup() {
     dp_ = std::make_unique<parallel::DataParallel>(*model_, dp_devices);
   }
   sched_.kind = a.str("lr-schedule");
-  sched_.lr = synthetic_default(a, "lr", kSyntheticLr);
+  sched_.lr = a.f64("lr") != 0 ? a.f64("lr") : synthetic_data(a) ? kSyntheticLr : optim::default_peak_lr(cfg_.non_embedding_params());
   sched_.min_lr = a.f64("min-lr");
   sched_.warmup_steps = a.i64("warmup-steps");
   sched_.total_steps = steps_;
   sched_.validate();
-  dropout_generator() = DropoutGenerator{};
-  dropout_generator().seed = seed_ ^ 0xd50b5eedull;
+  dropout_generator() = DropoutGenerator::seeded(seed_ ^ 0xd50b5eedull);
 
   if (ck) {
     const json& s = ck->state();

@@ -2,7 +2,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <set>
+
+#include <nlohmann/json.hpp>
 
 #include "autograd/ops.h"
 #include "autograd/recompute.h"
@@ -43,6 +47,8 @@ int64_t GPTConfig::num_params() const {
   const int64_t per_block = 2 * C + (C * 3 * C + 3 * C) + (C * C + C) + 2 * C + (C * 4 * C + 4 * C) + (4 * C * C + C);
   return vocab_rows() * C + block_size * C + n_layer * per_block + 2 * C;
 }
+
+int64_t GPTConfig::non_embedding_params() const { return num_params() - (vocab_rows() + block_size) * n_embd; }
 
 GPTConfig gpt_preset(const std::string& name) {
   GPTConfig c;
@@ -311,7 +317,15 @@ GPTConfig config_from_hf(const io::SafetensorsFile& file, int64_t n_head_hint) {
   c.n_layer = layers;
   auto m = file.metadata.find("n_head");
   c.n_head = m != file.metadata.end() ? std::stoll(m->second) : n_head_hint;
-  SG_CHECK(c.n_head > 0, file.path, ": the number of heads is not recorded; pass --n-head");
+  // A Hugging Face model folder records it in config.json, beside model.safetensors.
+  const std::filesystem::path hf_config = std::filesystem::path(file.path).parent_path() / "config.json";
+  if (c.n_head <= 0 && std::filesystem::is_regular_file(hf_config)) {
+    std::ifstream in(hf_config);
+    const nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    if (j.is_object() && j.contains("n_head") && j["n_head"].is_number_integer()) c.n_head = j["n_head"].get<int64_t>();
+  }
+  SG_CHECK(c.n_head > 0, file.path, ": the number of heads is not recorded (in its metadata or a config.json beside it); "
+           "pass --n-head");
   auto pv = file.metadata.find("padded_vocab");
   if (pv != file.metadata.end()) c.padded_vocab = std::stoll(pv->second);
   c.validate();

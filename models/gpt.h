@@ -43,6 +43,7 @@ struct GPTConfig {
   void validate() const;  // throws naming the field
   // Ψ: parameter count (with the padded vocabulary rows, which is what is allocated).
   int64_t num_params() const;
+  int64_t non_embedding_params() const;  // num_params() without wte and wpe (Kaplan et al.'s N)
 };
 
 // tiny (tests), gpt2 (124M), gpt2-medium, gpt2-large, gpt2-xl. Throws for an unknown name.

@@ -168,4 +168,13 @@ double LrSchedule::at(int64_t step) const {
   return min_lr + 0.5 * (1.0 + std::cos(M_PI * ratio)) * (lr - min_lr);
 }
 
+double default_peak_lr(int64_t n) {
+  if (n < 1'000'000) return 1e-2;
+  if (n < 20'000'000) return 1e-3;
+  if (n < 200'000'000) return 6e-4;
+  if (n < 500'000'000) return 3e-4;
+  if (n < 1'000'000'000) return 2.5e-4;
+  return 2e-4;
+}
+
 }  // namespace sg::optim

@@ -93,6 +93,12 @@ double global_grad_norm(const std::vector<Tensor>& params);
 // as torch.nn.utils.clip_grad_norm_: max_norm / (norm + 1e-6).
 double clip_coefficient(double norm, double max_norm);
 
+// A peak learning rate for AdamW by model size (non-embedding parameters), where none is given:
+// GPT-3's rates for the sizes of GPT-2's four models (Brown et al. 2020, table 2.1: 6e-4 at 125M,
+// 3e-4 at 350M, 2.5e-4 at 760M, 2e-4 at 1.3B), nanoGPT's 1e-3 for its ~10M character model, and
+// 1e-2 for the sub-million-parameter models this engine's tests and demos train.
+double default_peak_lr(int64_t non_embedding_params);
+
 struct LrSchedule {
   std::string kind = "constant";  // constant | cosine
   double lr = 3e-4, min_lr = 0.0;

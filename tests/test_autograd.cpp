@@ -211,7 +211,7 @@ RunResult run_region(bool use_recompute) {
   r.W2 = leaf({16, 64}, 22);
   Tensor x = leaf({8, 16}, 23);
   Tensor G = randn({8, 64}, 5, 24, 0, 1, DType::f64);  // weights the second output
-  dropout_generator() = {77, 0};
+  dropout_generator() = DropoutGenerator::seeded(77, 0);
   const Device cpu = Device::cpu();
   RunResult res;
   Tape tape;

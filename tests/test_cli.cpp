@@ -193,7 +193,7 @@ TEST_CASE("train --profile-ops N prints and logs step N's op-table calls by entr
   refuses(std::string(SG_BINARY) + " train --strategy dp --profile-ops 1", "--strategy dp runs its replicas");
 }
 
-TEST_CASE("resume takes the run's data, batch, schedule and seed from the checkpoint; a flag given wins", "[cli]") {
+TEST_CASE("resume takes the run's data, batch, schedule and seed from the checkpoint, and a flag given wins", "[cli]") {
   TempDir d;
   std::string text;
   for (int i = 0; i < 400; ++i) text += "line " + std::to_string(i * 7919 % 1000) + ": the quick brown fox.\n";
@@ -234,6 +234,22 @@ TEST_CASE("resume takes the run's data, batch, schedule and seed from the checkp
   auto ov = read_log(d.path / "o.jsonl");
   REQUIRE(ov.size() == 4);  // --steps 6 came from the checkpoint
   CHECK(ov[0]["lr"].get<double>() < a[2]["lr"].get<double>() / 10);
+}
+
+TEST_CASE("train's default learning rate on file data follows the model's size", "[cli]") {
+  TempDir d;
+  const std::string data = (d.path / "in.txt").string();
+  std::ofstream(data) << std::string(4000, 'a') + "the end\n";
+  for (auto [shape, want] : {std::pair<std::string, double>{"--n-layer 1 --n-embd 32 --n-head 2", 1e-2},
+                             {"--n-layer 2 --n-embd 256 --n-head 4", 1e-3}}) {  // 98 K and 1.6 M non-embedding
+    const std::string log = (d.path / "lr.jsonl").string();
+    Run r = shardgrad("train --data " + data + " " + shape + " --seq-len 16 --batch-size 2 --steps 1 --warmup-steps 0 "
+                      "--lr-schedule constant --eval-every 0 --eval-batches 1 --threads 1 --log-json " + log);
+    INFO(r.output);
+    REQUIRE(r.code == 0);
+    CHECK(read_log(log).at(0)["lr"].get<double>() == want);
+  }
+  refuses(std::string(SG_BINARY) + " train --data " + data + " --seq-len 16 --batch-size 2 --lr -1 --steps 1", "--lr must be > 0, got -1");
 }
 
 TEST_CASE("generate samples from what train saved", "[cli]") {

@@ -4,6 +4,8 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <unistd.h>
 
 #include "autograd/ops.h"
 #include "autograd/tape.h"
@@ -115,7 +117,7 @@ TEST_CASE("activation recompute (selective and full) leaves loss and gradients u
     nn::GPT m(c);
     m.init_weights(11);
     m.recompute = rc;
-    dropout_generator() = {99, 0};
+    dropout_generator() = DropoutGenerator::seeded(99, 0);
     losses.push_back(loss_and_grads(m, idx, tgt));
     grads.push_back(to_vector<float>(m.h[0]->attn->c_attn->weight.grad()));
   }
@@ -150,6 +152,23 @@ TEST_CASE("activation recompute holds fewer activation bytes after forward: full
   REQUIRE(held[1] < held[0]);  // the attention core's probabilities and its inputs are not kept
   // full keeps only each block's input [B, T, C] (plus the embedding and head): well under half
   REQUIRE(held[2] < 0.5 * held[1]);
+}
+
+TEST_CASE("a Hugging Face model folder's config.json gives the head count its safetensors file does not record", "[models][io]") {
+  nn::GPT a(small_config());
+  a.init_weights(5);
+  const auto dir = std::filesystem::temp_directory_path() / ("sg_models_hfdir_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const std::string path = (dir / "model.safetensors").string();
+  io::save_safetensors(path, nn::hf_state_dict(a), {});  // no n_head in the metadata, as Hugging Face's files
+  REQUIRE_THROWS_WITH(nn::config_from_hf(io::load_safetensors(path)), Catch::Contains("pass --n-head"));
+  std::ofstream(dir / "config.json") << R"({"model_type": "gpt2", "n_head": 4, "n_layer": 2})";
+  CHECK(nn::config_from_hf(io::load_safetensors(path)).n_head == 4);
+  CHECK(nn::config_from_hf(io::load_safetensors(path), 2).n_head == 2);  // --n-head, when given, wins
+  std::ofstream(dir / "config.json") << "not json";
+  REQUIRE_THROWS_WITH(nn::config_from_hf(io::load_safetensors(path)), Catch::Contains("pass --n-head"));
+  std::filesystem::remove_all(dir);
 }
 
 TEST_CASE("Hugging Face state round trip, with 'transformer.' prefix and mask buffers accepted", "[models][io]") {

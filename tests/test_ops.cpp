@@ -570,7 +570,7 @@ std::vector<OpCase> all_op_cases() {
   L.add("dropout p=0 is the identity", {N(S)}, [](V x) { return dropout(x[0], 0.0); }, [](R r) { return r[0]; });
   L.add("dropout p=0.3 with a fixed (seed, stream)", {N(S)},
         [](V x) {
-          dropout_generator() = {42, 3};  // every call draws the same mask
+          dropout_generator() = DropoutGenerator::seeded(42, 3);  // every call draws the same mask
           return dropout(x[0], 0.3);
         },
         [](R r) {
@@ -905,7 +905,7 @@ TEST_CASE("dropout: drops a fraction p, scales survivors by 1/(1-p), backward re
   const double p = 0.3;
   Tensor x = add(rand({100000}, 4, 1, 0, 1), 1.0);  // in [1, 2): never zero
   x.set_requires_grad(true);
-  dropout_generator() = {123, 0};
+  dropout_generator() = DropoutGenerator::seeded(123, 0);
   autograd::Tape tape;
   Tensor y;
   {
@@ -927,7 +927,7 @@ TEST_CASE("dropout: drops a fraction p, scales survivors by 1/(1-p), backward re
       FAIL("gradient " << i << " = " << gv[i] << " does not follow the forward mask");
 
   autograd::NoGradGuard ng;
-  dropout_generator() = {123, 0};
+  dropout_generator() = DropoutGenerator::seeded(123, 0);
   CHECK(to_vector<float>(dropout(x, p)) == yv);  // same (seed, stream): same mask
   CHECK(to_vector<float>(dropout(x, p)) != yv);  // next stream: another mask
   CHECK(dropout(x, 0.0).impl() == x.impl());
@@ -938,7 +938,7 @@ TEST_CASE("site dropout: a slice of the batch draws the slice of the whole batch
   const double p = 0.3;
   Tensor x = add(rand({8, 12, 5}, 9, 1, 0, 1), 1.0);  // [rows, T, C], never zero
   DropoutGenerator& gen = dropout_generator();
-  gen = {321, 0};
+  gen = DropoutGenerator::seeded(321);
   gen.place = DropoutPlace{7, 0, 0};
   const auto whole = to_vector<float>(dropout(x, p, 3));
   CHECK(gen.next_stream == 0);  // site dropout takes no stream from the counter

@@ -6,6 +6,7 @@
 #include "optim/loss_scaler.h"
 #include "optim/optim.h"
 #include "kernels/ops.h"
+#include "models/gpt.h"
 
 using namespace sg;
 
@@ -191,4 +192,17 @@ TEST_CASE("loss scaler: backs off and skips on overflow, grows after clean steps
   s.scale = 1;
   s.update(true);
   REQUIRE(s.scale == 1);  // never below min_scale
+}
+
+TEST_CASE("the default peak learning rate follows model size: GPT-3's rates at GPT-2's four sizes", "[optim]") {
+  auto lr = [](const char* preset) { return optim::default_peak_lr(nn::gpt_preset(preset).non_embedding_params()); };
+  CHECK(nn::gpt_preset("gpt2").non_embedding_params() == 12 * 7'087'872 + 1'536);  // 12 blocks (12C² + 13C) and ln_f
+  CHECK(lr("tiny") == 1e-2);
+  CHECK(lr("gpt2") == 6e-4);
+  CHECK(lr("gpt2-medium") == 3e-4);
+  CHECK(lr("gpt2-large") == 2.5e-4);
+  CHECK(lr("gpt2-xl") == 2e-4);
+  nn::GPTConfig char_model = nn::gpt_preset("tiny");  // nanoGPT's Shakespeare character model: 6 x 384
+  char_model.n_layer = 6, char_model.n_embd = 384, char_model.n_head = 6;
+  CHECK(optim::default_peak_lr(char_model.non_embedding_params()) == 1e-3);
 }
