@@ -103,11 +103,18 @@ int generate_main(int argc, char** argv) {
   autograd::NoGradGuard ng;
   DropoutOff eval_mode;  // sampling is evaluation: no dropout, whatever the weights were trained with
   std::vector<int64_t> out;
+  nn::KVCache cache;  // the keys and values of ids but the last: each step runs one new position
   for (int64_t s = 0; s < max_new; ++s) {
-    const int64_t start = std::max<int64_t>(0, int64_t(ids.size()) - cfg.block_size);
-    std::vector<int64_t> window(ids.begin() + start, ids.end());
-    Tensor logits = model.forward(from_vector(window, {1, int64_t(window.size())}));
-    std::vector<float> last = to_vector<float>(narrow(logits, 1, int64_t(window.size()) - 1, 1));
+    Tensor logits;
+    if (cache.len > 0 && cache.len + 1 == int64_t(ids.size())) {
+      logits = model.forward_cached(from_vector(std::vector<int64_t>{ids.back()}, {1, 1}), cache);
+    } else {  // the prompt, or a window that slid past block_size: its last block_size ids afresh
+      const int64_t start = std::max<int64_t>(0, int64_t(ids.size()) - cfg.block_size);
+      std::vector<int64_t> window(ids.begin() + start, ids.end());
+      cache = nn::KVCache{};
+      logits = model.forward_cached(from_vector(window, {1, int64_t(window.size())}), cache);
+    }
+    std::vector<float> last = to_vector<float>(narrow(logits, 1, logits.size(1) - 1, 1));
     last.resize(size_t(sample_vocab));  // the padded columns (and ids past the tokenizer's) are never sampled
     int64_t next = 0;
     if (temperature == 0) {

@@ -213,6 +213,34 @@ Tensor GPT::forward(const Tensor& idx) const {
   return post_forward ? post_forward(logits) : logits;
 }
 
+Tensor GPT::forward_cached(const Tensor& idx, KVCache& cache) const {
+  SG_CHECK(config.tp == 1, "GPT::forward_cached: the model is split --tp ", config.tp, " ways");
+  SG_CHECK(idx.dim() == 2, "GPT::forward_cached: idx must be [B, T], got ", shape_str(idx.shape()));
+  const int64_t B = idx.size(0), T = idx.size(1), L0 = cache.len, C = config.n_embd, H = config.n_head, D = C / H;
+  SG_CHECK(L0 == 0 || T == 1, "GPT::forward_cached: ", T, " new positions after ", L0, " cached ones (a prompt goes ",
+           "into an empty cache, then one token at a time)");
+  SG_CHECK(L0 + T <= config.block_size, "GPT::forward_cached: positions up to ", L0 + T, " exceed block_size ",
+           config.block_size);
+  cache.k.resize(h.size()), cache.v.resize(h.size());
+  Tensor x = add(wte->forward(idx), narrow(wpe->weight, 0, L0, T));  // positions L0 .. L0 + T - 1
+  for (size_t i = 0; i < h.size(); ++i) {
+    const Block& b = *h[i];
+    const Tensor qkv = b.attn->c_attn->forward(b.ln_1->forward(x));  // [B, T, 3C]
+    auto heads = [&](int64_t part) { return transpose(reshape(narrow(qkv, 2, part * C, C), {B, T, H, D}), 1, 2); };
+    const Tensor q = heads(0);
+    cache.k[i] = L0 ? cat({cache.k[i], heads(1)}, 2) : contiguous(heads(1));  // [B, H, L0 + T, D]
+    cache.v[i] = L0 ? cat({cache.v[i], heads(2)}, 2) : contiguous(heads(2));
+    // The prompt attends causally to itself; one new token to every position held, which needs no mask.
+    const Tensor y = L0 == 0 ? attention(q, cache.k[i], cache.v[i], true)
+                             : matmul(softmax(mul(matmul(q, transpose(cache.k[i], 2, 3)), 1.0 / std::sqrt(double(D)))),
+                                      cache.v[i]);  // [B, H, T, D]
+    const Tensor h_attn = b.attn->c_proj->forward(reshape(transpose(y, 1, 2), {B, T, C}), x);  // x + attn
+    x = b.mlp->forward(b.ln_2->forward(h_attn), h_attn);                                     // + mlp
+  }
+  cache.len = L0 + T;
+  return head(x);
+}
+
 Tensor GPT::loss_from_logits(Tensor logits, const Tensor& targets, bool sum, double scale) const {
   CrossEntropyOptions o;
   o.vocab = config.vocab_size;

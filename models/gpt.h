@@ -101,6 +101,13 @@ class Block : public Module {
   int64_t layer;
 };
 
+// The keys and values of the positions a model has seen, per layer: sampling one token at a time
+// attends to them instead of running the whole window again (inference: GPT::forward_cached).
+struct KVCache {
+  std::vector<Tensor> k, v;  // per layer [B, n_head, len, head dim]
+  int64_t len = 0;           // positions held
+};
+
 class GPT : public Module {
  public:
   // c.tp > 1 needs tp_group, of size c.tp: this rank then holds its slice of every split
@@ -128,6 +135,12 @@ class GPT : public Module {
   // and the loss from the head's logits.
   Tensor embed(const Tensor& idx) const;
   Tensor head(const Tensor& h_out) const;
+  // Inference with a KV cache (plain models, no dropout, no hooks): the logits [B, T, vocab_rows]
+  // of idx [B, T] at positions cache.len .. cache.len + T - 1, each attending to every cached
+  // position and causally to the new ones; their keys and values join the cache. Either the
+  // cache is empty (a prompt of any length), or T is 1 (one sampled token); the positions must
+  // stay within block_size. Equals forward() on the whole sequence, to rounding.
+  Tensor forward_cached(const Tensor& idx, KVCache& cache) const;
   // The logits are consumed (moved into the fused classifier when nothing else holds them).
   Tensor loss_from_logits(Tensor logits, const Tensor& targets, bool sum, double scale) const;
 

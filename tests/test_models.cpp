@@ -154,6 +154,35 @@ TEST_CASE("activation recompute holds fewer activation bytes after forward: full
   REQUIRE(held[2] < 0.5 * held[1]);
 }
 
+TEST_CASE("forward_cached: a prompt, then one token at a time, gives forward's logits at every position", "[models]") {
+  nn::GPT m(small_config());
+  m.init_weights(3);
+  std::vector<int64_t> ids;
+  for (int64_t i = 0; i < 2 * 16; ++i) ids.push_back((i * 11 + 4) % 61);
+  const Tensor idx = from_vector(ids, {2, 16});
+  autograd::NoGradGuard ng;
+  const Tensor full = m.forward(idx);  // [2, 16, V]
+  nn::KVCache cache;
+  const Tensor prompt = m.forward_cached(narrow(idx, 1, 0, 5), cache);
+  REQUIRE(cache.len == 5);
+  // the prompt is forward() of those 5 positions; against the 16-position run the GEMMs sum over
+  // other row blockings, so the two agree to rounding (f32: ~1e-5 here, 1e-4 allowed; a wrong
+  // position, key or value is off by far more)
+  CHECK(max_rel_diff(to_vector<float>(prompt), to_vector<float>(m.forward(narrow(idx, 1, 0, 5)))) < 1e-6);
+  CHECK(max_rel_diff(to_vector<float>(prompt), to_vector<float>(narrow(full, 1, 0, 5))) < 1e-4);
+  for (int64_t t = 5; t < 16; ++t) {
+    INFO("position " << t);
+    const Tensor one = m.forward_cached(narrow(idx, 1, t, 1), cache);
+    CHECK(max_rel_diff(to_vector<float>(one), to_vector<float>(narrow(full, 1, t, 1))) < 1e-4);
+  }
+  REQUIRE(cache.len == 16);
+  REQUIRE(cache.k[1].shape() == Shape{2, 4, 16, 8});
+  REQUIRE_THROWS_WITH(m.forward_cached(narrow(idx, 1, 0, 1), cache), Catch::Contains("positions up to 17 exceed block_size 16"));
+  nn::KVCache some;
+  m.forward_cached(narrow(idx, 1, 0, 3), some);
+  REQUIRE_THROWS_WITH(m.forward_cached(narrow(idx, 1, 3, 2), some), Catch::Contains("2 new positions after 3 cached ones"));
+}
+
 TEST_CASE("a Hugging Face model folder's config.json gives the head count its safetensors file does not record", "[models][io]") {
   nn::GPT a(small_config());
   a.init_weights(5);
