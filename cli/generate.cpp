@@ -44,6 +44,8 @@ int generate_main(int argc, char** argv) {
   SG_CHECK(top_k >= 0, "generate: --top-k must be >= 0");
 
   std::string from = a.str("from");
+  SG_CHECK(std::filesystem::exists(from), "generate: --from ", from,
+           ": no such checkpoint directory (run or step) or .safetensors file");
   std::string file = from;
   io::SafetensorsFile weights;
   if (std::filesystem::is_directory(from)) {  // a checkpoint of any layout: its model, consolidated

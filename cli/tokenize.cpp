@@ -63,10 +63,12 @@ int tokenize_main(int argc, char** argv) {
   }
   io::write_token_shard(out, tokens);
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  std::printf("wrote %s: %zu tokens from %zu file%s (%.2f bytes per token, %.1f MB/s); train with --data %s\n",
+  // A shard does not record its vocabulary; train takes GPT-2's 50257 unless told fewer.
+  const std::string vocab = tok.vocab_size() == io::kGpt2Vocab ? "" : " --vocab-size " + std::to_string(tok.vocab_size());
+  std::printf("wrote %s: %zu tokens from %zu file%s (%.2f bytes per token, %.1f MB/s); train with --data %s%s\n",
               out.c_str(), tokens.size(), files.size(), files.size() == 1 ? "" : "s",
               tokens.empty() ? 0.0 : double(bytes) / double(tokens.size()), double(bytes) / 1e6 / std::max(s, 1e-9),
-              out.c_str());
+              out.c_str(), vocab.c_str());
   return 0;
 }
 

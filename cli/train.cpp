@@ -90,7 +90,7 @@ void declare_flags(Args& a) {
   a.flag("eval-batches", "4", "validation batches per evaluation");
   a.flag("eval-problems", "200", "synthetic task: problems for the accuracy figure");
   a.flag("log-json", "", "write one JSON object per step to this file");
-  a.flag("threads", "0", "CPU threads (0 = all cores)");
+  a.flag("threads", "0", "CPU threads per rank (0 = OMP_NUM_THREADS if set, else the cores divided among the node's ranks)");
   a.flag("strategy", "single", "single | dp (one process, --devices) | ddp | zero1 | zero2 | zero3 | fsdp (= zero3) | fsdp-grad-op | hsdp | no-shard (all but single/dp: launch with mpirun -np N)");
   a.flag("shard-group-size", "0", "hsdp: ranks per shard group (parameters sharded inside, replicated across groups)");
   a.flag("wrap-min-params", "0", "fsdp family: one unit per block (0), or consecutive blocks until this many parameters");
@@ -174,9 +174,7 @@ nn::GPTConfig model_config(const Args& a, int64_t data_vocab) {
   if (a.i64("block-size")) c.block_size = positive(a, "block-size");
   c.vocab_size = data_vocab;
   if (a.i64("vocab-size")) {
-    int64_t v = positive(a, "vocab-size");
-    SG_CHECK(v >= data_vocab, "train: --vocab-size ", v, " is smaller than the data's vocabulary ", data_vocab);
-    c.vocab_size = v;
+    c.vocab_size = positive(a, "vocab-size");  // below the data's: Trainer::setup asks the data
   }
   c.dropout = a.f64("dropout");
   if (a.i64("seq-len") > c.block_size && !a.i64("block-size")) c.block_size = a.i64("seq-len");
@@ -324,6 +322,23 @@ class Trainer {
   double dp_loss(double share);
   double world_sum(double x);  // over every rank (metrics group)
   std::string device_spec_;    // --device, with "cuda" made cuda:<local rank> under --backend nccl
+  // --threads 0: OMP_NUM_THREADS when set (mpirun -x OMP_NUM_THREADS=1), else the node's cores
+  // shared by the ranks on it, so that 4 ranks on 2 cores do not run 2 threads each.
+  static int default_threads() {
+    if (const char* s = std::getenv("OMP_NUM_THREADS"); s && std::atoi(s) > 0) return std::atoi(s);
+    int local = 1;
+    for (const char* v : {"OMPI_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE"})
+      if (const char* s = std::getenv(v); s && std::atoi(s) > 0) {
+        local = std::atoi(s);
+        break;
+      }
+    return std::max(1, int(std::max(1u, std::thread::hardware_concurrency())) / local);
+  }
+  // The data as a checkpoint records it: a file or glob made absolute, so that a resume or generate
+  // started in another folder reads the same files.
+  std::string saved_data_spec() const {
+    return synthetic_data(args_) ? data_opt_.spec : std::filesystem::absolute(data_opt_.spec).lexically_normal().string();
+  }
   static int local_rank() {    // this rank's place on its node, from the launcher
     for (const char* v : {"OMPI_COMM_WORLD_LOCAL_RANK", "LOCAL_RANK"})
       if (const char* s = std::getenv(v)) return std::atoi(s);
@@ -382,7 +397,7 @@ void Trainer::setup() {
   const Args& a = args_;
   const int64_t threads = a.i64("threads");
   SG_CHECK(threads >= 0, "train: --threads must be >= 0");
-  const int nt = threads ? int(threads) : int(std::max(1u, std::thread::hardware_concurrency()));
+  const int nt = threads ? int(threads) : default_threads();
   omp_set_num_threads(nt);
   Eigen::setNbThreads(nt);
 
@@ -498,10 +513,16 @@ void Trainer::setup() {
   data_opt_.spec = a.str("data");
   data_opt_.seed = seed_;
   data_opt_.shuffle = a.on("shuffle");
-  train_ = io::open_dataset(data_opt_);
-  io::DataOptions vo = data_opt_;
-  vo.split = io::Split::val;
-  val_ = io::open_dataset(vo);
+  try {
+    train_ = io::open_dataset(data_opt_);
+    io::DataOptions vo = data_opt_;
+    vo.split = io::Split::val;
+    val_ = io::open_dataset(vo);
+  } catch (const Error& e) {
+    const auto& from_ck = a.inherited();
+    if (std::find(from_ck.begin(), from_ck.end(), "data") == from_ck.end()) throw;
+    throw Error(str(e.what(), " (--data ", data_opt_.spec, " is the checkpoint's; give --data to read it elsewhere)"));
+  }
 
   // A checkpoint of any layout (sharded, or the older full format): this run reads its own slices.
   // --resume auto: the newest complete checkpoint of the --save directory.
@@ -525,8 +546,10 @@ void Trainer::setup() {
   } else {
     cfg_ = model_config(a, train_->vocab_size());
   }
-  SG_CHECK(cfg_.vocab_size >= train_->vocab_size(), "train: the model's vocabulary ", cfg_.vocab_size,
-           " is smaller than the data's ", train_->vocab_size());
+  if (cfg_.vocab_size < train_->vocab_size()) {  // token shards of a smaller tokenizer; other data refuses
+    train_->restrict_vocab(cfg_.vocab_size);
+    val_->restrict_vocab(cfg_.vocab_size);
+  }
   T_ = a.i64("seq-len") ? positive(a, "seq-len") : cfg_.block_size;
   // The task is evaluated with each prompt at position 0: rows of exactly one problem train that.
   if (auto* task = dynamic_cast<const io::SyntheticDataset*>(train_.get()); task && !a.i64("seq-len"))
@@ -666,7 +689,14 @@ void Trainer::setup() {
       for (const std::string& f : a.inherited()) flags += " " + a.spelled(f);
       std::printf("resumed from %s at step %lld%s\n", ck->path().c_str(), (long long)start_step_,
                   flags.empty() ? "" : (", with the run's" + flags).c_str());
+      if (start_step_ == steps_)
+        std::printf("the checkpoint is at the run's last step (--steps %lld): nothing to train; give a larger --steps "
+                    "to go on\n", (long long)steps_);
+      if (a.str("save").empty())
+        std::printf("no --save: the steps after %lld are not checkpointed\n", (long long)start_step_);
     }
+  } else if (a.str("resume") == "auto" && lead()) {
+    std::printf("--resume auto: no checkpoint in %s yet; starting from step 0\n", a.str("save").c_str());
   }
   save_dir_ = a.str("save");
   SG_CHECK(a.i64("keep") >= 0, "train: --keep must be >= 0");
@@ -1111,11 +1141,11 @@ void Trainer::save(int64_t next_step) {
   s["argv"] = args_.argv_copy;
   json flags = json::object();
   for (const char* f : kRunFlags)
-    if (args_.given(f)) flags[f] = args_.str(f);
+    if (args_.given(f)) flags[f] = std::string(f) == "data" ? saved_data_spec() : args_.str(f);
   s["train_flags"] = flags;
   s["layout"] = {{"strategy", strategy_}, {"world", world_size_}, {"dp", dp_size_}, {"tp", tp_}, {"pp", pp_}};
   const std::vector<ckpt::Piece> mine = state_pieces();
-  const auto meta = config_metadata(cfg_, data_opt_.spec);
+  const auto meta = config_metadata(cfg_, saved_data_spec());
   const int keep = int(args_.i64("keep"));
   std::string where;
   if (metrics_) {
@@ -1135,14 +1165,21 @@ int Trainer::run() {
     log = std::make_unique<std::ofstream>(args_.str("log-json"), start_step_ ? std::ios::app : std::ios::trunc);
     SG_CHECK(log->good(), "train: cannot write --log-json ", args_.str("log-json"));
   }
-  if (lead()) std::printf("shardgrad train | model %s: %lld layers, %lld heads, width %lld, vocab %lld (padded %lld), %.2fM params\n",
-              cfg_.name.c_str(), (long long)cfg_.n_layer, (long long)cfg_.n_head, (long long)cfg_.n_embd,
-              (long long)cfg_.vocab_size, (long long)cfg_.vocab_rows(), double(model_->num_parameters()) / 1e6);
-  if (lead())
-    std::printf("data %s | batch %lld x %lld tokens (micro-batch %lld) | %s %s | %d threads | %s x %d | steps %lld..%lld\n",
+  if (lead()) {
+    // The whole model's size; under tp/pp rank 0 holds a part of it (before any dp sharding).
+    const int64_t whole = cfg_.num_params(), held = model_->num_parameters();
+    std::printf("shardgrad train | model %s: %lld layers, %lld heads, width %lld, vocab %lld (padded %lld), %.2fM params%s\n",
+                cfg_.name.c_str(), (long long)cfg_.n_layer, (long long)cfg_.n_head, (long long)cfg_.n_embd,
+                (long long)cfg_.vocab_size, (long long)cfg_.vocab_rows(), double(whole) / 1e6,
+                held == whole ? "" : str(" (rank 0's tp/pp part: ", std::lround(held / 1e4) / 100.0, "M)").c_str());
+    const std::string dp = strategy_ == "single" && dp_size_ == 1 ? "" : str(strategy_, " over dp ", dp_size_, " x ");
+    const std::string layout = tp_ == 1 && pp_ == 1 ? str(strategy_, " x ", world_size_)
+                                                    : str(dp, "tp ", tp_, cfg_.sequence_parallel ? "+sp" : "", " x pp ",
+                                                          pp_, " (", world_size_, " ranks)");
+    std::printf("data %s | batch %lld x %lld tokens (micro-batch %lld) | %s %s | %d threads | %s | steps %lld..%lld\n",
                 train_->describe().c_str(), (long long)B_, (long long)T_, (long long)micro_, device_.str().c_str(),
-                dtype_name(dtype_), omp_get_max_threads(), strategy_.c_str(), world_size_, (long long)start_step_,
-                (long long)steps_);
+                dtype_name(dtype_), omp_get_max_threads(), layout.c_str(), (long long)start_step_, (long long)steps_);
+  }
   std::fflush(stdout);
   const int64_t save_every = args_.i64("save-every"), eval_every = args_.i64("eval-every");
   for (int64_t step = start_step_; step < steps_; ++step) {

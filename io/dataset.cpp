@@ -80,6 +80,10 @@ class FileDataset : public Dataset {
     pos_ = p;
   }
   int64_t vocab_size() const override { return vocab_; }
+  void restrict_vocab(int64_t v) override {
+    if (kind_ != "token shards" || v <= 0) Dataset::restrict_vocab(v);
+    vocab_ = std::min(vocab_, v);
+  }
 
   std::string describe() const override {
     return str(kind_, " ", spec_, " (vocab ", vocab_, "): ", split_name(split_), " split of ", total_, " tokens in ",
@@ -141,6 +145,11 @@ class FileDataset : public Dataset {
 };
 
 }  // namespace
+
+void Dataset::restrict_vocab(int64_t v) {
+  SG_CHECK(v >= vocab_size(), "data ", describe(), ": a model of ", v, " tokens cannot read its ", vocab_size(),
+           " (the vocabulary must be at least the data's)");
+}
 
 bool is_shard_spec(const std::string& s) {
   return s.find_first_of("*?[") != std::string::npos || (s.size() >= 4 && s.compare(s.size() - 4, 4, ".bin") == 0);

@@ -29,6 +29,10 @@ class Dataset {
   virtual int64_t position() const = 0;      // opaque cursor (token offset or batch counter)
   virtual void set_position(int64_t p) = 0;
   virtual int64_t vocab_size() const = 0;    // tokens are in [0, vocab_size)
+  // For a model of fewer tokens than vocab_size(): token shards (GPT-2's 50257 ids at most, or
+  // another tokenizer's fewer) then check every id they read against v, naming the file and index
+  // of one outside; other data refuses, naming itself.
+  virtual void restrict_vocab(int64_t v);
   virtual std::string describe() const = 0;  // for the progress header
   // Text <-> tokens for `shardgrad generate` (bytes and the synthetic task; GPT-2 token shards are
   // read through io::Gpt2Tokenizer instead).

@@ -213,10 +213,20 @@ TEST_CASE("resume takes the run's data, batch, schedule and seed from the checkp
   INFO(r1.output);
   REQUIRE(r1.code == 0);
   REQUIRE(r1.output.find("with the run's --data " + data + " --shuffle --seq-len 24 --dropout 0.1 --batch-size 6 --steps 6") != std::string::npos);
+  REQUIRE(r1.output.find("not checkpointed") == std::string::npos);
   Run r2 = shardgrad("train --resume " + (d.path / "r" / "step_00000004").string() + " --threads 1 --log-json " +
                      (d.path / "r2.jsonl").string());
   INFO(r2.output);
   REQUIRE(r2.code == 0);
+  REQUIRE(r2.output.find("no --save: the steps after 4 are not checkpointed") != std::string::npos);
+  Run done = shardgrad("train --resume " + run + " --threads 1");  // the run's last checkpoint: step 6 of 6
+  INFO(done.output);
+  REQUIRE(done.code == 0);
+  REQUIRE(done.output.find("at the run's last step (--steps 6): nothing to train") != std::string::npos);
+  Run fresh = shardgrad("train " + kSmall + " --steps 1 --resume auto --save " + (d.path / "fresh").string());
+  INFO(fresh.output);
+  REQUIRE(fresh.code == 0);
+  REQUIRE(fresh.output.find("no checkpoint in " + (d.path / "fresh").string() + " yet; starting from step 0") != std::string::npos);
   auto a = read_log(d.path / "full.jsonl"), b = read_log(d.path / "r1.jsonl"), c = read_log(d.path / "r2.jsonl");
   REQUIRE(a.size() == 6);
   REQUIRE(b.size() == 4);
@@ -252,6 +262,20 @@ TEST_CASE("train's default learning rate on file data follows the model's size",
   refuses(std::string(SG_BINARY) + " train --data " + data + " --seq-len 16 --batch-size 2 --lr -1 --steps 1", "--lr must be > 0, got -1");
 }
 
+TEST_CASE("train's default thread count: OMP_NUM_THREADS when set, else the cores shared by the node's ranks", "[cli]") {
+  const std::string run = std::string(SG_BINARY) + " train --n-layer 1 --n-embd 32 --n-head 2 --steps 1 --eval-every 0 "
+                          "--eval-batches 1 --eval-problems 8";
+  Run omp = run_command("env OMP_NUM_THREADS=3 " + run);
+  INFO(omp.output);
+  REQUIRE(omp.code == 0);
+  REQUIRE(omp.output.find("| 3 threads |") != std::string::npos);
+  // 64 ranks on this node (a launcher's LOCAL_WORLD_SIZE): one thread each, not every core each
+  Run shared = run_command("env -u OMP_NUM_THREADS LOCAL_WORLD_SIZE=64 " + run);
+  INFO(shared.output);
+  REQUIRE(shared.code == 0);
+  REQUIRE(shared.output.find("| 1 threads |") != std::string::npos);
+}
+
 TEST_CASE("generate samples from what train saved", "[cli]") {
   TempDir d;
   std::string save = (d.path / "run").string();
@@ -276,6 +300,7 @@ TEST_CASE("tokenize writes GPT-2 tokens that train reads and generate decodes wi
   INFO(t.output);
   REQUIRE(t.code == 0);
   REQUIRE(t.output.find("a.txt: 41 bytes -> ") != std::string::npos);
+  REQUIRE(t.output.find("train with --data " + data + " --vocab-size 612") != std::string::npos);
   // every file one document, opened by <|endoftext|> (611), as llm.c writes its shards; the ids are
   // the Python oracle's (tests/golden/bpe/cases.json encodes these texts the same way)
   const std::vector<uint16_t> tokens = sg::io::read_token_shard(data);
@@ -292,10 +317,17 @@ TEST_CASE("tokenize writes GPT-2 tokens that train reads and generate decodes wi
           "vocab.json");
 
   const std::string run = (d.path / "run").string();
-  Run tr = shardgrad("train --data " + data + " --n-layer 1 --n-embd 32 --n-head 2 --seq-len 16 --batch-size 4 --steps 2 "
-                     "--threads 1 --eval-every 0 --eval-batches 1 --save " + run);
+  const std::string tiny = " --n-layer 1 --n-embd 32 --n-head 2 --seq-len 16 --batch-size 4 --threads 1 --eval-every 0 "
+                           "--eval-batches 1 ";
+  Run tr = shardgrad("train --data " + data + tiny + "--vocab-size 612 --steps 2 --save " + run);
   INFO(tr.output);
   REQUIRE(tr.code == 0);
+  REQUIRE(tr.output.find("vocab 612 (padded 640)") != std::string::npos);  // not GPT-2's 50257
+  // a model too small for the shard's ids fails on the first id past it, naming the file
+  refuses(std::string(SG_BINARY) + " train --data " + data + tiny + "--vocab-size 100 --steps 2",
+          "is outside the vocabulary of 100");
+  refuses(std::string(SG_BINARY) + " train --data " + (d.path / "b1.txt").string() + tiny + "--vocab-size 100 --steps 1",
+          "a model of 100 tokens cannot read its 256");
   Run g = shardgrad("generate --from " + run + " --tokenizer " + bpe + " --prompt 'The model' --max-new-tokens 6 --temperature 0");
   INFO(g.output);
   REQUIRE(g.code == 0);
@@ -310,6 +342,8 @@ TEST_CASE("tokenize writes GPT-2 tokens that train reads and generate decodes wi
   REQUIRE(shardgrad("train " + kSmall + " --steps 1 --save " + small).code == 0);
   refuses(std::string(SG_BINARY) + " generate --from " + small + " --tokenizer " + bpe + " --prompt x",
           "has 612 tokens, more than the model's vocabulary");
+  refuses(std::string(SG_BINARY) + " generate --from " + (d.path / "nowhere").string() + " --prompt x",
+          "nowhere: no such checkpoint directory (run or step) or .safetensors file");
 }
 
 namespace {
