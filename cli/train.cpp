@@ -835,8 +835,7 @@ double Trainer::pipeline_step(int64_t step, const Tensor& idx, const Tensor& tgt
                               double lr, double& grad_norm, bool& applied) {
   if (!args_.str("timeline").empty()) metrics_->barrier()->wait();  // a common time origin
   double loss;
-  {
-    parallel::watchdog::Waiting w("the pipeline's sends and receives");
+  {  // its waits are the sends' and receives' own (ProcessGroup's): a stage that hangs in compute is blamed
     if (ddp_) ddp_->set_sync(false);  // micro-batch backwards interleave: reduce once at the end
     if (zero_) zero_->set_sync(false);
     // Scaled by dp like the plain path: the dp average of the ranks' gradients is the global mean's.

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <mutex>
 #include <sstream>
 #include <thread>
@@ -24,7 +25,8 @@ std::atomic<bool> armed{false};
 double limit = 0;
 int my_rank = 0;
 const char* phase = "startup";
-const char* waiting_on = nullptr;
+std::map<uint64_t, std::string> waits;  // the waits in progress, oldest first
+uint64_t next_wait = 0;
 int64_t at_step = -1;
 Clock::time_point last = Clock::now();
 std::thread checker;
@@ -35,19 +37,26 @@ void check_loop() {
     std::lock_guard<std::mutex> g(mu);
     double idle = std::chrono::duration<double>(Clock::now() - last).count();
     if (!armed.load() || idle < limit) continue;
-    if (waiting_on)
+    if (!waits.empty()) {
+      // the outermost wait names the phase, the innermost the operation it is stuck in
+      std::string what = waits.begin()->second;
+      if (waits.size() > 1) what += " (" + waits.rbegin()->second + ")";
       std::fprintf(stderr,
                    "shardgrad: rank %d: no progress for %.0f s while waiting in %s at step %lld: a peer rank "
                    "stopped responding; aborting the job (--comm-timeout %.0f)\n",
-                   my_rank, idle, waiting_on, (long long)at_step + 1, limit);
-    else
+                   my_rank, idle, what.c_str(), (long long)at_step + 1, limit);
+    } else {
       std::fprintf(stderr,
                    "shardgrad: rank %d: FAILED: no progress for %.0f s in %s at step %lld (not waiting on any "
                    "peer); aborting the job (--comm-timeout %.0f)\n",
                    my_rank, idle, phase, (long long)at_step + 1, limit);
+    }
     std::fflush(stderr);
     int up = 0;
     MPI_Initialized(&up);
+    // The stuck rank and its waiting peers time out within moments of each other: a second's grace
+    // lets each say its part before the first abort takes the job down.
+    std::this_thread::sleep_for(std::chrono::seconds(1));
     if (up) MPI_Abort(MPI_COMM_WORLD, 3);
     std::_Exit(3);
   }
@@ -77,16 +86,16 @@ void beat(const char* p, int64_t step) {
   last = Clock::now();
 }
 
-Waiting::Waiting(const char* what) {
+Waiting::Waiting(std::string what) {
   std::lock_guard<std::mutex> g(mu);
-  prev_ = waiting_on;
-  waiting_on = what;
+  id_ = next_wait++;
+  waits.emplace(id_, std::move(what));
   last = Clock::now();
 }
 
 Waiting::~Waiting() {
   std::lock_guard<std::mutex> g(mu);
-  waiting_on = prev_;
+  waits.erase(id_);
   last = Clock::now();
 }
 }  // namespace watchdog

@@ -15,14 +15,20 @@ void arm(double timeout_s, int rank);
 void disarm();
 // Marks progress and names the phase now running ("forward/backward", ...), at a step.
 void beat(const char* phase, int64_t step);
-// RAII: a phase spent waiting on other ranks; a timeout here blames a peer, not this rank.
+// RAII: a phase spent waiting on other ranks; a timeout here blames a peer, not this rank. The
+// trainer names its phases ("the gradient all-reduce"); every wait on a ProcessGroup operation
+// names the operation ("an all_gather among the 2 ranks of its group"), so a wait inside a phase
+// that names none (FSDP's gathers in forward, tensor parallelism's collectives) blames a peer too.
+// Waits may nest and end in any order (several threads may wait at once).
 class Waiting {
  public:
-  explicit Waiting(const char* what);
+  explicit Waiting(std::string what);
   ~Waiting();
+  Waiting(const Waiting&) = delete;
+  Waiting& operator=(const Waiting&) = delete;
 
  private:
-  const char* prev_;
+  uint64_t id_;
 };
 }  // namespace watchdog
 

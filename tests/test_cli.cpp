@@ -383,6 +383,24 @@ TEST_CASE("a failing rank ends the whole job within --comm-timeout, naming the r
   }
 }
 
+TEST_CASE("a rank that hangs is the one blamed: its peers say what they wait in, under zero3, tp and pp", "[cli][mpi]") {
+  // zero3 waits in its forward's gathers, tp in its layers' all-reduces, pp in a stage's receive:
+  // none of them is a phase the trainer names, so each is the wait of the ProcessGroup operation.
+  const std::pair<const char*, const char*> cases[] = {{"--strategy zero3", "an all_gather among the 2 ranks"},
+                                                       {"--tp 2", "an all_reduce among the 2 ranks"},
+                                                       {"--pp 2", "a recv from rank 1 of its 2-rank group"}};
+  for (auto [layout, wait] : cases) {
+    INFO(layout);
+    Run r = run_command(mpirun(2) + " train " + kSmall + " --n-layer 2 " + layout +
+                        " --steps 50 --comm-timeout 5 --inject-fault rank=1,step=3,kind=hang");
+    INFO(r.output);
+    REQUIRE(r.code != 0);
+    CHECK(r.output.find("rank 1: FAILED: no progress for 5 s in forward/backward at step 3") != std::string::npos);
+    CHECK(r.output.find("rank 0: FAILED") == std::string::npos);
+    CHECK(r.output.find(std::string("rank 0: no progress for 5 s while waiting in ") + wait) != std::string::npos);
+  }
+}
+
 TEST_CASE("the default run (tiny GPT, synthetic 3-digit addition) learns to >= 90% task accuracy", "[cli][learn]") {
   TempDir d;
   Run r = shardgrad("train --log-json " + (d.path / "log.jsonl").string());

@@ -4,6 +4,7 @@
 
 #include "core/error.h"
 #include "core/trace.h"
+#include "parallel/watchdog.h"
 
 namespace sg::comm {
 
@@ -126,21 +127,46 @@ std::shared_ptr<Work> traced(const ProcessGroup* g, CommKind k, size_t bytes, st
   return std::make_shared<TracedWork>(std::move(w), trace::comm_track(g, g->size()), k, int64_t(bytes), g->size());
 }
 
+// A Work whose wait() tells the watchdog that this rank waits on its peers, and in what: a
+// rank stuck there blames a peer, not itself.
+class WatchedWork final : public Work {
+ public:
+  WatchedWork(std::shared_ptr<Work> w, std::string what) : w_(std::move(w)), what_(std::move(what)) {}
+  void wait() override {
+    parallel::watchdog::Waiting g(what_);
+    w_->wait();
+  }
+  bool test() override { return w_->test(); }
+
+ private:
+  std::shared_ptr<Work> w_;
+  std::string what_;
+};
+
+std::string collective_name(CommKind k, int size) {
+  const std::string name = comm_kind_name(k);
+  return str(name[0] == 'a' ? "an " : "a ", name, " among the ", size, " ranks of its group");
+}
+
 // Hands the operation to the backend (start) with the caller's intent visible to it, and waits
-// for a blocking one before returning.
+// for a blocking one before returning (the MPI backend runs a blocking one inside start()).
 template <class Start>
-std::shared_ptr<Work> issue(Sync sync, Start start) {
+std::shared_ptr<Work> issue(Sync sync, const std::string& what, Start start) {
   struct Flag {
     explicit Flag(bool on) { t_issuing_blocking = on; }
     ~Flag() { t_issuing_blocking = false; }
   };
   std::shared_ptr<Work> w;
-  {
-    Flag flag(sync == Sync::blocking);
-    w = start();
+  if (sync == Sync::blocking) {
+    parallel::watchdog::Waiting g(what);
+    {
+      Flag flag(true);
+      w = start();
+    }
+    w->wait();
+    return w;
   }
-  if (sync == Sync::blocking) w->wait();
-  return w;
+  return std::make_shared<WatchedWork>(start(), what);
 }
 
 bool overlap(const Tensor& a, const Tensor& b) {
@@ -155,7 +181,8 @@ std::shared_ptr<Work> ProcessGroup::all_reduce(const Tensor& t, ReduceOp op, Syn
   SG_CHECK(op != ReduceOp::avg || is_floating(t.dtype()), "all_reduce: avg of ", t.describe(),
            " would not be exact; use sum and divide", at());
   count(CommKind::all_reduce, all_reduce_bytes(int64_t(t.nbytes()), size_));
-  return issue(sync, [&] { return traced(this, CommKind::all_reduce, t.nbytes(), do_all_reduce(t, op)); });
+  return issue(sync, collective_name(CommKind::all_reduce, size_),
+               [&] { return traced(this, CommKind::all_reduce, t.nbytes(), do_all_reduce(t, op)); });
 }
 
 std::shared_ptr<Work> ProcessGroup::reduce_scatter(const Tensor& out, const Tensor& in, ReduceOp op, Sync sync) {
@@ -169,7 +196,8 @@ std::shared_ptr<Work> ProcessGroup::reduce_scatter(const Tensor& out, const Tens
   SG_CHECK(op != ReduceOp::avg || is_floating(in.dtype()), "reduce_scatter: avg of ", in.describe(),
            " would not be exact; use sum and divide", at());
   count(CommKind::reduce_scatter, reduce_scatter_bytes(int64_t(in.nbytes()), size_));
-  return issue(sync, [&] { return traced(this, CommKind::reduce_scatter, in.nbytes(), do_reduce_scatter(out, in, op)); });
+  return issue(sync, collective_name(CommKind::reduce_scatter, size_),
+               [&] { return traced(this, CommKind::reduce_scatter, in.nbytes(), do_reduce_scatter(out, in, op)); });
 }
 
 std::shared_ptr<Work> ProcessGroup::all_gather(const Tensor& out, const Tensor& in, Sync sync) {
@@ -184,14 +212,16 @@ std::shared_ptr<Work> ProcessGroup::all_gather(const Tensor& out, const Tensor& 
   SG_CHECK(!overlap(out, in) || in.data_ptr() == own_chunk, "all_gather: input overlaps the output but is not its chunk ",
            rank_, at());
   count(CommKind::all_gather, all_gather_bytes(int64_t(out.nbytes()), size_));
-  return issue(sync, [&] { return traced(this, CommKind::all_gather, out.nbytes(), do_all_gather(out, in)); });
+  return issue(sync, collective_name(CommKind::all_gather, size_),
+               [&] { return traced(this, CommKind::all_gather, out.nbytes(), do_all_gather(out, in)); });
 }
 
 std::shared_ptr<Work> ProcessGroup::broadcast(const Tensor& t, int root, Sync sync) {
   check_tensor("broadcast", "tensor", t);
   check_peer("broadcast", "root", root, true);
   count(CommKind::broadcast, size_ > 1 ? int64_t(t.nbytes()) : 0);
-  return issue(sync, [&] { return traced(this, CommKind::broadcast, t.nbytes(), do_broadcast(t, root)); });
+  return issue(sync, collective_name(CommKind::broadcast, size_),
+               [&] { return traced(this, CommKind::broadcast, t.nbytes(), do_broadcast(t, root)); });
 }
 
 std::shared_ptr<Work> ProcessGroup::reduce(const Tensor& t, int root, ReduceOp op, Sync sync) {
@@ -200,7 +230,8 @@ std::shared_ptr<Work> ProcessGroup::reduce(const Tensor& t, int root, ReduceOp o
   SG_CHECK(op != ReduceOp::avg || is_floating(t.dtype()), "reduce: avg of ", t.describe(),
            " would not be exact; use sum and divide", at());
   count(CommKind::reduce, size_ > 1 ? int64_t(t.nbytes()) : 0);
-  return issue(sync, [&] { return traced(this, CommKind::reduce, t.nbytes(), do_reduce(t, root, op)); });
+  return issue(sync, collective_name(CommKind::reduce, size_),
+               [&] { return traced(this, CommKind::reduce, t.nbytes(), do_reduce(t, root, op)); });
 }
 
 std::shared_ptr<Work> ProcessGroup::send(const Tensor& t, int dst, int tag) {
@@ -208,7 +239,8 @@ std::shared_ptr<Work> ProcessGroup::send(const Tensor& t, int dst, int tag) {
   check_peer("send", "destination", dst, false);
   SG_CHECK(tag >= 0, "send: tag ", tag, " is negative", at());
   count(CommKind::send, int64_t(t.nbytes()));
-  return traced(this, CommKind::send, t.nbytes(), do_send(t, dst, tag));
+  return std::make_shared<WatchedWork>(traced(this, CommKind::send, t.nbytes(), do_send(t, dst, tag)),
+                                       str("a send to rank ", dst, " of its ", size_, "-rank group"));
 }
 
 std::shared_ptr<Work> ProcessGroup::recv(const Tensor& t, int src, int tag) {
@@ -216,12 +248,14 @@ std::shared_ptr<Work> ProcessGroup::recv(const Tensor& t, int src, int tag) {
   check_peer("recv", "source", src, false);
   SG_CHECK(tag >= 0, "recv: tag ", tag, " is negative", at());
   count(CommKind::recv, int64_t(t.nbytes()));
-  return traced(this, CommKind::recv, t.nbytes(), do_recv(t, src, tag));
+  return std::make_shared<WatchedWork>(traced(this, CommKind::recv, t.nbytes(), do_recv(t, src, tag)),
+                                       str("a recv from rank ", src, " of its ", size_, "-rank group"));
 }
 
 std::shared_ptr<Work> ProcessGroup::barrier(Sync sync) {
   count(CommKind::barrier, 0);
-  return issue(sync, [&] { return traced(this, CommKind::barrier, 0, do_barrier()); });
+  return issue(sync, collective_name(CommKind::barrier, size_),
+               [&] { return traced(this, CommKind::barrier, 0, do_barrier()); });
 }
 
 std::shared_ptr<ProcessGroup> ProcessGroup::split(int color, int key) { return do_split(color, key); }
