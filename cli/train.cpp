@@ -66,7 +66,7 @@ void declare_flags(Args& a) {
   a.flag("data", "synthetic", "synthetic | FILE.txt (bytes) | 'GLOB.bin' (llm.c token shards)");
   a.toggle("shuffle", "draw rows at seeded random positions instead of reading sequentially");
   a.flag("batch-size", "0", "global batch: sequences per optimizer step (0 = 32; 128 one-problem rows on the synthetic task)");
-  a.flag("micro-batch-size", "0", "sequences per forward/backward (0 = the whole batch); must divide --batch-size");
+  a.flag("micro-batch-size", "0", "sequences per forward/backward (0 = the per-rank batch; under --pp, enough micro-batches for at least 4 per stage); must divide --batch-size");
   a.flag("steps", "1000", "optimizer steps (1500 on the synthetic task unless given)");
   a.flag("lr", "0", "peak learning rate (0 = by model size, non-embedding parameters: 1e-2 below 1M, 1e-3 below "
          "20M, then GPT-3's 6e-4 / 3e-4 / 2.5e-4 / 2e-4 for GPT-2's four sizes; 5e-3 on the synthetic task)");
@@ -146,6 +146,21 @@ void inherit_run_flags(Args& a) {
     const json& saved = ck->state()["train_flags"];
     if (!a.given(f) && saved.contains(f)) a.inherit(f, saved[f].get<std::string>());
   }
+}
+
+// --micro-batch-size 0: the whole per-rank batch, except under a pipeline, where one micro-batch
+// would leave every stage but one idle: then the fewest micro-batches, a multiple of the stages
+// (the interleaved schedule needs it), that number at least 4 per stage (GPipe's m >= 4p keeps the
+// bubble (p-1)/m under a quarter), or as many as the batch allows.
+int64_t default_micro_batch(int64_t per_rank, int pp) {
+  if (pp == 1) return per_rank;
+  int64_t best = 0;  // micro-batches per step
+  for (int64_t m = pp; m <= per_rank; m += pp) {
+    if (per_rank % m) continue;
+    best = m;
+    if (m >= 4 * pp) break;
+  }
+  return best ? per_rank / best : per_rank;
 }
 
 int64_t positive(const Args& a, const std::string& f, int64_t min = 1) {
@@ -496,7 +511,7 @@ void Trainer::setup() {
   seed_ = uint64_t(a.i64("seed"));
   const bool synthetic = synthetic_data(a);
   B_ = a.i64("batch-size") ? positive(a, "batch-size") : (synthetic ? 128 : 32);
-  micro_ = a.i64("micro-batch-size") ? positive(a, "micro-batch-size") : B_ / std::max(1, dp_size_);
+  micro_ = a.i64("micro-batch-size") ? positive(a, "micro-batch-size") : default_micro_batch(B_ / std::max(1, dp_size_), pp_);
   SG_CHECK(B_ % dp_size_ == 0, "train: --batch-size ", B_, " is not divisible by ", dp_size_,
            " data-parallel ranks");
   SG_CHECK((B_ / dp_size_) % micro_ == 0, "train: --micro-batch-size ", micro_, " does not divide ",
@@ -1175,8 +1190,9 @@ int Trainer::run() {
     const std::string layout = tp_ == 1 && pp_ == 1 ? str(strategy_, " x ", world_size_)
                                                     : str(dp, "tp ", tp_, cfg_.sequence_parallel ? "+sp" : "", " x pp ",
                                                           pp_, " (", world_size_, " ranks)");
-    std::printf("data %s | batch %lld x %lld tokens (micro-batch %lld) | %s %s | %d threads | %s | steps %lld..%lld\n",
-                train_->describe().c_str(), (long long)B_, (long long)T_, (long long)micro_, device_.str().c_str(),
+    std::printf("data %s | batch %lld x %lld tokens (micro-batch %lld%s) | %s %s | %d threads | %s | steps %lld..%lld\n",
+                train_->describe().c_str(), (long long)B_, (long long)T_, (long long)micro_,
+                pp_ > 1 ? str(", ", B_ / dp_size_ / micro_, " per step").c_str() : "", device_.str().c_str(),
                 dtype_name(dtype_), omp_get_max_threads(), layout.c_str(), (long long)start_step_, (long long)steps_);
   }
   std::fflush(stdout);

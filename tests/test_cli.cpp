@@ -383,6 +383,17 @@ TEST_CASE("a failing rank ends the whole job within --comm-timeout, naming the r
   }
 }
 
+TEST_CASE("a pipeline's default micro-batches: at least 4 per stage, a multiple of the stages", "[cli][mpi]") {
+  for (auto [batch, want] : {std::pair<const char*, const char*>{"32", "(micro-batch 4, 8 per step)"},
+                             {"20", "(micro-batch 2, 10 per step)"}}) {  // 20: 8 does not divide it, 10 does
+    Run r = run_command(mpirun(2) + " train --n-layer 2 --n-embd 32 --n-head 2 --pp 2 --steps 1 --eval-every 0 "
+                                    "--eval-batches 1 --eval-problems 8 --batch-size " + batch);
+    INFO(r.output);
+    REQUIRE(r.code == 0);
+    CHECK(r.output.find(want) != std::string::npos);
+  }
+}
+
 TEST_CASE("a rank that hangs is the one blamed: its peers say what they wait in, under zero3, tp and pp", "[cli][mpi]") {
   // zero3 waits in its forward's gathers, tp in its layers' all-reduces, pp in a stage's receive:
   // none of them is a phase the trainer names, so each is the wait of the ProcessGroup operation.
