@@ -25,7 +25,7 @@ int generate_main(int argc, char** argv) {
   Args a("generate", "Sample from a model trained on bytes, on the synthetic task, or on GPT-2 tokens (--tokenizer).");
   a.flag("from", "", "checkpoint directory (run or step) or a .safetensors file written by shardgrad");
   a.flag("prompt", "", "text to continue");
-  a.flag("max-new-tokens", "64", "tokens to sample");
+  a.flag("max-new-tokens", "64", "tokens to sample (the synthetic task stops at the end of its answer's line)");
   a.flag("temperature", "1.0", "softmax temperature (0 = greedy)");
   a.flag("top-k", "0", "sample among the k most likely tokens (0 = all)");
   a.flag("seed", "42", "sampling seed");
@@ -99,6 +99,9 @@ int generate_main(int argc, char** argv) {
     decode = [&](const std::vector<int64_t>& ids) { return tok->decode(ids); };
   }
 
+  // The synthetic task's answer ends with its line: sampling stops there (its numbers are written
+  // least-significant digit first: 321+540= asks 123 + 45).
+  const int64_t stop = tok && data.rfind("synthetic", 0) == 0 ? tok->encode("\n").at(0) : -1;
   std::vector<int64_t> ids = encode(a.str("prompt"));
   SG_CHECK(!ids.empty(), "generate: the prompt is empty (give --prompt)");
   const uint64_t seed = uint64_t(a.i64("seed"));
@@ -139,6 +142,7 @@ int generate_main(int argc, char** argv) {
       }
     }
     ids.push_back(next);
+    if (next == stop) break;
     out.push_back(next);
   }
   std::printf("%s%s\n", a.str("prompt").c_str(), decode(out).c_str());

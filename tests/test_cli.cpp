@@ -285,6 +285,13 @@ TEST_CASE("generate samples from what train saved", "[cli]") {
   REQUIRE(g.code == 0);
   REQUIRE(g.output.rfind("12+34=", 0) == 0);
   REQUIRE(shardgrad("generate --from " + save + " --prompt x --top-k -1").code != 0);
+  // the task's answer ends with its line, and so does sampling (one line however many tokens are allowed)
+  for (const char* seed : {"1", "2", "3"}) {
+    Run line = shardgrad("generate --from " + save + " --prompt 123+456= --max-new-tokens 200 --seed " + seed);
+    INFO(line.output);
+    REQUIRE(line.code == 0);
+    CHECK(line.output.find('\n') == line.output.size() - 1);
+  }
 }
 
 TEST_CASE("tokenize writes GPT-2 tokens that train reads and generate decodes with the same tokenizer", "[cli][tokenizer]") {

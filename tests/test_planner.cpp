@@ -53,6 +53,9 @@ TEST_CASE("the ZeRO paper's 7.5B-parameter example on 64 GPUs: 120, 31.4, 16.6 a
   CHECK(double(model_states(make_plan(raw(psi, 64, "zero1")))) / 1e9 == Approx(31.4).margin(0.05));
   CHECK(double(model_states(make_plan(raw(psi, 64, "zero2")))) / 1e9 == Approx(16.6).margin(0.05));
   CHECK(double(model_states(make_plan(raw(psi, 64, "zero3")))) / 1e9 == Approx(1.875).margin(0.05));
+  // and so is zero3's total: a raw count has no FSDP units, so no gathered unit is added (it had
+  // counted the whole model as one, 28 GB, which made zero3 look worse than zero2)
+  CHECK(make_plan(raw(psi, 64, "zero3")).worst.total() / 1e9 == Approx(1.875).margin(0.05));
 }
 
 TEST_CASE("fp32 training keeps no master copy: 4Ψ + 4Ψ + 8Ψ") {

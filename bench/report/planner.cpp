@@ -217,7 +217,8 @@ Plan make_plan(const PlanInput& in) {
       if (l.strategy == "ddp") mem.buffers = double(E) * d;
       else if (l.strategy == "zero1" || l.strategy == "zero2") mem.buffers = std::min(double(in.bucket_bytes), double(E) * d);
       else if (l.strategy == "fsdp-grad-op") mem.buffers = double(E) * d + double(std::max(roots, biggest_unit)) * d;
-      else mem.buffers = double(roots + biggest_unit) * d + double(std::max(roots, biggest_unit)) * d;
+      else if (m.has_shape()) mem.buffers = double(roots + biggest_unit) * d + double(std::max(roots, biggest_unit)) * d;
+      // A raw parameter count has no units: the gathered unit is unknown (not the whole model).
     }
     p.per_stage.push_back(mem);
     if (mem.total() > p.worst.total()) p.worst = mem;
@@ -350,7 +351,10 @@ Plan make_plan(const PlanInput& in) {
   p.intra_bytes = busiest_intra;
   p.inter_bytes = busiest_inter;
   p.fits = p.worst.total() <= c.gpu_memory;
-  if (!m.has_shape()) p.notes.push_back("raw parameter count: activations, tp and pp traffic not estimated");
+  if (!m.has_shape())
+    p.notes.push_back(shards_params(l.strategy)
+                          ? "raw parameter count: activations, tp and pp traffic and the gathered FSDP unit not estimated"
+                          : "raw parameter count: activations, tp and pp traffic not estimated");
   if (d == 4) p.notes.push_back("fp32: Korthikanti's 2-byte activation formulas scaled by 2");
   if (l.offload != "none") p.notes.push_back("offload: the optimizer state lives in host memory");
   return p;
