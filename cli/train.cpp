@@ -67,9 +67,9 @@ void declare_flags(Args& a) {
   a.toggle("shuffle", "draw rows at seeded random positions instead of reading sequentially");
   a.flag("batch-size", "0", "global batch: sequences per optimizer step (0 = 32; 128 one-problem rows on the synthetic task)");
   a.flag("micro-batch-size", "0", "sequences per forward/backward (0 = the per-rank batch; under --pp, enough micro-batches for at least 4 per stage); must divide --batch-size");
-  a.flag("steps", "1000", "optimizer steps (1500 on the synthetic task unless given)");
-  a.flag("lr", "0", "peak learning rate (0 = by model size, non-embedding parameters: 1e-2 below 1M, 1e-3 below "
-         "20M, then GPT-3's 6e-4 / 3e-4 / 2.5e-4 / 2e-4 for GPT-2's four sizes; 5e-3 on the synthetic task)");
+  a.flag("steps", "auto", "optimizer steps (auto: 1500 on the synthetic task, 1000 on file data)");
+  a.flag("lr", "auto", "peak learning rate (auto: by model size, non-embedding parameters: 1e-2 below 1M, 1e-3 "
+         "below 20M, then GPT-3's 6e-4 / 3e-4 / 2.5e-4 / 2e-4 for GPT-2's four sizes; 5e-3 on the synthetic task)");
   a.flag("lr-schedule", "cosine", "constant | cosine");
   a.flag("warmup-steps", "20", "linear warmup steps");
   a.flag("min-lr", "0", "final learning rate of the cosine schedule");
@@ -174,7 +174,7 @@ int64_t positive(const Args& a, const std::string& f, int64_t min = 1) {
 // for token data (1000 steps at 1e-2 with decay 0.1) whether it left the plateau by the end
 // depended on the seed and on last-bit differences in the arithmetic: of 9 seeds, 4 did. These
 // took 8 of the 9 to >= 99.5% and the ninth to 84.5% (bench/RESULTS.md, "The default run").
-constexpr int64_t kSyntheticSteps = 1500;
+constexpr int64_t kSyntheticSteps = 1500, kFileSteps = 1000;
 constexpr double kSyntheticLr = 5e-3, kSyntheticWeightDecay = 0.0;
 bool synthetic_data(const Args& a) { return a.str("data").rfind("synthetic", 0) == 0; }
 double synthetic_default(const Args& a, const std::string& f, double synthetic_value) {
@@ -517,7 +517,7 @@ void Trainer::setup() {
   SG_CHECK((B_ / dp_size_) % micro_ == 0, "train: --micro-batch-size ", micro_, " does not divide ",
            dp_size_ > 1 ? str("the per-rank batch ", B_ / dp_size_, " (--batch-size ", B_, " over ", dp_size_, " ranks)")
                            : str("--batch-size ", B_));
-  steps_ = synthetic && !a.given("steps") ? kSyntheticSteps : positive(a, "steps");
+  steps_ = a.str("steps") != "auto" ? positive(a, "steps") : synthetic ? kSyntheticSteps : kFileSteps;
   positive(a, "eval-batches");
   SG_CHECK(a.i64("save-every") >= 0 && a.i64("eval-every") >= 0, "train: --save-every/--eval-every must be >= 0");
   SG_CHECK(a.i64("profile-ops") >= 0 && a.i64("profile-ops") <= steps_,
@@ -681,7 +681,9 @@ void Trainer::setup() {
     dp_ = std::make_unique<parallel::DataParallel>(*model_, dp_devices);
   }
   sched_.kind = a.str("lr-schedule");
-  sched_.lr = a.f64("lr") != 0 ? a.f64("lr") : synthetic_data(a) ? kSyntheticLr : optim::default_peak_lr(cfg_.non_embedding_params());
+  sched_.lr = a.str("lr") != "auto"  ? a.f64("lr")
+              : synthetic_data(a)      ? kSyntheticLr
+                                       : optim::default_peak_lr(cfg_.non_embedding_params());
   sched_.min_lr = a.f64("min-lr");
   sched_.warmup_steps = a.i64("warmup-steps");
   sched_.total_steps = steps_;
@@ -1194,6 +1196,9 @@ int Trainer::run() {
                 train_->describe().c_str(), (long long)B_, (long long)T_, (long long)micro_,
                 pp_ > 1 ? str(", ", B_ / dp_size_ / micro_, " per step").c_str() : "", device_.str().c_str(),
                 dtype_name(dtype_), omp_get_max_threads(), layout.c_str(), (long long)start_step_, (long long)steps_);
+    if (world_size_ == 1 && strategy_ != "single" && strategy_ != "dp")
+      std::printf("note: --strategy %s on 1 rank shards and reduces nothing (launch it with mpirun -np N)\n",
+                  strategy_.c_str());
   }
   std::fflush(stdout);
   const int64_t save_every = args_.i64("save-every"), eval_every = args_.i64("eval-every");

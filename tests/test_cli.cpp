@@ -260,6 +260,8 @@ TEST_CASE("train's default learning rate on file data follows the model's size",
     CHECK(read_log(log).at(0)["lr"].get<double>() == want);
   }
   refuses(std::string(SG_BINARY) + " train --data " + data + " --seq-len 16 --batch-size 2 --lr -1 --steps 1", "--lr must be > 0, got -1");
+  // 0 is a learning rate, not "the default" (that is --lr auto): refused, not silently replaced
+  refuses(std::string(SG_BINARY) + " train --data " + data + " --seq-len 16 --batch-size 2 --lr 0 --steps 1", "--lr must be > 0, got 0");
 }
 
 TEST_CASE("train's default thread count: OMP_NUM_THREADS when set, else the cores shared by the node's ranks", "[cli]") {
