@@ -66,7 +66,8 @@ void declare_flags(Args& a) {
   a.flag("data", "synthetic", "synthetic | FILE.txt (bytes) | 'GLOB.bin' (llm.c token shards)");
   a.toggle("shuffle", "draw rows at seeded random positions instead of reading sequentially");
   a.flag("batch-size", "0", "global batch: sequences per optimizer step (0 = 32; 128 one-problem rows on the synthetic task)");
-  a.flag("micro-batch-size", "0", "sequences per forward/backward (0 = the per-rank batch; under --pp, enough micro-batches for at least 4 per stage); must divide --batch-size");
+  a.flag("micro-batch-size", "0", "sequences per forward/backward (0 = the per-rank batch; under --pp, enough "
+         "micro-batches for at least 4 per stage); must divide --batch-size");
   a.flag("steps", "auto", "optimizer steps (auto: 1500 on the synthetic task, 1000 on file data)");
   a.flag("lr", "auto", "peak learning rate (auto: by model size, non-embedding parameters: 1e-2 below 1M, 1e-3 "
          "below 20M, then GPT-3's 6e-4 / 3e-4 / 2.5e-4 / 2e-4 for GPT-2's four sizes; 5e-3 on the synthetic task)");
@@ -171,7 +172,7 @@ int64_t positive(const Args& a, const std::string& f, int64_t min = 1) {
 
 // The built-in synthetic addition task's own defaults, where those flags are not given. Its loss
 // sits on a plateau (answers without carries) before it learns the task, and with the defaults
-// for token data (1000 steps at 1e-2 with decay 0.1) whether it left the plateau by the end
+// for file data then (1000 steps at 1e-2 with decay 0.1) whether it left the plateau by the end
 // depended on the seed and on last-bit differences in the arithmetic: of 9 seeds, 4 did. These
 // took 8 of the 9 to >= 99.5% and the ninth to 84.5% (bench/RESULTS.md, "The default run").
 constexpr int64_t kSyntheticSteps = 1500, kFileSteps = 1000;
@@ -511,7 +512,8 @@ void Trainer::setup() {
   seed_ = uint64_t(a.i64("seed"));
   const bool synthetic = synthetic_data(a);
   B_ = a.i64("batch-size") ? positive(a, "batch-size") : (synthetic ? 128 : 32);
-  micro_ = a.i64("micro-batch-size") ? positive(a, "micro-batch-size") : default_micro_batch(B_ / std::max(1, dp_size_), pp_);
+  micro_ = a.i64("micro-batch-size") ? positive(a, "micro-batch-size")
+                                      : default_micro_batch(B_ / std::max(1, dp_size_), pp_);
   SG_CHECK(B_ % dp_size_ == 0, "train: --batch-size ", B_, " is not divisible by ", dp_size_,
            " data-parallel ranks");
   SG_CHECK((B_ / dp_size_) % micro_ == 0, "train: --micro-batch-size ", micro_, " does not divide ",
