@@ -208,8 +208,9 @@ Plan make_plan(const PlanInput& in) {
     if (m.has_shape()) {
       const double layers_per_unit = double(m.n_layer) / double(l.pp * v);
       mem.activation = double(in_flight[size_t(r)]) * layers_per_unit * layer_activation_bytes(m, l, b) * d / 2.0;
-      if (r == l.pp - 1)  // f32 logits and their softmax for the loss, vocabulary split over tp
-        mem.activation += 2.0 * 4.0 * double(m.seq_len) * b * double(m.vocab_rows()) / l.tp;
+      // f32 logits for the loss, vocabulary split over tp: one copy, as this engine's fused
+      // classifier keeps them (the softmax is never stored; the gradient is written over them)
+      if (r == l.pp - 1) mem.activation += 4.0 * double(m.seq_len) * b * double(m.vocab_rows()) / l.tp;
     }
     // Buffers: ddp's gradient buckets; zero's stripe; fsdp's gathered root + one block (fsdp-grad-op:
     // every unit, gathered from forward to the end of backward) and a flat gradient of one unit.
