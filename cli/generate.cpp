@@ -111,7 +111,7 @@ int generate_main(int argc, char** argv) {
   nn::KVCache cache;  // the keys and values of ids but the last: each step runs one new position
   for (int64_t s = 0; s < max_new; ++s) {
     Tensor logits;
-    if (cache.len > 0 && cache.len + 1 == int64_t(ids.size())) {
+    if (cache.len > 0 && cache.len < cfg.block_size && cache.len + 1 == int64_t(ids.size())) {
       logits = model.forward_cached(from_vector(std::vector<int64_t>{ids.back()}, {1, 1}), cache);
     } else {  // the prompt, or a window that slid past block_size: its last block_size ids afresh
       const int64_t start = std::max<int64_t>(0, int64_t(ids.size()) - cfg.block_size);

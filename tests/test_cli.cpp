@@ -345,6 +345,10 @@ TEST_CASE("tokenize writes GPT-2 tokens that train reads and generate decodes wi
   Run e = shardgrad("generate --from " + run + " --tokenizer " + bpe + " --max-new-tokens 3");  // from <|endoftext|>
   INFO(e.output);
   REQUIRE(e.code == 0);
+  // past the model's 64 positions the window slides (and the cache starts afresh)
+  Run far = shardgrad("generate --from " + run + " --tokenizer " + bpe + " --prompt 'The model' --max-new-tokens 100");
+  INFO(far.output);
+  REQUIRE(far.code == 0);
   refuses(std::string(SG_BINARY) + " generate --from " + run + " --prompt x", "trained on GPT-2 token shards");
   // a tokenizer with more ids than the model can embed
   const std::string small = (d.path / "small").string();
