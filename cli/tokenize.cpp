@@ -40,12 +40,7 @@ int tokenize_main(int argc, char** argv) {
   std::vector<uint16_t> tokens;
   int64_t bytes = 0;
   for (const std::string& path : files) {
-    std::string text;
-    {
-      io::ReadFile f(path, "tokenize");
-      text.resize(size_t(f.size()));
-      if (!text.empty()) f.read_at(text.data(), text.size(), 0);
-    }
+    const std::string text = io::read_file(path, "tokenize");
     const size_t before = tokens.size();
     if (tok.eot() >= 0) tokens.push_back(uint16_t(tok.eot()));
     constexpr size_t kPart = size_t(1) << 20, kReport = size_t(64) << 20;

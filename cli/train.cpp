@@ -140,8 +140,7 @@ std::unique_ptr<ckpt::Checkpoint> resume_checkpoint(const Args& a) {
   return a.str("resume").empty() ? nullptr : ckpt::open_checkpoint(a.str("resume"));
 }
 
-void inherit_run_flags(Args& a) {
-  std::unique_ptr<ckpt::Checkpoint> ck = resume_checkpoint(a);
+void inherit_run_flags(Args& a, const ckpt::Checkpoint* ck) {
   if (!ck || !ck->state().contains("train_flags")) return;  // older checkpoints recorded none
   for (const char* f : kRunFlags) {
     const json& saved = ck->state()["train_flags"];
@@ -298,7 +297,8 @@ json ledger_json(Device d) {
 
 class Trainer {
  public:
-  explicit Trainer(const Args& a) : args_(a) {}
+  // resumed: the checkpoint --resume names (resume_checkpoint), opened once, or null.
+  Trainer(const Args& a, std::unique_ptr<ckpt::Checkpoint> resumed) : args_(a), resumed_(std::move(resumed)) {}
   int run();
 
  private:
@@ -313,6 +313,7 @@ class Trainer {
   void resume(const std::string& dir);
 
   const Args& args_;
+  std::unique_ptr<ckpt::Checkpoint> resumed_;  // until setup takes it
   Device device_;
   DType dtype_ = DType::f32;
   io::DataOptions data_opt_;
@@ -543,7 +544,7 @@ void Trainer::setup() {
 
   // A checkpoint of any layout (sharded, or the older full format): this run reads its own slices.
   // --resume auto: the newest complete checkpoint of the --save directory.
-  std::unique_ptr<ckpt::Checkpoint> ck = resume_checkpoint(a);
+  std::unique_ptr<ckpt::Checkpoint> ck = std::move(resumed_);
   if (ck) {
     cfg_ = config_from_metadata(ck->metadata(), ck->path());
     for (const char* f : {"n-layer", "n-head", "n-embd", "block-size", "vocab-size"}) {
@@ -1285,10 +1286,11 @@ int train_main(int argc, char** argv) {
     std::printf("%s", a.usage().c_str());
     return 0;
   }
-  inherit_run_flags(a);
+  std::unique_ptr<ckpt::Checkpoint> resumed = resume_checkpoint(a);
+  inherit_run_flags(a, resumed.get());
   int rc = 0;
   try {
-    Trainer t(a);
+    Trainer t(a, std::move(resumed));
     rc = t.run();
   } catch (...) {
     // Without MPI (--rendezvous file:) nothing aborts the process on the way out: a watchdog

@@ -90,6 +90,13 @@ void write_file_atomic(const std::string& path, const std::string& what,
   SG_CHECK(rc == 0, what, " ", path, ": fsync of folder ", dir.string(), " failed (", why, ")");
 }
 
+std::string read_file(const std::string& path, const std::string& what) {
+  ReadFile f(path, what);
+  std::string s(size_t(f.size()), '\0');
+  if (!s.empty()) f.read_at(s.data(), s.size(), 0);
+  return s;
+}
+
 void write_text_atomic(const std::string& path, const std::string& what, const std::string& text) {
   write_file_atomic(path, what, [&](const ByteSink& sink) { sink(text.data(), text.size()); });
 }

@@ -35,6 +35,9 @@ using ByteSink = std::function<void(const void* data, size_t n)>;
 void write_file_atomic(const std::string& path, const std::string& what,
                        const std::function<void(const ByteSink&)>& write);
 
+// The whole file's bytes; errors name `what` and the file.
+std::string read_file(const std::string& path, const std::string& what);
+
 // write_file_atomic of text's bytes.
 void write_text_atomic(const std::string& path, const std::string& what, const std::string& text);
 

@@ -94,13 +94,6 @@ const ByteMap& byte_map() {
   return m;
 }
 
-std::string read_whole(const std::string& path, const std::string& what) {
-  ReadFile f(path, what);
-  std::string s(size_t(f.size()), '\0');
-  if (!s.empty()) f.read_at(s.data(), s.size(), 0);
-  return s;
-}
-
 constexpr const char* kEndOfText = "<|endoftext|>";
 
 }  // namespace
@@ -191,8 +184,8 @@ Gpt2Tokenizer Gpt2Tokenizer::load(const std::string& path) {
            ": expected a folder holding GPT-2's vocab.json and merges.txt (as a Hugging Face GPT-2 folder does)");
   const std::string vocab = (std::filesystem::path(path) / "vocab.json").string();
   const std::string merges = (std::filesystem::path(path) / "merges.txt").string();
-  const std::string vocab_text = read_whole(vocab, "tokenizer");  // named first when both are missing
-  return Gpt2Tokenizer(vocab_text, read_whole(merges, "tokenizer"), path);
+  const std::string vocab_text = read_file(vocab, "tokenizer");  // named first when both are missing
+  return Gpt2Tokenizer(vocab_text, read_file(merges, "tokenizer"), path);
 }
 
 void Gpt2Tokenizer::encode_piece(const std::string& piece, std::vector<int64_t>& out,
