@@ -35,6 +35,7 @@
 #include "parallel/sharded_checkpoint.h"
 #include "parallel/comm/mpi_backend.h"
 #include "parallel/comm/nccl_backend.h"
+#include "parallel/comm/sim_backend.h"
 #include "bench/report/timeline_svg.h"
 #include "bench/report/step_metrics.h"
 #include "parallel/comm/mesh.h"
@@ -120,6 +121,9 @@ void declare_flags(Args& a) {
   a.flag("inject-fault", "", "testing: rank=R,step=S,kind=exit|throw|abort|kill|hang|nan[,during=save]");
   a.flag("on-nonfinite", "stop", "a NaN/Inf loss or gradient: stop (naming the step and the tensor) or skip the step (counted)");
   a.toggle("find-unused-parameters", "ddp: allow parameters that get no gradient (their gradient counts as zero)");
+  a.flag("simulate", "0", "dry run of N ranks as threads of this one process on the meta device (shapes and bytes, no "
+         "values, no arithmetic): each rank's peak ledger bytes per category and bytes sent per collective kind over "
+         "3 steps of this layout, as the engine would hold and send them (no mpirun; --log-json gets them as JSON)");
 }
 
 // The flags that say what a run trains on and how it learns (not where or on what layout). A
@@ -298,8 +302,14 @@ json ledger_json(Device d) {
 class Trainer {
  public:
   // resumed: the checkpoint --resume names (resume_checkpoint), opened once, or null.
-  Trainer(const Args& a, std::unique_ptr<ckpt::Checkpoint> resumed) : args_(a), resumed_(std::move(resumed)) {}
+  // sim: this rank's world under --simulate (the meta device, no values), or null.
+  Trainer(const Args& a, std::unique_ptr<ckpt::Checkpoint> resumed, std::shared_ptr<comm::SimProcessGroup> sim = nullptr)
+      : args_(a), resumed_(std::move(resumed)), sim_(std::move(sim)) {}
   int run();
+  // --simulate: `steps` training steps on this rank's meta device. Returns {"rank", "peak":
+  // {category: the largest per-step peak, "total": of the sum}, "comm": {kind: {calls, bytes} of
+  // the last step}} and, on rank 0, "header": the run's model, data and layout line.
+  json simulate(int64_t steps);
 
  private:
   void setup();
@@ -314,6 +324,8 @@ class Trainer {
 
   const Args& args_;
   std::unique_ptr<ckpt::Checkpoint> resumed_;  // until setup takes it
+  std::shared_ptr<comm::SimProcessGroup> sim_;
+  std::string layout_label() const;  // "zero3 x 4", "tp 2 x pp 2 (4 ranks)", ...
   Device device_;
   DType dtype_ = DType::f32;
   io::DataOptions data_opt_;
@@ -455,7 +467,12 @@ void Trainer::setup() {
     const bool nccl = a.str("backend") == "nccl";
     SG_CHECK(!nccl || a.str("device").rfind("cuda", 0) == 0, "train: --backend nccl carries CUDA tensors: pass "
              "--device cuda (each rank then uses cuda:<its local rank>) or --device cuda:N");
-    if (file_rdv) {
+    if (sim_) {
+      world_ = sim_;
+      metrics_ = world_->split(0, sim_->rank());
+      rank_ = sim_->rank();
+      world_size_ = sim_->size();
+    } else if (file_rdv) {
       // A launcher without MPI (torchrun-like) started each process on its own. The job's rank and
       // size are RANK/WORLD_SIZE, and the NCCL world from the file carries everything, the CPU-side
       // metrics too (staged through the device). MPI is never initialised: a singleton MPI_Init
@@ -495,8 +512,9 @@ void Trainer::setup() {
              " ranks per model replica does not divide the ", world_size_, " ranks launched");
     dp_size_ = world_size_ / (tp_ * pp_);
     dp_rank_ = rank_ / (tp_ * pp_);
-    parallel::watchdog::arm(a.f64("comm-timeout"), rank_);
+    if (!sim_) parallel::watchdog::arm(a.f64("comm-timeout"), rank_);
   }
+  if (sim_) device_spec_ = Device::meta(rank_).str();  // a ledger of its own per simulated rank
   fault_ = parallel::parse_fault(a.str("inject-fault"));
   nonfinite_ = optim::parse_nonfinite_policy(a.str("on-nonfinite"));
   device_ = parse_device(device_spec_);
@@ -1175,6 +1193,39 @@ void Trainer::save(int64_t next_step) {
   if (lead()) std::printf("saved checkpoint %s\n", where.c_str());
 }
 
+std::string Trainer::layout_label() const {
+  const std::string dp = strategy_ == "single" && dp_size_ == 1 ? "" : str(strategy_, " over dp ", dp_size_, " x ");
+  return tp_ == 1 && pp_ == 1 ? str(strategy_, " x ", world_size_)
+                              : str(dp, "tp ", tp_, cfg_.sequence_parallel ? "+sp" : "", " x pp ", pp_, " (",
+                                    world_size_, " ranks)");
+}
+
+json Trainer::simulate(int64_t steps) {
+  setup();
+  steps = std::min(steps, steps_);
+  json peak = json::object(), last_comm;
+  for (int64_t step = 0; step < steps; ++step) {
+    Ledger::global().reset_peaks(device_);
+    const json before = report::step_metrics(device_, traffic_groups(), nullptr, nullptr)["ranks"][0]["comm"];
+    double norm = 0;
+    bool applied = true;
+    train_step(step, sched_.at(step), norm, applied);
+    const json after = report::step_metrics(device_, traffic_groups(), nullptr, nullptr)["ranks"][0];
+    for (const auto& [cat, v] : after["mem"].items())
+      peak[cat] = std::max(peak.value(cat, int64_t(0)), v["peak"].get<int64_t>());
+    last_comm = json::object();
+    for (const auto& [kind, v] : after["comm"].items())
+      last_comm[kind] = {{"calls", v["calls"].get<int64_t>() - before[kind]["calls"].get<int64_t>()},
+                         {"bytes", v["bytes"].get<int64_t>() - before[kind]["bytes"].get<int64_t>()}};
+  }
+  json out = {{"rank", rank_}, {"peak", peak}, {"comm", last_comm}};
+  if (lead())
+    out["header"] = str("model ", cfg_.name, ": ", double(cfg_.num_params()) / 1e6, "M params | ", layout_label(),
+                        " | ", dtype_name(dtype_), " | batch ", B_, " x ", T_, " tokens (micro-batch ", micro_, ") | ",
+                        steps, " steps");
+  return out;
+}
+
 int Trainer::run() {
   for (const char* flag : {"log-json", "timeline", "trace"})  // their folders exist before the work, not after it
     if (!args_.str(flag).empty()) io::make_parent_folder(args_.str(flag), std::string("train: --") + flag);
@@ -1191,10 +1242,7 @@ int Trainer::run() {
                 cfg_.name.c_str(), (long long)cfg_.n_layer, (long long)cfg_.n_head, (long long)cfg_.n_embd,
                 (long long)cfg_.vocab_size, (long long)cfg_.vocab_rows(), double(whole) / 1e6,
                 held == whole ? "" : str(" (rank 0's tp/pp part: ", std::lround(held / 1e4) / 100.0, "M)").c_str());
-    const std::string dp = strategy_ == "single" && dp_size_ == 1 ? "" : str(strategy_, " over dp ", dp_size_, " x ");
-    const std::string layout = tp_ == 1 && pp_ == 1 ? str(strategy_, " x ", world_size_)
-                                                    : str(dp, "tp ", tp_, cfg_.sequence_parallel ? "+sp" : "", " x pp ",
-                                                          pp_, " (", world_size_, " ranks)");
+    const std::string layout = layout_label();
     std::printf("data %s | batch %lld x %lld tokens (micro-batch %lld%s) | %s %s | %d threads | %s | steps %lld..%lld\n",
                 train_->describe().c_str(), (long long)B_, (long long)T_, (long long)micro_,
                 pp_ > 1 ? str(", ", B_ / dp_size_ / micro_, " per step").c_str() : "", device_.str().c_str(),
@@ -1277,6 +1325,87 @@ int Trainer::run() {
   return 0;
 }
 
+// --simulate N: the N ranks of the layout as threads, each a Trainer on its own meta device over
+// a simulated world (parallel/comm/sim_backend.h), then one line per group of ranks whose bytes are
+// equal. The figures are the engine's own ledger and counters: nothing is estimated.
+int simulate_main(const Args& a) {
+  const int64_t n = a.i64("simulate");
+  SG_CHECK(n >= 1 && n <= 4096, "train: --simulate takes the number of ranks to simulate (1 to 4096), got ", n);
+  for (const char* v : {"OMPI_COMM_WORLD_SIZE", "WORLD_SIZE"})
+    if (const char* s = std::getenv(v); s && std::atoi(s) > 1)
+      throw Error("train: --simulate runs every rank in this one process; start it without mpirun");
+  // What needs values, files or a real device has nothing to do on the meta device.
+  for (const char* flag : {"device", "devices", "resume", "save", "trace", "timeline", "profile-ops", "inject-fault",
+                           "backend", "rendezvous", "offload"})
+    SG_CHECK(!a.given(flag), "train: --", flag, " is not available with --simulate (a dry run on the meta device: ",
+             "shapes and bytes, no values)");
+  const std::string strategy = a.str("strategy");
+  SG_CHECK(strategy != "dp", "train: --simulate: --strategy dp replicates over devices of one process; simulate ddp");
+  SG_CHECK(n == 1 || strategy != "single" || a.i64("tp") > 1 || a.i64("pp") > 1, "train: --simulate ", n,
+           " with --strategy single would be ", n, " copies of one rank; give a multi-rank strategy, --tp or --pp");
+  const auto world = comm::simulated_world(int(n));
+  std::vector<json> result(static_cast<size_t>(n));
+  std::vector<std::exception_ptr> error(static_cast<size_t>(n));
+  {
+    std::vector<std::thread> threads;
+    for (int64_t r = 0; r < n; ++r)
+      threads.emplace_back([&, r] {
+        try {
+          Trainer t(a, nullptr, world[size_t(r)]);
+          result[size_t(r)] = t.simulate(3);
+        } catch (...) {
+          error[size_t(r)] = std::current_exception();
+          world[size_t(r)]->abort();
+        }
+      });
+    for (auto& t : threads) t.join();
+  }
+  // The first rank's own error, not a rank that stopped because another failed.
+  std::exception_ptr first;
+  for (const auto& e : error) {
+    if (!e) continue;
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::exception& x) {
+      if (std::string(x.what()).find("another rank of the simulated world failed") == std::string::npos) std::rethrow_exception(e);
+      if (!first) first = e;
+    }
+  }
+  if (first) std::rethrow_exception(first);
+
+  std::printf("shardgrad train --simulate %lld | %s | meta device: no values, no arithmetic\n", (long long)n,
+              result[0]["header"].get<std::string>().c_str());
+  const char* cats[] = {"param", "grad", "optim_state", "activation", "comm_buffer", "workspace", "total"};
+  std::printf("%-12s", "ranks");
+  for (const char* c : cats) std::printf(" %12s", std::string(c) == "total" ? "peak total" : c);
+  std::printf("  bytes sent in the last step\n");
+  // Consecutive ranks with the same bytes share a line.
+  for (int64_t r = 0; r < n;) {
+    int64_t e = r + 1;
+    while (e < n && result[size_t(e)]["peak"] == result[size_t(r)]["peak"] &&
+           result[size_t(e)]["comm"] == result[size_t(r)]["comm"])
+      ++e;
+    std::printf("%-12s", (e - r == 1 ? std::to_string(r) : str(r, "-", e - 1)).c_str());
+    for (const char* c : cats) std::printf(" %12s", human_bytes(result[size_t(r)]["peak"].value(c, int64_t(0))).c_str());
+    std::string sent;
+    for (const auto& [kind, v] : result[size_t(r)]["comm"].items())
+      if (v["bytes"].get<int64_t>() > 0 && kind != "recv")
+        sent += str(sent.empty() ? "" : ", ", kind, " ", human_bytes(v["bytes"].get<int64_t>()));
+    std::printf("  %s\n", sent.empty() ? "none" : sent.c_str());
+    r = e;
+  }
+  std::printf("peaks: the largest of each category over the steps, and of their sum (peak total); exact bytes in "
+              "--log-json\n");
+  if (const std::string path = a.str("log-json"); !path.empty()) {
+    io::make_parent_folder(path, "train: --log-json");
+    std::ofstream f(path);
+    SG_CHECK(f.good(), "train: cannot write --log-json ", path);
+    for (auto& r : result) r.erase("header");
+    f << json({{"simulate", n}, {"ranks", result}}).dump() << "\n";
+  }
+  return 0;
+}
+
 }  // namespace
 
 int train_main(int argc, char** argv) {
@@ -1286,6 +1415,7 @@ int train_main(int argc, char** argv) {
     std::printf("%s", a.usage().c_str());
     return 0;
   }
+  if (a.i64("simulate") != 0) return simulate_main(a);
   std::unique_ptr<ckpt::Checkpoint> resumed = resume_checkpoint(a);
   inherit_run_flags(a, resumed.get());
   int rc = 0;

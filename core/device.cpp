@@ -18,7 +18,8 @@ Device parse_device(const std::string& s) {
   std::string kind = s.substr(0, colon);
   if (kind == "cpu") return Device::cpu(index_of(colon));
   if (kind == "cuda") return Device::cuda(index_of(colon));
-  throw Error(str("unknown device '", s, "' (expected cpu, cpu:N or cuda:N)"));
+  if (kind == "meta") return Device::meta(index_of(colon));
+  throw Error(str("unknown device '", s, "' (expected cpu, cpu:N, cuda:N or meta)"));
 }
 
 namespace {

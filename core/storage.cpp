@@ -1,5 +1,7 @@
 #include "core/storage.h"
 
+#include <atomic>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 
@@ -18,8 +20,19 @@ struct CpuAllocator : Allocator {
   void deallocate(void* p, size_t, Device) override { std::free(p); }
 };
 
+// The meta device's memory: addresses, each one unique and 64-byte aligned, never read or
+// written (a meta kernel does nothing), so that storages stay distinct, as aliasing checks and
+// the ledger expect, without a byte behind them. They start at 2^44, far from any mapping.
+struct MetaAllocator : Allocator {
+  void* allocate(size_t bytes, Device) override {
+    static std::atomic<uintptr_t> next{uintptr_t(1) << 44};
+    return reinterpret_cast<void*>(next.fetch_add((bytes + 63) / 64 * 64 + 64));
+  }
+  void deallocate(void*, size_t, Device) override {}
+};
+
 Allocator*& slot(DeviceType t) {
-  static Allocator* slots[kNumDeviceTypes] = {new CpuAllocator(), nullptr};
+  static Allocator* slots[kNumDeviceTypes] = {new CpuAllocator(), nullptr, new MetaAllocator()};
   return slots[int(t)];
 }
 Allocator*& pinned_slot() {
@@ -35,7 +48,7 @@ void register_allocator(DeviceType t, Allocator* a) { slot(t) = a; }
 
 Allocator* allocator_for(DeviceType t) {
   Allocator* a = slot(t);
-  SG_CHECK(a, "no allocator for device type ", t == DeviceType::cuda ? "cuda" : "cpu",
+  SG_CHECK(a, "no allocator for device type ", Device{t, 0}.str(),
            " (was shardgrad built with CUDA?)");
   return a;
 }

@@ -12,7 +12,7 @@ namespace sg::kernels {
 namespace {
 // Atomic: the op profiler (kernels/profile.h) swaps a table while communication threads run ops.
 std::atomic<const OpTable*>& slot(DeviceType t) {
-  static std::atomic<const OpTable*> tables[kNumDeviceTypes] = {nullptr, nullptr};
+  static std::atomic<const OpTable*> tables[kNumDeviceTypes] = {nullptr, nullptr, nullptr};
   return tables[int(t)];
 }
 }  // namespace
@@ -24,10 +24,11 @@ const OpTable& table(Device d) {
   if (d.is_cuda() && !slot(d.type)) cuda::ensure_registered();
 #endif
   const OpTable* t = slot(d.type);
-  if (!t && d.is_cpu()) {
+  if (!t && !d.is_cuda()) {
     extern const OpTable* cpu_table();
+    extern const OpTable* meta_table();
     const OpTable* none = nullptr;
-    slot(d.type).compare_exchange_strong(none, cpu_table());
+    slot(d.type).compare_exchange_strong(none, d.is_cpu() ? cpu_table() : meta_table());
     t = slot(d.type);
   }
   SG_CHECK(t, "no kernels registered for device ", d.str(), " (was shardgrad built with CUDA?)");

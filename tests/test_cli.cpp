@@ -874,3 +874,92 @@ TEST_CASE("non-finite steps: --on-nonfinite stop names the step and the tensor, 
   REQUIRE(c[0]["loss"].get<double>() == b[0]["loss"].get<double>());
   REQUIRE(c[2]["loss"].get<double>() != b[2]["loss"].get<double>());
 }
+
+// --simulate runs the ranks as threads on the meta device; its bytes must be the real run's. Two
+// differences are known and exact or left out:
+// - The CPU run's ledger also holds the host batch (inputs and targets, int64, all B rows), where
+//   the meta device, like a GPU, holds its rank's B/dp rows copied in: (B - B/dp)·T·16 bytes more
+//   activation on every rank of a real CPU run with dp > 1.
+// - comm_buffer (and the peak of the sum) depends on how long reductions overlap the backward,
+//   which the simulated collectives, done at once, do not; it is not compared.
+TEST_CASE("train --simulate: every rank's peak bytes and bytes sent are the real run's under mpirun", "[cli][mpi]") {
+  struct Layout {
+    int np, dp;
+    int64_t T;
+    std::string args;
+  };
+  const int64_t B = 128;  // the synthetic task's default batch
+  for (const Layout& l : {Layout{1, 1, 13, ""}, Layout{2, 2, 13, "--strategy ddp"}, Layout{2, 2, 13, "--strategy zero2"},
+                          Layout{2, 1, 14, "--tp 2 --sequence-parallel --seq-len 14"},
+                          Layout{2, 1, 13, "--pp 2 --pp-schedule interleaved --virtual-stages 2 --n-layer 4"},
+                          Layout{4, 2, 13, "--strategy zero3 --pp 2"},
+                          Layout{4, 4, 13, "--strategy hsdp --shard-group-size 2"}}) {
+    INFO(l.np << " ranks " << l.args);
+    TempDir d;
+    const std::string args = " --steps 3 " + l.args + " --log-json ";
+    Run real = run_command(mpirun(l.np) + " train" + args + (d.path / "real.jsonl").string());
+    INFO(real.output);
+    REQUIRE(real.code == 0);
+    Run sim = shardgrad("train --simulate " + std::to_string(l.np) + args + (d.path / "sim.json").string());
+    INFO(sim.output);
+    REQUIRE(sim.code == 0);
+    REQUIRE(sim.output.find("meta device") != std::string::npos);
+    const auto steps = read_log(d.path / "real.jsonl");
+    const auto sims = read_log(d.path / "sim.json");
+    REQUIRE(steps.size() == 3);
+    REQUIRE(sims.size() == 1);
+    const nlohmann::json& ranks = sims[0]["ranks"];
+    REQUIRE(int(ranks.size()) == l.np);
+    const int64_t host_batch = (B - B / l.dp) * l.T * 16;
+    for (int r = 0; r < l.np; ++r) {
+      INFO("rank " << r);
+      const nlohmann::json& s = ranks[size_t(r)];
+      REQUIRE(s["rank"] == r);
+      for (const char* cat : {"param", "grad", "optim_state", "activation", "workspace"}) {
+        INFO(cat);
+        int64_t peak = 0;
+        for (const auto& step : steps) peak = std::max(peak, step["ranks"][size_t(r)]["mem"][cat]["peak"].get<int64_t>());
+        const int64_t extra = std::string(cat) == "activation" ? host_batch : 0;
+        REQUIRE(peak == s["peak"][cat].get<int64_t>() + extra);
+        if (std::string(cat) == "param") REQUIRE(peak > 0);
+      }
+      for (const auto& [kind, v] : steps[2]["ranks"][size_t(r)]["comm"].items()) {
+        INFO(kind);
+        const nlohmann::json& before = steps[1]["ranks"][size_t(r)]["comm"][kind];
+        REQUIRE(v["bytes"].get<int64_t>() - before["bytes"].get<int64_t>() == s["comm"][kind]["bytes"].get<int64_t>());
+        REQUIRE(v["calls"].get<int64_t>() - before["calls"].get<int64_t>() == s["comm"][kind]["calls"].get<int64_t>());
+      }
+    }
+  }
+}
+
+TEST_CASE("train --simulate sizes what this machine cannot hold, and refuses what has no meaning there", "[cli]") {
+  // gpt2-xl under zero3 on 8 ranks, bf16: ZeRO-3's optimizer state is (4 + 4 + 4)·Ψ/8 bytes per
+  // rank (f32 master, m, v), on a machine with 24 GiB in all.
+  TempDir d;
+  {
+    std::ofstream text(d.path / "bytes.txt", std::ios::binary);
+    for (int i = 0; i < 200000; ++i) text.put(char('a' + i % 26));
+  }
+  Run r = shardgrad("train --simulate 8 --model gpt2-xl --strategy zero3 --dtype bf16 --batch-size 8 --seq-len 1024 "
+                    "--data " + (d.path / "bytes.txt").string() + " --vocab-size 50257 --log-json " +
+                    (d.path / "xl.json").string());
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  REQUIRE(r.output.find("zero3 x 8") != std::string::npos);
+  const auto sims = read_log(d.path / "xl.json");
+  REQUIRE(sims.size() == 1);
+  const int64_t psi = 1557686400;  // GPT2-XL's parameters, wte tied
+  for (const auto& rank : sims[0]["ranks"]) {
+    const int64_t optim = rank["peak"]["optim_state"].get<int64_t>();
+    REQUIRE(optim >= 12 * psi / 8);
+    REQUIRE(optim < 12 * psi / 8 + 12 * 8 * 64);  // each unit padded to a multiple of 8 elements
+    REQUIRE(rank["comm"]["all_gather"]["bytes"].get<int64_t>() > 0);
+  }
+  refuses(std::string(SG_BINARY) + " train --simulate 2 --strategy ddp --save " + (d.path / "s").string(),
+          "--save is not available with --simulate");
+  refuses(std::string(SG_BINARY) + " train --simulate 2", "copies of one rank");
+  refuses(std::string(SG_BINARY) + " train --simulate -1", "--simulate takes the number of ranks");
+  // A layout the mesh refuses fails on every simulated rank, named once, without a hang.
+  refuses(std::string(SG_BINARY) + " train --simulate 3 --tp 3", "--tp 3");
+}

@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "autograd/ops.h"
+#include "autograd/tape.h"
 #include "core/philox.h"
 #include "kernels/ops.h"
 
@@ -420,4 +421,45 @@ TEST_CASE("Philox: 100k normals have mean 0 and std 1, uniforms stay within lo a
   CHECK(std::abs(um / double(u.size()) - 1.0) < 0.03);
   CHECK(lo >= -1);
   CHECK(hi < 3);
+}
+
+TEST_CASE("the meta device: shapes, dtypes and ledger bytes, no memory and no values", "[core]") {
+  CHECK(parse_device("meta") == Device::meta());
+  CHECK(parse_device("meta:3") == Device::meta(3));
+  CHECK(Device::meta(3).str() == "meta:3");
+  const Device m = Device::meta(7);
+  {
+    // A terabyte: charged to meta:7's ledger, with no byte behind it.
+    Tensor huge = empty({int64_t(1) << 38}, DType::f32, m);
+    CHECK(Ledger::global().stats(m).cur(MemCategory::activation) == int64_t(1) << 40);
+    CHECK(huge.device() == m);
+    Tensor other = empty({4}, DType::f32, m);
+    CHECK(other.data_ptr() != huge.data_ptr());  // storages stay distinct
+  }
+  CHECK(Ledger::global().stats(m).cur(MemCategory::activation) == 0);
+  CHECK(Ledger::global().stats(m).pk(MemCategory::activation) == (int64_t(1) << 40) + 16);
+
+  // Ops give their shapes and dtypes; the values read back as zeros.
+  Tensor a = to(from_vector<float>({1, 2, 3, 4, 5, 6}, {2, 3}), m), b = to(from_vector<float>({1, 1, 1}, {3, 1}), m);
+  Tensor c = matmul(a, b);
+  CHECK(c.shape() == Shape{2, 1});
+  CHECK(c.device() == m);
+  CHECK(to_vector<float>(c) == std::vector<float>{0, 0});
+  CHECK(to(gelu(a), DType::bf16).dtype() == DType::bf16);
+  CHECK_THROWS_WITH(matmul(a, a), Contains("matmul"));  // shapes are still checked
+
+  // The tape runs a backward there too: gradients of the leaves' shapes, charged as gradients.
+  Tensor x = empty({3, 4}, DType::f32, m);
+  x.set_requires_grad(true);
+  autograd::Tape tape;
+  Tensor loss;
+  {
+    autograd::TapeScope s(tape);
+    loss = sum(square(matmul(x, transpose(x, 0, 1))));
+  }
+  tape.backward(loss);
+  CHECK(x.grad().shape() == Shape{3, 4});
+  CHECK(x.grad().device() == m);
+  CHECK(x.grad().storage()->category() == MemCategory::grad);
+  Ledger::global().reset_peaks(m);
 }
