@@ -46,10 +46,6 @@ ZeroOptimizer::ZeroOptimizer(NamedTensors params, std::shared_ptr<comm::ProcessG
   const int N = group_->size(), r = group_->rank();
   shard_ = (psi_ + N - 1) / N;  // Ψp = N·S: at most N-1 zero padding elements at the end
   psi_p_ = shard_ * N;
-  for_pieces(r * shard_, (r + 1) * shard_, [&](size_t p, int64_t lo, int64_t len, int64_t pos) {
-    segments_.push_back(Segment{p, lo, len, pos - r * shard_});
-  });
-
   const int64_t elem = int64_t(dtype_size(dtype_));
   const int64_t c = std::clamp<int64_t>(opt_.bucket_bytes / (N * elem), 1, shard_);
   stripes_of_.resize(params_.size());
@@ -58,9 +54,12 @@ ZeroOptimizer::ZeroOptimizer(NamedTensors params, std::shared_ptr<comm::ProcessG
     s.begin = begin;
     s.len = std::min(c, shard_ - begin);
     std::set<size_t> touched;
-    for (int q = 0; q < N; ++q)
-      for_pieces(q * shard_ + begin, q * shard_ + begin + s.len, [&](size_t p, int64_t, int64_t, int64_t) { touched.insert(p); });
+    for_pieces(N * begin, N * (begin + s.len), [&](size_t p, int64_t, int64_t, int64_t) { touched.insert(p); });
     s.params.assign(touched.begin(), touched.end());
+    // This rank's segments, stripe by stripe: its shard is the concatenation of its windows.
+    for_pieces(window(r, s), window(r, s) + s.len, [&](size_t p, int64_t lo, int64_t len, int64_t pos) {
+      segments_.push_back(Segment{p, lo, len, s.begin + pos - window(r, s)});
+    });
     s.pending = int(s.params.size());
     for (size_t p : s.params) stripes_of_[p].push_back(stripes_.size());
     stripes_.push_back(std::move(s));
@@ -136,10 +135,10 @@ void ZeroOptimizer::launch(size_t k) {
   Tensor in = narrow(s.buffer, 0, 0, N * s.len);
   zero_(in);  // padding, and parameters that got no gradient
   for (int q = 0; q < N; ++q) {
-    const int64_t window = q * shard_ + s.begin;
-    for_pieces(window, window + s.len, [&](size_t p, int64_t lo, int64_t len, int64_t pos) {
+    const int64_t w = window(q, s);
+    for_pieces(w, w + s.len, [&](size_t p, int64_t lo, int64_t len, int64_t pos) {
       Tensor g = params_[p].second.grad();
-      if (g.defined()) copy_(narrow(in, 0, q * s.len + pos - window, len), piece(g, lo, len));
+      if (g.defined()) copy_(narrow(in, 0, q * s.len + pos - w, len), piece(g, lo, len));
     });
   }
   Tensor out = opt_.stage == 2 ? narrow(grad_shard_, 0, s.begin, s.len) : narrow(s.buffer, 0, N * s.len, s.len);
@@ -156,15 +155,15 @@ void ZeroOptimizer::complete(Stripe& s) {
   s.work->wait();
   if (opt_.stage == 1) {
     const int N = group_->size();
-    const int64_t window = group_->rank() * shard_ + s.begin;
-    for_pieces(window, window + s.len, [&](size_t p, int64_t lo, int64_t len, int64_t pos) {
+    const int64_t w = window(group_->rank(), s);
+    for_pieces(w, w + s.len, [&](size_t p, int64_t lo, int64_t len, int64_t pos) {
       const Tensor& param = params_[p].second;
       if (!param.grad().defined()) {
         MemScope scope(MemCategory::grad);
         param.set_grad(zeros(param.shape(), dtype_, param.device()));
       }
       SG_CHECK(param.grad().is_contiguous(), "zero: the gradient of '", params_[p].first, "' is not contiguous");
-      copy_(piece(param.grad(), lo, len), narrow(s.buffer, 0, N * s.len + pos - window, len));
+      copy_(piece(param.grad(), lo, len), narrow(s.buffer, 0, N * s.len + pos - w, len));
     });
   }
   s.work.reset();
@@ -250,13 +249,13 @@ void ZeroOptimizer::step(double lr, double grad_scale) {
     MemScope scope(MemCategory::comm_buffer);
     s.buffer = empty({N * s.len}, dtype_, m_.device());
     Tensor own = narrow(s.buffer, 0, r * s.len, s.len);
-    const int64_t window = r * shard_ + s.begin;
+    const int64_t w = window(r, s);
     if (master_.defined()) {
       copy_(own, narrow(master_, 0, s.begin, s.len));  // rounds the f32 masters to the parameters' dtype
     } else {
       zero_(own);
-      for_pieces(window, window + s.len, [&](size_t p, int64_t lo, int64_t len, int64_t pos) {
-        copy_(narrow(own, 0, pos - window, len), piece(params_[p].second, lo, len));
+      for_pieces(w, w + s.len, [&](size_t p, int64_t lo, int64_t len, int64_t pos) {
+        copy_(narrow(own, 0, pos - w, len), piece(params_[p].second, lo, len));
       });
     }
     s.work = group_->all_gather(s.buffer, own);
@@ -265,9 +264,9 @@ void ZeroOptimizer::step(double lr, double grad_scale) {
   auto scatter = [&](Stripe& s) {
     s.work->wait();
     for (int q = 0; q < N; ++q) {
-      const int64_t window = q * shard_ + s.begin;
-      for_pieces(window, window + s.len, [&](size_t p, int64_t lo, int64_t len, int64_t pos) {
-        copy_(piece(params_[p].second, lo, len), narrow(s.buffer, 0, q * s.len + pos - window, len));
+      const int64_t w = window(q, s);
+      for_pieces(w, w + s.len, [&](size_t p, int64_t lo, int64_t len, int64_t pos) {
+        copy_(piece(params_[p].second, lo, len), narrow(s.buffer, 0, q * s.len + pos - w, len));
       });
     }
     s.work.reset();

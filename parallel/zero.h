@@ -3,18 +3,21 @@
 // partitioned over the group instead of replicated.
 //
 // Layout. The parameters, in registration order, form one logical flat vector of Ψ elements,
-// padded with zeros to Ψp = ceil(Ψ/N)·N (at most N-1 padding elements). Rank r owns the contiguous
-// range [r·S, (r+1)·S), S = Ψp/N. Ownership is kept per segment (a parameter's piece inside the
-// shard), which is also where the weight-decay mask lives: a segment decays iff its parameter is
-// >= 2-D.
+// padded with zeros to Ψp = ceil(Ψ/N)·N (at most N-1 padding elements). Each rank owns S = Ψp/N
+// of them, kept per segment (a parameter's piece inside the shard), which is also where the
+// weight-decay mask lives: a segment decays iff its parameter is >= 2-D.
 //
-// Buckets are stripes. A reduce-scatter needs N equal chunks, chunk r landing on rank r, so a
-// bucket is the same c-element window [k·c, k·c + c) of every rank's shard: its N·c-element buffer
-// is chunk r = flat[r·S + k·c, r·S + k·c + c). Summed over stripes, the reduce-scatters cover Ψp
+// Buckets are stripes, and stripes are contiguous in the flat vector. A reduce-scatter needs N
+// equal chunks, chunk r landing on rank r: stripe k is the flat range [N·k·c, N·(k+1)·c) (the
+// last one shorter), and rank r owns its r-th c elements, its window. A rank's shard is its
+// windows one after another, so shard position k·c + j is flat element N·k·c + r·c + j (the
+// padding is the end of the last stripe). Summed over stripes, the reduce-scatters cover Ψp
 // exactly once: (N-1)/N·Ψp·dtype bytes per step, and the all-gather of the updated shards the same
-// — together DDP's 2Ψ. Trade-off of the contiguous ownership: a stripe is complete only when
-// shard 0's window (the first parameters, which backward finishes last) is, so at stage 2 the
-// stripes launch during roughly the last 1/N of backward rather than all along it.
+// — together DDP's 2Ψ. A stripe holds consecutive parameters, so it is complete as soon as the
+// backward has finished them: at stage 2 the stripes launch all along the backward, last layers
+// first, and each full gradient is freed as its stripes go, instead of all of them being held
+// until the backward's end (as they were when each rank owned one contiguous range, which made
+// every stripe wait for the first parameters: stage 2's gradient peak was then 4Ψ + 4Ψp/N).
 //
 // Memory per rank, f32 parameters with AdamW (K = 8 bytes per element for m and v; no master copy):
 //   stage 1: param 4Ψ, grad 4Ψ,           optim_state 8Ψp/N
@@ -138,13 +141,16 @@ class ZeroOptimizer {
     int64_t lo, len, at;
   };
   struct Stripe {
-    int64_t begin = 0, len = 0;  // window [begin, begin + len) of every rank's shard
-    std::vector<size_t> params;  // every parameter with an element in some rank's window
+    int64_t begin = 0, len = 0;  // shard positions [begin, begin + len) of every rank
+    std::vector<size_t> params;  // every parameter with an element in the stripe
     int pending = 0;             // stage 2: of those, how many still lack their gradient
     bool launched = false;
     Tensor buffer;               // in flight: N·len input elements, then len output (stage 1)
     std::shared_ptr<comm::Work> work;
   };
+  // Where rank q's part of stripe s starts in the flat vector: the stripe is the flat range
+  // [N·begin, N·(begin + len)), rank q's window its q-th len elements.
+  int64_t window(int q, const Stripe& s) const { return group_->size() * s.begin + q * s.len; }
   // Calls fn(param, lo, len, pos) for every parameter piece inside flat range [begin, end).
   template <class Fn>
   void for_pieces(int64_t begin, int64_t end, Fn fn) const;

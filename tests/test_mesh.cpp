@@ -64,7 +64,7 @@ void on_every_rank(const std::vector<std::shared_ptr<comm::SimProcessGroup>>& wo
 }
 }  // namespace
 
-TEST_CASE("a simulated world splits as MPI_Comm_split does: by key, ties by rank; color -1 gets no group", "[mesh]") {
+TEST_CASE("a simulated world splits as MPI_Comm_split does: by key, ties by rank, and color -1 gets no group", "[mesh]") {
   auto world = comm::simulated_world(6);
   std::vector<int> new_rank(6, -2), new_size(6, -2);
   on_every_rank(world, [&](comm::ProcessGroup& g) {
