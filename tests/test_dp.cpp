@@ -1,6 +1,7 @@
 // DataParallel (one process, several devices): the single-process losses, and the ledger showing
 // what piles up on the first device.
 #include <catch2/catch.hpp>
+#include <map>
 #include <cmath>
 
 #include "autograd/ops.h"
@@ -9,6 +10,7 @@
 #include "tests/support.h"
 #include "optim/optim.h"
 #include "parallel/dp.h"
+#include "tests/mpi/mpi_support.h"
 
 using namespace sg;
 
@@ -29,7 +31,11 @@ void batch(int64_t step, Tensor& idx, Tensor& tgt) {
   tgt = from_vector(out, {8, 8});
 }
 
-std::vector<double> train(int steps, const std::vector<Device>& devices, const nn::GPTConfig& config = tiny()) {
+using Grads = std::map<std::string, std::vector<float>>;
+
+// norms: each step's global gradient norm; first_grads: the gradients of the first step.
+std::vector<double> train(int steps, const std::vector<Device>& devices, const nn::GPTConfig& config = tiny(),
+                          std::vector<double>* norms = nullptr, Grads* first_grads = nullptr) {
   nn::GPT model(config, DType::f32, devices[0]);
   model.init_weights(9);
   optim::AdamW opt(model.named_parameters(), {});
@@ -53,7 +59,11 @@ std::vector<double> train(int steps, const std::vector<Device>& devices, const n
       loss = item(l);
       tape.backward(l);
     }
-    opt.step(1e-2, optim::clip_coefficient(optim::global_grad_norm(model.parameters()), 1.0));
+    const double norm = optim::global_grad_norm(model.parameters());
+    if (norms) norms->push_back(norm);
+    if (first_grads && s == 0)
+      for (auto& [n, p] : model.named_parameters()) (*first_grads)[n] = to_vector<float>(p.grad());
+    opt.step(1e-2, optim::clip_coefficient(norm, 1.0));
     model.zero_grad();
     losses.push_back(loss);
   }
@@ -69,6 +79,19 @@ TEST_CASE("dp over cpu:0,cpu:1 reproduces the single-process losses for 20 steps
     INFO("step " << i);
     REQUIRE(std::abs(got[i] - ref[i]) <= 1e-5 * std::abs(ref[i]));
   }
+}
+
+// AdamW would hide a gradient summed over the replicas instead of averaged: the norms and the
+// gradients on the first device must be the single device's.
+TEST_CASE("dp over cpu:0,cpu:1 leaves the single-device gradients and norms on the first device", "[dp]") {
+  std::vector<double> ref_norms, norms;
+  Grads ref_grads, grads;
+  train(3, {Device::cpu(0)}, tiny(), &ref_norms, &ref_grads);
+  train(3, {Device::cpu(0), Device::cpu(1)}, tiny(), &norms, &grads);
+  REQUIRE(norms.size() == ref_norms.size());
+  for (size_t i = 0; i < norms.size(); ++i) REQUIRE(std::abs(norms[i] - ref_norms[i]) <= 1e-5 * ref_norms[i]);
+  REQUIRE(grads.size() == ref_grads.size());
+  testing::require_same_gradients(grads, ref_grads);
 }
 
 TEST_CASE("dp piles the gathered outputs and the reduced gradients onto the first device", "[dp]") {

@@ -2,6 +2,7 @@
 // all-reduce volume per step, bucket order, and unused-parameter handling.
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <map>
 
 #include "autograd/ops.h"
 #include "autograd/tape.h"
@@ -22,8 +23,13 @@ constexpr int64_t kB = 8, kT = 8;
 
 void batch(int64_t step, Tensor& idx, Tensor& tgt) { testing::token_batch(step, kB, kT, idx, tgt); }
 
-// Trains for `steps`; with a group, this rank takes its rows and DDP averages gradients.
-std::vector<double> train(int steps, int64_t micro, std::shared_ptr<comm::ProcessGroup> group, int64_t* bytes_per_step = nullptr) {
+using Grads = std::map<std::string, std::vector<float>>;
+
+// Trains for `steps`; with a group, this rank takes its rows and DDP averages gradients. norms:
+// each step's global gradient norm; first_grads: every parameter's gradient at the first step,
+// as the optimizer sees it.
+std::vector<double> train(int steps, int64_t micro, std::shared_ptr<comm::ProcessGroup> group, int64_t* bytes_per_step = nullptr,
+                          std::vector<double>* norms = nullptr, Grads* first_grads = nullptr) {
   nn::GPT model(tiny());
   model.init_weights(5);
   optim::AdamWConfig oc;
@@ -49,6 +55,9 @@ std::vector<double> train(int steps, int64_t micro, std::shared_ptr<comm::Proces
       loss = testing::sum_over(*group, loss);
     }
     double norm = optim::global_grad_norm(model.parameters());
+    if (norms) norms->push_back(norm);
+    if (first_grads && s == 0)
+      for (auto& [n, p] : model.named_parameters()) (*first_grads)[n] = to_vector<float>(p.grad());
     opt.step(1e-2, optim::clip_coefficient(norm, 1.0));
     model.zero_grad();
     losses.push_back(loss);
@@ -67,6 +76,26 @@ TEST_CASE("ddp reproduces the single-process losses for 20 steps, with and witho
     INFO("micro-batch " << micro << " on " << w->size() << " ranks");
     std::vector<double> got = train(20, micro, w);
     testing::require_same_losses(got, reference);
+  }
+}
+
+// AdamW divides a gradient by its own running scale, so losses alone would not see a gradient
+// summed instead of averaged (or counted twice): the norms and the gradients themselves must be
+// the single process's.
+TEST_CASE("ddp's averaged gradients and their norms are the single process's, with and without accumulation", "[ddp]") {
+  auto w = world();
+  std::vector<double> ref_norms;
+  Grads ref_grads;
+  train(5, kB, nullptr, nullptr, &ref_norms, &ref_grads);
+  for (int64_t micro : {kB / w->size(), int64_t(1)}) {
+    INFO("micro-batch " << micro << " on " << w->size() << " ranks");
+    std::vector<double> norms;
+    Grads grads;
+    train(5, micro, w, nullptr, &norms, &grads);
+    REQUIRE(norms.size() == ref_norms.size());
+    for (size_t i = 0; i < norms.size(); ++i) REQUIRE(std::abs(norms[i] - ref_norms[i]) <= 1e-5 * ref_norms[i]);
+    REQUIRE(grads.size() == ref_grads.size());
+    testing::require_same_gradients(grads, ref_grads);
   }
 }
 

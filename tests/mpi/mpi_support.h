@@ -4,6 +4,7 @@
 #include <catch2/catch.hpp>
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -33,6 +34,26 @@ inline void require_same_losses(const std::vector<double>& got, const std::vecto
   for (size_t i = 0; i < got.size(); ++i) {
     INFO("step " << i);
     REQUIRE(std::abs(got[i] - reference[i]) <= 1e-5 * std::abs(reference[i]));
+  }
+}
+
+// f32 contract for gradients, by parameter name: each tensor within 1e-5 of the largest element of
+// the reference's (max |got - ref| <= 1e-5 max |ref|). Every name of got must be in reference (a
+// rank holding part of the model compares its part).
+inline void require_same_gradients(const std::map<std::string, std::vector<float>>& got,
+                                   const std::map<std::string, std::vector<float>>& reference) {
+  REQUIRE(!got.empty());
+  for (const auto& [name, g] : got) {
+    INFO("gradient of " << name);
+    REQUIRE(reference.count(name) == 1);
+    const std::vector<float>& ref = reference.at(name);
+    REQUIRE(g.size() == ref.size());
+    float scale = 0, diff = 0;
+    for (size_t i = 0; i < ref.size(); ++i) {
+      scale = std::max(scale, std::abs(ref[i]));
+      diff = std::max(diff, std::abs(g[i] - ref[i]));
+    }
+    REQUIRE(diff <= 1e-5f * scale + 1e-12f);
   }
 }
 

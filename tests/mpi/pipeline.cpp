@@ -4,6 +4,7 @@
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <cmath>
+#include <map>
 #include <thread>
 
 #include "autograd/ops.h"
@@ -12,6 +13,7 @@
 #include "optim/optim.h"
 #include "parallel/comm/mpi_backend.h"
 #include "parallel/pp/executor.h"
+#include "tests/mpi/mpi_support.h"
 
 using namespace sg;
 using namespace sg::parallel;
@@ -43,7 +45,11 @@ void batch(int step, Tensor& idx, Tensor& tgt) {
   tgt = from_vector(out, {kRows, kT});
 }
 
-std::vector<double> single(int layers, int steps) {
+using Grads = std::map<std::string, std::vector<float>>;
+
+// norms: each step's global gradient norm; first_grads: every parameter's gradient at the first
+// step, before clipping.
+std::vector<double> single(int layers, int steps, std::vector<double>* norms = nullptr, Grads* first_grads = nullptr) {
   nn::GPT m(config(layers));
   m.init_weights(3);
   optim::AdamW opt(m.named_parameters(), {});
@@ -59,13 +65,18 @@ std::vector<double> single(int layers, int steps) {
     }
     losses.push_back(item(l));
     tape.backward(l);
-    opt.step(1e-2, optim::clip_coefficient(optim::global_grad_norm(m.parameters()), 1.0));
+    const double norm = optim::global_grad_norm(m.parameters());
+    if (norms) norms->push_back(norm);
+    if (first_grads && s == 0)
+      for (auto& [n, p] : m.named_parameters()) (*first_grads)[n] = to_vector<float>(p.grad());
+    opt.step(1e-2, optim::clip_coefficient(norm, 1.0));
     m.zero_grad();
   }
   return losses;
 }
 
-std::vector<double> piped(int layers, int steps, pp::Schedule sched, std::shared_ptr<comm::ProcessGroup> g) {
+std::vector<double> piped(int layers, int steps, pp::Schedule sched, std::shared_ptr<comm::ProcessGroup> g,
+                          std::vector<double>* norms = nullptr, Grads* first_grads = nullptr) {
   nn::GPT m(config(layers));
   m.init_weights(3);
   pp::PipelineExecutor ex(m, std::move(sched), g);
@@ -78,6 +89,9 @@ std::vector<double> piped(int layers, int steps, pp::Schedule sched, std::shared
     ex.reduce_tied_embedding();
     Tensor ss = from_vector<double>({ex.grad_sum_squares()}, {1});
     g->all_reduce(ss)->wait();
+    if (norms) norms->push_back(std::sqrt(item(ss)));
+    if (first_grads && s == 0)
+      for (auto& [n, p] : ex.parameters()) (*first_grads)[n] = to_vector<float>(p.grad());
     opt.step(1e-2, optim::clip_coefficient(std::sqrt(item(ss)), 1.0));
     for (auto& [n, p] : ex.parameters()) p.set_grad(Tensor());
   }
@@ -98,6 +112,26 @@ TEST_CASE("gpipe, 1f1b and interleaved pipelines reproduce the single-process lo
       INFO("step " << i);
       REQUIRE(std::abs(got[i] - ref[i]) <= 1e-5 * std::abs(ref[i]));
     }
+  }
+}
+
+// Losses alone would not see a gradient scaled by a constant (AdamW divides it out): each stage's
+// gradients, the tied wte's summed over the two ends, and the norm over the stages must be the
+// single process's.
+TEST_CASE("every pipeline schedule gives each stage the single-process gradients and the global norm", "[pp]") {
+  auto world = comm::MpiProcessGroup::world();
+  const int p = world->size();
+  const int layers = 2 * p;
+  std::vector<double> ref_norms;
+  Grads ref_grads;
+  single(layers, 3, &ref_norms, &ref_grads);
+  for (const char* kind : {"gpipe", "1f1b", "interleaved"}) {
+    INFO(kind << " on " << p << " ranks, rank " << world->rank());
+    std::vector<double> norms;
+    Grads grads;
+    piped(layers, 3, pp::make_schedule(kind, p, 4, std::string(kind) == "interleaved" ? 2 : 1), world, &norms, &grads);
+    for (size_t i = 0; i < ref_norms.size(); ++i) REQUIRE(std::abs(norms[i] - ref_norms[i]) <= 1e-5 * ref_norms[i]);
+    testing::require_same_gradients(grads, ref_grads);
   }
 }
 
