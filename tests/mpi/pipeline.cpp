@@ -135,6 +135,36 @@ TEST_CASE("every pipeline schedule gives each stage the single-process gradients
   }
 }
 
+// Between stages travel only activations forward and their gradients back: per micro-batch, one
+// [b, T, C] f32 tensor out of every (virtual) stage but the last and one back out of every stage
+// but the first. Rank r holds stages r, r + p, ... (v of them), so it sends
+// m·b·T·C·4·(#its stages < V-1 + #its stages > 0) bytes in a step, V = p·v, and receives as much.
+TEST_CASE("a pipeline step sends and receives exactly the stage boundaries' activations and gradients", "[pp]") {
+  auto world = comm::MpiProcessGroup::world();
+  const int p = world->size(), r = world->rank();
+  const int layers = 2 * p, m = 4;
+  const nn::GPTConfig c = config(layers);
+  for (const char* kind : {"gpipe", "1f1b", "interleaved"}) {
+    const int v = std::string(kind) == "interleaved" ? 2 : 1, V = p * v;
+    INFO(kind << " on " << p << " ranks, rank " << r);
+    nn::GPT model(c);
+    model.init_weights(3);
+    pp::PipelineExecutor ex(model, pp::make_schedule(kind, p, m, v), world);
+    Tensor idx, tgt;
+    batch(0, idx, tgt);
+    world->reset_counters();
+    ex.run(idx, tgt, 1.0 / double(kRows * kT));
+    int boundaries = 0;
+    for (int k = r; k < V; k += p) boundaries += (k < V - 1) + (k > 0);
+    const int64_t expect = int64_t(m) * (kRows / m) * kT * c.n_embd * 4 * boundaries;
+    const comm::CommCounters got = world->counters();
+    REQUIRE(boundaries > 0);
+    CHECK(got[comm::CommKind::send].bytes == expect);
+    CHECK(got[comm::CommKind::recv].bytes == expect);
+    CHECK(got[comm::CommKind::send].calls == int64_t(m) * boundaries);
+  }
+}
+
 TEST_CASE("gpipe keeps every micro-batch's activations alive, 1f1b at most p (ledger)", "[pp]") {
   auto world = comm::MpiProcessGroup::world();
   const int p = world->size(), m = 4 * p;
