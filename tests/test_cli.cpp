@@ -796,7 +796,7 @@ TEST_CASE("with dropout every layout draws the single-process masks and gives it
   CHECK(val["0.5"] == Approx(val["0"]).epsilon(1e-9));
 }
 
-TEST_CASE("bf16 and fp16 under tp, pp and their compositions stay with the single-process run, a bf16 pipeline's f32 masters resume in one process", "[cli][mpi]") {
+TEST_CASE("bf16 and fp16 under ddp, zero2, tp, pp and their compositions stay with the single-process run, a bf16 pipeline's f32 masters resume in one process", "[cli][mpi]") {
   TempDir d;
   const std::string args = " train --n-layer 2 --n-embd 32 --n-head 2 --seq-len 16 --batch-size 8 --micro-batch-size 2 "
                            "--threads 1 --eval-every 0 --dropout 0 --log-json ";
@@ -812,6 +812,7 @@ TEST_CASE("bf16 and fp16 under tp, pp and their compositions stay with the singl
     auto a = read_log(d.path / "one.jsonl");
     REQUIRE(a.size() == 4);
     const std::vector<std::pair<int, std::string>> layouts = {
+        {2, "--strategy ddp"}, {2, "--strategy zero2"},
         {2, "--pp 2"}, {2, "--tp 2"}, {4, "--pp 2 --strategy ddp --pp-schedule interleaved --virtual-stages 1"},
         {4, "--tp 2 --pp 2"}, {4, "--tp 2 --strategy zero3 --sequence-parallel"}, {4, "--pp 2 --strategy zero1"},
         {4, "--pp 2 --strategy zero3"}};
