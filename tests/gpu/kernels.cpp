@@ -1,5 +1,5 @@
 // Every entry of the CUDA op table on cuda:0 against the CPU op table, on small irregular sizes,
-// f32 and bf16, attention also f16 (the CPU computes in f32 on the rounded inputs). Exits 77
+// f32, bf16 and f16 (the CPU computes in f32 on the rounded inputs). Exits 77
 // (CTest: skipped) on a machine without a CUDA device or on a build without SG_CUDA_KERNELS.
 #define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
@@ -25,7 +25,7 @@ namespace {
 
 double rtol(DType dt) { return dt == DType::f32 ? 1e-4 : 2e-2; }
 
-const std::vector<DType> kFloat = {DType::f32, DType::bf16};
+const std::vector<DType> kFloat = {DType::f32, DType::bf16, DType::f16};
 
 }  // namespace
 
