@@ -64,7 +64,8 @@ void declare_flags(Args& a) {
   a.flag("seq-len", "0", "tokens per training row T (0 = the model's block size; synthetic task: one problem per row)");
   a.flag("dropout", "0", "dropout probability");
   a.flag("recompute", "none", "activation recompute: none, selective (attention core) or full (whole blocks)");
-  a.flag("data", "synthetic", "synthetic | FILE.txt (bytes) | 'GLOB.bin' (llm.c token shards)");
+  a.flag("data", "synthetic", "synthetic | FILE.txt (bytes) | 'GLOB.bin' (llm.c token shards) | random[:V] (uniform "
+         "ids, GPT-2's 50257 by default: for sizing and timing, nothing to learn)");
   a.toggle("shuffle", "draw rows at seeded random positions instead of reading sequentially");
   a.flag("batch-size", "0", "global batch: sequences per optimizer step (0 = 32; 128 one-problem rows on the synthetic task)");
   a.flag("micro-batch-size", "0", "sequences per forward/backward (0 = the per-rank batch; under --pp, enough "
@@ -366,7 +367,9 @@ class Trainer {
   // The data as a checkpoint records it: a file or glob made absolute, so that a resume or generate
   // started in another folder reads the same files.
   std::string saved_data_spec() const {
-    return synthetic_data(args_) ? data_opt_.spec : std::filesystem::absolute(data_opt_.spec).lexically_normal().string();
+    const std::string& d = data_opt_.spec;
+    const bool builtin = synthetic_data(args_) || d == "random" || d.rfind("random:", 0) == 0;  // no file
+    return builtin ? d : std::filesystem::absolute(d).lexically_normal().string();
   }
   static int local_rank() {    // this rank's place on its node, from the launcher
     for (const char* v : {"OMPI_COMM_WORLD_LOCAL_RANK", "LOCAL_RANK"})

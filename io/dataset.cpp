@@ -13,6 +13,7 @@
 #include "io/dataset.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <memory>
 
 #include "autograd/ops.h"
@@ -146,6 +147,49 @@ class FileDataset : public Dataset {
 
 }  // namespace
 
+namespace {
+// "random" or "random:V": uniform token ids in [0, V) (GPT-2's 50257 by default) from Philox, row by
+// row (id t of row k is draw k·(T+1) + t of the split's stream), for sizing and timing a model
+// without a corpus: `train --simulate`, throughput runs. Nothing in it can be learned.
+class RandomDataset final : public Dataset {
+ public:
+  RandomDataset(int64_t vocab, Split split, uint64_t seed) : vocab_(vocab), stream_(split == Split::val), seed_(seed) {}
+  Batch next(int64_t B, int64_t T) override {
+    std::vector<int64_t> in(size_t(B * T)), out(size_t(B * T));
+    for (int64_t b = 0; b < B; ++b) {
+      const uint64_t row = uint64_t(batches_ * B + b) * uint64_t(T + 1);
+      for (int64_t t = 0; t < T; ++t) {
+        in[size_t(b * T + t)] = id(row + uint64_t(t));
+        out[size_t(b * T + t)] = id(row + uint64_t(t) + 1);
+      }
+    }
+    ++batches_;
+    return {from_vector(in, {B, T}), from_vector(out, {B, T})};
+  }
+  int64_t position() const override { return batches_; }
+  void set_position(int64_t p) override { batches_ = p; }
+  int64_t vocab_size() const override { return vocab_; }
+  void restrict_vocab(int64_t v) override { vocab_ = v; }  // the ids are drawn, not read: draw fewer
+  std::string describe() const override { return str("random tokens (uniform over ", vocab_, " ids)"); }
+  std::vector<int64_t> encode(const std::string&) const override {
+    throw Error("data random: random tokens have no text to encode (generate needs the model's tokenizer)");
+  }
+  std::string decode(const std::vector<int64_t>&) const override {
+    throw Error("data random: random tokens have no text to decode (generate needs the model's tokenizer)");
+  }
+
+ private:
+  int64_t id(uint64_t i) const {
+    uint32_t w[4];
+    Philox::words(seed_, 0x7a2d0000 + stream_, i, w);
+    return int64_t((uint64_t(w[0]) * uint64_t(vocab_)) >> 32);  // multiply-shift: [0, vocab)
+  }
+  int64_t vocab_;
+  uint64_t stream_, seed_;
+  int64_t batches_ = 0;
+};
+}  // namespace
+
 void Dataset::restrict_vocab(int64_t v) {
   SG_CHECK(v >= vocab_size(), "data ", describe(), ": a model of ", v, " tokens cannot read its ", vocab_size(),
            " (the vocabulary must be at least the data's)");
@@ -157,9 +201,20 @@ bool is_shard_spec(const std::string& s) {
 
 std::unique_ptr<Dataset> open_dataset(const DataOptions& opt) {
   const std::string& spec = opt.spec;
-  SG_CHECK(!spec.empty(), "data: empty data spec (synthetic, a text file, or a glob of .bin token shards)");
+  SG_CHECK(!spec.empty(), "data: empty data spec (synthetic, random, a text file, or a glob of .bin token shards)");
   if (spec == "synthetic" || spec.rfind("synthetic:", 0) == 0)
     return std::make_unique<SyntheticDataset>(parse_synthetic_spec(spec), opt.split, opt.seed);
+  if (spec == "random" || spec.rfind("random:", 0) == 0) {
+    int64_t v = kGpt2Vocab;
+    if (spec != "random") {
+      const std::string n = spec.substr(7);
+      char* end = nullptr;
+      v = std::strtoll(n.c_str(), &end, 10);
+      SG_CHECK(!n.empty() && *end == 0 && v >= 2 && v <= (int64_t(1) << 31), "data ", spec,
+               ": random:V takes the vocabulary size V (2 to 2^31), got '", n, "'");
+    }
+    return std::make_unique<RandomDataset>(v, opt.split, opt.seed);
+  }
   SG_CHECK(opt.val_fraction >= 0 && opt.val_fraction < 1, "data ", spec, ": val_fraction ", opt.val_fraction,
            " is not in [0, 1)");
 

@@ -938,13 +938,8 @@ TEST_CASE("train --simulate sizes what this machine cannot hold, and refuses wha
   // gpt2-xl under zero3 on 8 ranks, bf16: ZeRO-3's optimizer state is (4 + 4 + 4)·Ψ/8 bytes per
   // rank (f32 master, m, v), on a machine with 24 GiB in all.
   TempDir d;
-  {
-    std::ofstream text(d.path / "bytes.txt", std::ios::binary);
-    for (int i = 0; i < 200000; ++i) text.put(char('a' + i % 26));
-  }
   Run r = shardgrad("train --simulate 8 --model gpt2-xl --strategy zero3 --dtype bf16 --batch-size 8 --seq-len 1024 "
-                    "--data " + (d.path / "bytes.txt").string() + " --vocab-size 50257 --log-json " +
-                    (d.path / "xl.json").string());
+                    "--data random --log-json " + (d.path / "xl.json").string());
   INFO(r.output);
   REQUIRE(r.code == 0);
   REQUIRE(r.output.find("zero3 x 8") != std::string::npos);

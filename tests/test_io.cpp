@@ -615,3 +615,36 @@ TEST_CASE("GPT-2 tokenizer: bad files and ids are refused, naming the file and l
   const Gpt2Tokenizer bytes_only(R"({"<": 0, "|": 1, "e": 2, "n": 3, "d": 4, "o": 5, "f": 6, "t": 7, "x": 8, ">": 9})", "", "t");
   CHECK(bytes_only.encode("<|endoftext|>").size() == 13);
 }
+
+TEST_CASE("random data: seeded uniform ids of GPT-2's vocabulary, each row's targets its next ids, resumable", "[io]") {
+  io::DataOptions o;
+  o.spec = "random";
+  o.seed = 4;
+  auto a = io::open_dataset(o), b = io::open_dataset(o);
+  CHECK(a->vocab_size() == 50257);
+  CHECK(a->describe() == "random tokens (uniform over 50257 ids)");
+  const io::Batch x = a->next(4, 300), y = b->next(4, 300);
+  const std::vector<int64_t> in = to_vector<int64_t>(x.inputs), tgt = to_vector<int64_t>(x.targets);
+  CHECK(in == to_vector<int64_t>(y.inputs));  // the same seed, the same ids
+  std::set<int64_t> seen(in.begin(), in.end());
+  CHECK(seen.size() > 1100);  // 1200 draws from 50257 ids: few repeats
+  CHECK(*seen.begin() >= 0);
+  CHECK(*seen.rbegin() < 50257);
+  CHECK(*seen.rbegin() > 45000);  // the whole range is drawn, not its low ids
+  for (int64_t r = 0; r < 4; ++r)
+    for (int64_t t = 0; t + 1 < 300; ++t) CHECK(tgt[size_t(r * 300 + t)] == in[size_t(r * 300 + t + 1)]);
+  // A resumed cursor gives the batch the uninterrupted one gives; the val split is another stream.
+  const std::vector<int64_t> second = to_vector<int64_t>(a->next(4, 300).inputs);
+  b->set_position(1);
+  CHECK(to_vector<int64_t>(b->next(4, 300).inputs) == second);
+  o.split = io::Split::val;
+  CHECK(to_vector<int64_t>(io::open_dataset(o)->next(4, 300).inputs) != in);
+  o.spec = "random:7";
+  auto small = io::open_dataset(o);
+  for (int64_t v : to_vector<int64_t>(small->next(8, 50).inputs)) CHECK((v >= 0 && v < 7));
+  small->restrict_vocab(3);
+  for (int64_t v : to_vector<int64_t>(small->next(8, 50).inputs)) CHECK((v >= 0 && v < 3));
+  CHECK_THROWS_WITH(small->encode("hi"), Catch::Contains("random tokens have no text"));
+  o.spec = "random:1";
+  CHECK_THROWS_WITH(io::open_dataset(o), Catch::Contains("random:V takes the vocabulary size"));
+}
