@@ -959,3 +959,36 @@ TEST_CASE("train --simulate sizes what this machine cannot hold, and refuses wha
   // A layout the mesh refuses fails on every simulated rank, named once, without a hang.
   refuses(std::string(SG_BINARY) + " train --simulate 3 --tp 3", "--tp 3");
 }
+
+// At a real model's size the engine runs only on the meta device: plan's closed forms (ZeRO's
+// sharded optimizer state, FSDP's gathers and reductions, tp's all-reduces, the pipeline's
+// sends) must equal what train --simulate counts, rank by rank. plan also prints that command.
+TEST_CASE("plan's optimizer bytes and traffic equal train --simulate's for GPT-2 large under zero3, tp 2 and pp 2", "[cli]") {
+  const std::string layout = " plan --model gpt2-large --cluster 8xH100-NVLink-IB --strategy zero3 --batch-size 16 "
+                             "--micro-batch-size 2 --tp 2 --pp 2";
+  Run text = shardgrad(layout);
+  INFO(text.output);
+  REQUIRE(text.code == 0);
+  const size_t at = text.output.find("shardgrad train --simulate 8 ");
+  REQUIRE(at != std::string::npos);
+  const std::string command = text.output.substr(at, text.output.find('\n', at) - at);
+  Run json_plan = shardgrad(layout + " --json");
+  REQUIRE(json_plan.code == 0);
+  const nlohmann::json plan = nlohmann::json::parse(json_plan.output);
+  TempDir d;
+  Run sim = run_command(std::string(SG_BINARY) + command.substr(std::string("shardgrad").size()) + " --log-json " +
+                        (d.path / "sim.json").string());
+  INFO(sim.output);
+  REQUIRE(sim.code == 0);
+  const nlohmann::json ranks = read_log(d.path / "sim.json").at(0)["ranks"];
+  REQUIRE(ranks.size() == 8);
+  // rank 0 is pipeline stage 0, rank 2 stage 1 (tp innermost)
+  for (auto [rank, stage] : {std::pair<int, int>{0, 0}, {2, 1}}) {
+    INFO("rank " << rank);
+    CHECK(ranks[size_t(rank)]["peak"]["optim_state"] == plan["memory_per_stage"][size_t(stage)]["optim_state"]);
+  }
+  for (const auto& [kind, bytes] : plan["comm_bytes_per_step"].items()) {
+    INFO(kind);
+    CHECK(ranks[0]["comm"][kind]["bytes"] == bytes);
+  }
+}
