@@ -357,6 +357,14 @@ Plan make_plan(const PlanInput& in) {
                           ? "raw parameter count: activations, tp and pp traffic and the gathered FSDP unit not estimated"
                           : "raw parameter count: activations, tp and pp traffic not estimated");
   if (d == 4) p.notes.push_back("fp32: Korthikanti's 2-byte activation formulas scaled by 2");
+  if (m.has_shape() && l.recompute == "none") {
+    // The a·s² term is the attention's score matrices, which a flash attention kernel never stores.
+    const double scores = 5.0 * double(m.n_head) * double(m.seq_len) / double(m.n_embd);
+    p.notes.push_back(str("Korthikanti's activations count the attention scores (5as/h = ", std::lround(scores),
+                          " of the ", std::lround(34 + scores), " bytes per sbh element, ",
+                          std::lround(100 * scores / (34 + scores)), "%), which this engine's flash attention never "
+                          "stores: train --simulate counts its own"));
+  }
   if (l.offload != "none") p.notes.push_back("offload: the optimizer state lives in host memory");
   return p;
 }
