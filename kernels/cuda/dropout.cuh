@@ -11,11 +11,14 @@
 
 namespace sg::cuda {
 
-template <class T>
-__global__ void dropout_kernel(T* out, const T* x, int64_t n, float p, float scale, uint64_t seed, uint64_t stream,
-                               int64_t row_len, uint64_t first) {
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const uint64_t r = uint64_t(i / row_len), j = uint64_t(i % row_len);
+// I: the index type. uint32_t whenever n fits it (every tensor of GPT-2 124M's training), as the
+// row and column of an element take a division, and a 64-bit one is a long software routine on
+// the GPU where a 32-bit one is a few instructions.
+template <class T, class I>
+__global__ void dropout_kernel(T* out, const T* x, I n, float p, float scale, uint64_t seed, uint64_t stream,
+                               I row_len, uint64_t first) {
+  for (I i = I(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += I(gridDim.x) * blockDim.x) {
+    const I r = i / row_len, j = i - r * row_len;
     out[i] = Philox::uniform(seed, stream + r, first + j) >= p ? from_f32<T>(to_f32(x[i]) * scale) : from_f32<T>(0.0f);
   }
 }
@@ -39,9 +42,15 @@ inline void dropout(DType dtype, void* out, const void* x, int64_t n, double p, 
   SG_CHECK(row_len > 0 && n % row_len == 0, "dropout (cuda): ", n, " elements are not rows of ", row_len);
   dispatch_storage(dtype, "dropout", [&](auto tag) {
     using T = decltype(tag);
-    launch(dropout_kernel<T>, dim3(blocks_for(n, kPhiloxThreads)), dim3(kPhiloxThreads), 0, stream,
-           static_cast<T*>(out), static_cast<const T*>(x), n, float(p), float(1.0 / (1.0 - p)), seed, rng_stream,
-           row_len, first);
+    const auto run = [&](auto index) {
+      using I = decltype(index);
+      launch(dropout_kernel<T, I>, dim3(blocks_for(n, kPhiloxThreads)), dim3(kPhiloxThreads), 0, stream,
+             static_cast<T*>(out), static_cast<const T*>(x), I(n), float(p), float(1.0 / (1.0 - p)), seed, rng_stream,
+             I(row_len), first);
+    };
+    // i + the grid's stride must not wrap either: 32 bits while n stays a grid below 2^32
+    if (n + int64_t(kPhiloxThreads) * blocks_for(n, kPhiloxThreads) < (int64_t(1) << 32)) run(uint32_t{});
+    else run(uint64_t{});
   });
 }
 
