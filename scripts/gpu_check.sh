@@ -50,6 +50,10 @@ PY
       --batch-size "$batch" --seq-len 1024 --steps "$STEPS" --warmup-steps 2 --lr 6e-4 --eval-every 0 \
       --profile-ops "$PROFILE_STEP" --log-json "$log" > "${log%.jsonl}.txt" 2>&1
     sed -n '/^op profile/,/outside the op table/p' "${log%.jsonl}.txt"
+    # The same step on the meta device: the ledger bytes the GPU run's peak line should show
+    # (bench/RESULTS.md, "Counting a layout's bytes"), kernel workspaces aside.
+    "$BUILD/shardgrad" train --simulate 1 --model gpt2 --data random --dtype bf16 --batch-size "$batch" --seq-len 1024 |
+      sed -n 2,3p
     tail -n 3 "${log%.jsonl}.txt"
     python3 - "$log" <<'PY'
 import json, statistics, sys
