@@ -115,6 +115,9 @@ int bench_main(int argc, char** argv) {
   a.flag("work-dir", "", "where each layout's logs go (default: a temporary directory, removed)");
   a.flag("trace", "", "a directory: each layout's Chrome trace (train --trace) goes to DIR/<layout>.json "
                      "(with --report and no --trace, traces go to the work directory)");
+  a.toggle("simulate", "run every layout as train --simulate (one process, the meta device): each rank's peak bytes "
+           "per ledger category and bytes per collective kind at any model size (--model gpt2-xl: the preset's own "
+           "shape, random tokens), no timing");
   if (!a.parse(argc, argv)) {
     std::printf("%s", a.usage().c_str());
     return 0;
@@ -148,13 +151,28 @@ int bench_main(int argc, char** argv) {
   SG_CHECK(peak_flops >= 0, "bench: --peak-tflops must be >= 0");
   SG_CHECK(steps > warmup && warmup >= 0, "bench: --steps must exceed --warmup");
   SG_CHECK(a.i64("repeat") >= 1, "bench: --repeat must be >= 1, got ", a.i64("repeat"));
+  const bool simulate = a.on("simulate");
+  SG_CHECK(!simulate || (a.i64("repeat") == 1 && a.str("trace").empty()), "bench: --simulate measures bytes, which ",
+           "do not vary: --repeat and --trace have nothing to time");
+  // The bench's small model by default; under --simulate, a --model preset keeps its own shape
+  // unless a flag overrides it, and reads random tokens of its vocabulary.
+  const bool preset_shape = simulate && a.given("model");
   report::ModelShape model = report::model_preset(a.str("model"));
-  model.n_layer = a.i64("n-layer"), model.n_head = a.i64("n-head"), model.n_embd = a.i64("n-embd");
-  model.seq_len = model.block_size = a.i64("seq-len");
-  model.vocab_size = a.i64("vocab-size");
-  const std::string common = "--model " + a.str("model") + " --n-layer " + a.str("n-layer") + " --n-head " +
-                             a.str("n-head") + " --n-embd " + a.str("n-embd") + " --seq-len " + a.str("seq-len") +
-                             " --block-size " + a.str("seq-len") + " --vocab-size " + a.str("vocab-size") +
+  std::string shape_args;
+  const auto shape = [&](const char* flag, int64_t& field) {
+    if (preset_shape && !a.given(flag)) return;
+    field = a.i64(flag);
+    shape_args += str(" --", flag, " ", a.i64(flag));
+  };
+  shape("n-layer", model.n_layer);
+  shape("n-head", model.n_head);
+  shape("n-embd", model.n_embd);
+  shape("vocab-size", model.vocab_size);
+  if (!preset_shape || a.given("seq-len")) {
+    model.seq_len = model.block_size = a.i64("seq-len");
+    shape_args += " --seq-len " + a.str("seq-len") + " --block-size " + a.str("seq-len");
+  }
+  const std::string common = "--model " + a.str("model") + shape_args + (preset_shape ? " --data random" : "") +
                              " --batch-size " + a.str("batch-size") + " --micro-batch-size " + a.str("micro-batch-size") +
                              " --steps " + a.str("steps") + " --threads " + a.str("threads") +
                              " --eval-every 0 --eval-batches 1 --eval-problems 8";
@@ -170,12 +188,13 @@ int bench_main(int argc, char** argv) {
   const std::string self = fs::read_symlink("/proc/self/exe").string();
 
   json results;
-  results["description"] = "model " + a.str("model") + " (" + a.str("n-layer") + " layers, width " + a.str("n-embd") +
-                           ", " + a.str("n-head") + " heads, seq " + a.str("seq-len") + "), global batch " +
-                           a.str("batch-size") + ", micro-batch " + a.str("micro-batch-size") + ", " + a.str("steps") +
-                           " steps (" + a.str("warmup") + " warm-up) per layout" +
-                           (a.i64("repeat") > 1 ? ", " + a.str("repeat") + " passes" : std::string()) + ", " +
-                           std::to_string(std::thread::hardware_concurrency()) + " CPU cores";
+  results["description"] = str("model ", a.str("model"), " (", model.n_layer, " layers, width ", model.n_embd, ", ",
+                               model.n_head, " heads, seq ", model.seq_len, "), global batch ", a.str("batch-size"),
+                               ", micro-batch ", a.str("micro-batch-size"), ", ") +
+                           (simulate ? std::string("simulated on the meta device (train --simulate): bytes only, no timing")
+                                     : a.str("steps") + " steps (" + a.str("warmup") + " warm-up) per layout" +
+                                           (a.i64("repeat") > 1 ? ", " + a.str("repeat") + " passes" : std::string()) +
+                                           ", " + std::to_string(std::thread::hardware_concurrency()) + " CPU cores");
   results["command"] = "shardgrad bench";
   for (const auto& w : a.argv_copy) results["command"] = results["command"].get<std::string>() + " " + w;
   results["common_args"] = common;
@@ -191,6 +210,27 @@ int bench_main(int argc, char** argv) {
     fs::remove(log);
     fs::remove(svg);
     std::string cmd = "timeout " + a.str("timeout") + " ";
+    if (simulate) {
+      cmd += "'" + self + "' train --simulate " + std::to_string(row.ranks) + " " + common + " " + row.args +
+             " --log-json '" + log.string() + "' > '" + out.string() + "' 2>&1";
+      const int status = std::system(cmd.c_str());
+      const int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+      json r = {{"name", row.name}, {"ranks", row.ranks}, {"args", row.args}};
+      if (code == 0 && fs::exists(log)) {
+        r["status"] = "ok";
+        r["measured"] = report::summarise_simulation(json::parse(read_text(log)));
+        double sent = 0;
+        for (const auto& [kind, b] : r["measured"]["comm_per_step"][0].items()) sent += kind == "recv" ? 0 : b.get<double>();
+        std::printf("rank 0: peak %.3f GiB, %.3f GiB sent per step\n",
+                    double(r["measured"]["mem_peak"][0].value("total", int64_t(0))) / double(1 << 30), sent / double(1 << 30));
+      } else {
+        r["status"] = code == 124 ? "timeout" : "refused";
+        r["reason"] = failure_reason(read_text(out), code);
+        std::printf("%s: %s\n", r["status"].get<std::string>().c_str(), r["reason"].get<std::string>().c_str());
+      }
+      std::fflush(stdout);
+      return r;
+    }
     if (row.ranks > 1) cmd += a.str("mpirun") + " -x OMP_NUM_THREADS=" + a.str("threads") + " -np " + std::to_string(row.ranks) + " ";
     cmd += "'" + self + "' train " + common + " " + row.args + " --log-json '" + log.string() + "'";
     if (row.args.find("--pp ") != std::string::npos) cmd += " --timeline '" + svg.string() + "'";

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -308,5 +309,46 @@ TEST_CASE("bench --report draws memory over one step of each layout: zero3's gat
     }
   }
   CHECK(count(html, "<svg") == count(html, "</svg>"));
+  fs::remove_all(dir);
+}
+
+// bench --simulate: the matrix at a real model's size, each layout a train --simulate of its
+// ranks, charted like a measured run but without timing.
+TEST_CASE("bench --simulate charts GPT-2 medium's bytes per rank for every layout, with ZeRO's divisions and no timing", "[cli]") {
+  const fs::path dir = fs::temp_directory_path() / ("sg_bench_sim_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const std::string cmd = std::string(SG_BINARY) + " bench --simulate --model gpt2-medium --seq-len 256 --ranks 4 " +
+                          "--layouts single,ddp,zero1,zero2,zero3,tp+sp,pp-interleaved --out " + (dir / "res").string() +
+                          " --report " + (dir / "r.html").string() + " > " + (dir / "out.txt").string() + " 2>&1";
+  const int status = std::system(cmd.c_str());
+  INFO(read_text(dir / "out.txt"));
+  REQUIRE(WIFEXITED(status));
+  REQUIRE(WEXITSTATUS(status) == 0);
+  const json res = json::parse(read_text(dir / "res.json"));
+  REQUIRE(res["layouts"].size() == 7);
+  std::map<std::string, json> by_name;
+  for (const auto& r : res["layouts"]) {
+    INFO(r["name"]);
+    REQUIRE(r["status"] == "ok");
+    CHECK(r["measured"]["simulated"] == true);
+    CHECK_FALSE(r["measured"].contains("tokens_per_s"));
+    by_name[r["name"].get<std::string>()] = r["measured"];
+  }
+  CHECK(by_name["tp+sp"]["mem_peak"].size() == 4);
+  const auto peak = [&](const char* layout, const char* cat) {
+    return double(by_name[layout]["mem_peak"][0][cat].get<int64_t>());
+  };
+  // GPT-2 medium in f32: ZeRO-1 divides the optimizer state by 4, ZeRO-3 the parameters' shard too
+  // (plus the gathered units at the peak); ddp and single hold it all.
+  CHECK(peak("ddp", "optim_state") == peak("single", "optim_state"));
+  CHECK(peak("zero1", "optim_state") == Approx(peak("ddp", "optim_state") / 4).epsilon(1e-4));
+  CHECK(peak("zero3", "param") < peak("ddp", "param") / 2);
+  CHECK(peak("zero2", "grad") < peak("zero1", "grad"));
+  CHECK(by_name["ddp"]["comm_per_step"][0]["all_reduce"].get<double>() > 0);
+  const std::string html = read_text(dir / "r.html");
+  CHECK(html.find("id='chart-memory'") != std::string::npos);
+  CHECK(html.find("id='chart-comm'") != std::string::npos);
+  CHECK(html.find("id='chart-throughput'") == std::string::npos);  // nothing was timed
+  CHECK(html.find("simulated on the meta device") != std::string::npos);
   fs::remove_all(dir);
 }

@@ -111,6 +111,19 @@ nlohmann::json summarise_log(const std::vector<nlohmann::json>& steps, int warmu
   return s;
 }
 
+nlohmann::json summarise_simulation(const nlohmann::json& record) {
+  nlohmann::json s = {{"simulated", true}}, mem = nlohmann::json::array(), comm = nlohmann::json::array();
+  for (const auto& r : record.at("ranks")) {
+    mem.push_back(r.at("peak"));
+    nlohmann::json c = nlohmann::json::object();
+    for (const auto& [kind, v] : r.at("comm").items()) c[kind] = double(v.at("bytes").get<int64_t>());
+    comm.push_back(c);
+  }
+  s["mem_peak"] = mem;
+  s["comm_per_step"] = comm;
+  return s;
+}
+
 nlohmann::json combine_passes(const std::vector<nlohmann::json>& passes) {
   SG_CHECK(!passes.empty(), "bench: a layout with no runs");
   for (size_t k = 0; k < passes.size(); ++k)

@@ -191,8 +191,11 @@ std::string results_html(const nlohmann::json& results) {
       continue;
     }
     const auto& m = r["measured"];
-    tput_rows.push_back(name);
-    tput_vals.push_back({m["tokens_per_s"].get<double>()});
+    const bool timed = m.contains("tokens_per_s");  // not under bench --simulate
+    if (timed) {
+      tput_rows.push_back(name);
+      tput_vals.push_back({m["tokens_per_s"].get<double>()});
+    }
     if (m.contains("mem_peak"))
       for (size_t k = 0; k < m["mem_peak"].size(); ++k) {
         mem_rows.push_back(name + " / rank " + std::to_string(k));
@@ -211,14 +214,17 @@ std::string results_html(const nlohmann::json& results) {
               << "</div>\n";
     if (r.contains("timeline_svg"))
       gantt << "<h3>" << escape(name) << "</h3>\n<div class='gantt'>" << r["timeline_svg"].get<std::string>() << "</div>\n";
-    table << "<tr><td>" << escape(name) << "</td><td>" << r["ranks"].get<int>() << "</td><td>"
-          << human(m["step_ms"].get<double>() / 1e3, "s")
-          << (m.contains("step_ms_range") ? " (" + human(m["step_ms_range"][0].get<double>() / 1e3, "s") + "–" +
-                                                 human(m["step_ms_range"][1].get<double>() / 1e3, "s") + ")"
-                                           : std::string())
-          << "</td><td>" << human(m["tokens_per_s"].get<double>(), "tok/s")
-          << (m.contains("mfu") ? " (MFU " + human(100 * m["mfu"].get<double>(), "%") + ")" : std::string())
-          << "</td><td>";
+    table << "<tr><td>" << escape(name) << "</td><td>" << r["ranks"].get<int>() << "</td><td>";
+    if (timed)
+      table << human(m["step_ms"].get<double>() / 1e3, "s")
+            << (m.contains("step_ms_range") ? " (" + human(m["step_ms_range"][0].get<double>() / 1e3, "s") + "–" +
+                                                   human(m["step_ms_range"][1].get<double>() / 1e3, "s") + ")"
+                                             : std::string())
+            << "</td><td>" << human(m["tokens_per_s"].get<double>(), "tok/s")
+            << (m.contains("mfu") ? " (MFU " + human(100 * m["mfu"].get<double>(), "%") + ")" : std::string());
+    else
+      table << "simulated</td><td>";
+    table << "</td><td>";
     if (m.contains("bubble")) {  // the schedule's (p-1)/(v m) / measured
       if (r.contains("predicted") && r["predicted"].value("bubble", 0.0) > 0)
         table << human(100 * r["predicted"]["bubble"].get<double>(), "%") << " / ";
@@ -260,15 +266,17 @@ std::string results_html(const nlohmann::json& results) {
   o << "<h2>Peak memory per rank, by ledger category</h2>\n"
     << stacked_bars("chart-memory", "peak bytes per rank (largest per-category peak over the measured steps)", mem_rows,
                     cats, mem_vals, "B");
-  o << "<h2>Throughput</h2>\n"
-    << stacked_bars("chart-throughput", "median tokens/s after warm-up", tput_rows, {"tokens/s"}, tput_vals, "tok/s");
+  if (!tput_rows.empty())  // none under bench --simulate
+    o << "<h2>Throughput</h2>\n"
+      << stacked_bars("chart-throughput", "median tokens/s after warm-up", tput_rows, {"tokens/s"}, tput_vals, "tok/s");
   o << "<h2>Communication per step, by collective kind (rank 0, bytes sent)</h2>\n"
     << stacked_bars("chart-comm", "bytes per step", comm_rows, kinds, comm_vals, "B");
-  o << "<h2>Pipeline timelines (last step, measured)</h2>\n" << gantt.str();
-  o << "<h2>Memory over one step (the last, from its trace)</h2>\n<p>The ledger's bytes per category on each "
-       "rank, sampled at the step's start, after each micro-batch's forward and backward, on each FSDP gather and "
-       "release, on each ZeRO stripe's launch, and after the optimizer; ticks mark the samples.</p>\n"
-    << memtime.str();
+  if (!gantt.str().empty()) o << "<h2>Pipeline timelines (last step, measured)</h2>\n" << gantt.str();
+  if (!memtime.str().empty())
+    o << "<h2>Memory over one step (the last, from its trace)</h2>\n<p>The ledger's bytes per category on each "
+         "rank, sampled at the step's start, after each micro-batch's forward and backward, on each FSDP gather and "
+         "release, on each ZeRO stripe's launch, and after the optimizer; ticks mark the samples.</p>\n"
+      << memtime.str();
   o << "<h2>Measured and predicted</h2>\n<p>Rank 0; cells are predicted / measured (error). The planner's "
        "model states are exact: param is what the rank keeps between steps, with the peak while ZeRO-3/FSDP units "
        "are gathered; the bubble's prediction is the schedule's (p-1)/(v m); activations follow Korthikanti et "
