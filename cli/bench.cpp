@@ -61,14 +61,15 @@ std::string failure_reason(const std::string& output, int code) {
 }
 
 // The planner's figures for a row; `common` holds the flags every row shares (the micro-batch).
-json predicted(report::BenchLayout row, const std::string& common, const report::ModelShape& model, int64_t batch) {
+json predicted(report::BenchLayout row, const std::string& common, const report::ModelShape& model, int64_t batch,
+               const std::string& dtype) {
   row.args += " " + common;  // the row's own flags come first and win
   report::PlanInput in;
   in.model = model;
   in.cluster = report::cluster_preset("cpu-local");
   in.cluster.gpus_per_node = std::max(in.cluster.gpus_per_node, row.ranks);  // ranks share the cores
   in.global_batch = batch;
-  in.dtype = "fp32";
+  in.dtype = dtype;
   if (!report::planner_layout(row, batch, in.layout)) return nullptr;
   try {
     report::Plan p = report::make_plan(in);
@@ -96,6 +97,7 @@ int bench_main(int argc, char** argv) {
   a.flag("seq-len", "32", "tokens per row (also the block size)");
   a.flag("vocab-size", "64", "vocabulary (>= the synthetic task's)");
   a.flag("batch-size", "16", "global batch");
+  a.flag("dtype", "fp32", "fp32 | bf16 | fp16 (half types: f32 master weights in the optimizer state)");
   a.flag("micro-batch-size", "4", "sequences per forward/backward in every layout");
   a.flag("steps", "10", "steps per layout");
   a.flag("warmup", "3", "first steps dropped from the medians");
@@ -174,7 +176,7 @@ int bench_main(int argc, char** argv) {
   }
   const std::string common = "--model " + a.str("model") + shape_args + (preset_shape ? " --data random" : "") +
                              " --batch-size " + a.str("batch-size") + " --micro-batch-size " + a.str("micro-batch-size") +
-                             " --steps " + a.str("steps") + " --threads " + a.str("threads") +
+                             " --dtype " + a.str("dtype") + " --steps " + a.str("steps") + " --threads " + a.str("threads") +
                              " --eval-every 0 --eval-batches 1 --eval-problems 8";
   const fs::path work = a.str("work-dir").empty()
                             ? fs::temp_directory_path() / ("sg_bench_" + std::to_string(::getpid()))
@@ -190,7 +192,7 @@ int bench_main(int argc, char** argv) {
   json results;
   results["description"] = str("model ", a.str("model"), " (", model.n_layer, " layers, width ", model.n_embd, ", ",
                                model.n_head, " heads, seq ", model.seq_len, "), global batch ", a.str("batch-size"),
-                               ", micro-batch ", a.str("micro-batch-size"), ", ") +
+                               ", micro-batch ", a.str("micro-batch-size"), ", ", a.str("dtype"), ", ") +
                            (simulate ? std::string("simulated on the meta device (train --simulate): bytes only, no timing")
                                      : a.str("steps") + " steps (" + a.str("warmup") + " warm-up) per layout" +
                                            (a.i64("repeat") > 1 ? ", " + a.str("repeat") + " passes" : std::string()) +
@@ -285,7 +287,7 @@ int bench_main(int argc, char** argv) {
     if (repeat > 1 && r["status"] == "ok")
       std::printf("  %-16s %8.2f ms/step (%.2f-%.2f)\n", row.name.c_str(), r["measured"]["step_ms"].get<double>(),
                   r["measured"]["step_ms_range"][0].get<double>(), r["measured"]["step_ms_range"][1].get<double>());
-    json p = predicted(row, common, model, batch);
+    json p = predicted(row, common, model, batch, a.str("dtype"));
     if (!p.is_null()) r["predicted"] = p;
     // MFU as PaLM defines it: the model's FLOPs (6 per parameter per token plus attention; no
     // recompute) over what the ranks' devices could do.
