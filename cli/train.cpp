@@ -327,6 +327,9 @@ class Trainer {
   std::unique_ptr<ckpt::Checkpoint> resumed_;  // until setup takes it
   std::shared_ptr<comm::SimProcessGroup> sim_;
   std::string layout_label() const;  // "zero3 x 4", "tp 2 x pp 2 (4 ranks)", ...
+  // Where --offload puts its state: the host, or under --simulate a meta device of the rank's own
+  // standing for it (a ledger apart from the rank's compute device's, and no memory).
+  Device host_device() const { return sim_ ? Device::meta((1 << 20) + rank_) : Device::cpu(0); }
   Device device_;
   DType dtype_ = DType::f32;
   io::DataOptions data_opt_;
@@ -962,7 +965,7 @@ parallel::FsdpOptions Trainer::fsdp_options() const {
   if (off != "none") {
     SG_CHECK(device_ != Device::cpu(0), "train: --offload ", off, " moves state from the compute device to the host "
              "(cpu:0): give a compute device (--device cuda:N, or cpu:1 on a CPU machine)");
-    o.offload_optimizer = Device::cpu(0);  // params: the parameter shards as well
+    o.offload_optimizer = host_device();  // params: the parameter shards as well
     o.offload_params = off == "params";
   }
   const std::string rd = a.str("reduce-dtype");
@@ -1209,6 +1212,7 @@ json Trainer::simulate(int64_t steps) {
   json peak = json::object(), last_comm;
   for (int64_t step = 0; step < steps; ++step) {
     Ledger::global().reset_peaks(device_);
+    Ledger::global().reset_peaks(host_device());
     const json before = report::step_metrics(device_, traffic_groups(), nullptr, nullptr)["ranks"][0]["comm"];
     double norm = 0;
     bool applied = true;
@@ -1222,6 +1226,12 @@ json Trainer::simulate(int64_t steps) {
                          {"bytes", v["bytes"].get<int64_t>() - before[kind]["bytes"].get<int64_t>()}};
   }
   json out = {{"rank", rank_}, {"peak", peak}, {"comm", last_comm}};
+  if (args_.str("offload") != "none") {  // the offloaded state's ledger, the last step's peaks
+    json host = json::object();
+    const json ledger = ledger_json(host_device());  // kept alive: items() iterates it
+    for (const auto& [cat, v] : ledger.items()) host[cat] = v["peak"];
+    out["host_peak"] = host;
+  }
   if (lead())
     out["header"] = str("model ", cfg_.name, ": ", double(cfg_.num_params()) / 1e6, "M params | ", layout_label(),
                         " | ", dtype_name(dtype_), " | batch ", B_, " x ", T_, " tokens (micro-batch ", micro_, ") | ",
@@ -1339,7 +1349,7 @@ int simulate_main(const Args& a) {
       throw Error("train: --simulate runs every rank in this one process; start it without mpirun");
   // What needs values, files or a real device has nothing to do on the meta device.
   for (const char* flag : {"device", "devices", "resume", "save", "trace", "timeline", "profile-ops", "inject-fault",
-                           "backend", "rendezvous", "offload"})
+                           "backend", "rendezvous"})
     SG_CHECK(!a.given(flag), "train: --", flag, " is not available with --simulate (a dry run on the meta device: ",
              "shapes and bytes, no values)");
   const std::string strategy = a.str("strategy");
@@ -1386,7 +1396,8 @@ int simulate_main(const Args& a) {
   for (int64_t r = 0; r < n;) {
     int64_t e = r + 1;
     while (e < n && result[size_t(e)]["peak"] == result[size_t(r)]["peak"] &&
-           result[size_t(e)]["comm"] == result[size_t(r)]["comm"])
+           result[size_t(e)]["comm"] == result[size_t(r)]["comm"] &&
+           result[size_t(e)].value("host_peak", json()) == result[size_t(r)].value("host_peak", json()))
       ++e;
     std::printf("%-12s", (e - r == 1 ? std::to_string(r) : str(r, "-", e - 1)).c_str());
     for (const char* c : cats) std::printf(" %12s", human_bytes(result[size_t(r)]["peak"].value(c, int64_t(0))).c_str());
@@ -1395,6 +1406,10 @@ int simulate_main(const Args& a) {
       if (v["bytes"].get<int64_t>() > 0 && kind != "recv")
         sent += str(sent.empty() ? "" : ", ", kind, " ", human_bytes(v["bytes"].get<int64_t>()));
     std::printf("  %s\n", sent.empty() ? "none" : sent.c_str());
+    if (result[size_t(r)].contains("host_peak"))
+      std::printf("%-12s host (--offload): optimizer state %s, parameters %s\n", "",
+                  human_bytes(result[size_t(r)]["host_peak"].value("optim_state", int64_t(0))).c_str(),
+                  human_bytes(result[size_t(r)]["host_peak"].value("param", int64_t(0))).c_str());
     r = e;
   }
   std::printf("peaks: the largest of each category over the steps, and of their sum (peak total); exact bytes in "

@@ -934,6 +934,36 @@ TEST_CASE("train --simulate: every rank's peak bytes and bytes sent are the real
   }
 }
 
+// ZeRO-Offload under --simulate: the offloaded state goes to a meta device standing for the host.
+// The real run computes on cpu:1 and offloads to cpu:0, so its device ledger holds no host batch:
+// both ledgers must match the simulation's to the byte.
+TEST_CASE("train --simulate --offload: the host's optimizer state and parameter shards and the device's bytes are the real run's", "[cli][mpi]") {
+  for (const char* off : {"optimizer", "params"}) {
+    INFO("--offload " << off);
+    TempDir d;
+    const std::string args = std::string(" --steps 3 --strategy zero3 --offload ") + off + " --log-json ";
+    Run real = run_command(mpirun(2) + " train --device cpu:1" + args + (d.path / "real.jsonl").string());
+    INFO(real.output);
+    REQUIRE(real.code == 0);
+    Run sim = shardgrad("train --simulate 2" + args + (d.path / "sim.json").string());
+    INFO(sim.output);
+    REQUIRE(sim.code == 0);
+    REQUIRE(sim.output.find("host (--offload)") != std::string::npos);
+    const auto steps = read_log(d.path / "real.jsonl");
+    const nlohmann::json s = read_log(d.path / "sim.json").at(0)["ranks"][0];
+    REQUIRE(steps.size() == 3);
+    for (const char* cat : {"param", "optim_state"})
+      CHECK(steps.back()["mem_host"][cat]["peak"] == s["host_peak"][cat]);
+    CHECK(s["host_peak"]["optim_state"].get<int64_t>() > 0);
+    for (const char* cat : {"param", "grad", "optim_state", "activation"}) {
+      INFO(cat);
+      int64_t peak = 0;
+      for (const auto& step : steps) peak = std::max(peak, step["ranks"][0]["mem"][cat]["peak"].get<int64_t>());
+      CHECK(peak == s["peak"][cat].get<int64_t>());
+    }
+  }
+}
+
 TEST_CASE("train --simulate sizes what this machine cannot hold, and refuses what has no meaning there", "[cli]") {
   // gpt2-xl under zero3 on 8 ranks, bf16: ZeRO-3's optimizer state is (4 + 4 + 4)·Ψ/8 bytes per
   // rank (f32 master, m, v), on a machine with 24 GiB in all.

@@ -92,6 +92,7 @@ void copy_(const Tensor& dst, const Tensor& src) {
   SG_CHECK(dst.shape() == src.shape(), "copy_: destination ", shape_str(dst.shape()), " and source ",
            shape_str(src.shape()), " differ");
   if (dst.numel() == 0) return;
+  if (dst.device().is_meta() && src.device().is_meta()) return;  // no values to move, on any meta:N
   if (dst.device() != src.device() && !(dst.device().is_cpu() && src.device().is_cpu())) {  // cpu:N are all host memory
     // Cross-device: make the source contiguous in the destination dtype on its own device, then move bytes.
     Tensor s = contiguous(src);
