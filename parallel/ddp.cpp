@@ -16,13 +16,10 @@ DistributedDataParallel::DistributedDataParallel(NamedTensors params, std::share
   int64_t bytes = 0;
   auto close = [&] {
     if (cur.params.empty()) return;
-    int64_t n = 0;
     for (size_t i : cur.params) {
-      cur.offsets.push_back(n);
-      n += params_[i].second.numel();
+      cur.offsets.push_back(cur.numel);
+      cur.numel += params_[i].second.numel();
     }
-    MemScope scope(MemCategory::comm_buffer);
-    cur.buffer = empty({n}, params_[cur.params[0]].second.dtype(), params_[cur.params[0]].second.device());
     for (size_t i : cur.params) bucket_of_[i] = buckets_.size();
     buckets_.push_back(std::move(cur));
     cur = Bucket{};
@@ -68,14 +65,22 @@ void DistributedDataParallel::on_grad_ready(size_t i) {
   if (++b.ready == int(b.params.size())) launch(b);
 }
 
+// The bucket's gradients move into a fresh flat buffer, and each parameter's own .grad is freed
+// there and then: a gradient is held once, in its tensor or in its bucket, never in both.
 void DistributedDataParallel::launch(Bucket& b) {
   autograd::NoGradGuard ng;
+  const Tensor& first = params_[b.params[0]].second;
+  {
+    MemScope scope(MemCategory::comm_buffer);
+    b.buffer = empty({b.numel}, first.dtype(), first.device());
+  }
   for (size_t k = 0; k < b.params.size(); ++k) {
     const Tensor& p = params_[b.params[k]].second;
     Tensor slot = narrow(b.buffer, 0, b.offsets[k], p.numel());
     Tensor g = p.grad();
     if (g.defined()) copy_(slot, reshape(g, {p.numel()}));
     else zero_(slot);
+    p.set_grad(Tensor());
   }
   b.work = group_->all_reduce(b.buffer, comm::ReduceOp::avg);
 }
@@ -102,16 +107,15 @@ void DistributedDataParallel::finish_gradients() {
     b.work->wait();
     b.work.reset();
     b.ready = 0;
+    // The averaged bucket becomes the gradients: each .grad a view of its slot (PyTorch's
+    // gradient_as_bucket_view), the buffer's bytes now the gradient's in the ledger. It is freed
+    // with the last of those views (zero_grad); the next step's launch takes a new one.
+    b.buffer.storage()->recategorize(MemCategory::grad);
     for (size_t k = 0; k < b.params.size(); ++k) {
       const Tensor& p = params_[b.params[k]].second;
-      Tensor avg = reshape(narrow(b.buffer, 0, b.offsets[k], p.numel()), p.shape());
-      if (!p.grad().defined()) {
-        MemScope scope(MemCategory::grad);
-        p.set_grad(clone(avg));
-      } else {
-        copy_(p.grad(), avg);
-      }
+      p.set_grad(reshape(narrow(b.buffer, 0, b.offsets[k], p.numel()), p.shape()));
     }
+    b.buffer = Tensor();
   }
   std::fill(marked_.begin(), marked_.end(), 0);
 }

@@ -3,9 +3,11 @@
 //
 // Gradients are packed into buckets of about `bucket_bytes`, filled in reverse registration order
 // (roughly the order backward produces them). Each parameter's grad-ready hook marks it; when the
-// last parameter of a bucket is ready, the bucket's gradients are copied into its flat buffer and
-// its all-reduce is launched at once, so communication overlaps the rest of backward.
-// finish_gradients() waits for every bucket and writes the averages back into the .grad tensors.
+// last parameter of a bucket is ready, the bucket's gradients move into a flat buffer (their own
+// .grad tensors freed) and its all-reduce is launched at once, so communication overlaps the rest
+// of backward. finish_gradients() waits for every bucket and makes each .grad a view of its slot in
+// the averaged buffer (PyTorch's gradient_as_bucket_view): a gradient is never held twice, so ddp
+// holds 4Ψ of gradient at most, as a single process does, not 4Ψ of gradients and 4Ψ of buckets.
 // Under no_sync (gradient accumulation) the hooks only accumulate locally: only the last
 // micro-batch of a step communicates.
 #pragma once
@@ -50,7 +52,8 @@ class DistributedDataParallel {
   struct Bucket {
     std::vector<size_t> params;  // indices into params_
     std::vector<int64_t> offsets;
-    Tensor buffer;               // flat, the params' dtype, comm_buffer in the ledger
+    int64_t numel = 0;
+    Tensor buffer;               // from launch to finish_gradients: flat, the params' dtype, comm_buffer
     int ready = 0;
     std::shared_ptr<comm::Work> work;
   };
