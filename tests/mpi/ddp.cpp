@@ -131,3 +131,39 @@ TEST_CASE("ddp buckets follow reverse registration order and name parameters tha
   tape.backward(loss);
   REQUIRE_THROWS_WITH(ddp.finish_gradients(), Catch::Contains("received no gradient") && Catch::Contains("h.0.ln_1.weight"));
 }
+
+// gradient_as_bucket_view: at launch a bucket takes its parameters' gradients (their own .grad
+// freed), and once averaged its slots are the .grad tensors. A gradient is never held twice.
+TEST_CASE("ddp holds each gradient once: in its tensor, then in its bucket, then as a view of the averaged bucket", "[ddp]") {
+  auto w = world();
+  nn::GPT model(tiny());
+  model.init_weights(5);
+  parallel::DdpOptions o;
+  o.bucket_bytes = 4096;  // several buckets
+  parallel::DistributedDataParallel ddp(model.named_parameters(), w, o);
+  REQUIRE(ddp.num_buckets() > 1);
+  const int64_t psi = tiny().num_params();
+  for (int step = 0; step < 2; ++step) {
+    INFO("step " << step);
+    Tensor idx, tgt;
+    batch(step, idx, tgt);
+    Ledger::global().reset_peaks(Device::cpu());
+    const MemStats before = Ledger::global().stats(Device::cpu());
+    REQUIRE(before.cur(MemCategory::grad) == 0);
+    REQUIRE(before.cur(MemCategory::comm_buffer) == 0);
+    testing::backward_rank_rows(model, idx, tgt, w->rank(), w->size(), kB / w->size());
+    ddp.finish_gradients();
+    const MemStats after = Ledger::global().stats(Device::cpu());
+    CHECK(after.cur(MemCategory::grad) == 4 * psi);       // the averaged buckets, now gradients
+    CHECK(after.cur(MemCategory::comm_buffer) == 0);      // nothing left beside them
+    CHECK(after.pk(MemCategory::grad) == 4 * psi);        // never the gradients and ...
+    CHECK(after.pk(MemCategory::comm_buffer) <= 4 * psi);  // ... a second copy in buckets
+    // the parameters of one bucket share its storage
+    const auto names = ddp.bucket_names(0);
+    REQUIRE(names.size() > 1);
+    std::map<std::string, Tensor> params;
+    for (auto& [n, p] : model.named_parameters()) params[n] = p;
+    CHECK(params[names[0]].grad().storage() == params[names[1]].grad().storage());
+    model.zero_grad();
+  }
+}
