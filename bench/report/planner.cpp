@@ -212,10 +212,11 @@ Plan make_plan(const PlanInput& in) {
       // classifier keeps them (the softmax is never stored; the gradient is written over them)
       if (r == l.pp - 1) mem.activation += 4.0 * double(m.seq_len) * b * double(m.vocab_rows()) / l.tp;
     }
-    // Buffers: ddp's gradient buckets; zero's stripe; fsdp's gathered root + one block (fsdp-grad-op:
-    // every unit, gathered from forward to the end of backward) and a flat gradient of one unit.
+    // Buffers: zero's stripe; fsdp's gathered root + one block (fsdp-grad-op: every unit, gathered
+    // from forward to the end of backward) and a flat gradient of one unit. ddp's buckets are its
+    // gradients (they take the .grad tensors' place and become them as views): nothing beside them.
     if (N > 1) {
-      if (l.strategy == "ddp") mem.buffers = double(E) * d;
+      if (l.strategy == "ddp") mem.buffers = 0;
       else if (l.strategy == "zero1" || l.strategy == "zero2") mem.buffers = std::min(double(in.bucket_bytes), double(E) * d);
       else if (l.strategy == "fsdp-grad-op") mem.buffers = double(E) * d + double(std::max(roots, biggest_unit)) * d;
       else if (m.has_shape()) mem.buffers = double(roots + biggest_unit) * d + double(std::max(roots, biggest_unit)) * d;
