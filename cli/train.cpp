@@ -63,7 +63,8 @@ void declare_flags(Args& a) {
   a.flag("vocab-size", "0", "vocabulary (0 = the data's own: 256 bytes, 50257 GPT-2 tokens, the task's)");
   a.flag("seq-len", "0", "tokens per training row T (0 = the model's block size; synthetic task: one problem per row)");
   a.flag("dropout", "0", "dropout probability");
-  a.flag("recompute", "none", "activation recompute: none, selective (attention core) or full (whole blocks)");
+  a.flag("recompute", "none", "activation recompute: none, selective (the attention core: little to save, as flash "
+         "attention stores no scores) or full (whole blocks)");
   a.flag("data", "synthetic", "synthetic | FILE.txt (bytes) | 'GLOB.bin' (llm.c token shards) | random[:V] (uniform "
          "ids, GPT-2's 50257 by default: for sizing and timing, nothing to learn)");
   a.toggle("shuffle", "draw rows at seeded random positions instead of reading sequentially");
