@@ -4,6 +4,7 @@
 // whose backward keeps only what it needs. Ops on bf16/f16 CPU tensors compute in f32.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "core/tensor.h"
@@ -95,10 +96,21 @@ Tensor matmul(const Tensor& a, const Tensor& b);
 // (the output's shape, x's dtype and device): add(residual, linear(x, w, b)), the add in the
 // GEMM's epilogue (GemmArgs::residual; on the CPU the same values bit for bit in f32 and f64; a
 // GPU rounds the sum once), the residual's gradient the output's, handed on as it is.
-Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& residual = Tensor());
+//
+// Sequence parallelism's input (Megatron): given a Regather, linear, linear_gelu and mlp take x as
+// this rank's sequence shard and regather.gather(x) as their input, in the forward and again in
+// the backward for the weight gradient, so that the node keeps the shard, not the whole sequence;
+// the input's gradient goes back through regather.scatter. Both run unrecorded (tensor
+// parallelism's all-gather and reduce-scatter along the sequence).
+struct Regather {
+  std::function<Tensor(const Tensor&)> gather, scatter;
+  explicit operator bool() const { return bool(gather); }
+};
+Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& residual = Tensor(),
+              const Regather& regather = {});
 // gelu(linear(x, w, b)) in one GEMM (the bias and GELU in its epilogue; the same values on the CPU,
 // bit for bit); keeps the pre-activation for the backward, as gelu would.
-Tensor linear_gelu(const Tensor& x, const Tensor& w, const Tensor& b);
+Tensor linear_gelu(const Tensor& x, const Tensor& w, const Tensor& b, const Regather& regather = {});
 // A transformer's MLP, linear(linear_gelu(x, w1, b1), w2, b2), as one node (b1, b2 may be
 // undefined). The same forward values; the backward folds the GELU derivative and c_fc's bias
 // gradient into the GEMM that computes c_proj's input gradient, and each bias gradient into its
@@ -107,7 +119,7 @@ Tensor linear_gelu(const Tensor& x, const Tensor& w, const Tensor& b);
 // done by c_proj's GEMM (its residual epilogue) instead of another pass over the output; the
 // residual's gradient is the output's, handed on as it is.
 Tensor mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2,
-           const Tensor& residual = Tensor());
+           const Tensor& residual = Tensor(), const Regather& regather = {});
 
 // ---- neural-network ops ----
 Tensor softmax(const Tensor& x);      // over the last dim

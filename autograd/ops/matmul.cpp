@@ -172,16 +172,24 @@ void check_residual(const char* op, const Tensor& residual, const Shape& out_sha
 
 // linear (gelu false) and linear_gelu: one GEMM with the bias (and GELU) in its epilogue. The GELU
 // form saves the pre-activation, which its backward needs. linear may add a residual there too.
+// The layer's input: x itself, or gathered from the shard x (Regather), unrecorded.
+Tensor layer_input(const Tensor& x, const Regather& rg) {
+  if (!rg) return x;
+  autograd::NoGradGuard ng;
+  return rg.gather(x);
+}
+
 Tensor linear_impl(const char* op, const Tensor& x, const Tensor& w, const Tensor& b, bool gelu,
-                   const Tensor& residual = Tensor()) {
-  check_linear(op, x, w, b);
-  const Shape s = with_last(x.shape(), w.size(0));
-  check_residual(op, residual, s, x);
+                   const Tensor& residual, const Regather& rg) {
+  const Tensor xin = layer_input(x, rg);
+  check_linear(op, xin, w, b);
+  const Shape s = with_last(xin.shape(), w.size(0));
+  check_residual(op, residual, s, xin);
   const bool grad = needs_grad({x, w, b, residual});  // asked before the guard below turns recording off
   Tensor out, pre;
   {
     autograd::NoGradGuard ng;
-    Tensor X = detail::operand(x), W = detail::operand(w), B = detail::operand_if(b);
+    Tensor X = detail::operand(xin), W = detail::operand(w), B = detail::operand_if(b);
     out = empty(s, X.dtype(), x.device());
     if (gelu && grad) pre = empty(s, X.dtype(), x.device());
     linear_gemm(out, X, W, B, gelu, pre, detail::operand_if(residual));
@@ -190,7 +198,7 @@ Tensor linear_impl(const char* op, const Tensor& x, const Tensor& w, const Tenso
   if (grad) {
     Tensor kx = detach(x), kw = detach(w);
     bool gx = x.requires_grad(), gw = w.requires_grad(), gb = b.defined() && b.requires_grad();
-    record(op, {x, w, b, residual}, {out}, [kx, kw, pre, gx, gw, gb](const TensorList& g) {
+    record(op, {x, w, b, residual}, {out}, [kx, kw, pre, gx, gw, gb, rg](const TensorList& g) {
       Tensor G = detail::operand(g[0]);
       if (pre.defined()) {  // through the GELU first: d(pre) = dy * gelu'(pre)
         Tensor dpre = empty(pre.shape(), pre.dtype(), pre.device());
@@ -198,7 +206,8 @@ Tensor linear_impl(const char* op, const Tensor& x, const Tensor& w, const Tenso
                                                 pre.data_ptr(), pre.numel());
         G = dpre;
       }
-      LinearGrads r = linear_grads(G, kx, kw, gx, gw, gb);
+      LinearGrads r = linear_grads(G, layer_input(kx, rg), kw, gx, gw, gb);
+      if (rg && r.dx.defined()) r.dx = rg.scatter(r.dx);
       return TensorList{r.dx, r.dw, r.db, g[0]};  // d(residual) = dy
     });
   }
@@ -207,30 +216,31 @@ Tensor linear_impl(const char* op, const Tensor& x, const Tensor& w, const Tenso
 
 }  // namespace
 
-Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& residual) {
-  return linear_impl("linear", x, w, b, false, residual);
+Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& residual, const Regather& regather) {
+  return linear_impl("linear", x, w, b, false, residual, regather);
 }
 
-Tensor linear_gelu(const Tensor& x, const Tensor& w, const Tensor& b) {
-  return linear_impl("linear_gelu", x, w, b, true);
+Tensor linear_gelu(const Tensor& x, const Tensor& w, const Tensor& b, const Regather& regather) {
+  return linear_impl("linear_gelu", x, w, b, true, Tensor(), regather);
 }
 
 Tensor mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2,
-           const Tensor& residual) {
-  check_linear("mlp (c_fc)", x, w1, b1);
+           const Tensor& residual, const Regather& rg) {
+  const Tensor xin = layer_input(x, rg);
+  check_linear("mlp (c_fc)", xin, w1, b1);
   SG_CHECK(w2.dim() == 2 && w2.size(1) == w1.size(0), "mlp: c_proj weight ", shape_str(w2.shape()),
            " does not take c_fc's ", w1.size(0), " outputs");
   SG_CHECK(w1.dtype() == w2.dtype() && w1.device() == w2.device(), "mlp: c_fc weight ", w1.describe(),
            " and c_proj weight ", w2.describe(), " differ in dtype or device");
   SG_CHECK(!b2.defined() || (b2.dim() == 1 && b2.size(0) == w2.size(0) && b2.device() == w2.device()),
            "mlp: c_proj bias ", b2.describe(), " does not match ", w2.size(0), " outputs on ", w2.device().str());
-  const Shape sh = with_last(x.shape(), w1.size(0)), sy = with_last(x.shape(), w2.size(0));
-  check_residual("mlp", residual, sy, x);
+  const Shape sh = with_last(xin.shape(), w1.size(0)), sy = with_last(xin.shape(), w2.size(0));
+  check_residual("mlp", residual, sy, xin);
   const bool grad = needs_grad({x, w1, b1, w2, b2, residual});
   Tensor y, pre, h;
   {
     autograd::NoGradGuard ng;
-    Tensor X = detail::operand(x), W1 = detail::operand(w1), B1 = detail::operand_if(b1);
+    Tensor X = detail::operand(xin), W1 = detail::operand(w1), B1 = detail::operand_if(b1);
     Tensor H = empty(sh, X.dtype(), x.device());
     if (grad) pre = empty(sh, X.dtype(), x.device());
     linear_gemm(H, X, W1, B1, true, pre);
@@ -245,7 +255,7 @@ Tensor mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2
     Tensor kx = detach(x), kw1 = detach(w1), kw2 = detach(w2);
     const bool gx = x.requires_grad(), gw1 = w1.requires_grad(), gb1 = b1.defined() && b1.requires_grad(),
                gw2 = w2.requires_grad(), gb2 = b2.defined() && b2.requires_grad();
-    record("mlp", {x, w1, b1, w2, b2, residual}, {y}, [kx, kw1, kw2, pre, h, gx, gw1, gb1, gw2, gb2](const TensorList& g) {
+    record("mlp", {x, w1, b1, w2, b2, residual}, {y}, [kx, kw1, kw2, pre, h, gx, gw1, gb1, gw2, gb2, rg](const TensorList& g) {
       Tensor G = detail::operand(g[0]);
       LinearGrads proj = linear_grads(G, h, kw2, false, gw2, gb2);
       LinearGrads fc;
@@ -259,8 +269,9 @@ Tensor mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2
         a.dgelu_pre = pre.data_ptr();
         a.bias_grad = gb1 ? db1.data_ptr() : nullptr;
         SG_KERNEL(pre.device(), gemm)(a);
-        fc = linear_grads(dpre, kx, kw1, gx, gw1, false);
+        fc = linear_grads(dpre, layer_input(kx, rg), kw1, gx, gw1, false);
         if (gb1) fc.db = detail::narrow_result(db1, kw1.dtype());
+        if (rg && fc.dx.defined()) fc.dx = rg.scatter(fc.dx);
       }
       return TensorList{fc.dx, fc.dw, fc.db, proj.dw, proj.db, g[0]};  // d(residual) = dy
     });

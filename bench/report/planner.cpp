@@ -267,9 +267,12 @@ Plan make_plan(const PlanInput& in) {
       const int64_t per_layer = l.recompute == "full" ? 6 : 4;
       const int64_t big = mb * (m.n_layer / l.pp * per_layer + (r == 0 ? 1 : 0) + (r == l.pp - 1 ? 1 : 0));
       if (l.sequence_parallel) {
-        k["all_gather"] += big * comm::all_gather_bytes(act, l.tp);
+        // and the column-parallel GEMMs (c_attn, c_fc) gather their input again in the backward
+        // instead of keeping it whole (Megatron's sequence parallelism)
+        const int64_t gathers = big + mb * (m.n_layer / l.pp) * 2;
+        k["all_gather"] += gathers * comm::all_gather_bytes(act, l.tp);
         k["reduce_scatter"] += big * comm::reduce_scatter_bytes(act, l.tp);
-        tp_bytes += double(big * (comm::all_gather_bytes(act, l.tp) + comm::reduce_scatter_bytes(act, l.tp)));
+        tp_bytes += double(gathers * comm::all_gather_bytes(act, l.tp) + big * comm::reduce_scatter_bytes(act, l.tp));
         // The replicated parameters' gradients are partial sums over this rank's tokens: one
         // all-reduce each per step (LayerNorms and row-parallel biases, 6·C a block; wpe; ln_f).
         std::vector<int64_t> replicated(size_t(m.n_layer / l.pp * 6), m.n_embd);

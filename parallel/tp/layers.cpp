@@ -68,14 +68,23 @@ ColumnParallelLinear::ColumnParallelLinear(int64_t in, int64_t out, bool has_bia
 
 namespace {
 Tensor column_parallel(const ColumnParallelLinear& l, const Tensor& x, bool gelu) {
-  Tensor in = l.input(x);
-  Tensor y = gelu ? linear_gelu(in, l.weight, l.bias) : linear(in, l.weight, l.bias);
+  // Under sequence parallelism the GEMM gathers its input itself and keeps only the shard.
+  const Regather rg = l.regather();
+  Tensor in = rg ? x : l.input(x);
+  Tensor y = gelu ? linear_gelu(in, l.weight, l.bias, rg) : linear(in, l.weight, l.bias, Tensor(), rg);
   return l.gather_output ? gather_from_region(y, *l.group) : y;  // GELU is elementwise: before or after
 }
 }  // namespace
 
 Tensor ColumnParallelLinear::input(const Tensor& x) const {
   return sequence_parallel ? all_gather_seq(x, *group) : copy_to_region(x, *group);
+}
+
+Regather ColumnParallelLinear::regather() const {
+  if (!sequence_parallel) return {};
+  comm::ProcessGroup* g = group.get();
+  return {[g](const Tensor& t) { return all_gather_along(t, 1, *g); },
+          [g](const Tensor& t) { return reduce_scatter_along(t, 1, *g); }};
 }
 Tensor ColumnParallelLinear::forward(const Tensor& x) const { return column_parallel(*this, x, false); }
 Tensor ColumnParallelLinear::forward_gelu(const Tensor& x) const { return column_parallel(*this, x, true); }
@@ -170,7 +179,8 @@ ParallelMLP::ParallelMLP(const nn::GPTConfig& c, GroupPtr group, DType dtype, De
 // c_proj's bias joins after the group's sum (RowParallelLinear::output), so the fused MLP runs
 // without it.
 Tensor ParallelMLP::forward(const Tensor& x) const {
-  return c_proj->output(mlp(c_fc->input(x), c_fc->weight, c_fc->bias, c_proj->weight, Tensor()));
+  const Regather rg = c_fc->regather();  // sequence parallelism: mlp gathers its input itself
+  return c_proj->output(mlp(rg ? x : c_fc->input(x), c_fc->weight, c_fc->bias, c_proj->weight, Tensor(), Tensor(), rg));
 }
 
 void ParallelMLP::load_full(const nn::MLP& full) {

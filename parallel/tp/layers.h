@@ -63,6 +63,10 @@ class ColumnParallelLinear : public nn::Module {
   // x as this rank's GEMM takes it: all-gathered along T under sequence parallelism, else entering
   // the parallel region (identity forward, all-reduce of its gradient backward).
   Tensor input(const Tensor& x) const;
+  // Under sequence parallelism, what the GEMM op gathers its input with, in the forward and again
+  // in the backward, keeping the [B, T/p, in] shard instead of the whole sequence (Megatron's
+  // choice: a second all-gather in the backward for p-fold smaller saved inputs); else none.
+  Regather regather() const;
   void load_full(const nn::Linear& full);
   const char* type_name() const override { return "ColumnParallelLinear"; }
   Tensor weight, bias;  // [out/p, in], [out/p]
