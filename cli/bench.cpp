@@ -154,8 +154,9 @@ int bench_main(int argc, char** argv) {
   SG_CHECK(steps > warmup && warmup >= 0, "bench: --steps must exceed --warmup");
   SG_CHECK(a.i64("repeat") >= 1, "bench: --repeat must be >= 1, got ", a.i64("repeat"));
   const bool simulate = a.on("simulate");
-  SG_CHECK(!simulate || (a.i64("repeat") == 1 && a.str("trace").empty()), "bench: --simulate measures bytes, which ",
-           "do not vary: --repeat and --trace have nothing to time");
+  SG_CHECK(!simulate || (a.i64("repeat") == 1 && a.str("trace").empty() && a.f64("peak-tflops") == 0),
+           "bench: --simulate counts bytes, which do not vary, and times nothing: --repeat, --trace and --peak-tflops ",
+           "have no place with it");
   // The bench's small model by default; under --simulate, a --model preset keeps its own shape
   // unless a flag overrides it, and reads random tokens of its vocabulary.
   const bool preset_shape = simulate && a.given("model");

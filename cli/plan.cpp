@@ -51,12 +51,16 @@ void simulate_schedule(const Args& a, const report::Plan& plan) {
 std::string simulate_command(const report::PlanInput& in, int world) {
   const report::ModelShape& m = in.model;
   const report::Layout& l = in.layout;
-  std::string c = str("shardgrad train --simulate ", world, " --n-layer ", m.n_layer, " --n-head ", m.n_head, " --n-embd ",
+  const std::string preset = m.name.substr(0, m.name.find(" ("));  // "gpt2-xl (modified)": its dims follow
+  std::string c = str("shardgrad train --simulate ", world, " --model ", preset, " --n-layer ", m.n_layer, " --n-head ", m.n_head, " --n-embd ",
                       m.n_embd, " --block-size ", m.block_size, " --vocab-size ", m.vocab_size, " --seq-len ", m.seq_len,
                       " --data ", m.vocab_size == 50257 ? std::string("random") : str("random:", m.vocab_size),
                       " --dtype ", in.dtype, " --batch-size ", in.global_batch, " --micro-batch-size ",
                       l.micro_batch_size, " --strategy ", l.strategy);
-  if (l.shard_group_size > 0) c += str(" --shard-group-size ", l.shard_group_size);
+  if (l.strategy == "hsdp")  // the planner's default group: the dp ranks of one node
+    c += str(" --shard-group-size ", l.shard_group_size > 0 ? l.shard_group_size
+                                                           : std::max(1, std::min(l.dp, in.cluster.gpus_per_node / (l.tp * l.pp))));
+  if (l.offload != "none") c += " --offload " + l.offload;
   if (l.tp > 1) c += str(" --tp ", l.tp, l.sequence_parallel ? " --sequence-parallel" : "");
   if (l.pp > 1) c += str(" --pp ", l.pp, " --pp-schedule ", l.pp_schedule, " --virtual-stages ", l.virtual_stages);
   if (l.recompute != "none") c += " --recompute " + l.recompute;
@@ -192,9 +196,14 @@ int plan_main(int argc, char** argv) {
     std::printf("%s\n", plan.to_json().dump(2).c_str());
   } else {
     std::printf("%s", report::describe(plan).c_str());
-    if (in.model.has_shape() && l.offload == "none")
-      std::printf("this engine's own bytes for the layout, per rank (the formulas above are the papers'):\n  %s\n",
-                  simulate_command(in, plan.world).c_str());
+    const bool fsdp = l.strategy == "zero3" || l.strategy == "fsdp" || l.strategy == "fsdp-grad-op" || l.strategy == "hsdp";
+    if (in.model.has_shape() && (l.offload == "none" || fsdp)) {  // train offloads the FSDP family only
+      if (plan.world <= 4096)
+        std::printf("this engine's own bytes for the layout, per rank (the formulas above are the papers'):\n  %s\n",
+                    simulate_command(in, plan.world).c_str());
+      else
+        std::printf("(the engine's own bytes: train --simulate runs at most 4096 ranks; this layout has %d)\n", plan.world);
+    }
   }
   if (l.pp > 1 && !a.on("json")) simulate_schedule(a, plan);
   else if (!a.str("svg").empty()) throw Error("plan: --svg draws a pipeline schedule: give --pp > 1");

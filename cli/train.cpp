@@ -236,7 +236,9 @@ nn::GPTConfig config_from_metadata(const std::map<std::string, std::string>& m, 
 std::string human_bytes(int64_t b) {
   char buf[32];
   if (b >= (int64_t(1) << 30)) std::snprintf(buf, sizeof buf, "%.2f GiB", double(b) / double(int64_t(1) << 30));
-  else std::snprintf(buf, sizeof buf, "%.1f MiB", double(b) / double(1 << 20));
+  else if (b >= (1 << 20) || b == 0) std::snprintf(buf, sizeof buf, "%.1f MiB", double(b) / double(1 << 20));
+  else if (b >= 1024) std::snprintf(buf, sizeof buf, "%.1f KiB", double(b) / 1024.0);
+  else std::snprintf(buf, sizeof buf, "%lld B", (long long)b);
   return buf;
 }
 
@@ -1210,7 +1212,7 @@ std::string Trainer::layout_label() const {
 json Trainer::simulate(int64_t steps) {
   setup();
   steps = std::min(steps, steps_);
-  json peak = json::object(), last_comm;
+  json peak = json::object(), end, last_comm;
   for (int64_t step = 0; step < steps; ++step) {
     Ledger::global().reset_peaks(device_);
     Ledger::global().reset_peaks(host_device());
@@ -1219,14 +1221,17 @@ json Trainer::simulate(int64_t steps) {
     bool applied = true;
     train_step(step, sched_.at(step), norm, applied);
     const json after = report::step_metrics(device_, traffic_groups(), nullptr, nullptr)["ranks"][0];
-    for (const auto& [cat, v] : after["mem"].items())
+    end = json::object();
+    for (const auto& [cat, v] : after["mem"].items()) {
       peak[cat] = std::max(peak.value(cat, int64_t(0)), v["peak"].get<int64_t>());
+      end[cat] = v["current"];
+    }
     last_comm = json::object();
     for (const auto& [kind, v] : after["comm"].items())
       last_comm[kind] = {{"calls", v["calls"].get<int64_t>() - before[kind]["calls"].get<int64_t>()},
                          {"bytes", v["bytes"].get<int64_t>() - before[kind]["bytes"].get<int64_t>()}};
   }
-  json out = {{"rank", rank_}, {"peak", peak}, {"comm", last_comm}};
+  json out = {{"rank", rank_}, {"peak", peak}, {"end", end}, {"comm", last_comm}};
   if (args_.str("offload") != "none") {  // the offloaded state's ledger, the last step's peaks
     json host = json::object();
     const json ledger = ledger_json(host_device());  // kept alive: items() iterates it
@@ -1236,7 +1241,7 @@ json Trainer::simulate(int64_t steps) {
   if (lead())
     out["header"] = str("model ", cfg_.name, ": ", double(cfg_.num_params()) / 1e6, "M params | ", layout_label(),
                         " | ", dtype_name(dtype_), " | batch ", B_, " x ", T_, " tokens (micro-batch ", micro_, ") | ",
-                        steps, " steps");
+                        steps, steps == 1 ? " step" : " steps");
   return out;
 }
 
@@ -1419,8 +1424,9 @@ int simulate_main(const Args& a) {
     io::make_parent_folder(path, "train: --log-json");
     std::ofstream f(path);
     SG_CHECK(f.good(), "train: cannot write --log-json ", path);
+    const std::string run = result[0]["header"].get<std::string>();
     for (auto& r : result) r.erase("header");
-    f << json({{"simulate", n}, {"ranks", result}}).dump() << "\n";
+    f << json({{"simulate", n}, {"run", run}, {"ranks", result}}).dump() << "\n";
   }
   return 0;
 }
@@ -1434,7 +1440,7 @@ int train_main(int argc, char** argv) {
     std::printf("%s", a.usage().c_str());
     return 0;
   }
-  if (a.i64("simulate") != 0) return simulate_main(a);
+  if (a.given("simulate")) return simulate_main(a);
   std::unique_ptr<ckpt::Checkpoint> resumed = resume_checkpoint(a);
   inherit_run_flags(a, resumed.get());
   int rc = 0;

@@ -11,7 +11,7 @@ Device parse_device(const std::string& s) {
     std::string n = s.substr(colon + 1);
     char* end = nullptr;
     long v = std::strtol(n.c_str(), &end, 10);
-    SG_CHECK(!n.empty() && *end == 0 && v >= 0 && v < 1024, "device '", s, "': bad index '", n, "'");
+    SG_CHECK(!n.empty() && *end == 0 && v >= 0 && v < 65536, "device '", s, "': bad index '", n, "'");
     return int(v);
   };
   auto colon = s.find(':');

@@ -692,12 +692,15 @@ TEST_CASE("3-D layouts (dp x tp x pp, ddp, zero1/2, zero3, hsdp or no-shard acro
         lo = std::min(lo, rk["mem"]["total"]["peak"].get<int64_t>());
         hi = std::max(hi, rk["mem"]["total"]["peak"].get<int64_t>());
       }
-      auto mib = [](int64_t v) {
+      auto human = [](int64_t v) {  // the progress line's units: KiB below 1 MiB, MiB below 1 GiB
         char buf[32];
-        std::snprintf(buf, sizeof buf, "%.1f", double(v) / double(1 << 20));
+        if (v < (1 << 20)) std::snprintf(buf, sizeof buf, "%.1f KiB", double(v) / 1024.0);
+        else std::snprintf(buf, sizeof buf, "%.1f MiB", double(v) / double(1 << 20));
         return std::string(buf);
       };
-      const std::string want = "peak/rank " + (mib(lo) == mib(hi) ? mib(hi) : mib(lo) + "-" + mib(hi)) + " MiB";
+      const std::string a = human(lo), b = human(hi);
+      const bool same_unit = a.substr(a.find(' ')) == b.substr(b.find(' '));
+      const std::string want = "peak/rank " + (a == b ? b : same_unit ? a.substr(0, a.find(' ')) + "-" + b : a + "-" + b);
       const size_t at = r.output.find("step     3/3");
       REQUIRE(at != std::string::npos);
       REQUIRE(r.output.substr(at, r.output.find('\n', at) - at).find(want) != std::string::npos);
@@ -986,6 +989,16 @@ TEST_CASE("train --simulate sizes what this machine cannot hold, and refuses wha
           "--save is not available with --simulate");
   refuses(std::string(SG_BINARY) + " train --simulate 2", "copies of one rank");
   refuses(std::string(SG_BINARY) + " train --simulate -1", "--simulate takes the number of ranks");
+  refuses(std::string(SG_BINARY) + " train --simulate 0", "--simulate takes the number of ranks");
+  // More ranks than any device index of a real machine: zero1's optimizer state is 8 Ψp/N bytes,
+  // Ψp the tiny model's 108,288 parameters padded to a multiple of 1030.
+  Run many = shardgrad("train --simulate 1030 --strategy zero1 --batch-size 1030 --steps 1 --log-json " +
+                       (d.path / "many.json").string());
+  INFO(many.output);
+  REQUIRE(many.code == 0);
+  const auto wide = read_log(d.path / "many.json").at(0)["ranks"];
+  REQUIRE(wide.size() == 1030);
+  CHECK(wide[1029]["peak"]["optim_state"] == 8 * ((108288 + 1029) / 1030));
   // A layout the mesh refuses fails on every simulated rank, named once, without a hang.
   refuses(std::string(SG_BINARY) + " train --simulate 3 --tp 3", "--tp 3");
 }
@@ -1021,4 +1034,14 @@ TEST_CASE("plan's optimizer bytes and traffic equal train --simulate's for GPT-2
     INFO(kind);
     CHECK(ranks[0]["comm"][kind]["bytes"] == bytes);
   }
+  // hsdp's line names the shard group the plan assumed (a node's dp ranks), and runs
+  Run hsdp = shardgrad(" plan --model gpt2 --cluster 8xH100-NVLink-IB --nodes 2 --strategy hsdp --batch-size 16");
+  REQUIRE(hsdp.code == 0);
+  const size_t h = hsdp.output.find("shardgrad train --simulate 16 ");
+  REQUIRE(h != std::string::npos);
+  const std::string line = hsdp.output.substr(h, hsdp.output.find('\n', h) - h);
+  CHECK(line.find("--shard-group-size 8") != std::string::npos);
+  Run ran = run_command(std::string(SG_BINARY) + line.substr(std::string("shardgrad").size()));
+  INFO(ran.output);
+  CHECK(ran.code == 0);
 }

@@ -112,14 +112,17 @@ nlohmann::json summarise_log(const std::vector<nlohmann::json>& steps, int warmu
 }
 
 nlohmann::json summarise_simulation(const nlohmann::json& record) {
-  nlohmann::json s = {{"simulated", true}}, mem = nlohmann::json::array(), comm = nlohmann::json::array();
+  nlohmann::json s = {{"simulated", true}}, mem = nlohmann::json::array(), end = nlohmann::json::array(),
+                 comm = nlohmann::json::array();
   for (const auto& r : record.at("ranks")) {
     mem.push_back(r.at("peak"));
+    end.push_back(r.value("end", nlohmann::json::object()));
     nlohmann::json c = nlohmann::json::object();
     for (const auto& [kind, v] : r.at("comm").items()) c[kind] = double(v.at("bytes").get<int64_t>());
     comm.push_back(c);
   }
   s["mem_peak"] = mem;
+  s["mem_end"] = end;  // held after the last step, as summarise_log's
   s["comm_per_step"] = comm;
   return s;
 }

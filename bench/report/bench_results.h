@@ -28,8 +28,8 @@ std::vector<BenchLayout> matrix_from_json(const nlohmann::json& j);
 // `warmup` steps: {"steps", "step_ms", "tokens_per_s", "loss_last", "mem_peak": [per rank {cat: bytes}],
 // "comm_per_step": [per rank {kind: bytes}], "bubble"?}.
 nlohmann::json summarise_log(const std::vector<nlohmann::json>& steps, int warmup);
-// A layout's `train --simulate --log-json` record as summarise_log's fields: "mem_peak" and
-// "comm_per_step" (the last step's bytes) per rank, "simulated": true, and no timing.
+// A layout's `train --simulate --log-json` record as summarise_log's fields: "mem_peak", "mem_end"
+// and "comm_per_step" (the last step's bytes) per rank, "simulated": true, and no timing.
 nlohmann::json summarise_simulation(const nlohmann::json& record);
 
 // One layout's row from its runs in `passes` passes over the matrix (bench --repeat), each a row

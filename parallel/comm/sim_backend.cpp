@@ -21,7 +21,9 @@ struct SimWorld {
   int next_group = 1;  // the world is group 0
   struct Split {
     std::vector<std::optional<std::pair<int, int>>> posted;  // (color, key) per rank of the group
+    int count = 0;                                           // ranks that have posted
     std::map<int, int> child;                                // color -> the subgroup's id
+    std::map<int, std::vector<std::tuple<int, int>>> members;  // color -> (key, rank), sorted
     int taken = 0;                                           // ranks that have their answer
   };
   std::map<std::pair<int, int>, Split> splits;
@@ -55,21 +57,26 @@ std::shared_ptr<ProcessGroup> SimProcessGroup::do_split(int color, int key) {
   SimWorld::Split& s = w.splits[id];
   s.posted.resize(size_t(size()));
   s.posted[size_t(rank())] = {color, key};
-  w.cv.notify_all();
-  const auto all_posted = [&] {
-    return w.aborted || std::all_of(s.posted.begin(), s.posted.end(), [](const auto& p) { return p.has_value(); });
-  };
+  // Woken once, by the last to post: with thousands of rank threads, a wake-up per post would
+  // cost each split N² checks.
+  if (++s.count == size()) w.cv.notify_all();
+  const auto all_posted = [&] { return w.aborted || s.count == size(); };
   // The ranks are threads that only compute shapes: a minute without the others means one is lost.
   SG_CHECK(w.cv.wait_for(lock, std::chrono::minutes(1), all_posted), "split (simulated): the other ranks of group ",
            group_id_, " did not reach split number ", id.second, " within a minute", at());
   SG_CHECK(!w.aborted, "split (simulated): another rank of the simulated world failed", at());
   std::shared_ptr<ProcessGroup> out;
   if (color >= 0) {
-    std::vector<std::tuple<int, int>> members;  // (key, rank), as MPI_Comm_split orders them
-    for (int r = 0; r < size(); ++r)
-      if (s.posted[size_t(r)]->first == color) members.emplace_back(s.posted[size_t(r)]->second, r);
-    std::sort(members.begin(), members.end());
-    const int new_rank = int(std::find(members.begin(), members.end(), std::make_tuple(key, rank())) - members.begin());
+    // (key, rank), as MPI_Comm_split orders them: sorted once per colour, by its first rank here
+    auto [found, first] = s.members.try_emplace(color);
+    std::vector<std::tuple<int, int>>& members = found->second;
+    if (first) {
+      for (int r = 0; r < size(); ++r)
+        if (s.posted[size_t(r)]->first == color) members.emplace_back(s.posted[size_t(r)]->second, r);
+      std::sort(members.begin(), members.end());
+    }
+    const int new_rank =
+        int(std::lower_bound(members.begin(), members.end(), std::make_tuple(key, rank())) - members.begin());
     auto [it, fresh] = s.child.try_emplace(color, w.next_group);
     if (fresh) ++w.next_group;
     out = std::make_shared<SimProcessGroup>(world_, it->second, new_rank, int(members.size()));
