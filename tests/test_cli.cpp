@@ -607,6 +607,8 @@ TEST_CASE("impossible layouts are refused before any work, with the reason", "[c
   refuses(mpirun(2) + " train " + kSmall + " --n-head 3 --n-embd 48 --tp 2", "--tp 2: 3 heads cannot be split 2 ways");
   refuses(mpirun(2) + " train " + kSmall + " --n-layer 3 --pp 2", "--pp 2: 3 layers cannot be split evenly into 2 stages");
   refuses(mpirun(2) + " train " + kSmall + " --n-layer 2 --pp 2 --pp-schedule zigzag", "unknown schedule 'zigzag'");
+  refuses(mpirun(2) + " train " + kSmall + " --n-layer 4 --pp 2 --virtual-stages 2",
+          "--virtual-stages 2 is for --pp-schedule interleaved (1f1b runs one chunk of layers per rank)");
 }
 
 // Step by step, b's losses and gradient norms equal a's to `tol` (relative).

@@ -65,6 +65,8 @@ Schedule interleaved(int p, int m, int v) {
 }
 
 Schedule make_schedule(const std::string& kind, int ranks, int m, int chunks) {
+  SG_CHECK(chunks == 1 || kind == "interleaved", "--virtual-stages ", chunks, " is for --pp-schedule interleaved (",
+           kind, " runs one chunk of layers per rank)");
   if (kind == "gpipe") return gpipe(ranks, m);
   if (kind == "1f1b") return one_f_one_b(ranks, m);
   if (kind == "interleaved") return interleaved(ranks, m, chunks);
