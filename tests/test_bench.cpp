@@ -349,6 +349,8 @@ TEST_CASE("bench --simulate charts GPT-2 medium's bytes per rank for every layou
   CHECK(html.find("id='chart-memory'") != std::string::npos);
   CHECK(html.find("id='chart-comm'") != std::string::npos);
   CHECK(html.find("id='chart-throughput'") == std::string::npos);  // nothing was timed
+  // each memory bar is labelled with the peak of the sum, not the sum of the categories' peaks
+  CHECK(html.find("' fill='#444'>peak ") != std::string::npos);
   CHECK(html.find("simulated on the meta device") != std::string::npos);
   fs::remove_all(dir);
 }

@@ -37,9 +37,11 @@ std::string human(double v, const std::string& unit) {
 }
 
 // Horizontal bars, one per row, each stacked from the series in order; a legend on top.
+// labels: each bar's text instead of its total (the memory chart's: the peak of the sum, which
+// the stacked per-category peaks overstate when the categories peak at different moments).
 std::string stacked_bars(const std::string& id, const std::string& title, const std::vector<std::string>& rows,
                          const std::vector<std::string>& series, const std::vector<std::vector<double>>& values,
-                         const std::string& unit) {
+                         const std::string& unit, const std::vector<std::string>& labels = {}) {
   const double label_w = 190, bar_w = 560, row_h = 22, top = 56;
   double max_total = 0;
   for (const auto& v : values) {
@@ -71,7 +73,8 @@ std::string stacked_bars(const std::string& id, const std::string& title, const 
         << "</title></rect>\n";
       x += w;
     }
-    o << "<text x='" << x + 6 << "' y='" << y + 15 << "' fill='#444'>" << human(total, unit) << "</text>\n";
+    o << "<text x='" << x + 6 << "' y='" << y + 15 << "' fill='#444'>"
+      << escape(r < labels.size() ? labels[r] : human(total, unit)) << "</text>\n";
   }
   o << "</svg>\n";
   return o.str();
@@ -179,7 +182,7 @@ std::string memory_over_time(const std::string& id, const std::string& name, con
 std::string results_html(const nlohmann::json& results) {
   static const std::vector<std::string> cats = {"param", "grad", "optim_state", "activation", "comm_buffer", "workspace"};
   static const std::vector<std::string> kinds = {"all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "send"};
-  std::vector<std::string> mem_rows, tput_rows, comm_rows;
+  std::vector<std::string> mem_rows, mem_labels, tput_rows, comm_rows;
   std::vector<std::vector<double>> mem_vals, tput_vals, comm_vals;
   std::ostringstream gantt, memtime, table, refused;
   for (const auto& r : results.at("layouts")) {
@@ -202,6 +205,10 @@ std::string results_html(const nlohmann::json& results) {
         std::vector<double> v;
         for (const auto& c : cats) v.push_back(double(m["mem_peak"][k].value(c, int64_t(0))));
         mem_vals.push_back(v);
+        double sum = 0;
+        for (double x : v) sum += x;
+        const double total = double(m["mem_peak"][k].value("total", int64_t(0)));
+        mem_labels.push_back(total > 0 ? "peak " + human(total, "B") : human(sum, "B"));
       }
     if (m.contains("comm_per_step")) {
       comm_rows.push_back(name);
@@ -264,8 +271,8 @@ std::string results_html(const nlohmann::json& results) {
   o << "<h1>shardgrad bench</h1>\n<p>" << escape(results.value("description", std::string())) << "</p>\n";
   if (results.contains("command")) o << "<p><code>" << escape(results["command"].get<std::string>()) << "</code></p>\n";
   o << "<h2>Peak memory per rank, by ledger category</h2>\n"
-    << stacked_bars("chart-memory", "peak bytes per rank (largest per-category peak over the measured steps)", mem_rows,
-                    cats, mem_vals, "B");
+    << stacked_bars("chart-memory", "each category's peak per rank, stacked; the label is the peak of their sum",
+                    mem_rows, cats, mem_vals, "B", mem_labels);
   if (!tput_rows.empty())  // none under bench --simulate
     o << "<h2>Throughput</h2>\n"
       << stacked_bars("chart-throughput", "median tokens/s after warm-up", tput_rows, {"tokens/s"}, tput_vals, "tok/s");
