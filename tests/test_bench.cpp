@@ -134,6 +134,19 @@ TEST_CASE("the report of a small results file is one HTML page with every chart,
   CHECK(csv.find("tp3,3,refused") != std::string::npos);
 }
 
+TEST_CASE("the default matrix's multi-axis layouts take --ranks when it fits them, else their smallest size") {
+  std::map<std::string, sg::report::BenchLayout> at64, at2;
+  for (const auto& l : sg::report::default_matrix(64)) at64[l.name] = l;
+  for (const auto& l : sg::report::default_matrix(2)) at2[l.name] = l;
+  CHECK(at64["hsdp"].ranks == 64);
+  CHECK(at64["hsdp"].args.find("--shard-group-size 32") != std::string::npos);
+  CHECK(at64["zero3+pp"].ranks == 64);
+  CHECK(at64["3d-dp16-tp2-pp2"].ranks == 64);
+  CHECK(at2["hsdp"].ranks == 4);
+  CHECK(at2["zero3+pp"].ranks == 4);
+  CHECK(at2["3d-dp2-tp2-pp2"].ranks == 8);
+}
+
 TEST_CASE("the default matrix has every strategy, tensor and pipeline layout, and a 3-D one") {
   std::vector<std::string> names;
   for (const auto& l : sg::report::default_matrix(2)) names.push_back(l.name);

@@ -32,6 +32,8 @@ std::string flag_value(const std::string& args, const std::string& flag) {
 
 std::vector<BenchLayout> default_matrix(int n) {
   const std::string N = std::to_string(n);
+  // The layouts of more than one axis take --ranks when it fits them, else their smallest size.
+  const int two_axes = n >= 4 && n % 2 == 0 ? n : 4, three_axes = n >= 8 && n % 4 == 0 ? n : 8;
   std::vector<BenchLayout> m = {
       {"single", 1, ""},
       {"dp", 1, "--strategy dp --devices cpu:0,cpu:1"},
@@ -40,14 +42,15 @@ std::vector<BenchLayout> default_matrix(int n) {
       {"zero2", n, "--strategy zero2"},
       {"zero3", n, "--strategy zero3"},
       {"fsdp-grad-op", n, "--strategy fsdp-grad-op"},
-      {"hsdp", 4, "--strategy hsdp --shard-group-size 2"},
+      {"hsdp", two_axes, "--strategy hsdp --shard-group-size " + std::to_string(two_axes / 2)},
       {"tp", n, "--tp " + N},
       {"tp+sp", n, "--tp " + N + " --sequence-parallel"},
       {"pp-gpipe", n, "--pp " + N + " --pp-schedule gpipe"},
       {"pp-1f1b", n, "--pp " + N + " --pp-schedule 1f1b"},
       {"pp-interleaved", n, "--pp " + N + " --pp-schedule interleaved --virtual-stages 2"},
-      {"3d-dp2-tp2-pp2", 8, "--strategy zero1 --tp 2 --pp 2"},
-      {"zero3+pp", 4, "--strategy zero3 --pp 2"},
+      {three_axes == 8 ? "3d-dp2-tp2-pp2" : "3d-dp" + std::to_string(three_axes / 4) + "-tp2-pp2", three_axes,
+       "--strategy zero1 --tp 2 --pp 2"},
+      {"zero3+pp", two_axes, "--strategy zero3 --pp 2"},
   };
   return m;
 }
