@@ -20,7 +20,7 @@ namespace {
 void simulate_schedule(const Args& a, const report::Plan& plan) {
   const report::Layout& l = plan.input.layout;
   const std::string kind = l.pp_schedule;
-  const int p = l.pp, m = a.i64("micro-batches") ? int(a.i64("micro-batches")) : int(plan.micro_batches);
+  const int p = l.pp, m = int(plan.micro_batches);
   const int v = kind == "interleaved" ? l.virtual_stages : 1;
   const double ratio = a.f64("backward-ratio");
   SG_CHECK(ratio > 0, "plan: --backward-ratio must be > 0");
@@ -104,7 +104,8 @@ int plan_main(int argc, char** argv) {
   a.toggle("search", "enumerate the layouts of the cluster that fit and rank them by estimated throughput");
   a.flag("top", "10", "--search: how many layouts to show");
   a.toggle("json", "print machine-readable JSON instead of the text report");
-  a.flag("micro-batches", "0", "pipeline simulation: micro-batches (0 = those of the plan)");
+  a.flag("micro-batches", "0", "micro-batches per step on each rank: sets --micro-batch-size to the rank's rows / M "
+         "(0 = as --micro-batch-size gives)");
   a.flag("backward-ratio", "2", "pipeline simulation: backward time / forward time");
   a.flag("svg", "", "pipeline simulation: write the timeline picture here");
   if (!a.parse(argc, argv)) {
@@ -171,6 +172,14 @@ int plan_main(int argc, char** argv) {
   l.recompute = a.str("recompute");
   l.offload = a.str("offload");
   l.micro_batch_size = a.i64("micro-batch-size");
+  if (const int64_t M = a.i64("micro-batches"); M != 0) {  // one count for the layout and its schedule
+    const int64_t rows = in.global_batch / l.dp;
+    SG_CHECK(M > 0 && in.global_batch % l.dp == 0 && rows % M == 0, "plan: --micro-batches ", M,
+             " does not divide the rank's ", rows, " rows (--batch-size ", in.global_batch, " over dp ", l.dp, ")");
+    SG_CHECK(!a.given("micro-batch-size") || l.micro_batch_size == rows / M, "plan: --micro-batches ", M,
+             " means micro-batches of ", rows / M, " rows, but --micro-batch-size is ", l.micro_batch_size);
+    l.micro_batch_size = rows / M;
+  }
 
   if (a.on("search")) {
     std::vector<report::Plan> found = report::search_plans(in);

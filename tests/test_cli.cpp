@@ -1047,3 +1047,15 @@ TEST_CASE("plan's optimizer bytes and traffic equal train --simulate's for GPT-2
   INFO(ran.output);
   CHECK(ran.code == 0);
 }
+
+TEST_CASE("plan --micro-batches sets the layout's micro-batch size, so the plan and its schedule count the same", "[cli]") {
+  Run r = shardgrad("plan --pp 4 --micro-batches 8 --pp-schedule 1f1b");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK(r.output.find("(8 GPUs, 8 micro-batches per step)") != std::string::npos);
+  CHECK(r.output.find("1f1b schedule, 4 stages x 1 chunk(s), 8 micro-batches") != std::string::npos);
+  CHECK(r.output.find("--micro-batch-size 4") != std::string::npos);  // 64 rows over dp 2, in 8
+  refuses(std::string(SG_BINARY) + " plan --pp 4 --micro-batches 7", "--micro-batches 7 does not divide the rank's 32 rows");
+  refuses(std::string(SG_BINARY) + " plan --pp 4 --micro-batches 8 --micro-batch-size 2",
+          "means micro-batches of 4 rows, but --micro-batch-size is 2");
+}
