@@ -151,7 +151,7 @@ int bench_main(int argc, char** argv) {
   const int64_t steps = a.i64("steps"), warmup = a.i64("warmup"), batch = a.i64("batch-size");
   const double peak_flops = a.f64("peak-tflops") * 1e12;
   SG_CHECK(peak_flops >= 0, "bench: --peak-tflops must be >= 0");
-  SG_CHECK(steps > warmup && warmup >= 0, "bench: --steps must exceed --warmup");
+  SG_CHECK(a.on("simulate") || (steps > warmup && warmup >= 0), "bench: --steps must exceed --warmup");
   SG_CHECK(a.i64("repeat") >= 1, "bench: --repeat must be >= 1, got ", a.i64("repeat"));
   const bool simulate = a.on("simulate");
   SG_CHECK(!simulate || (a.i64("repeat") == 1 && a.str("trace").empty() && a.f64("peak-tflops") == 0),

@@ -1347,7 +1347,11 @@ int Trainer::run() {
 // --simulate N: the N ranks of the layout as threads, each a Trainer on its own meta device over
 // a simulated world (parallel/comm/sim_backend.h), then one line per group of ranks whose bytes are
 // equal. The figures are the engine's own ledger and counters: nothing is estimated.
-int simulate_main(const Args& a) {
+int simulate_main(const Args& given) {
+  // A GPT-2 preset sized on the synthetic task would shrink to its 13 tokens and rows: without
+  // --data, a preset other than tiny reads random tokens of GPT-2's vocabulary.
+  Args a = given;
+  if (!a.given("data") && a.str("model") != "tiny") a.inherit("data", "random");
   const int64_t n = a.i64("simulate");
   SG_CHECK(n >= 1 && n <= 4096, "train: --simulate takes the number of ranks to simulate (1 to 4096), got ", n);
   for (const char* v : {"OMPI_COMM_WORLD_SIZE", "WORLD_SIZE"})

@@ -992,6 +992,12 @@ TEST_CASE("train --simulate sizes what this machine cannot hold, and refuses wha
   refuses(std::string(SG_BINARY) + " train --simulate 2", "copies of one rank");
   refuses(std::string(SG_BINARY) + " train --simulate -1", "--simulate takes the number of ranks");
   refuses(std::string(SG_BINARY) + " train --simulate 0", "--simulate takes the number of ranks");
+  // a GPT-2 preset without --data is sized on random tokens of its own vocabulary, not on the
+  // synthetic task's 13
+  Run preset = shardgrad("train --simulate 1 --model gpt2 --batch-size 1 --seq-len 64");
+  INFO(preset.output);
+  REQUIRE(preset.code == 0);
+  CHECK(preset.output.find("model gpt2: 124.4") != std::string::npos);
   // More ranks than any device index of a real machine: zero1's optimizer state is 8 Ψp/N bytes,
   // Ψp the tiny model's 108,288 parameters padded to a multiple of 1030.
   Run many = shardgrad("train --simulate 1030 --strategy zero1 --batch-size 1030 --steps 1 --log-json " +
