@@ -213,33 +213,17 @@ int bench_main(int argc, char** argv) {
     fs::remove(log);
     fs::remove(svg);
     std::string cmd = "timeout " + a.str("timeout") + " ";
-    if (simulate) {
-      cmd += "'" + self + "' train --simulate " + std::to_string(row.ranks) + " " + common + " " + row.args +
-             " --log-json '" + log.string() + "' > '" + out.string() + "' 2>&1";
-      const int status = std::system(cmd.c_str());
-      const int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-      json r = {{"name", row.name}, {"ranks", row.ranks}, {"args", row.args}};
-      if (code == 0 && fs::exists(log)) {
-        r["status"] = "ok";
-        r["measured"] = report::summarise_simulation(json::parse(read_text(log)));
-        double sent = 0;
-        for (const auto& [kind, b] : r["measured"]["comm_per_step"][0].items()) sent += kind == "recv" ? 0 : b.get<double>();
-        std::printf("rank 0: peak %.3f GiB, %.3f GiB sent per step\n",
-                    double(r["measured"]["mem_peak"][0].value("total", int64_t(0))) / double(1 << 30), sent / double(1 << 30));
-      } else {
-        r["status"] = code == 124 ? "timeout" : "refused";
-        r["reason"] = failure_reason(read_text(out), code);
-        std::printf("%s: %s\n", r["status"].get<std::string>().c_str(), r["reason"].get<std::string>().c_str());
-      }
-      std::fflush(stdout);
-      return r;
-    }
-    if (row.ranks > 1) cmd += a.str("mpirun") + " -x OMP_NUM_THREADS=" + a.str("threads") + " -np " + std::to_string(row.ranks) + " ";
-    cmd += "'" + self + "' train " + common + " " + row.args + " --log-json '" + log.string() + "'";
-    if (row.args.find("--pp ") != std::string::npos) cmd += " --timeline '" + svg.string() + "'";
     const fs::path trace = trace_dir.empty() ? fs::path() : trace_dir / (row.name + ".json");
-    if (!trace.empty()) fs::remove(trace);
-    if (!trace.empty()) cmd += " --trace '" + trace.string() + "'";
+    if (simulate) {  // one process, the ranks its threads: no launcher, nothing timed
+      cmd += "'" + self + "' train --simulate " + std::to_string(row.ranks) + " " + common + " " + row.args +
+             " --log-json '" + log.string() + "'";
+    } else {
+      if (row.ranks > 1) cmd += a.str("mpirun") + " -x OMP_NUM_THREADS=" + a.str("threads") + " -np " + std::to_string(row.ranks) + " ";
+      cmd += "'" + self + "' train " + common + " " + row.args + " --log-json '" + log.string() + "'";
+      if (row.args.find("--pp ") != std::string::npos) cmd += " --timeline '" + svg.string() + "'";
+      if (!trace.empty()) fs::remove(trace);
+      if (!trace.empty()) cmd += " --trace '" + trace.string() + "'";
+    }
     cmd += " > '" + out.string() + "' 2>&1";
     const int status = std::system(cmd.c_str());
     const int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
@@ -250,7 +234,14 @@ int bench_main(int argc, char** argv) {
         if (!line.empty()) records.push_back(json::parse(line));
     }
     json r = {{"name", row.name}, {"ranks", row.ranks}, {"args", row.args}};
-    if (code == 0 && !records.empty()) {
+    if (code == 0 && !records.empty() && simulate) {
+      r["status"] = "ok";
+      r["measured"] = report::summarise_simulation(records[0]);
+      double sent = 0;
+      for (const auto& [kind, b] : r["measured"]["comm_per_step"][0].items()) sent += kind == "recv" ? 0 : b.get<double>();
+      std::printf("rank 0: peak %.3f GiB, %.3f GiB sent per step\n",
+                  double(r["measured"]["mem_peak"][0].value("total", int64_t(0))) / double(1 << 30), sent / double(1 << 30));
+    } else if (code == 0 && !records.empty()) {
       r["status"] = "ok";
       r["measured"] = report::summarise_log(records, int(warmup));
       if (fs::exists(svg)) r["timeline_svg"] = read_text(svg);

@@ -48,7 +48,9 @@ void simulate_schedule(const Args& a, const report::Plan& plan) {
 
 // The `train --simulate` line that runs this layout on the meta device: the engine's exact bytes
 // per rank where the plan has the papers' formulas.
-std::string simulate_command(const report::PlanInput& in, int world) {
+std::string simulate_command(const report::Plan& plan) {
+  const report::PlanInput& in = plan.input;
+  const int world = plan.world;
   const report::ModelShape& m = in.model;
   const report::Layout& l = in.layout;
   const std::string preset = m.name.substr(0, m.name.find(" ("));  // "gpt2-xl (modified)": its dims follow
@@ -57,9 +59,7 @@ std::string simulate_command(const report::PlanInput& in, int world) {
                       " --data ", m.vocab_size == 50257 ? std::string("random") : str("random:", m.vocab_size),
                       " --dtype ", in.dtype, " --batch-size ", in.global_batch, " --micro-batch-size ",
                       l.micro_batch_size, " --strategy ", l.strategy);
-  if (l.strategy == "hsdp")  // the planner's default group: the dp ranks of one node
-    c += str(" --shard-group-size ", l.shard_group_size > 0 ? l.shard_group_size
-                                                           : std::max(1, std::min(l.dp, in.cluster.gpus_per_node / (l.tp * l.pp))));
+  if (l.strategy == "hsdp") c += str(" --shard-group-size ", plan.shard_group);  // the plan's (a node's, by default)
   if (l.offload != "none") c += " --offload " + l.offload;
   if (l.tp > 1) c += str(" --tp ", l.tp, l.sequence_parallel ? " --sequence-parallel" : "");
   if (l.pp > 1) c += str(" --pp ", l.pp, " --pp-schedule ", l.pp_schedule, " --virtual-stages ", l.virtual_stages);
@@ -205,11 +205,10 @@ int plan_main(int argc, char** argv) {
     std::printf("%s\n", plan.to_json().dump(2).c_str());
   } else {
     std::printf("%s", report::describe(plan).c_str());
-    const bool fsdp = l.strategy == "zero3" || l.strategy == "fsdp" || l.strategy == "fsdp-grad-op" || l.strategy == "hsdp";
-    if (in.model.has_shape() && (l.offload == "none" || fsdp)) {  // train offloads the FSDP family only
+    if (in.model.has_shape() && (l.offload == "none" || report::shards_params(l.strategy))) {  // train offloads the FSDP family only
       if (plan.world <= 4096)
         std::printf("this engine's own bytes for the layout, per rank (the formulas above are the papers'):\n  %s\n",
-                    simulate_command(in, plan.world).c_str());
+                    simulate_command(plan).c_str());
       else
         std::printf("(the engine's own bytes: train --simulate runs at most 4096 ranks; this layout has %d)\n", plan.world);
     }

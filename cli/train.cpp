@@ -374,8 +374,7 @@ class Trainer {
   // started in another folder reads the same files.
   std::string saved_data_spec() const {
     const std::string& d = data_opt_.spec;
-    const bool builtin = synthetic_data(args_) || d == "random" || d.rfind("random:", 0) == 0;  // no file
-    return builtin ? d : std::filesystem::absolute(d).lexically_normal().string();
+    return io::is_generated_spec(d) ? d : std::filesystem::absolute(d).lexically_normal().string();
   }
   static int local_rank() {    // this rank's place on its node, from the launcher
     for (const char* v : {"OMPI_COMM_WORLD_LOCAL_RANK", "LOCAL_RANK"})

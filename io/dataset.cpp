@@ -195,6 +195,10 @@ void Dataset::restrict_vocab(int64_t v) {
            " (the vocabulary must be at least the data's)");
 }
 
+bool is_generated_spec(const std::string& s) {
+  return s == "synthetic" || s.rfind("synthetic:", 0) == 0 || s == "random" || s.rfind("random:", 0) == 0;
+}
+
 bool is_shard_spec(const std::string& s) {
   return s.find_first_of("*?[") != std::string::npos || (s.size() >= 4 && s.compare(s.size() - 4, 4, ".bin") == 0);
 }

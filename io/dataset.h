@@ -50,6 +50,8 @@ struct DataOptions {
 
 // Whether a data spec names llm.c token shards (a glob, or a .bin file) rather than a text file.
 bool is_shard_spec(const std::string& spec);
+// Whether a data spec is generated, not read from a file: synthetic[:...] or random[:V].
+bool is_generated_spec(const std::string& spec);
 
 // Throws sg::Error naming the file/glob when it cannot be opened or is malformed.
 std::unique_ptr<Dataset> open_dataset(const DataOptions& opt);

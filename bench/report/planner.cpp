@@ -12,6 +12,10 @@
 
 namespace sg::report {
 
+// The FSDP family keeps only its units' shards between steps (fsdp-grad-op too: it gathers every
+// unit for the step's forward and releases them after its backward).
+bool shards_params(const std::string& s) { return s == "zero3" || s == "fsdp" || s == "fsdp-grad-op" || s == "hsdp"; }
+
 namespace {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -22,9 +26,6 @@ int dtype_bytes(const std::string& d) {
   throw Error(str("plan: --dtype must be fp32, bf16 or fp16, got '", d, "'"));
 }
 
-// The FSDP family keeps only its units' shards between steps (fsdp-grad-op too: it gathers every
-// unit for the step's forward and releases them after its backward).
-bool shards_params(const std::string& s) { return s == "zero3" || s == "fsdp" || s == "fsdp-grad-op" || s == "hsdp"; }
 bool shards_grads(const std::string& s) { return s == "zero2" || shards_params(s); }
 bool shards_optimizer(const std::string& s) { return s != "ddp"; }
 
@@ -178,6 +179,7 @@ Plan make_plan(const PlanInput& in) {
   SG_CHECK(l.strategy != "hsdp" || N % shard_n == 0, "plan: hsdp: dp ", N, " is not a multiple of the shard group's ",
            shard_n, " ranks");
   const int replicas = N / shard_n;
+  p.shard_group = shard_n;
   const int optim_bytes = 8 + (d < 4 ? 4 : 0);  // AdamW m, v (+ f32 master weights)
   const double b = double(l.micro_batch_size), sbhd = double(m.seq_len) * b * double(m.n_embd) * d;
   const bool dp_intra = p.world <= c.gpus_per_node, tp_intra = l.tp <= c.gpus_per_node,

@@ -90,6 +90,7 @@ struct Plan {
   PlanInput input;
   int world = 1, nodes_used = 1;
   int64_t micro_batches = 1;            // per data-parallel rank per step
+  int shard_group = 1;                  // the dp ranks that share the sharded states (hsdp: one group)
   std::vector<RankMemory> per_stage;    // one per pipeline rank (all dp/tp ranks of a stage alike)
   RankMemory worst;                     // the pipeline rank with the most bytes
   std::map<std::string, int64_t> comm;  // per collective kind, bytes pipeline rank 0 sends per step
@@ -101,6 +102,9 @@ struct Plan {
   std::vector<std::string> notes;
   nlohmann::json to_json() const;
 };
+
+// zero3 and the FSDP family: the parameters are sharded (only each unit's shard kept between steps).
+bool shards_params(const std::string& strategy);
 
 // Throws sg::Error naming the reason when the layout is impossible (heads that do not split,
 // layers that do not divide into stages, a batch that does not split, too few GPUs, ...).
