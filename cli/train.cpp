@@ -1388,10 +1388,9 @@ int simulate_main(const Args& given) {
     if (!e) continue;
     try {
       std::rethrow_exception(e);
-    } catch (const std::exception& x) {
-      if (std::string(x.what()).find("another rank of the simulated world failed") == std::string::npos) std::rethrow_exception(e);
+    } catch (const comm::SimWorldAborted&) {
       if (!first) first = e;
-    }
+    }  // any other error propagates from here
   }
   if (first) std::rethrow_exception(first);
 

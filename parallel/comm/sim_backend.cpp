@@ -64,7 +64,7 @@ std::shared_ptr<ProcessGroup> SimProcessGroup::do_split(int color, int key) {
   // The ranks are threads that only compute shapes: a minute without the others means one is lost.
   SG_CHECK(w.cv.wait_for(lock, std::chrono::minutes(1), all_posted), "split (simulated): the other ranks of group ",
            group_id_, " did not reach split number ", id.second, " within a minute", at());
-  SG_CHECK(!w.aborted, "split (simulated): another rank of the simulated world failed", at());
+  if (w.aborted) throw SimWorldAborted(str("split (simulated): another rank of the simulated world failed", at()));
   std::shared_ptr<ProcessGroup> out;
   if (color >= 0) {
     // (key, rank), as MPI_Comm_split orders them: sorted once per colour, by its first rank here

@@ -16,6 +16,12 @@ namespace sg::comm {
 
 struct SimWorld;
 
+// What a rank waiting in a rendezvous throws when another rank of its world failed: the other
+// rank's own error is the one to report.
+struct SimWorldAborted : Error {
+  using Error::Error;
+};
+
 class SimProcessGroup : public ProcessGroup {
  public:
   SimProcessGroup(std::shared_ptr<SimWorld> world, int group_id, int rank, int size);
