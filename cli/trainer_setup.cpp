@@ -1,0 +1,492 @@
+// Trainer::setup: the run's flags, refused by name where they do not fit, become this rank's world,
+// device, data, model, optimizer and (with --resume) the checkpoint's state, in that order.
+#include <omp.h>
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <cstdio>
+#include <set>
+
+#include "autograd/ops.h"
+#include "cli/trainer.h"
+#include "core/trace.h"
+#include "io/synthetic.h"
+#include "kernels/ops.h"
+#include "parallel/comm/mpi_backend.h"
+#include "parallel/comm/nccl_backend.h"
+
+namespace sg::cli {
+
+using nlohmann::json;
+
+namespace {
+
+// --micro-batch-size 0: the whole per-rank batch, except under a pipeline, where one micro-batch
+// would leave every stage but one idle: then the fewest micro-batches, a multiple of the stages
+// (the interleaved schedule needs it), that number at least 4 per stage (GPipe's m >= 4p keeps the
+// bubble (p-1)/m under a quarter), or as many as the batch allows.
+int64_t default_micro_batch(int64_t per_rank, int pp) {
+  if (pp == 1) return per_rank;
+  int64_t best = 0;  // micro-batches per step
+  for (int64_t m = pp; m <= per_rank; m += pp) {
+    if (per_rank % m) continue;
+    best = m;
+    if (m >= 4 * pp) break;
+  }
+  return best ? per_rank / best : per_rank;
+}
+
+int64_t positive(const Args& a, const std::string& f, int64_t min = 1) {
+  int64_t v = a.i64(f);
+  SG_CHECK(v >= min, "train: --", f, " must be >= ", min, ", got ", v);
+  return v;
+}
+
+// The built-in synthetic addition task's own defaults, where those flags are not given. Its loss
+// sits on a plateau (answers without carries) before it learns the task, and with the defaults
+// for file data then (1000 steps at 1e-2 with decay 0.1) whether it left the plateau by the end
+// depended on the seed and on last-bit differences in the arithmetic: of 9 seeds, 4 did. These
+// took 8 of the 9 to >= 99.5% and the ninth to 84.5% (bench/RESULTS.md, "The default run").
+constexpr int64_t kSyntheticSteps = 1500, kFileSteps = 1000;
+constexpr double kSyntheticLr = 5e-3, kSyntheticWeightDecay = 0.0;
+bool synthetic_data(const Args& a) { return a.str("data").rfind("synthetic", 0) == 0; }
+double synthetic_default(const Args& a, const std::string& f, double synthetic_value) {
+  return synthetic_data(a) && !a.given(f) ? synthetic_value : a.f64(f);
+}
+
+nn::GPTConfig model_config(const Args& a, int64_t data_vocab) {
+  nn::GPTConfig c = nn::gpt_preset(a.str("model"));
+  if (a.i64("n-layer")) c.n_layer = positive(a, "n-layer");
+  if (a.i64("n-head")) c.n_head = positive(a, "n-head");
+  if (a.i64("n-embd")) c.n_embd = positive(a, "n-embd");
+  if (a.i64("block-size")) c.block_size = positive(a, "block-size");
+  c.vocab_size = data_vocab;
+  if (a.i64("vocab-size")) {
+    c.vocab_size = positive(a, "vocab-size");  // below the data's: Trainer::setup asks the data
+  }
+  c.dropout = a.f64("dropout");
+  if (a.i64("seq-len") > c.block_size && !a.i64("block-size")) c.block_size = a.i64("seq-len");
+  c.validate();
+  return c;
+}
+
+}  // namespace
+
+void Trainer::setup() {
+  configure();
+  join_world();
+  choose_device_and_batch();
+  open_data();
+  // A checkpoint of any layout (sharded, or the older full format): this run reads its own slices.
+  // --resume auto: the newest complete checkpoint of the --save directory, or none yet.
+  const std::unique_ptr<ckpt::Checkpoint> ck = std::move(resumed_);
+  build_model(ck.get());
+  build_optimizer();
+  restore(ck.get());
+  start_trace();
+}
+
+void Trainer::configure() {
+  const Args& a = args_;
+  const int64_t threads = a.i64("threads");
+  SG_CHECK(threads >= 0, "train: --threads must be >= 0");
+  const int nt = threads ? int(threads) : default_threads();
+  omp_set_num_threads(nt);
+  Eigen::setNbThreads(nt);
+
+  strategy_ = a.str("strategy");
+  SG_CHECK(strategy_ == "single" || strategy_ == "dp" || strategy_ == "ddp" || zero_stage() > 0, "train: --strategy '",
+           strategy_, "' is not available (expected single, dp, ddp, zero1, zero2, zero3, fsdp, fsdp-grad-op, hsdp or no-shard)");
+  tp_ = int(positive(a, "tp"));
+  pp_ = int(positive(a, "pp"));
+  // A flag of one strategy or layout, given where it would do nothing, is refused by name rather
+  // than ignored.
+  const auto only_for = [&](const char* flag, bool applies, const char* what) {
+    SG_CHECK(!a.given(flag) || applies, "train: --", flag, " is for ", what, "; this run is --strategy ", strategy_,
+             pp_ > 1 ? " --pp " + std::to_string(pp_) : std::string());
+  };
+  for (const char* flag : {"offload", "wrap-min-params", "reshard-after-forward", "prefetch", "limit-all-gathers",
+                           "reduce-dtype"})
+    only_for(flag, fsdp_family(), "the fsdp family (zero3, fsdp, fsdp-grad-op, hsdp, no-shard)");
+  only_for("shard-group-size", strategy_ == "hsdp", "--strategy hsdp");
+  only_for("bucket-mb", strategy_ == "ddp" || strategy_ == "zero1" || strategy_ == "zero2", "ddp, zero1 and zero2");
+  only_for("find-unused-parameters", strategy_ == "ddp", "--strategy ddp");
+  for (const char* flag : {"pp-schedule", "virtual-stages"}) only_for(flag, pp_ > 1, "pipelines (--pp > 1)");
+  only_for("devices", strategy_ == "dp", "--strategy dp (one process, several devices)");
+  for (const char* flag : {"save-every", "keep"}) SG_CHECK(!a.given(flag) || a.given("save"), "train: --", flag, " needs --save DIR");
+  device_spec_ = a.str("device");
+  SG_CHECK(a.str("backend") == "mpi" || a.str("backend") == "nccl", "train: --backend must be mpi or nccl, got '",
+           a.str("backend"), "'");
+  SG_CHECK(a.str("backend") == "mpi" || distributed(), "train: --backend nccl is for multi-rank strategies "
+           "(--strategy ddp, zero*, fsdp*, --tp, --pp)");
+  const std::string rdv = a.str("rendezvous");
+  const bool file_rdv = rdv.rfind("file:", 0) == 0;
+  SG_CHECK(rdv == "mpi" || file_rdv, "train: --rendezvous must be mpi or file:PATH, got '", rdv, "'");
+  SG_CHECK(!file_rdv || a.str("backend") == "nccl", "train: --rendezvous ", rdv, " needs --backend nccl: the file "
+           "carries NCCL's unique id, and without mpirun NCCL is what connects the ranks (under mpirun use the "
+           "default --rendezvous mpi)");
+  SG_CHECK(!file_rdv || rdv.size() > 5, "train: --rendezvous file: needs a path (file:PATH)");
+}
+
+void Trainer::join_world() {
+  const Args& a = args_;
+  const std::string rdv = a.str("rendezvous");
+  const bool file_rdv = rdv.rfind("file:", 0) == 0;
+  if (distributed()) {
+    SG_CHECK(a.f64("comm-timeout") > 0, "train: --comm-timeout must be > 0");
+    const bool nccl = a.str("backend") == "nccl";
+    SG_CHECK(!nccl || a.str("device").rfind("cuda", 0) == 0, "train: --backend nccl carries CUDA tensors: pass "
+             "--device cuda (each rank then uses cuda:<its local rank>) or --device cuda:N");
+    if (sim_) {
+      world_ = sim_;
+      metrics_ = world_->split(0, sim_->rank());
+      rank_ = sim_->rank();
+      world_size_ = sim_->size();
+    } else if (file_rdv) {
+      // A launcher without MPI (torchrun-like) started each process on its own. The job's rank and
+      // size are RANK/WORLD_SIZE, and the NCCL world from the file carries everything, the CPU-side
+      // metrics too (staged through the device). MPI is never initialised: a singleton MPI_Init
+      // would make each process a world of its own.
+      const comm::LaunchEnv env = comm::launch_env();
+      rank_ = env.rank;
+      world_size_ = env.world_size;
+      SG_CHECK(comm::nccl_available(), "train: --backend nccl: rank ", rank_,
+               " sees no CUDA device (or this shardgrad was built without NCCL)");
+      if (a.str("device") == "cuda") {
+        SG_CHECK(env.local_rank >= 0, "train: --device cuda under --rendezvous file: needs LOCAL_RANK in the "
+                 "environment (or pass --device cuda:N)");
+        device_spec_ = "cuda:" + std::to_string(env.local_rank);
+      }
+      parallel::watchdog::arm(a.f64("comm-timeout"), rank_);  // a rank that never joins must not hang the rest
+      {
+        parallel::watchdog::Waiting w("the file rendezvous");
+        world_ = comm::nccl_world_from_file(rdv.substr(5), parse_device(device_spec_).index, a.f64("comm-timeout"));
+      }
+      metrics_ = world_->split(0, rank_);  // losses and barriers: kept out of the gradient counters
+    } else {
+      comm::init();
+      world_ = comm::MpiProcessGroup::world();
+      metrics_ = world_->split(0, world_->rank());  // losses and barriers: kept out of the gradient counters
+      rank_ = world_->rank();
+      world_size_ = world_->size();
+      if (nccl) {
+        // NCCL carries the training collectives between the ranks' GPUs (unique id bootstrapped
+        // over MPI); the few CPU-side metrics (losses, norms, barriers) stay on MPI.
+        SG_CHECK(comm::nccl_available(), "train: --backend nccl: rank ", rank_,
+                 " sees no CUDA device (or this shardgrad was built without NCCL)");
+        if (a.str("device") == "cuda") device_spec_ = "cuda:" + std::to_string(local_rank());
+        world_ = comm::nccl_world(*world_, parse_device(device_spec_).index);
+      }
+    }
+    SG_CHECK(world_size_ % (tp_ * pp_) == 0, "train: --tp ", tp_, " x --pp ", pp_, " = ", tp_ * pp_,
+             " ranks per model replica does not divide the ", world_size_, " ranks launched");
+    dp_size_ = world_size_ / (tp_ * pp_);
+    dp_rank_ = rank_ / (tp_ * pp_);
+    if (!sim_) parallel::watchdog::arm(a.f64("comm-timeout"), rank_);
+  }
+  if (sim_) device_spec_ = Device::meta(rank_).str();  // a ledger of its own per simulated rank
+}
+
+void Trainer::choose_device_and_batch() {
+  const Args& a = args_;
+  fault_ = parallel::parse_fault(a.str("inject-fault"));
+  nonfinite_ = optim::parse_nonfinite_policy(a.str("on-nonfinite"));
+  device_ = parse_device(device_spec_);
+    if (strategy_ == "dp") {
+    dp_devices_ = parallel::parse_devices(a.str("devices"));
+    SG_CHECK(!a.given("device") || device_ == dp_devices_[0], "train: --device ", device_.str(),
+             " differs from the first of --devices (", dp_devices_[0].str(), ")");
+    device_ = dp_devices_[0];
+  }
+  dtype_ = parse_dtype(a.str("dtype"));
+  SG_CHECK(dtype_ == DType::f32 || dtype_ == DType::bf16 || dtype_ == DType::f16, "train: --dtype must be fp32, bf16 or fp16");
+  kernels::select_attention(a.str("attention"), device_);
+  seed_ = uint64_t(a.i64("seed"));
+  const bool synthetic = synthetic_data(a);
+  B_ = a.i64("batch-size") ? positive(a, "batch-size") : (synthetic ? 128 : 32);
+  micro_ = a.i64("micro-batch-size") ? positive(a, "micro-batch-size")
+                                      : default_micro_batch(B_ / std::max(1, dp_size_), pp_);
+  SG_CHECK(B_ % dp_size_ == 0, "train: --batch-size ", B_, " is not divisible by ", dp_size_,
+           " data-parallel ranks");
+  SG_CHECK((B_ / dp_size_) % micro_ == 0, "train: --micro-batch-size ", micro_, " does not divide ",
+           dp_size_ > 1 ? str("the per-rank batch ", B_ / dp_size_, " (--batch-size ", B_, " over ", dp_size_, " ranks)")
+                           : str("--batch-size ", B_));
+  steps_ = a.str("steps") != "auto" ? positive(a, "steps") : synthetic ? kSyntheticSteps : kFileSteps;
+  positive(a, "eval-batches");
+  SG_CHECK(a.i64("save-every") >= 0 && a.i64("eval-every") >= 0, "train: --save-every/--eval-every must be >= 0");
+  SG_CHECK(a.i64("profile-ops") >= 0 && a.i64("profile-ops") <= steps_,
+           "train: --profile-ops must be a step number from 1 to --steps (", steps_, ") or 0, got ", a.i64("profile-ops"));
+  SG_CHECK(!a.i64("profile-ops") || strategy_ != "dp", "train: --profile-ops times the calls of the training thread; ",
+           "--strategy dp runs its replicas on threads of their own (profile one device, or ddp under mpirun)");
+}
+
+void Trainer::open_data() {
+  const Args& a = args_;
+  data_opt_.spec = a.str("data");
+  data_opt_.seed = seed_;
+  data_opt_.shuffle = a.on("shuffle");
+  try {
+    train_ = io::open_dataset(data_opt_);
+    io::DataOptions vo = data_opt_;
+    vo.split = io::Split::val;
+    val_ = io::open_dataset(vo);
+  } catch (const Error& e) {
+    const auto& from_ck = a.inherited();
+    if (std::find(from_ck.begin(), from_ck.end(), "data") == from_ck.end()) throw;
+    throw Error(str(e.what(), " (--data ", data_opt_.spec, " is the checkpoint's; give --data to read it elsewhere)"));
+  }
+}
+
+void Trainer::build_model(const ckpt::Checkpoint* ck) {
+  const Args& a = args_;
+  if (ck) {
+    cfg_ = config_from_metadata(ck->metadata(), ck->path());
+    for (const char* f : {"n-layer", "n-head", "n-embd", "block-size", "vocab-size"}) {
+      if (!a.given(f)) continue;
+      int64_t want = a.i64(f);
+      int64_t have = std::string(f) == "n-layer" ? cfg_.n_layer
+                     : std::string(f) == "n-head" ? cfg_.n_head
+                     : std::string(f) == "n-embd" ? cfg_.n_embd
+                     : std::string(f) == "block-size" ? cfg_.block_size : cfg_.vocab_size;
+      SG_CHECK(want == have, "train: --", f, " ", want, " does not match the checkpoint ", ck->path(), " (", have, ")");
+    }
+    cfg_.dropout = a.f64("dropout");
+  } else if (!a.str("init-from").empty()) {
+    io::SafetensorsFile f = io::load_safetensors(a.str("init-from"));
+    cfg_ = nn::config_from_hf(f, a.i64("n-head"));
+    cfg_.dropout = a.f64("dropout");
+  } else {
+    cfg_ = model_config(a, train_->vocab_size());
+  }
+  if (cfg_.vocab_size < train_->vocab_size()) {  // token shards of a smaller tokenizer; other data refuses
+    train_->restrict_vocab(cfg_.vocab_size);
+    val_->restrict_vocab(cfg_.vocab_size);
+  }
+  T_ = a.i64("seq-len") ? positive(a, "seq-len") : cfg_.block_size;
+  // The task is evaluated with each prompt at position 0: rows of exactly one problem train that.
+  if (auto* task = dynamic_cast<const io::SyntheticDataset*>(train_.get()); task && !a.i64("seq-len"))
+    T_ = std::min(cfg_.block_size, task->task().problem_length());
+  SG_CHECK(T_ <= cfg_.block_size, "train: --seq-len ", T_, " exceeds the model's block size ", cfg_.block_size);
+  train_->check_batch(B_, T_);
+  val_->check_batch(B_, T_);  // the final evaluation reads one batch of the held-out split
+  // The mesh, refused before any work when it does not fit the model and the batch.
+  comm::MeshPlan mesh = comm::validate_mesh(world_size_, tp_, pp_, cfg_.n_head, cfg_.n_layer, cfg_.vocab_rows(), B_, micro_);
+  if (tp_ > 1 || pp_ > 1) {
+    // Model parallelism composes with data parallelism over the mesh's dp axis: the rows are split
+    // over dp, and DDP, ZeRO-1/2 or the FSDP family reduce over dp only.
+    // fsdp-grad-op keeps a unit gathered from its forward to its backward, which a pipeline's
+    // interleaved micro-batches would hold for the whole step (so does hsdp without resharding,
+    // which FullyShardedDataParallel refuses under --pp).
+    const bool fsdp_ok = strategy_ == "zero3" || strategy_ == "fsdp" || strategy_ == "hsdp" || strategy_ == "no-shard" ||
+                         (strategy_ == "fsdp-grad-op" && pp_ == 1);
+    SG_CHECK(strategy_ == "single" || strategy_ == "ddp" || strategy_ == "zero1" || strategy_ == "zero2" || fsdp_ok,
+             "train: --strategy ", strategy_, " does not compose with ",
+             pp_ > 1 ? "--pp" : "--tp", " yet (ddp, zero1, zero2, zero3, fsdp, hsdp and no-shard compose with any "
+             "--tp/--pp, fsdp-grad-op with --tp)");
+    SG_CHECK(mesh.mesh.dp() == 1 || strategy_ != "single", "train: --tp ", tp_, " x --pp ", pp_, " on ", world_size_,
+             " ranks leaves dp = ", mesh.mesh.dp(),
+             ": the data-parallel replicas need a --strategy (ddp, zero1, zero2, zero3, fsdp, hsdp or no-shard)");
+  }
+  if (tp_ > 1) {
+    SG_CHECK(a.str("init-from").empty(), "train: --init-from is not available with --tp yet (use --resume with a checkpoint)");
+    cfg_.tp = tp_;
+    cfg_.sequence_parallel = a.on("sequence-parallel");
+    SG_CHECK(!cfg_.sequence_parallel || T_ % tp_ == 0, "train: --sequence-parallel: --seq-len ", T_,
+             " does not split over --tp ", tp_);
+    cfg_.validate();
+  }
+  SG_CHECK(!a.on("sequence-parallel") || tp_ > 1, "train: --sequence-parallel needs --tp > 1");
+  const int v = int(positive(a, "virtual-stages"));
+  if (pp_ > 1) {
+    SG_CHECK(cfg_.n_layer % (pp_ * v) == 0, "train: --pp ", pp_, " x --virtual-stages ", v, ": ", cfg_.n_layer,
+             " layers do not split evenly into ", pp_ * v, " stages");
+  }
+
+  if (tp_ > 1 || pp_ > 1) {
+    // dp x pp x tp, tp innermost; every group below is this rank's slice along one axis. Metrics
+    // (losses, norms) travel on their own groups so the byte counters show only training traffic.
+    groups_ = comm::create_mesh_groups(mesh.mesh, *world_);
+    const comm::MeshCoord c = groups_.coord;
+    dp_metrics_ = metrics_->split(c.pp * tp_ + c.tp, c.dp);
+    mp_metrics_ = metrics_->split(c.dp, c.pp * tp_ + c.tp);
+  } else if (world_) {
+    groups_.dp = world_;  // data parallelism alone: the world is the dp group
+    dp_metrics_ = metrics_;
+  }
+  model_ = std::make_unique<nn::GPT>(cfg_, dtype_, device_, tp_ > 1 ? groups_.tp : nullptr);
+  model_->recompute = nn::parse_recompute(a.str("recompute"));
+  if (ck) {
+    load_parameters(*ck);
+  } else if (!a.str("init-from").empty()) {
+    load_hf_state(*model_, io::load_safetensors(a.str("init-from")));
+  } else {
+    model_->init_weights(seed_);
+  }
+  if (pp_ > 1) {
+    auto sched = parallel::pp::make_schedule(a.str("pp-schedule"), pp_, int((B_ / dp_size_) / micro_), v);
+    pipe_ = std::make_unique<parallel::pp::PipelineExecutor>(*model_, sched, groups_.pp);
+  }
+}
+
+void Trainer::build_optimizer() {
+  const Args& a = args_;
+  if (dtype_ == DType::f32 || zero_stage()) {  // zero keeps f32 masters for its own shard only
+    master_ = held_parameters();
+  } else {
+    MemScope scope(MemCategory::optim_state);  // f32 master weights are optimizer state (ZeRO's K)
+    for (auto& [n, p] : held_parameters()) master_.emplace_back(n, to(p, DType::f32));
+  }
+  optim::AdamWConfig oc;
+  oc.beta1 = a.f64("beta1");
+  oc.beta2 = a.f64("beta2");
+  oc.eps = a.f64("eps");
+  oc.weight_decay = synthetic_default(a, "weight-decay", kSyntheticWeightDecay);
+  SG_CHECK(oc.beta1 >= 0 && oc.beta1 < 1 && oc.beta2 >= 0 && oc.beta2 < 1, "train: --beta1/--beta2 must be in [0, 1)");
+  SG_CHECK(oc.eps > 0 && oc.weight_decay >= 0, "train: --eps must be > 0 and --weight-decay >= 0");
+  SG_CHECK(a.f64("clip") >= 0, "train: --clip must be >= 0");
+  if (zero_stage() == 3) {
+    parallel::watchdog::Waiting w("the parameter broadcast");
+    fsdp_ = std::make_unique<parallel::FullyShardedDataParallel>(*model_, groups_.dp, oc, fsdp_options());
+    if (pipe_) {
+      pipe_->before_forward = [this](int) { fsdp_->gather_roots(); };
+      pipe_->before_action = [this](int first, int last, bool forward) { fsdp_->prefetch_action(first, last, forward); };
+    }
+  } else if (zero_stage()) {
+    parallel::ZeroOptions z;
+    z.stage = zero_stage();
+    SG_CHECK(a.f64("bucket-mb") > 0, "train: --bucket-mb must be > 0");
+    z.bucket_bytes = int64_t(a.f64("bucket-mb") * double(1 << 20));
+    zero_ = std::make_unique<parallel::ZeroOptimizer>(master_, groups_.dp, oc, z);
+    parallel::watchdog::Waiting w("the parameter broadcast");
+    zero_->broadcast_parameters();
+  } else {
+    opt_ = std::make_unique<optim::AdamW>(master_, oc);
+    if (dtype_ != DType::f32) {  // the model's half weights, rewritten by every step
+      std::vector<Tensor> copies;
+      for (auto& [n, p] : held_parameters()) copies.push_back(p);
+      opt_->set_copies(std::move(copies));
+    }
+  }
+  if (strategy_ == "ddp") {
+    parallel::DdpOptions d;
+    SG_CHECK(a.f64("bucket-mb") > 0, "train: --bucket-mb must be > 0");
+    d.bucket_bytes = int64_t(a.f64("bucket-mb") * double(1 << 20));
+    d.find_unused_parameters = a.on("find-unused-parameters");
+    ddp_ = std::make_unique<parallel::DistributedDataParallel>(held_parameters(), groups_.dp, d);
+    parallel::watchdog::Waiting w("the parameter broadcast");
+    ddp_->broadcast_parameters();
+  }
+  if (strategy_ == "dp") {
+    SG_CHECK(micro_ % int64_t(dp_devices_.size()) == 0, "train: dp: the micro-batch of ", micro_,
+             " rows does not split over ", dp_devices_.size(), " devices");
+    dp_ = std::make_unique<parallel::DataParallel>(*model_, dp_devices_);
+  }
+  sched_.kind = a.str("lr-schedule");
+  sched_.lr = a.str("lr") != "auto"  ? a.f64("lr")
+              : synthetic_data(a)      ? kSyntheticLr
+                                       : optim::default_peak_lr(cfg_.non_embedding_params());
+  sched_.min_lr = a.f64("min-lr");
+  sched_.warmup_steps = a.i64("warmup-steps");
+  sched_.total_steps = steps_;
+  sched_.validate();
+  dropout_generator() = DropoutGenerator::seeded(seed_ ^ 0xd50b5eedull);
+}
+
+void Trainer::restore(const ckpt::Checkpoint* ck) {
+  const Args& a = args_;
+  if (ck) {
+    const json& s = ck->state();
+    start_step_ = s.at("step").get<int64_t>();
+    SG_CHECK(start_step_ <= steps_, "train: the checkpoint is at step ", start_step_, " but --steps is ", steps_);
+    train_->set_position(s.at("train_position").get<int64_t>());
+    dropout_generator().next_stream = s.at("dropout_stream").get<uint64_t>();
+    scaler_.scale = s.value("loss_scale", scaler_.scale);
+    scaler_.clean_steps = s.value("loss_scale_clean_steps", int64_t(0));
+    scaler_.skipped_steps = s.value("skipped_steps", int64_t(0));
+    nonfinite_skipped_ = s.value("nonfinite_skipped", int64_t(0));
+    load_optimizer(*ck, s.at("optimizer_step").get<int64_t>());
+    if (lead()) {
+      std::string flags;
+      for (const std::string& f : a.inherited()) flags.append(" ").append(a.spelled(f));
+      std::printf("resumed from %s at step %lld%s\n", ck->path().c_str(), (long long)start_step_,
+                  flags.empty() ? "" : (", with the run's" + flags).c_str());
+      if (start_step_ == steps_)
+        std::printf("the checkpoint is at the run's last step (--steps %lld): nothing to train; give a larger --steps "
+                    "to go on\n", (long long)steps_);
+      if (a.str("save").empty())
+        std::printf("no --save: the steps after %lld are not checkpointed\n", (long long)start_step_);
+    }
+  } else if (a.str("resume") == "auto" && lead()) {
+    std::printf("--resume auto: no checkpoint in %s yet; starting from step 0\n", a.str("save").c_str());
+  }
+  save_dir_ = a.str("save");
+  SG_CHECK(a.i64("keep") >= 0, "train: --keep must be >= 0");
+  if (!save_dir_.empty() && std::filesystem::exists(save_dir_) && save_dir_ != a.str("resume") &&
+      std::filesystem::exists(std::filesystem::path(save_dir_) / "latest") && !ck) {
+    throw Error(str("train: --save ", save_dir_, " already holds a run; choose another directory or --resume it"));
+  }
+}
+
+void Trainer::start_trace() {
+  const Args& a = args_;
+  if (!a.str("trace").empty()) {  // started after a barrier: the ranks' clocks share an origin
+    if (metrics_) metrics_->barrier()->wait();
+    trace::start(rank_);
+    for (auto [g, name] : std::vector<std::pair<const comm::ProcessGroup*, const char*>>{
+             {groups_.dp.get(), "dp"}, {groups_.pp.get(), "pp"}, {groups_.tp.get(), "tp"},
+             {fsdp_ ? fsdp_->shard_group() : nullptr, "shard"}, {fsdp_ ? fsdp_->replicate_group() : nullptr, "replicate"},
+             {world_.get(), "world"}, {metrics_.get(), "metrics"}, {dp_metrics_.get(), "dp metrics"}, {mp_metrics_.get(), "mp metrics"}})
+      trace::name_group(g, name);  // a group with two roles keeps the first name
+  }
+}
+
+parallel::FsdpOptions Trainer::fsdp_options() const {
+  const Args& a = args_;
+  parallel::FsdpOptions o;
+  o.mode = strategy_ == "fsdp-grad-op" ? parallel::FsdpMode::shard_grad_op
+           : strategy_ == "hsdp"       ? parallel::FsdpMode::hybrid
+           : strategy_ == "no-shard"   ? parallel::FsdpMode::no_shard
+                                       : parallel::FsdpMode::full_shard;
+  if (strategy_ == "hsdp") {
+    const int64_t g = a.i64("shard-group-size");
+    SG_CHECK(g != 0, "train: --strategy hsdp needs --shard-group-size G: the ranks of one shard group (e.g. the ranks of a "
+             "node), dividing the ", dp_size_, " data-parallel ranks");
+    SG_CHECK(g >= 1 && dp_size_ % g == 0, "train: --strategy hsdp: --shard-group-size ", g, " must divide the ",
+             dp_size_, " data-parallel ranks");
+    o.shard_group_size = int(g);
+  }
+  SG_CHECK(a.i64("wrap-min-params") >= 0, "train: --wrap-min-params must be >= 0");
+  o.wrap_min_params = a.i64("wrap-min-params");
+  const std::string r = a.str("reshard-after-forward");
+  SG_CHECK(r == "default" || r == "true" || r == "false", "train: --reshard-after-forward must be default, true or false, got '", r, "'");
+  if (r != "default") o.reshard_after_forward = r == "true";
+  const std::string pf = a.str("prefetch");
+  SG_CHECK(pf == "none" || pf == "forward" || pf == "backward" || pf == "both", "train: --prefetch must be none, forward, backward or both, got '", pf, "'");
+  o.forward_prefetch = pf == "forward" || pf == "both";
+  o.backward_prefetch = pf == "backward" || pf == "both";
+  SG_CHECK(a.i64("limit-all-gathers") >= 1, "train: --limit-all-gathers must be >= 1");
+  o.limit_all_gathers = int(a.i64("limit-all-gathers"));
+  const std::string off = a.str("offload");
+  SG_CHECK(off == "none" || off == "optimizer" || off == "params", "train: --offload must be none, optimizer or params, got '",
+           off, "'");
+  if (off != "none") {
+    SG_CHECK(device_ != Device::cpu(0), "train: --offload ", off, " moves state from the compute device to the host "
+             "(cpu:0): give a compute device (--device cuda:N, or cpu:1 on a CPU machine)");
+    o.offload_optimizer = host_device();  // params: the parameter shards as well
+    o.offload_params = off == "params";
+  }
+  const std::string rd = a.str("reduce-dtype");
+  if (rd != "param") {
+    const DType d = parse_dtype(rd);
+    SG_CHECK(d == DType::f32 || d == DType::bf16 || d == DType::f16, "train: --reduce-dtype must be param, fp32, bf16 or fp16");
+    o.reduce_dtype = d;
+  }
+  if (pipe_) {  // this rank's stages only
+    std::set<std::string> names;
+    for (const auto& [n, p] : pipe_->parameters()) names.insert(n);
+    o.holds = [names](const std::string& n) { return names.count(n) > 0; };
+  }
+  return o;
+}
+
+}  // namespace sg::cli
