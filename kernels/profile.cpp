@@ -63,14 +63,16 @@ class Timed {
   Timed(const char* entry, double flops) {
     OpProfiler::Impl* p = g_active.load();
     if (!p || p->owner != std::this_thread::get_id()) return;
-    if (t_depth++ > 0) {
+    if (t_depth > 0) {
+      ++t_depth;
       nested_ = true;
       return;
     }
+    before_ = p->mark();  // first: if it throws, no destructor runs to undo what follows
+    ++t_depth;
     p_ = p;
     entry_ = entry;
     flops_ = flops;
-    before_ = p->mark();
     t0_ = std::chrono::steady_clock::now();
   }
   ~Timed() {

@@ -200,7 +200,7 @@ inline void attention_forward(const kernels::AttentionArgs& a, Stream stream) {
     dispatch_head_dim(a.D, [&](auto dim) {
       using T = decltype(tag);
       constexpr int D = decltype(dim)::value;
-      launch(attention_forward_kernel<T, D>, dim3(blocks_for(a.T, kAttnRows), unsigned(a.B * a.H)), dim3(kAttnRows),
+      launch(attention_forward_kernel<T, D>, dim3(blocks_for(a.T, kAttnRows), blocks_for(a.B * a.H, 1)), dim3(kAttnRows),
              0, stream, static_cast<T*>(a.out), static_cast<float*>(a.lse), static_cast<const T*>(a.q),
              static_cast<const T*>(a.k), static_cast<const T*>(a.v), q_heads(a), o_heads(a), a.T, float(a.scale),
              a.causal);
@@ -221,7 +221,7 @@ inline void attention_backward(const kernels::AttentionArgs& a, float* workspace
       auto lse = static_cast<const float*>(a.lse);
       const float* dvec = workspace;
       const HeadLayout ql = q_heads(a), ol = o_heads(a);
-      const dim3 grid(blocks_for(a.T, kAttnRows), unsigned(a.B * a.H)), block(kAttnRows);
+      const dim3 grid(blocks_for(a.T, kAttnRows), blocks_for(a.B * a.H, 1)), block(kAttnRows);
       launch(attention_dot_kernel<T, D>, dim3(blocks_for(a.B * a.H * a.T, 256)), dim3(256), 0, stream, workspace,
              static_cast<const T*>(a.out), dout, ol, a.T, a.B * a.H * a.T);
       launch(attention_dkdv_kernel<T, D>, grid, block, 0, stream, static_cast<T*>(a.dk), static_cast<T*>(a.dv), q, k,

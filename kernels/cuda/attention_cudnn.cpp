@@ -464,7 +464,8 @@ bool cudnn_attention_takes_layout(const kernels::AttentionArgs& a, Device d, boo
   const auto ok_strides = [&](const kernels::AttentionArgs::Strides& s) {
     return per16 > 0 && s.b % per16 == 0 && s.h % per16 == 0 && s.t % per16 == 0;
   };
-  const bool aligned = ok_ptr(a.q) && ok_ptr(a.k) && ok_ptr(a.v) && ok_ptr(a.out) && ok_ptr(a.lse) &&
+  // (The log-sum-exp is not copied: cudnn_attention_forward/backward check it.)
+  const bool aligned = ok_ptr(a.q) && ok_ptr(a.k) && ok_ptr(a.v) && ok_ptr(a.out) &&
                        (!backward || (ok_ptr(a.dout) && ok_ptr(a.dq) && ok_ptr(a.dk) && ok_ptr(a.dv))) &&
                        ok_strides(a.q_layout()) && ok_strides(a.o_layout());
   if (!aligned) return false;
@@ -498,7 +499,14 @@ bool cudnn_attention_takes_layout(const kernels::AttentionArgs& a, Device d, boo
   return takes;
 }
 
+// The stats (log-sum-exp, f32 [B, H, T]) are declared 16-byte aligned like every tensor of the graph.
+static void check_stats(const float* stats) {
+  SG_CHECK(reinterpret_cast<uintptr_t>(stats) % 16 == 0, "attention (cudnn): the log-sum-exp buffer at ",
+           static_cast<const void*>(stats), " is not 16-byte aligned, as cuDNN's graph declares it");
+}
+
 void cudnn_attention_forward(const kernels::AttentionArgs& a, float* stats, Device d, cudaStream_t stream) {
+  check_stats(stats);
   const Plan& p = plan_for(a, d, false);
   float scale = float(a.scale), lowest = std::numeric_limits<float>::lowest();  // by value: host pointers
   std::vector<int64_t> uids{kQ, kK, kV, kO, kStats, kScale};
@@ -509,6 +517,7 @@ void cudnn_attention_forward(const kernels::AttentionArgs& a, float* stats, Devi
 }
 
 void cudnn_attention_backward(const kernels::AttentionArgs& a, const float* stats, Device d, cudaStream_t stream) {
+  check_stats(stats);
   const Plan& p = plan_for(a, d, true);
   // dQ is summed over key blocks into an f32 buffer the engine expects to start at zero.
   const Storage dq_accum(size_t(a.B * a.H * a.T * a.D) * sizeof(float), d, MemCategory::workspace);

@@ -239,7 +239,7 @@ inline void attention_forward_tensor_cores(const kernels::AttentionArgs& a, Stre
   dispatch_tensor_cores(a.dtype, a.D, "attention (tensor cores)", [&](auto tag, auto dim) {
     using E = decltype(tag);
     constexpr int D = decltype(dim)::value;
-    launch(attention_forward_tc_kernel<E, D>, dim3(blocks_for(a.T, kTcRows), unsigned(a.B * a.H)), dim3(kTcThreads),
+    launch(attention_forward_tc_kernel<E, D>, dim3(blocks_for(a.T, kTcRows), blocks_for(a.B * a.H, 1)), dim3(kTcThreads),
            0, stream, static_cast<E*>(a.out), static_cast<float*>(a.lse), static_cast<const E*>(a.q),
            static_cast<const E*>(a.k), static_cast<const E*>(a.v), q_heads(a), o_heads(a), a.T, float(a.scale),
            a.causal);
@@ -416,7 +416,7 @@ inline void attention_backward_tensor_cores(const kernels::AttentionArgs& a, flo
     const HeadLayout ql = q_heads(a), ol = o_heads(a);
     launch(attention_dot_kernel<E, D>, dim3(blocks_for(a.B * a.H * a.T, 256)), dim3(256), 0, stream, workspace,
            static_cast<const E*>(a.out), dout, ol, a.T, a.B * a.H * a.T);
-    const dim3 grid(blocks_for(a.T, kTcRows), unsigned(a.B * a.H)), block(kTcThreads);
+    const dim3 grid(blocks_for(a.T, kTcRows), blocks_for(a.B * a.H, 1)), block(kTcThreads);
     launch(attention_dkdv_tc_kernel<E, D>, grid, block, 0, stream, static_cast<E*>(a.dk), static_cast<E*>(a.dv), q,
            k, v, dout, lse, static_cast<const float*>(workspace), ql, ol, a.T, float(a.scale), a.causal);
     launch(attention_dq_tc_kernel<E, D>, grid, block, 0, stream, static_cast<E*>(a.dq), q, k, v, dout, lse,

@@ -27,8 +27,8 @@ SG_DEVICE void for_row(const T* p, int64_t n, F&& f) {
 
 // (m, s): a running max and a sum of exp(x - m); merging two is the online softmax's step.
 SG_DEVICE void merge_max_sum(float& m, float& s, float m2, float s2) {
-  const float mm = fmaxf(m, m2);
-  s = mm == -INFINITY ? 0.0f : s * expf(m - mm) + s2 * expf(m2 - mm);
+  const float mm = fmaxf(m, m2);  // fmaxf drops a NaN: the sums carry it (a NaN side's s is NaN)
+  s = mm == -INFINITY ? s + s2 : s * expf(m - mm) + s2 * expf(m2 - mm);
   m = mm;
 }
 
@@ -39,7 +39,7 @@ template <class T>
 SG_DEVICE float row_logsumexp(const T* x, int64_t V, float* scratch) {
   float m = -INFINITY, s = 0.0f;
   for_row(x, V, [&](int64_t, float v) {
-    if (v > m) {
+    if (!(v <= m)) {  // v > m, or a NaN, which then rides in m and s to the result (as on the CPU)
       s = s * expf(m - v) + 1.0f;  // m = -inf at first: s is 0 then
       m = v;
     } else if (v > -INFINITY) {
@@ -132,7 +132,7 @@ inline void cross_entropy(DType dtype, DType tgt_dtype, float* loss, float* lse,
     dispatch_index(tgt_dtype, "cross_entropy", [&](auto itag) {
       using T = decltype(tag);
       using I = decltype(itag);
-      launch(classifier_kernel<T, I, false>, dim3(unsigned(rows)), dim3(kClassifierThreads), 0, stream, loss, lse,
+      launch(classifier_kernel<T, I, false>, dim3(blocks_for(rows, 1)), dim3(kClassifierThreads), 0, stream, loss, lse,
              static_cast<T*>(nullptr), static_cast<const T*>(logits), static_cast<const I*>(targets), 0.0f, Vp, V,
              ignore_index, bad_targets);
     });
@@ -147,7 +147,7 @@ inline void cross_entropy_backward(DType dtype, DType tgt_dtype, void* dlogits, 
     dispatch_index(tgt_dtype, "cross_entropy_backward", [&](auto itag) {
       using T = decltype(tag);
       using I = decltype(itag);
-      launch(cross_entropy_backward_kernel<T, I>, dim3(unsigned(rows)), dim3(kClassifierThreads), 0, stream,
+      launch(cross_entropy_backward_kernel<T, I>, dim3(blocks_for(rows, 1)), dim3(kClassifierThreads), 0, stream,
              static_cast<T*>(dlogits), dloss, static_cast<const T*>(logits), lse, static_cast<const I*>(targets), Vp,
              V, ignore_index);
     });
@@ -165,7 +165,7 @@ inline void classifier_forward_backward(DType dtype, DType tgt_dtype, float* los
     dispatch_index(tgt_dtype, "classifier_forward_backward", [&](auto itag) {
       using T = decltype(tag);
       using I = decltype(itag);
-      launch(classifier_kernel<T, I, true>, dim3(unsigned(rows)), dim3(kClassifierThreads), 0, stream, loss, lse,
+      launch(classifier_kernel<T, I, true>, dim3(blocks_for(rows, 1)), dim3(kClassifierThreads), 0, stream, loss, lse,
              static_cast<T*>(dlogits), static_cast<const T*>(logits), static_cast<const I*>(targets), dloss, Vp, V,
              ignore_index, bad_targets);
     });

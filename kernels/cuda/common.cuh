@@ -49,6 +49,8 @@ using Stream = cudaStream_t;
 template <class... P, class... A>
 void launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t shmem, Stream stream, A... args) {
   if (grid.x * grid.y * grid.z == 0) return;
+  SG_CHECK(grid.y <= 65535 && grid.z <= 65535, "CUDA launch: grid (", grid.x, ", ", grid.y, ", ", grid.z,
+           "): gridDim.y and gridDim.z are at most 65535 (the emulation refuses it too)");
   kernel<<<grid, block, shmem, stream>>>(static_cast<P>(args)...);
   SG_CUDA_CHECK(cudaGetLastError());
 }
@@ -80,7 +82,13 @@ SG_HOST_DEVICE float to_f32(float v) { return v; }
 
 constexpr unsigned kFullMask = 0xffffffffu;
 
-inline unsigned blocks_for(int64_t n, int threads) { return unsigned((n + threads - 1) / threads); }
+// Blocks of `threads` covering n items (gridDim.x: at most 2^31 - 1).
+inline unsigned blocks_for(int64_t n, int threads) {
+  const int64_t blocks = (n + threads - 1) / threads;
+  SG_CHECK(blocks < (int64_t(1) << 31), "CUDA launch: ", n, " items in blocks of ", threads, " need ", blocks,
+           " blocks; gridDim.x is at most 2^31 - 1");
+  return unsigned(blocks);
+}
 
 SG_HOST_DEVICE bool aligned_to(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 SG_HOST_DEVICE bool aligned16(const void* p) { return aligned_to(p, 16); }

@@ -137,7 +137,7 @@ inline void embedding_forward(DType dtype, DType idx_dtype, void* out, const voi
       using T = decltype(tag);
       using I = decltype(itag);
       const bool vec = aligned16(out) && aligned16(weight) && (C * int64_t(sizeof(T))) % 16 == 0;
-      launch(embedding_forward_kernel<T, I>, dim3(unsigned(n)), dim3(128), 0, stream, static_cast<T*>(out),
+      launch(embedding_forward_kernel<T, I>, dim3(blocks_for(n, 1)), dim3(128), 0, stream, static_cast<T*>(out),
              static_cast<const I*>(idx), static_cast<const T*>(weight), C, num_rows, vec, bad_indices);
     });
   });
@@ -159,7 +159,7 @@ inline void embedding_backward(DType dtype, DType idx_dtype, void* dweight, cons
       auto *pos_in = reinterpret_cast<int*>(base + sp.pos_in), *pos_out = reinterpret_cast<int*>(base + sp.pos_out);
       sort_rows(rows, pos_out, static_cast<const I*>(idx), n, num_rows, keys_in, pos_in, base + sp.sort,
                 sp.sort_bytes, stream);
-      launch(embedding_backward_kernel<T>, dim3(unsigned(n), blocks_for(C, 128)), dim3(128), 0, stream,
+      launch(embedding_backward_kernel<T>, dim3(blocks_for(n, 1), blocks_for(C, 128)), dim3(128), 0, stream,
              static_cast<T*>(dweight), static_cast<const T*>(dout), static_cast<const uint32_t*>(rows),
              static_cast<const int*>(pos_out), n, C, uint32_t(num_rows));
     });

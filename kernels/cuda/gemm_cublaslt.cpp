@@ -8,6 +8,7 @@
 // dtype (bf16/f16 inputs accumulate in f32); f32 inputs may use TF32 tensor cores when allowed.
 #include <cublasLt.h>
 
+#include <algorithm>
 #include <atomic>
 #include <map>
 #include <mutex>
@@ -87,9 +88,16 @@ uint32_t min_alignment(std::initializer_list<const void*> ptrs) {
 }
 
 // Everything the heuristic's answer depends on: device, types, shapes, leading dimensions,
-// batching, epilogue and alignment.
+// batching, epilogue and alignment (the operands', and the bias and aux pointers', whose values
+// the heuristic reads to decide the alignment it may assume).
 using AlgoKey = std::tuple<int, int, int, bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                           int64_t, int64_t, int64_t, int, bool, uint32_t, uint32_t, uint32_t, uint32_t>;
+                           int64_t, int64_t, int64_t, int, bool, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t,
+                           uint32_t>;
+// The heuristic's choice and the workspace it asked for (at most kWorkspaceBytes).
+struct Algo {
+  cublasLtMatmulAlgo_t algo;
+  size_t workspace;
+};
 
 // Whether an algorithm may write D elsewhere than C (a residual GEMM reads C and writes D).
 bool out_of_place(const cublasLtMatmulAlgo_t& algo) {
@@ -104,15 +112,15 @@ bool out_of_place(const cublasLtMatmulAlgo_t& algo) {
 // the same few dozen GEMM shapes hundreds of times, so each shape asks once per process.
 // An empty answer (no algorithm for this epilogue) is remembered too.
 template <class Find>
-std::optional<cublasLtMatmulAlgo_t> cached_algo(const AlgoKey& key, Find find) {
+std::optional<Algo> cached_algo(const AlgoKey& key, Find find) {
   static std::mutex mu;
-  static std::map<AlgoKey, std::optional<cublasLtMatmulAlgo_t>> algos;
+  static std::map<AlgoKey, std::optional<Algo>> algos;
   {
     std::lock_guard<std::mutex> lock(mu);
     auto it = algos.find(key);
     if (it != algos.end()) return it->second;
   }
-  const std::optional<cublasLtMatmulAlgo_t> algo = find();  // outside the lock: it may throw
+  const std::optional<Algo> algo = find();  // outside the lock: it may throw
   std::lock_guard<std::mutex> lock(mu);
   return algos.emplace(key, algo).first->second;
 }
@@ -189,14 +197,16 @@ bool matmul(const kernels::GemmArgs& g, const char* op) {
   const void* source = g.residual ? g.residual : g.C;
   const float alpha = float(g.alpha), beta = g.residual ? 1.0f : float(g.beta);
   // Each operand's own alignment: one badly aligned operand must not exclude the algorithms that
-  // need more of the others. (The bias and aux pointers are 16-byte aligned: epilogue_fits.)
+  // need more of the others. (The bias and aux pointers are at least 16-byte aligned: epilogue_fits;
+  // an algorithm chosen for a 256-byte aligned bias may not take a 16-byte aligned one.)
   const uint32_t align_a = min_alignment({g.B}), align_b = min_alignment({g.A}), align_c = min_alignment({source}),
-                 align_d = min_alignment({g.C});
+                 align_d = min_alignment({g.C}), align_vector = min_alignment({vector}), align_aux = min_alignment({aux});
   const bool residual = g.residual != nullptr;
-  const AlgoKey key{d.index,    int(g.dtype),  int(compute), g.trans_a, g.trans_b, g.M,     g.N,
-                    g.K,        g.lda,         g.ldb,        g.ldc,     g.batch,   g.stride_a, g.stride_b,
-                    g.stride_c, int(epilogue), residual,     align_a,   align_b,   align_c, align_d};
-  const std::optional<cublasLtMatmulAlgo_t> algo = cached_algo(key, [&]() -> std::optional<cublasLtMatmulAlgo_t> {
+  const AlgoKey key{d.index,    int(g.dtype),  int(compute), g.trans_a, g.trans_b, g.M,         g.N,
+                    g.K,        g.lda,         g.ldb,        g.ldc,     g.batch,   g.stride_a,  g.stride_b,
+                    g.stride_c, int(epilogue), residual,     align_a,   align_b,   align_c,     align_d,
+                    align_vector, align_aux};
+  const std::optional<Algo> algo = cached_algo(key, [&]() -> std::optional<Algo> {
     SG_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&desc.pref));
     const uint64_t ws = kWorkspaceBytes;
     SG_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(desc.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
@@ -223,12 +233,14 @@ bool matmul(const kernels::GemmArgs& g, const char* op) {
     SG_CHECK(best, op, " (cuBLASLt): no algorithm for ", dtype_name(g.dtype), " M=", g.M, " N=", g.N, " K=", g.K,
              " batch=", g.batch, " lda=", g.lda, " ldb=", g.ldb, " ldc=", g.ldc, " alignment A/B/C/D ", align_b, "/",
              align_a, "/", align_c, "/", align_d, " bytes");
-    return best->algo;
+    return Algo{best->algo, std::min(best->workspaceSize, kWorkspaceBytes)};
   });
   if (!algo) return false;
-  const Storage workspace(kWorkspaceBytes, d, MemCategory::workspace);
+  // Only what the chosen algorithm asked for (often nothing): the ledger's workspace is what runs.
+  std::optional<Storage> workspace;
+  if (algo->workspace) workspace.emplace(algo->workspace, d, MemCategory::workspace);
   SG_CUBLAS_CHECK(cublasLtMatmul(h, desc.op, &alpha, g.B, desc.a, g.A, desc.b, &beta, source, desc.c, g.C, desc.c,
-                                 &*algo, workspace.data(), kWorkspaceBytes, stream));
+                                 &algo->algo, workspace ? workspace->data() : nullptr, algo->workspace, stream));
   return true;
 }
 

@@ -45,7 +45,7 @@ __global__ void softmax_backward_kernel(T* dx, const T* dy, const T* y, int64_t 
 inline void softmax(DType dtype, void* y, const void* x, int64_t rows, int64_t cols, bool log, Stream stream) {
   dispatch_storage(dtype, "softmax", [&](auto tag) {
     using T = decltype(tag);
-    launch(softmax_forward_kernel<T>, dim3(unsigned(rows)), dim3(kRowThreads), 0, stream, static_cast<T*>(y),
+    launch(softmax_forward_kernel<T>, dim3(blocks_for(rows, 1)), dim3(kRowThreads), 0, stream, static_cast<T*>(y),
            static_cast<const T*>(x), cols, log);
   });
 }
@@ -54,7 +54,7 @@ inline void softmax_backward(DType dtype, void* dx, const void* dy, const void* 
                              Stream stream) {
   dispatch_storage(dtype, "softmax_backward", [&](auto tag) {
     using T = decltype(tag);
-    launch(softmax_backward_kernel<T>, dim3(unsigned(rows)), dim3(kRowThreads), 0, stream, static_cast<T*>(dx),
+    launch(softmax_backward_kernel<T>, dim3(blocks_for(rows, 1)), dim3(kRowThreads), 0, stream, static_cast<T*>(dx),
            static_cast<const T*>(dy), static_cast<const T*>(y), cols, log);
   });
 }

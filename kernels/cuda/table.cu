@@ -121,7 +121,7 @@ void gemm(const kernels::GemmArgs& g) {
   cuda::gemm(bare);
   const On o = on(g.C, "gemm");
   if (g.bias) cuda::binary(Binary::add, g.dtype, pre, pre, {g.N, 1}, g.bias, {0, 1}, {g.M, g.N}, o.stream);
-  if (g.residual) cuda::binary(Binary::add, g.dtype, g.C, g.residual, {g.N, 1}, g.C, {g.N, 1}, {g.M, g.N}, o.stream);
+  if (g.residual) cuda::binary(Binary::add, g.dtype, g.C, g.C, {g.N, 1}, g.residual, {g.N, 1}, {g.M, g.N}, o.stream);
   if (g.gelu) cuda::unary(Unary::gelu, g.dtype, g.C, pre, g.M * g.N, 0, o.stream);
   if (g.dgelu_pre) cuda::unary_backward(Unary::gelu, g.dtype, g.C, g.C, g.dgelu_pre, g.M * g.N, o.stream);
   // Sums over rows: of C [M, N] for the bias gradient; of op(A) [M, K] for the row sums (a

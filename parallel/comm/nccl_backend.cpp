@@ -44,6 +44,7 @@ LaunchEnv launch_env() {
 
 #include <atomic>
 #include <chrono>
+#include <exception>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -111,20 +112,25 @@ class StreamWork : public Work {
         results_(std::move(results)) {}
   ~StreamWork() override {
     // A destructor cannot throw: an error here was already raised by wait()/test(), or the
-    // process is going down with the communicator.
-    if (!held_.empty() && !done_) (void)cudaEventSynchronize(event_);
+    // process is going down with the communicator. Not while an error unwinds the stack: the
+    // operation may wait for a peer that will never join it (the group aborts its communicator).
+    if (!held_.empty() && !done_ && !aborted_->load() && std::uncaught_exceptions() == 0)
+      (void)cudaEventSynchronize(event_);
     (void)cudaEventDestroy(event_);
   }
   void wait() override {
     std::lock_guard<std::mutex> lock(mu_);
     if (done_) return;
     SG_CUDA_CHECK(cudaSetDevice(device_));
+    // Spins for the first 50 us (a sleep lasts ~50 us on Linux, longer than many collectives
+    // take), then sleeps between polls.
+    const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(50);
     for (;;) {
       const cudaError_t e = cudaEventQuery(event_);
       if (e == cudaSuccess) break;
       if (e != cudaErrorNotReady) SG_CUDA_CHECK(e);
       check_async();
-      std::this_thread::sleep_for(std::chrono::microseconds(10));
+      if (std::chrono::steady_clock::now() > spin_until) std::this_thread::sleep_for(std::chrono::microseconds(10));
     }
     complete();
   }
@@ -203,7 +209,11 @@ class NcclProcessGroup : public ProcessGroup {
     SG_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   }
   ~NcclProcessGroup() override {
-    // Destructors cannot throw; the errors a finished job could meet here change nothing.
+    // Destructors cannot throw; the errors a finished job could meet here change nothing. While an
+    // error unwinds the stack, the peers may never match what is pending or running (a pipeline
+    // recv, a collective): flushing, synchronising or destroying would wait for them and hide the
+    // error behind the watchdog's timeout, so the communicator is aborted instead.
+    if (std::uncaught_exceptions() > 0 && !aborted_->exchange(true)) (void)ncclCommAbort(comm_);
     if (!aborted_->load()) {
       try {
         flush_sends();
@@ -273,6 +283,7 @@ class NcclProcessGroup : public ProcessGroup {
   // any pending sends), and returns a Work on its completion.
   template <class F>
   std::shared_ptr<Work> on_stream(Operands& ops, F issue) {
+    check_usable();
     flush_sends();
     after_compute();
     issue();
@@ -297,6 +308,7 @@ class NcclProcessGroup : public ProcessGroup {
   };
   // Issues every pending send, with `recv` (when given) in the same NCCL group.
   void issue_pending(const std::function<void()>& recv) {
+    check_usable();
     std::vector<PendingSend> sends;
     {
       std::lock_guard<std::mutex> lock(pending_mu_);
@@ -316,6 +328,11 @@ class NcclProcessGroup : public ProcessGroup {
     for (auto& s : sends) s.work->issued(done_work(s.ops));
   }
   void flush_sends() { issue_pending(nullptr); }
+  // An aborted communicator is freed: nothing may be issued on it any more.
+  void check_usable() const {
+    SG_CHECK(!aborted_->load(), "nccl: this group's communicator was aborted after an earlier error; no further "
+             "operation can run on it", at());
+  }
 
  public:
   // DeferredWork's way in: issues its send (and any others pending) if it is still pending.
@@ -362,6 +379,7 @@ class NcclProcessGroup : public ProcessGroup {
     });
   }
   std::shared_ptr<Work> do_send(const Tensor& t, int dst, int) override {
+    check_usable();
     PendingSend s{Operands(*this), nullptr, size_t(t.numel()), nccl_type(t.dtype()), dst,
                   std::make_shared<DeferredWork>(this)};
     s.p = s.ops.add(t, true, false);
@@ -389,6 +407,7 @@ class NcclProcessGroup : public ProcessGroup {
     return w;
   }
   std::shared_ptr<ProcessGroup> do_split(int color, int key) override {
+    check_usable();
     flush_sends();
     ncclComm_t sub = nullptr;
     SG_NCCL_CHECK(ncclCommSplit(comm_, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &sub, nullptr));

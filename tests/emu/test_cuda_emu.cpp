@@ -264,6 +264,26 @@ TEST_CASE("emu classifier counts targets out of range instead of reading past th
   CHECK(loss[1] == 0.0f);
 }
 
+TEST_CASE("emu classifier gives a NaN loss for a row with a NaN logit, as the CPU does", "[emu]") {
+  // The NaN sits in one thread's stretch of a row that several warps share, away from the target:
+  // the running max drops it (comparisons with NaN are false), so only the sums can carry it.
+  const int64_t rows = 3, V = 3001, Vp = 3008;
+  auto logits = randn(rows * Vp, 15);
+  logits[size_t(1 * Vp + 1234)] = std::nanf("");
+  const std::vector<int64_t> targets = {7, 52, 0};
+  std::vector<float> loss_ref(rows), lse_ref(rows), loss(rows), lse(rows);
+  cpu::cross_entropy(DType::f32, DType::i64, loss_ref.data(), lse_ref.data(), logits.data(), targets.data(), rows, Vp,
+                     V, -100);
+  int bad = 0;
+  cu::cross_entropy(DType::f32, DType::i64, loss.data(), lse.data(), logits.data(), targets.data(), rows, Vp, V, -100,
+                    &bad, nullptr);
+  REQUIRE(std::isnan(loss_ref[1]));
+  CHECK(std::isnan(loss[1]));
+  CHECK(std::isnan(lse[1]));
+  CHECK_THAT(loss[0], Catch::Matchers::WithinRel(loss_ref[0], 1e-5f));
+  CHECK_THAT(loss[2], Catch::Matchers::WithinRel(loss_ref[2], 1e-5f));
+}
+
 // ---------------------------------------------------------------- layernorm, rmsnorm
 
 TEMPLATE_TEST_CASE("emu layernorm forward and backward match the CPU table", "[emu]", float, cu::bf16, cu::f16) {

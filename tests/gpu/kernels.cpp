@@ -27,6 +27,29 @@ double rtol(DType dt) { return dt == DType::f32 ? 1e-4 : 2e-2; }
 
 const std::vector<DType> kFloat = {DType::f32, DType::bf16, DType::f16};
 
+// The embedding of idx over a [rows, C] table of randn(seed), and its '+=' backward into randn(seed
+// + 2) from randn(seed + 1), on cuda:0 against the CPU, for every float dtype; half_atol bounds the
+// backward's sums in bf16/f16.
+void check_embedding(const std::vector<int64_t>& idx, int64_t C_, int64_t rows, uint32_t seed, double half_atol) {
+  const int64_t n = int64_t(idx.size());
+  const auto weight = randn(size_t(rows * C_), seed), dout = randn(size_t(n * C_), seed + 1),
+             dw0 = randn(size_t(rows * C_), seed + 2);
+  for (DType dt : kFloat) {
+    INFO(dtype_name(dt) << " C " << C_);
+    Tensor gi = to(from_vector(idx, {n}), gpu), ci = from_vector(idx, {n});
+    Tensor gwt = put(weight, dt, gpu), cwt = put(rounded(weight, dt), DType::f32, host);
+    Tensor gout = buffer(n * C_, dt, gpu), cout = buffer(n * C_, DType::f32, host);
+    G().embedding(dt, DType::i64, gout.data_ptr(), gi.data_ptr(), gwt.data_ptr(), n, C_, rows);
+    C().embedding(DType::f32, DType::i64, cout.data_ptr(), ci.data_ptr(), cwt.data_ptr(), n, C_, rows);
+    check_close(get(gout), get(cout), 0, 0);
+    Tensor gdw = put(dw0, dt, gpu), cdw = put(rounded(dw0, dt), DType::f32, host);
+    Tensor gdo = put(dout, dt, gpu), cdo = put(rounded(dout, dt), DType::f32, host);
+    G().embedding_backward(dt, DType::i64, gdw.data_ptr(), gdo.data_ptr(), gi.data_ptr(), n, C_, rows);
+    C().embedding_backward(DType::f32, DType::i64, cdw.data_ptr(), cdo.data_ptr(), ci.data_ptr(), n, C_, rows);
+    check_close(get(gdw), get(cdw), rtol(dt), dt == DType::f32 ? 1e-5 : half_atol);
+  }
+}
+
 }  // namespace
 
 TEST_CASE("fill, copy_strided and the casts match the CPU", "[gpu][kernels]") {
@@ -116,7 +139,7 @@ TEST_CASE("unary ops and their derivatives match the CPU", "[gpu][kernels]") {
 TEST_CASE("reductions over rows and over a middle axis match the CPU", "[gpu][kernels]") {
   for (DType dt : kFloat)
     for (auto op : {kernels::Reduce::sum, kernels::Reduce::max, kernels::Reduce::sum_squares})
-      for (Dims s : {Dims{3, 777, 1}, Dims{4, 33, 5}, Dims{2, 5000, 70}}) {
+      for (Dims s : {Dims{3, 777, 1}, Dims{4, 33, 5}, Dims{2, 5000, 70}, Dims{2, 70001, 1}}) {
         INFO(dtype_name(dt) << " reduce " << int(op) << " [" << s[0] << "," << s[1] << "," << s[2] << "]");
         const auto x = randn(size_t(s[0] * s[1] * s[2]), 6);
         Tensor gx = put(x, dt, gpu), out = buffer(s[0] * s[2], dt, gpu);
@@ -310,67 +333,71 @@ TEST_CASE("softmax and log-softmax, forward and backward, match the CPU", "[gpu]
     }
 }
 
+// C = 97: element by element; 64 and 768 (GPT-2 small): 16-byte packs and the fused dw/db backward;
+// 1280 (GPT-2 large): packs, with dw/db in a second kernel (norm_backward_fuses).
 TEST_CASE("layernorm and rmsnorm, forward and backward, match the CPU", "[gpu][kernels]") {
-  const int64_t rows = 37, C_ = 97;
-  const auto x = randn(size_t(rows * C_), 17, 1.5f, 0.5f), w = randn(size_t(C_), 18, 0.2f, 1.0f),
-             b = randn(size_t(C_), 19), dy = randn(size_t(rows * C_), 20);
-  for (DType dt : kFloat) {
-    INFO(dtype_name(dt));
-    const double tol = dt == DType::f32 ? 1e-4 : 3e-2;
-    Tensor gx = put(x, dt, gpu), gw = put(w, dt, gpu), gb = put(b, dt, gpu), gdy = put(dy, dt, gpu);
-    Tensor cx = put(rounded(x, dt), DType::f32, host), cw = put(rounded(w, dt), DType::f32, host),
-           cb = put(rounded(b, dt), DType::f32, host), cdy = put(rounded(dy, dt), DType::f32, host);
-    // mean and rstd are f32 for every dtype (kernels::stats_dtype)
-    Tensor gy = buffer(rows * C_, dt, gpu), gm = buffer(rows, DType::f32, gpu), gr = buffer(rows, DType::f32, gpu);
-    Tensor cy = buffer(rows * C_, DType::f32, host), cm = buffer(rows, DType::f32, host),
-           cr = buffer(rows, DType::f32, host);
-    G().layernorm(dt, gy.data_ptr(), gm.data_ptr(), gr.data_ptr(), gx.data_ptr(), gw.data_ptr(), gb.data_ptr(), rows,
-                  C_, 1e-5);
-    C().layernorm(DType::f32, cy.data_ptr(), cm.data_ptr(), cr.data_ptr(), cx.data_ptr(), cw.data_ptr(),
-                  cb.data_ptr(), rows, C_, 1e-5);
-    check_close(get(gy), rounded(get(cy), dt), tol, tol);
-    check_close(get(gm), get(cm), 1e-5, 1e-5);  // from the same (rounded) inputs, in f32 on both sides
-    check_close(get(gr), get(cr), 1e-5, 1e-5);
-    Tensor gdx = buffer(rows * C_, dt, gpu), gdw = buffer(C_, dt, gpu), gdb = buffer(C_, dt, gpu);
-    Tensor cdx = buffer(rows * C_, DType::f32, host), cdw = buffer(C_, DType::f32, host),
-           cdb = buffer(C_, DType::f32, host);
-    G().layernorm_backward(dt, gdx.data_ptr(), gdw.data_ptr(), gdb.data_ptr(), gdy.data_ptr(), gx.data_ptr(),
-                           gw.data_ptr(), gm.data_ptr(), gr.data_ptr(), rows, C_);
-    C().layernorm_backward(DType::f32, cdx.data_ptr(), cdw.data_ptr(), cdb.data_ptr(), cdy.data_ptr(), cx.data_ptr(),
-                           cw.data_ptr(), cm.data_ptr(), cr.data_ptr(), rows, C_);
-    check_close(get(gdx), get(cdx), tol, tol);
-    check_close(get(gdw), get(cdw), tol, 10 * tol);  // sums over 37 rows
-    check_close(get(gdb), get(cdb), tol, 10 * tol);
-
-    // the residual add fused in: r = x + dy as stored, then y = LayerNorm(r); backward adds dr = x
-    auto plus = [](std::vector<float> a, const std::vector<float>& b) {
-      for (size_t i = 0; i < a.size(); ++i) a[i] += b[i];
-      return a;
-    };
-    Tensor gsum = buffer(rows * C_, dt, gpu), csum = put(rounded(plus(get(cx), get(cdy)), dt), DType::f32, host);
-    G().residual_layernorm(dt, gsum.data_ptr(), gy.data_ptr(), gm.data_ptr(), gr.data_ptr(), gx.data_ptr(),
-                           gdy.data_ptr(), gw.data_ptr(), gb.data_ptr(), rows, C_, 1e-5);
-    C().layernorm(DType::f32, cy.data_ptr(), cm.data_ptr(), cr.data_ptr(), csum.data_ptr(), cw.data_ptr(),
-                  cb.data_ptr(), rows, C_, 1e-5);
-    check_close(get(gsum), get(csum), 0, 0);
-    check_close(get(gy), rounded(get(cy), dt), tol, tol);
-    G().residual_layernorm_backward(dt, gdx.data_ptr(), gdw.data_ptr(), gdb.data_ptr(), gx.data_ptr(), gdy.data_ptr(),
-                                    gsum.data_ptr(), gw.data_ptr(), gm.data_ptr(), gr.data_ptr(), rows, C_);
-    C().layernorm_backward(DType::f32, cdx.data_ptr(), cdw.data_ptr(), cdb.data_ptr(), cdy.data_ptr(), csum.data_ptr(),
-                           cw.data_ptr(), cm.data_ptr(), cr.data_ptr(), rows, C_);
-    check_close(get(gdx), plus(get(cdx), get(cx)), tol, tol);
-    check_close(get(gdw), get(cdw), tol, 10 * tol);
-
-    G().rmsnorm(dt, gy.data_ptr(), gr.data_ptr(), gx.data_ptr(), gw.data_ptr(), rows, C_, 1e-6);
-    C().rmsnorm(DType::f32, cy.data_ptr(), cr.data_ptr(), cx.data_ptr(), cw.data_ptr(), rows, C_, 1e-6);
-    check_close(get(gy), rounded(get(cy), dt), tol, tol);
-    check_close(get(gr), get(cr), 1e-5, 1e-5);
-    G().rmsnorm_backward(dt, gdx.data_ptr(), gdw.data_ptr(), gdy.data_ptr(), gx.data_ptr(), gw.data_ptr(),
-                         gr.data_ptr(), rows, C_);
-    C().rmsnorm_backward(DType::f32, cdx.data_ptr(), cdw.data_ptr(), cdy.data_ptr(), cx.data_ptr(), cw.data_ptr(),
-                         cr.data_ptr(), rows, C_);
-    check_close(get(gdx), get(cdx), tol, tol);
-    check_close(get(gdw), get(cdw), tol, 10 * tol);
+  for (auto [rows, C_] : {std::pair<int64_t, int64_t>{37, 97}, {37, 64}, {29, 768}, {9, 1280}}) {
+    INFO("rows " << rows << " C " << C_);
+    const auto x = randn(size_t(rows * C_), 17, 1.5f, 0.5f), w = randn(size_t(C_), 18, 0.2f, 1.0f),
+               b = randn(size_t(C_), 19), dy = randn(size_t(rows * C_), 20);
+    for (DType dt : kFloat) {
+      INFO(dtype_name(dt));
+      const double tol = dt == DType::f32 ? 1e-4 : 3e-2;
+      Tensor gx = put(x, dt, gpu), gw = put(w, dt, gpu), gb = put(b, dt, gpu), gdy = put(dy, dt, gpu);
+      Tensor cx = put(rounded(x, dt), DType::f32, host), cw = put(rounded(w, dt), DType::f32, host),
+             cb = put(rounded(b, dt), DType::f32, host), cdy = put(rounded(dy, dt), DType::f32, host);
+      // mean and rstd are f32 for every dtype (kernels::stats_dtype)
+      Tensor gy = buffer(rows * C_, dt, gpu), gm = buffer(rows, DType::f32, gpu), gr = buffer(rows, DType::f32, gpu);
+      Tensor cy = buffer(rows * C_, DType::f32, host), cm = buffer(rows, DType::f32, host),
+             cr = buffer(rows, DType::f32, host);
+      G().layernorm(dt, gy.data_ptr(), gm.data_ptr(), gr.data_ptr(), gx.data_ptr(), gw.data_ptr(), gb.data_ptr(), rows,
+                    C_, 1e-5);
+      C().layernorm(DType::f32, cy.data_ptr(), cm.data_ptr(), cr.data_ptr(), cx.data_ptr(), cw.data_ptr(),
+                    cb.data_ptr(), rows, C_, 1e-5);
+      check_close(get(gy), rounded(get(cy), dt), tol, tol);
+      check_close(get(gm), get(cm), 1e-5, 1e-5);  // from the same (rounded) inputs, in f32 on both sides
+      check_close(get(gr), get(cr), 1e-5, 1e-5);
+      Tensor gdx = buffer(rows * C_, dt, gpu), gdw = buffer(C_, dt, gpu), gdb = buffer(C_, dt, gpu);
+      Tensor cdx = buffer(rows * C_, DType::f32, host), cdw = buffer(C_, DType::f32, host),
+             cdb = buffer(C_, DType::f32, host);
+      G().layernorm_backward(dt, gdx.data_ptr(), gdw.data_ptr(), gdb.data_ptr(), gdy.data_ptr(), gx.data_ptr(),
+                             gw.data_ptr(), gm.data_ptr(), gr.data_ptr(), rows, C_);
+      C().layernorm_backward(DType::f32, cdx.data_ptr(), cdw.data_ptr(), cdb.data_ptr(), cdy.data_ptr(), cx.data_ptr(),
+                             cw.data_ptr(), cm.data_ptr(), cr.data_ptr(), rows, C_);
+      check_close(get(gdx), get(cdx), tol, tol);
+      check_close(get(gdw), get(cdw), tol, 10 * tol);  // sums over 37 rows
+      check_close(get(gdb), get(cdb), tol, 10 * tol);
+  
+      // the residual add fused in: r = x + dy as stored, then y = LayerNorm(r); backward adds dr = x
+      auto plus = [](std::vector<float> a, const std::vector<float>& b) {
+        for (size_t i = 0; i < a.size(); ++i) a[i] += b[i];
+        return a;
+      };
+      Tensor gsum = buffer(rows * C_, dt, gpu), csum = put(rounded(plus(get(cx), get(cdy)), dt), DType::f32, host);
+      G().residual_layernorm(dt, gsum.data_ptr(), gy.data_ptr(), gm.data_ptr(), gr.data_ptr(), gx.data_ptr(),
+                             gdy.data_ptr(), gw.data_ptr(), gb.data_ptr(), rows, C_, 1e-5);
+      C().layernorm(DType::f32, cy.data_ptr(), cm.data_ptr(), cr.data_ptr(), csum.data_ptr(), cw.data_ptr(),
+                    cb.data_ptr(), rows, C_, 1e-5);
+      check_close(get(gsum), get(csum), 0, 0);
+      check_close(get(gy), rounded(get(cy), dt), tol, tol);
+      G().residual_layernorm_backward(dt, gdx.data_ptr(), gdw.data_ptr(), gdb.data_ptr(), gx.data_ptr(), gdy.data_ptr(),
+                                      gsum.data_ptr(), gw.data_ptr(), gm.data_ptr(), gr.data_ptr(), rows, C_);
+      C().layernorm_backward(DType::f32, cdx.data_ptr(), cdw.data_ptr(), cdb.data_ptr(), cdy.data_ptr(), csum.data_ptr(),
+                             cw.data_ptr(), cm.data_ptr(), cr.data_ptr(), rows, C_);
+      check_close(get(gdx), plus(get(cdx), get(cx)), tol, tol);
+      check_close(get(gdw), get(cdw), tol, 10 * tol);
+  
+      G().rmsnorm(dt, gy.data_ptr(), gr.data_ptr(), gx.data_ptr(), gw.data_ptr(), rows, C_, 1e-6);
+      C().rmsnorm(DType::f32, cy.data_ptr(), cr.data_ptr(), cx.data_ptr(), cw.data_ptr(), rows, C_, 1e-6);
+      check_close(get(gy), rounded(get(cy), dt), tol, tol);
+      check_close(get(gr), get(cr), 1e-5, 1e-5);
+      G().rmsnorm_backward(dt, gdx.data_ptr(), gdw.data_ptr(), gdy.data_ptr(), gx.data_ptr(), gw.data_ptr(),
+                           gr.data_ptr(), rows, C_);
+      C().rmsnorm_backward(DType::f32, cdx.data_ptr(), cdw.data_ptr(), cdy.data_ptr(), cx.data_ptr(), cw.data_ptr(),
+                           cr.data_ptr(), rows, C_);
+      check_close(get(gdx), get(cdx), tol, tol);
+      check_close(get(gdw), get(cdw), tol, 10 * tol);
+    }
   }
 }
 
@@ -379,21 +406,8 @@ TEST_CASE("embedding forward and '+=' backward match the CPU; a bad index throws
   std::vector<int64_t> idx(n);
   for (int64_t i = 0; i < n; ++i) idx[size_t(i)] = (i * 17 + 3) % rows;
   idx[5] = idx[9] = idx[20] = 7;  // repeated rows accumulate
-  const auto weight = randn(size_t(rows * C_), 21), dout = randn(size_t(n * C_), 22), dw0 = randn(size_t(rows * C_), 23);
-  for (DType dt : kFloat) {
-    INFO(dtype_name(dt));
-    Tensor gi = to(from_vector(idx, {n}), gpu), ci = from_vector(idx, {n});
-    Tensor gwt = put(weight, dt, gpu), cwt = put(rounded(weight, dt), DType::f32, host);
-    Tensor gout = buffer(n * C_, dt, gpu), cout = buffer(n * C_, DType::f32, host);
-    G().embedding(dt, DType::i64, gout.data_ptr(), gi.data_ptr(), gwt.data_ptr(), n, C_, rows);
-    C().embedding(DType::f32, DType::i64, cout.data_ptr(), ci.data_ptr(), cwt.data_ptr(), n, C_, rows);
-    check_close(get(gout), get(cout), 0, 0);
-    Tensor gdw = put(dw0, dt, gpu), cdw = put(rounded(dw0, dt), DType::f32, host);
-    Tensor gdo = put(dout, dt, gpu), cdo = put(rounded(dout, dt), DType::f32, host);
-    G().embedding_backward(dt, DType::i64, gdw.data_ptr(), gdo.data_ptr(), gi.data_ptr(), n, C_, rows);
-    C().embedding_backward(DType::f32, DType::i64, cdw.data_ptr(), cdo.data_ptr(), ci.data_ptr(), n, C_, rows);
-    check_close(get(gdw), get(cdw), rtol(dt), dt == DType::f32 ? 1e-5 : 5e-2);
-  }
+  const auto weight = randn(size_t(rows * C_), 21);
+  check_embedding(idx, C_, rows, 21, 5e-2);
   // A bad index is reported at the host's next wait for the device (a read here), not by the op.
   std::vector<int32_t> bad = {0, 3, 50, 2};
   Tensor gb = to(from_vector(bad, {4}), gpu), gw = put(weight, DType::f32, gpu), out = buffer(4 * C_, DType::f32, gpu);
@@ -455,6 +469,15 @@ TEST_CASE("embedding forward and '+=' backward match the CPU; a bad index throws
   for (int i : {0, 1, 3})
     for (int64_t c = 0; c < C_; ++c) want[size_t((1 + bad[size_t(i)]) * C_ + c)] += d4[size_t(i * C_ + c)];
   check_close(get(gdw), want, 0, 0);
+}
+
+// Rows of 16-byte packs (C = 64), and one row taken by 12 positions: a long run of the sorted
+// backward, summed by one block.
+TEST_CASE("embedding on packed rows with a long run of one row matches the CPU", "[gpu][kernels]") {
+  const int64_t n = 29, rows = 50;
+  std::vector<int64_t> idx(n);
+  for (int64_t i = 0; i < n; ++i) idx[size_t(i)] = i >= 10 && i < 22 ? 3 : (i * 17 + 3) % rows;
+  check_embedding(idx, 64, rows, 24, 1e-1);  // 12 half-rounded terms in row 3
 }
 
 TEST_CASE("cross_entropy over a padded vocabulary, forward and backward, matches the CPU", "[gpu][kernels]") {
@@ -643,12 +666,16 @@ TEST_CASE("ops on views at an offset into a block find their device without a dr
   CHECK_THROWS_WITH(cuda::device_of(&local, "test op"), Catch::Contains("test op (cuda): pointer"));
 }
 
+// T = 77: two query blocks and a ragged tail at every head dim; T = 1024 (GPT-2's) on the tensor
+// cores: many key tiles per query block, causal tiles off the diagonal.
 TEST_CASE("flash attention, causal or not, forward and backward, matches the CPU", "[gpu][kernels]") {
-  const int64_t B = 2, H = 3, T = 77;
+  for (int64_t T : {77, 1024})
   for (int64_t D : {8, 16, 32, 64, 128})  // bf16 and f16 at 64 and 128: the tensor-core kernels
     for (DType dt : {DType::f32, DType::bf16, DType::f16})
     for (bool causal : {true, false}) {
-      INFO(dtype_name(dt) << " D " << D << (causal ? " causal" : " full"));
+      if (T > 77 && (D < 64 || dt != DType::bf16)) continue;
+      const int64_t B = T > 77 ? 1 : 2, H = T > 77 ? 2 : 3;
+      INFO(dtype_name(dt) << " T " << T << " D " << D << (causal ? " causal" : " full"));
       // f16 keeps 3 more mantissa bits than bf16: a bound 6x tighter (2^3 = 8, less some headroom).
       const double tol = dt == DType::f32 ? 2e-4 : dt == DType::bf16 ? 3e-2 : 5e-3;
       const size_t n = size_t(B * H * T * D);
@@ -683,12 +710,12 @@ TEST_CASE("flash attention, causal or not, forward and backward, matches the CPU
 
 // sg::attention_qkv: the kernels read q, k, v in place from the packed [B, T, 3C] projection and
 // write y as [B, T, C] and d(qkv) as one packed buffer (AttentionArgs' strides). On cuda:0 against
-// the CPU, through autograd, on the flash kernels (FMA at D = 32, tensor cores at D = 64) and cuDNN,
+// the CPU, through autograd, on the flash kernels (FMA at D = 32, tensor cores at D = 64 and 128) and cuDNN,
 // whose strided plans are also bypassed once (staged: the op table's contiguous copies, the path a
 // cuDNN that refuses these strides takes).
 TEST_CASE("attention_qkv on packed projections matches the CPU, forward and backward", "[gpu][kernels]") {
   const int64_t B = 2, T = 77;
-  for (int64_t D : {32, 64})
+  for (int64_t D : {32, 64, 128})
     for (DType dt : {DType::f32, DType::bf16, DType::f16})
       for (int path : {0, 1, 2}) {  // flash, cudnn, cudnn staged
         const bool cudnn = path > 0;
