@@ -1,13 +1,15 @@
-// shardgrad export: a checkpoint's model as one Hugging Face-named GPT-2 .safetensors file; `train
-// --init-from` and the Python ecosystem read it. Either format: a sharded checkpoint is
+// shardgrad export: a checkpoint's model as one Hugging Face-named GPT-2 .safetensors file and its
+// config.json; `train --init-from`, `generate` and transformers' GPT2LMHeadModel read them. Either format: a sharded checkpoint is
 // consolidated tensor by tensor (each from the pieces of every rank's file, checksums verified),
 // and its optimizer state is never read.
 #include <cstdio>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 
 #include "cli/args.h"
 #include "cli/commands.h"
 #include "io/file.h"
+#include "models/gpt.h"
 #include "parallel/sharded_checkpoint.h"
 
 namespace sg::cli {
@@ -15,7 +17,7 @@ namespace sg::cli {
 int export_main(int argc, char** argv) {
   Args a("export", "Write a checkpoint's weights as one Hugging Face GPT-2 .safetensors file.");
   a.positional("checkpoint", "run directory, step directory, or auto:RUN (full or sharded)");
-  a.flag("out", "", "the .safetensors file to write (must not exist)");
+  a.flag("out", "", "the .safetensors file to write (must not exist); a config.json for transformers goes beside it");
   if (!a.parse(argc, argv)) {
     std::printf("%s", a.usage().c_str());
     return 0;
@@ -27,8 +29,34 @@ int export_main(int argc, char** argv) {
   io::NamedTensors tensors = ckpt::hf_model_tensors(*c);
   SG_CHECK(!tensors.empty(), "export: ", c->path(), " holds no model parameters");
   io::make_parent_folder(out, "export: --out");
-  io::save_safetensors(out, tensors, c->metadata());
+  // Hugging Face's loader takes a file whose "format" is "pt"; shardgrad's own keys (the model's
+  // shape, the data) stay beside it.
+  io::SafetensorsFile file;
+  file.path = out;
+  file.metadata = c->metadata();
+  file.metadata["format"] = "pt";
+  for (auto& [n, t] : tensors) file.order.push_back(n), file.tensors[n] = t;
+  const nn::GPTConfig cfg = nn::config_from_hf(file);  // the head count from the checkpoint's metadata
+  io::save_safetensors(out, tensors, file.metadata);
   std::printf("exported %zu tensors from %s to %s\n", tensors.size(), c->path().c_str(), out.c_str());
+  // transformers' GPT2LMHeadModel.from_pretrained(folder) reads the architecture from config.json
+  // beside the weights (the head ties to wte, as here).
+  const std::filesystem::path config = std::filesystem::path(out).parent_path() / "config.json";
+  if (std::filesystem::exists(config)) {
+    std::printf("%s already exists: left as it is\n", config.string().c_str());
+  } else {
+    const nlohmann::json j = {{"architectures", {"GPT2LMHeadModel"}}, {"model_type", "gpt2"},
+                              {"vocab_size", cfg.vocab_size},       {"n_positions", cfg.block_size},
+                              {"n_ctx", cfg.block_size},            {"n_embd", cfg.n_embd},
+                              {"n_layer", cfg.n_layer},             {"n_head", cfg.n_head},
+                              {"activation_function", "gelu_new"},  {"layer_norm_epsilon", cfg.ln_eps},
+                              {"tie_word_embeddings", true},        {"resid_pdrop", 0.0},
+                              {"embd_pdrop", 0.0},                  {"attn_pdrop", 0.0}};
+    io::write_text_atomic(config.string(), "export: config.json", j.dump(2) + "\n");
+    std::printf("wrote %s (GPT2LMHeadModel: %lld layers, %lld heads, width %lld, vocab %lld)\n",
+                config.string().c_str(), (long long)cfg.n_layer, (long long)cfg.n_head, (long long)cfg.n_embd,
+                (long long)cfg.vocab_size);
+  }
   return 0;
 }
 

@@ -23,7 +23,7 @@ namespace sg::cli {
 
 int generate_main(int argc, char** argv) {
   Args a("generate", "Sample from a model trained on bytes, on the synthetic task, or on GPT-2 tokens (--tokenizer).");
-  a.flag("from", "", "checkpoint directory (run or step) or a .safetensors file written by shardgrad");
+  a.flag("from", "", "checkpoint directory (run or step; auto:DIR for the newest complete one of a run) or a .safetensors file");
   a.flag("prompt", "", "text to continue");
   a.flag("max-new-tokens", "64", "tokens to sample (the synthetic task stops at the end of its answer's line)");
   a.flag("temperature", "1.0", "softmax temperature (0 = greedy)");
@@ -44,11 +44,12 @@ int generate_main(int argc, char** argv) {
   SG_CHECK(top_k >= 0, "generate: --top-k must be >= 0");
 
   std::string from = a.str("from");
-  SG_CHECK(std::filesystem::exists(from), "generate: --from ", from,
+  const bool newest = from.rfind("auto:", 0) == 0;  // the newest complete checkpoint of a run directory
+  SG_CHECK(newest || std::filesystem::exists(from), "generate: --from ", from,
            ": no such checkpoint directory (run or step) or .safetensors file");
   std::string file = from;
   io::SafetensorsFile weights;
-  if (std::filesystem::is_directory(from)) {  // a checkpoint of any layout: its model, consolidated
+  if (newest || std::filesystem::is_directory(from)) {  // a checkpoint of any layout: its model, consolidated
     std::unique_ptr<ckpt::Checkpoint> c = ckpt::open_checkpoint(from);
     file = c->path();
     weights.path = file;
@@ -60,6 +61,9 @@ int generate_main(int argc, char** argv) {
   } else {
     weights = io::load_safetensors(file);
   }
+  if (auto h = weights.metadata.find("n_head"); h != weights.metadata.end() && a.given("n-head"))
+    SG_CHECK(std::to_string(a.i64("n-head")) == h->second, "generate: --n-head ", a.i64("n-head"), " does not match ",
+             file, ", which records ", h->second, " heads (--n-head is for files that do not record it)");
   nn::GPTConfig cfg = nn::config_from_hf(weights, a.i64("n-head"));
   nn::GPT model(cfg);
   nn::load_hf_state(model, weights);
@@ -92,11 +96,36 @@ int generate_main(int argc, char** argv) {
     SG_CHECK(!data.empty(), "generate: ", file, " does not say what data it was trained on; pass --data, or --tokenizer for GPT-2 tokens");
     SG_CHECK(!io::is_shard_spec(data), "generate: ", file, " was trained on GPT-2 token shards (", data,
              "); pass --tokenizer, a folder with GPT-2's vocab.json and merges.txt");
-    io::DataOptions opt;
-    opt.spec = data;
-    tok = io::open_dataset(opt);
-    encode = [&](const std::string& t) { return tok->encode(t); };
-    decode = [&](const std::vector<int64_t>& ids) { return tok->decode(ids); };
+    // A text file's tokens are its bytes: they need no file, so a model moved away from the text
+    // it was trained on still samples.
+    const bool text = !io::is_generated_spec(data);
+    if (text && !a.given("data") && !std::filesystem::exists(data)) {
+      std::fprintf(stderr, "generate: %s was trained on the bytes of %s, which is not here; bytes need no file\n",
+                   file.c_str(), data.c_str());
+      sample_vocab = 256;
+      encode = [](const std::string& t) {
+        std::vector<int64_t> ids;
+        for (unsigned char c : t) ids.push_back(c);
+        return ids;
+      };
+      decode = [](const std::vector<int64_t>& ids) {
+        std::string t;
+        for (int64_t i : ids) t.push_back(char(i));
+        return t;
+      };
+    } else {
+      io::DataOptions opt;
+      opt.spec = data;
+      tok = io::open_dataset(opt);
+      sample_vocab = tok->vocab_size();
+      encode = [&](const std::string& t) { return tok->encode(t); };
+      decode = [&](const std::vector<int64_t>& ids) { return tok->decode(ids); };
+    }
+    // Ids past the data's are never sampled (a model may have more rows than its data's tokens);
+    // data with more tokens than the model has rows is other data than it learned.
+    SG_CHECK(sample_vocab <= cfg.vocab_size, "generate: the data ", data, " has ", sample_vocab,
+             " tokens, more than the model's vocabulary of ", cfg.vocab_size, " (", file,
+             "): it was trained on other data; give the --data it was trained on");
   }
 
   // The synthetic task's answer ends with its line: sampling stops there (its numbers are written

@@ -46,7 +46,8 @@ void declare_flags(Args& a) {
   a.flag("init-from", "", "start from a Hugging Face-named GPT-2 .safetensors file");
   a.flag("save", "", "run directory for checkpoints (never overwritten)");
   a.flag("save-every", "0", "checkpoint every N steps (0 = only at the end, when --save is given)");
-  a.flag("resume", "", "continue from a run directory or step directory");
+  a.flag("resume", "", "continue from a run directory or step directory, or auto: the newest complete checkpoint of "
+         "--save (none yet: start at step 0)");
   a.flag("eval-every", "250", "evaluate every N steps (0 = only at the end)");
   a.flag("eval-batches", "4", "validation batches per evaluation");
   a.flag("eval-problems", "200", "synthetic task: problems for the accuracy figure");

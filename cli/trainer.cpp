@@ -10,8 +10,10 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <optional>
+#include <sstream>
 
 #include "autograd/ops.h"
 #include "autograd/tape.h"
@@ -111,6 +113,18 @@ int Trainer::run() {
   setup();
   std::unique_ptr<std::ofstream> log;
   if (!args_.str("log-json").empty() && lead()) {
+    // Resumed: the log goes on from the checkpoint's step. Lines of later steps (an earlier
+    // attempt that failed after its last checkpoint, as launch restarts) are dropped first, so each
+    // step is logged once.
+    if (start_step_ && std::filesystem::exists(args_.str("log-json"))) {
+      std::istringstream lines(io::read_file(args_.str("log-json"), "train: --log-json"));
+      std::string kept;
+      for (std::string line; std::getline(lines, line);) {
+        const json rec = json::parse(line, nullptr, false);
+        if (rec.is_discarded() || rec.value("step", int64_t(0)) <= start_step_) kept += line + "\n";
+      }
+      io::write_text_atomic(args_.str("log-json"), "train: --log-json", kept);
+    }
     log = std::make_unique<std::ofstream>(args_.str("log-json"), start_step_ ? std::ios::app : std::ios::trunc);
     SG_CHECK(log->good(), "train: cannot write --log-json ", args_.str("log-json"));
   }
@@ -126,6 +140,7 @@ int Trainer::run() {
                 train_->describe().c_str(), (long long)B_, (long long)T_, (long long)micro_,
                 pp_ > 1 ? str(", ", B_ / dp_size_ / micro_, " per step").c_str() : "", device_.str().c_str(),
                 dtype_name(dtype_), omp_get_max_threads(), layout.c_str(), (long long)start_step_, (long long)steps_);
+    if (!io::is_generated_spec(data_opt_.spec)) std::printf("held out: %s\n", val_->describe().c_str());
     if (world_size_ == 1 && strategy_ != "single" && strategy_ != "dp")
       std::printf("note: --strategy %s on 1 rank shards and reduces nothing (launch it with mpirun -np N)\n",
                   strategy_.c_str());

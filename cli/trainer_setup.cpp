@@ -12,6 +12,7 @@
 #include "core/trace.h"
 #include "io/synthetic.h"
 #include "kernels/ops.h"
+#include "parallel/checkpoint.h"
 #include "parallel/comm/mpi_backend.h"
 #include "parallel/comm/nccl_backend.h"
 
@@ -111,9 +112,12 @@ void Trainer::configure() {
   only_for("shard-group-size", strategy_ == "hsdp", "--strategy hsdp");
   only_for("bucket-mb", strategy_ == "ddp" || strategy_ == "zero1" || strategy_ == "zero2", "ddp, zero1 and zero2");
   only_for("find-unused-parameters", strategy_ == "ddp", "--strategy ddp");
-  for (const char* flag : {"pp-schedule", "virtual-stages"}) only_for(flag, pp_ > 1, "pipelines (--pp > 1)");
+  for (const char* flag : {"pp-schedule", "virtual-stages", "timeline"}) only_for(flag, pp_ > 1, "pipelines (--pp > 1)");
   only_for("devices", strategy_ == "dp", "--strategy dp (one process, several devices)");
   for (const char* flag : {"save-every", "keep"}) SG_CHECK(!a.given(flag) || a.given("save"), "train: --", flag, " needs --save DIR");
+  // --resume auto beside --init-from is launch's restart of a run that started from the file.
+  SG_CHECK(a.str("init-from").empty() || a.str("resume").empty() || a.str("resume") == "auto", "train: give --init-from ",
+           "(start a run from a file) or --resume (continue a run), not both");
   device_spec_ = a.str("device");
   SG_CHECK(a.str("backend") == "mpi" || a.str("backend") == "nccl", "train: --backend must be mpi or nccl, got '",
            a.str("backend"), "'");
@@ -239,22 +243,31 @@ void Trainer::open_data() {
 
 void Trainer::build_model(const ckpt::Checkpoint* ck) {
   const Args& a = args_;
-  if (ck) {
-    cfg_ = config_from_metadata(ck->metadata(), ck->path());
+  // The model a checkpoint or --init-from loads: a shape flag (or --model's preset) given beside it
+  // must agree with it, not be ignored (launch's restarts repeat the first command's flags).
+  const auto agree = [&](const std::string& source) {
+    const nn::GPTConfig fresh = model_config(a, cfg_.vocab_size);  // what these flags build from scratch
     for (const char* f : {"n-layer", "n-head", "n-embd", "block-size", "vocab-size"}) {
-      if (!a.given(f)) continue;
-      int64_t want = a.i64(f);
-      int64_t have = std::string(f) == "n-layer" ? cfg_.n_layer
-                     : std::string(f) == "n-head" ? cfg_.n_head
-                     : std::string(f) == "n-embd" ? cfg_.n_embd
-                     : std::string(f) == "block-size" ? cfg_.block_size : cfg_.vocab_size;
-      SG_CHECK(want == have, "train: --", f, " ", want, " does not match the checkpoint ", ck->path(), " (", have, ")");
+      const std::string flag(f);
+      const bool from_preset = a.given("model") && flag != "vocab-size";
+      if (!a.given(f) && !from_preset) continue;
+      const auto of = [&](const nn::GPTConfig& c) {
+        return flag == "n-layer" ? c.n_layer : flag == "n-head" ? c.n_head : flag == "n-embd" ? c.n_embd
+               : flag == "block-size" ? c.block_size : c.vocab_size;
+      };
+      SG_CHECK(of(fresh) == of(cfg_), "train: ", a.given(f) ? str("--", f, " ", of(fresh))
+                                                           : str("--model ", a.str("model"), " (", f, " ", of(fresh), ")"),
+               " does not match ", source, " (", of(cfg_), ")");
     }
     cfg_.dropout = a.f64("dropout");
+  };
+  if (ck) {
+    cfg_ = config_from_metadata(ck->metadata(), ck->path());
+    agree("the checkpoint " + ck->path());
   } else if (!a.str("init-from").empty()) {
     io::SafetensorsFile f = io::load_safetensors(a.str("init-from"));
     cfg_ = nn::config_from_hf(f, a.i64("n-head"));
-    cfg_.dropout = a.f64("dropout");
+    agree("--init-from " + a.str("init-from"));
   } else {
     cfg_ = model_config(a, train_->vocab_size());
   }
@@ -410,6 +423,8 @@ void Trainer::restore(const ckpt::Checkpoint* ck) {
       for (const std::string& f : a.inherited()) flags.append(" ").append(a.spelled(f));
       std::printf("resumed from %s at step %lld%s\n", ck->path().c_str(), (long long)start_step_,
                   flags.empty() ? "" : (", with the run's" + flags).c_str());
+      if (!a.str("init-from").empty())
+        std::printf("--init-from %s is not read: the run goes on from its checkpoint\n", a.str("init-from").c_str());
       if (start_step_ == steps_)
         std::printf("the checkpoint is at the run's last step (--steps %lld): nothing to train; give a larger --steps "
                     "to go on\n", (long long)steps_);
@@ -421,9 +436,30 @@ void Trainer::restore(const ckpt::Checkpoint* ck) {
   }
   save_dir_ = a.str("save");
   SG_CHECK(a.i64("keep") >= 0, "train: --keep must be >= 0");
-  if (!save_dir_.empty() && std::filesystem::exists(save_dir_) && save_dir_ != a.str("resume") &&
-      std::filesystem::exists(std::filesystem::path(save_dir_) / "latest") && !ck) {
+  if (save_dir_.empty()) return;
+  // What would stop the run at its first save is refused before the first step.
+  namespace fs = std::filesystem;
+  SG_CHECK(!fs::exists(save_dir_) || fs::is_directory(save_dir_), "train: --save ", save_dir_,
+           " is a file, not a run directory");
+  if (fs::exists(save_dir_) && save_dir_ != a.str("resume") && fs::exists(fs::path(save_dir_) / "latest") && !ck) {
     throw Error(str("train: --save ", save_dir_, " already holds a run; choose another directory or --resume it"));
+  }
+  // A run resumed from an earlier step of its own directory would meet the later steps' checkpoints.
+  const int64_t every = a.i64("save-every");
+  if (!fs::exists(save_dir_)) return;
+  for (const auto& entry : fs::directory_iterator(save_dir_)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind("step_", 0) != 0 || name.size() == 5 ||
+        name.find_first_not_of("0123456789", 5) != std::string::npos)
+      continue;
+    const int64_t step = std::stoll(name.substr(5));
+    const bool saved = step == steps_ || (every > 0 && step % every == 0);
+    if (step <= start_step_ || step > steps_ || !saved) continue;
+    const std::string damage = ckpt::checkpoint_files_problem(entry.path().string());
+    throw Error(str("train: --save ", save_dir_, " already holds ", name, ", which this run would save again (resumed "
+                    "at step ", start_step_, "); checkpoints are never overwritten: ",
+                    damage.empty() ? "give another --save, or resume its newest (--resume auto)"
+                                   : "it is damaged (" + damage + "): move it away to save that step again"));
   }
 }
 

@@ -13,6 +13,7 @@
 #include "io/dataset.h"
 
 #include <algorithm>
+#include <filesystem>
 #include <cstdlib>
 #include <memory>
 
@@ -87,8 +88,18 @@ class FileDataset : public Dataset {
   }
 
   std::string describe() const override {
+    // The files by name (the first and last of many): which shards are held out is seen, not guessed.
+    const auto name = [&](size_t i) { return std::filesystem::path(ranges_[i].path).filename().string(); };
+    std::string files;
+    for (size_t i = 0; i < ranges_.size(); ++i) {
+      if (ranges_.size() > 3 && i > 0 && i + 1 < ranges_.size()) {
+        if (i == 1) files += ", ...";
+        continue;
+      }
+      files += (i ? ", " : "") + name(i);
+    }
     return str(kind_, " ", spec_, " (vocab ", vocab_, "): ", split_name(split_), " split of ", total_, " tokens in ",
-               ranges_.size(), ranges_.size() == 1 ? " file" : " files", ", ",
+               ranges_.size(), ranges_.size() == 1 ? " file" : " files", " (", files, "), ",
                shuffle_ ? "random rows" : "sequential");
   }
 

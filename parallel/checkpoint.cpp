@@ -118,8 +118,13 @@ std::string resolve_checkpoint(const std::string& dir_in) {
     fs::path run(dir_in.substr(5));
     SG_CHECK(fs::exists(run), "checkpoint: ", run.string(), " does not exist");
     auto dirs = step_dirs(run);
-    for (auto it = dirs.rbegin(); it != dirs.rend(); ++it)
-      if (has_manifest(it->second)) return it->second.string();
+    for (auto it = dirs.rbegin(); it != dirs.rend(); ++it) {
+      if (!has_manifest(it->second)) continue;
+      // A file lost after the commit (a disk, a hand): the step before it is the newest complete one.
+      const std::string problem = checkpoint_files_problem(it->second.string());
+      if (problem.empty()) return it->second.string();
+      std::fprintf(stderr, "checkpoint: skipping %s: %s\n", it->second.string().c_str(), problem.c_str());
+    }
     throw Error(str("checkpoint: ", run.string(), " holds no complete checkpoint"));
   }
   const std::string& dir = dir_in;
@@ -133,6 +138,7 @@ std::string resolve_checkpoint(const std::string& dir_in) {
   SG_CHECK(!name.empty() && name.find('/') == std::string::npos && name.find("..") == std::string::npos,
            "checkpoint: ", (p / "latest").string(), " names an invalid directory '", name, "'");
   fs::path step = p / name;
+  SG_CHECK(fs::exists(step), "checkpoint: ", step.string(), " (from ", (p / "latest").string(), ") does not exist");
   SG_CHECK(has_manifest(step), "checkpoint: ", step.string(), " (from ", (p / "latest").string(),
            ") is incomplete: no state.json or index.json");
   return step.string();

@@ -52,6 +52,9 @@ struct LoadedCheckpoint {
 // `latest` says (a crash between the rename and the pointer update leaves `latest` one behind).
 // Either format: the returned step directory holds state.json (full) or index.json (sharded).
 std::string resolve_checkpoint(const std::string& dir);
+// "" when every file a step directory's manifest names is there (at its recorded size, for the
+// sharded format); else what is not (parallel/sharded_checkpoint.cpp). auto: skips such steps.
+std::string checkpoint_files_problem(const std::string& step_dir);
 bool is_sharded_checkpoint(const std::string& step_dir);
 // The full format only (a sharded step directory is refused, pointing at open_checkpoint).
 LoadedCheckpoint load_checkpoint(const std::string& dir);

@@ -390,6 +390,30 @@ ShardedCheckpoint::ShardedCheckpoint(const std::string& step_dir) {
   parse_sharded_index(step_dir, ss.str(), state_, metadata_, tensors_, file_bytes_);
 }
 
+std::string ShardedCheckpoint::missing_files() const {
+  for (const auto& [file, bytes] : file_bytes_) {
+    const fs::path f = fs::path(path_) / file;
+    std::error_code ec;
+    const auto size = fs::file_size(f, ec);
+    if (ec) return str(f.string(), " is missing");
+    if (int64_t(size) != bytes) return str(f.string(), " is ", size, " bytes but ", kShardedManifest, " records ", bytes);
+  }
+  return "";
+}
+
+std::string checkpoint_files_problem(const std::string& step_dir) {
+  if (!is_sharded_checkpoint(step_dir)) {
+    for (const char* f : {"model.safetensors", "optim.safetensors"})
+      if (!fs::exists(fs::path(step_dir) / f)) return str((fs::path(step_dir) / f).string(), " is missing");
+    return "";
+  }
+  try {
+    return ShardedCheckpoint(step_dir).missing_files();
+  } catch (const Error& e) {
+    return e.what();
+  }
+}
+
 const ShardedCheckpoint::TensorRef& ShardedCheckpoint::ref(const std::string& name) const {
   auto it = tensors_.find(name);
   SG_CHECK(it != tensors_.end(), "checkpoint: tensor '", name, "' is missing from ", path_);

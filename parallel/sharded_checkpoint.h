@@ -85,6 +85,8 @@ class ShardedCheckpoint : public Checkpoint {
   std::vector<std::string> names() const override;
   DType dtype(const std::string& name) const override;
   Tensor tensor(const std::string& name) const override;
+  // "" when every file the index names is there at its recorded size; else the first that is not.
+  std::string missing_files() const;
 
   struct PieceRef {
     std::string file, key;

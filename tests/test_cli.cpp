@@ -278,6 +278,67 @@ TEST_CASE("train's default thread count: OMP_NUM_THREADS when set, else the core
   REQUIRE(shared.output.find("| 1 threads |") != std::string::npos);
 }
 
+TEST_CASE("train refuses before its first step what would stop it at a save or what it would ignore", "[cli]") {
+  TempDir d;
+  const std::string run = (d.path / "run").string(), log = (d.path / "log.jsonl").string();
+  REQUIRE(shardgrad("train " + kSmall + " --steps 4 --save-every 2 --save " + run + " --log-json " + log).code == 0);
+  const auto not_started = [](const std::string& args, const std::string& text) {
+    Run r = shardgrad(args);
+    INFO(args << "\n" << r.output);
+    CHECK(r.code != 0);
+    CHECK(r.output.find(text) != std::string::npos);
+    CHECK(r.output.find("| loss") == std::string::npos);
+  };
+  // --save naming a file, and a rewound run that would meet its own later checkpoint
+  std::ofstream(d.path / "a_file") << "x";
+  not_started("train " + kSmall + " --steps 2 --save " + (d.path / "a_file").string(), "is a file, not a run directory");
+  not_started("train " + kSmall + " --steps 4 --save-every 2 --resume " + run + "/step_00000002 --save " + run,
+              "already holds step_00000004, which this run would save again (resumed at step 2)");
+  // a shape or preset beside what is loaded must agree with it
+  not_started("train " + kSmall + " --steps 6 --resume " + run + " --model gpt2",
+              "--model gpt2 (block-size 1024) does not match the checkpoint");
+  const std::string file = (d.path / "hf" / "model.safetensors").string();
+  REQUIRE(shardgrad("export " + run + " --out " + file).code == 0);
+  not_started("train " + kSmall + " --steps 2 --init-from " + file + " --n-layer 2",
+              "--n-layer 2 does not match --init-from " + file + " (1)");
+  not_started("train " + kSmall + " --steps 6 --init-from " + file + " --resume " + run,
+              "give --init-from (start a run from a file) or --resume (continue a run), not both");
+  Run restart = shardgrad("train " + kSmall + " --steps 4 --init-from " + file + " --resume auto --save " + run);
+  INFO(restart.output);
+  CHECK(restart.code == 0);
+  CHECK(restart.output.find("is not read: the run goes on from its checkpoint") != std::string::npos);
+  not_started("train " + kSmall + " --steps 2 --timeline " + (d.path / "t.svg").string(), "--timeline is for pipelines");
+  // Resumed with the same --log-json: the lines after the checkpoint's step (an attempt that died
+  // after it) are replaced, each step logged once.
+  REQUIRE(shardgrad("train " + kSmall + " --steps 4 --resume " + run + "/step_00000002 --save " +
+                    (d.path / "again").string() + " --log-json " + log).code == 0);
+  std::vector<int64_t> steps;
+  for (const auto& rec : sg::testing::read_json_lines(log)) steps.push_back(rec.at("step").get<int64_t>());
+  CHECK(steps == std::vector<int64_t>{1, 2, 3, 4});
+}
+
+TEST_CASE("resume auto skips the newest checkpoint when a file it lists is gone, saying so, and will not save over it", "[cli]") {
+  TempDir d;
+  const std::string run = (d.path / "run").string();
+  REQUIRE(shardgrad("train " + kSmall + " --steps 4 --save-every 2 --save " + run).code == 0);
+  std::filesystem::remove(d.path / "run" / "step_00000004" / "rank_00000.safetensors");
+  const std::string resume = "train " + kSmall + " --steps 4 --save-every 2 --resume auto --save " + run;
+  Run r = shardgrad(resume);
+  INFO(r.output);
+  CHECK(r.output.find("skipping " + run + "/step_00000004: " + run + "/step_00000004/rank_00000.safetensors is missing") !=
+        std::string::npos);
+  // It would save step 4 again: refused before training, saying the directory there is damaged.
+  CHECK(r.code != 0);
+  CHECK(r.output.find("already holds step_00000004") != std::string::npos);
+  CHECK(r.output.find("it is damaged") != std::string::npos);
+  CHECK(r.output.find("| loss") == std::string::npos);
+  std::filesystem::rename(d.path / "run" / "step_00000004", d.path / "damaged");
+  Run again = shardgrad(resume);
+  INFO(again.output);
+  REQUIRE(again.code == 0);
+  CHECK(again.output.find("resumed from " + run + "/step_00000002 at step 2") != std::string::npos);
+}
+
 TEST_CASE("generate samples from what train saved", "[cli]") {
   TempDir d;
   std::string save = (d.path / "run").string();
@@ -294,6 +355,45 @@ TEST_CASE("generate samples from what train saved", "[cli]") {
     REQUIRE(line.code == 0);
     CHECK(line.output.find('\n') == line.output.size() - 1);
   }
+}
+
+TEST_CASE("generate draws only the data's tokens, refuses data the model cannot read, and needs no text file for bytes",
+          "[cli]") {
+  TempDir d;
+  // A model with more rows than its data's 13 tokens: the ids past them are never drawn (each
+  // would print as '?'; before, 51 of 64 ids were such).
+  const std::string wide = (d.path / "wide").string();
+  REQUIRE(shardgrad("train " + kSmall + " --vocab-size 64 --steps 2 --save " + wide).code == 0);
+  for (const char* seed : {"1", "2", "3"}) {
+    Run g = shardgrad("generate --from " + wide + " --prompt 123+456= --max-new-tokens 40 --seed " + seed);
+    INFO(g.output);
+    REQUIRE(g.code == 0);
+    CHECK(g.output.find('?') == std::string::npos);
+  }
+  // auto:DIR is the run's newest complete checkpoint, as for export; --n-head may not contradict it
+  REQUIRE(shardgrad("generate --from auto:" + wide + " --prompt 1+1= --max-new-tokens 2").code == 0);
+  refuses(std::string(SG_BINARY) + " generate --from " + wide + " --n-head 4 --prompt 1", "records 2 heads");
+  // A text file's 256 bytes do not fit the synthetic model's 13 rows.
+  const std::string text = (d.path / "input.txt").string();
+  {
+    std::ofstream f(text);
+    for (int i = 0; i < 200; ++i) f << "the quick brown fox jumps over the lazy dog\n";
+  }
+  const std::string narrow = (d.path / "narrow").string();
+  REQUIRE(shardgrad("train " + kSmall + " --steps 1 --save " + narrow).code == 0);
+  refuses(std::string(SG_BINARY) + " generate --from " + narrow + " --data " + text + " --prompt the",
+          "has 256 tokens, more than the model's vocabulary of 13");
+  // Trained on a text file that then moved: its tokens are bytes, and sampling goes on without it.
+  const std::string bytes = (d.path / "bytes").string();
+  REQUIRE(shardgrad("train " + kSmall + " --data " + text + " --steps 2 --save " + bytes).code == 0);
+  Run before = shardgrad("generate --from " + bytes + " --prompt the --max-new-tokens 8 --seed 5");
+  REQUIRE(before.code == 0);
+  std::filesystem::rename(text, text + ".moved");
+  Run after = shardgrad("generate --from " + bytes + " --prompt the --max-new-tokens 8 --seed 5");
+  INFO(after.output);
+  REQUIRE(after.code == 0);
+  CHECK(after.output.find("which is not here; bytes need no file") != std::string::npos);
+  CHECK(after.output.substr(after.output.find('\n') + 1) == before.output);
 }
 
 TEST_CASE("tokenize writes GPT-2 tokens that train reads and generate decodes with the same tokenizer", "[cli][tokenizer]") {

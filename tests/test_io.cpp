@@ -285,6 +285,17 @@ TEST_CASE("shard globs sort by name and split by the llm.c val convention", "[io
   CHECK(single.train[0].count == 7);
   CHECK(single.val[0].first == 7);
   CHECK(single.val[0].count == 3);
+
+  // The datasets name their files, so the held-out shard is seen in train's header.
+  DataOptions opt;
+  opt.spec = d / "fw_train_*.bin";
+  CHECK_THAT(open_dataset(opt)->describe(), Contains("train split of 10 tokens in 1 file (fw_train_000001.bin)"));
+  opt.split = Split::val;
+  CHECK_THAT(open_dataset(opt)->describe(), Contains("val split of 10 tokens in 1 file (fw_train_000002.bin)"));
+  for (const char* n : {"fw_train_000003.bin", "fw_train_000004.bin", "fw_train_000005.bin"})
+    write_token_shard(d / n, range_u16(0, 10));
+  opt.split = Split::train;
+  CHECK_THAT(open_dataset(opt)->describe(), Contains("in 4 files (fw_train_000001.bin, ..., fw_train_000004.bin)"));
 }
 
 // ---- file datasets ----

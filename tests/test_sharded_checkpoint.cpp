@@ -5,9 +5,11 @@
 #include <filesystem>
 #include <fstream>
 #include <numeric>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "autograd/ops.h"
+#include "io/file.h"
 #include "models/gpt.h"
 #include "parallel/checkpoint.h"
 #include "parallel/sharded_checkpoint.h"
@@ -326,6 +328,20 @@ TEST_CASE("export consolidates a sharded checkpoint into one Hugging Face file t
   CHECK(f.order.size() == model.named_parameters().size());  // no optimizer state
   CHECK(f.at("h.0.attn.c_attn.weight").shape() == Shape{16, 48});  // Conv1D [in, out]
   CHECK(f.at("wte.weight").shape() == Shape{13, 16});
+  // What transformers' GPT2LMHeadModel.from_pretrained(folder) needs: format "pt" (its safetensors
+  // loader refuses other formats) and config.json beside the file.
+  CHECK(f.metadata.at("format") == "pt");
+  CHECK(f.metadata.at("n_head") == "2");
+  const fs::path config = out.parent_path() / "config.json";
+  REQUIRE(fs::exists(config));
+  const auto j = nlohmann::json::parse(io::read_file(config.string(), "test"));
+  CHECK(j.at("model_type") == "gpt2");
+  CHECK(j.at("n_layer") == 1);
+  CHECK(j.at("n_head") == 2);
+  CHECK(j.at("n_embd") == 16);
+  CHECK(j.at("n_positions") == 16);
+  CHECK(j.at("vocab_size") == 13);
+  CHECK(j.at("activation_function") == "gelu_new");  // GELU's tanh form
   nn::GPT back(nn::config_from_hf(f));
   nn::load_hf_state(back, f);
   auto a = model.named_parameters(), b = back.named_parameters();
@@ -334,8 +350,16 @@ TEST_CASE("export consolidates a sharded checkpoint into one Hugging Face file t
     INFO(a[i].first);
     CHECK(same(a[i].second, b[i].second));
   }
-  // The file is refused as an export target a second time, and train starts from it.
+  // The file is refused as an export target a second time; a second file in the folder leaves its
+  // config.json as it is; train starts from the file.
   CHECK(std::system((cmd + " > /dev/null 2>&1").c_str()) != 0);
+  {
+    std::ofstream(config) << "{}";
+    const std::string again = std::string(SG_BINARY) + " export " + d.p.string() + " --out " +
+                              (out.parent_path() / "second.safetensors").string();
+    REQUIRE(std::system((again + " > /dev/null").c_str()) == 0);
+    CHECK(io::read_file(config.string(), "test") == "{}");
+  }
   const std::string train = std::string(SG_BINARY) + " train --init-from " + out.string() +
                             " --steps 1 --seq-len 16 --batch-size 2 --threads 1 --eval-every 0 --eval-batches 1 "
                             "--eval-problems 2";
