@@ -117,13 +117,13 @@ std::string Layout::label() const {
   return s;
 }
 
-Plan make_plan(const PlanInput& in) {
+namespace {
+
+// Every refusal of a layout that cannot run, before anything is counted.
+void check_layout(const PlanInput& in) {
   const ModelShape& m = in.model;
   const Cluster& c = in.cluster;
   const Layout& l = in.layout;
-  Plan p;
-  p.input = in;
-  const int d = dtype_bytes(in.dtype);
   SG_CHECK(l.dp >= 1 && l.tp >= 1 && l.pp >= 1, "plan: --dp, --tp and --pp must be >= 1");
   SG_CHECK(m.num_params() > 0, "plan: the model has no parameters (give --model, --n-layer/--n-embd/... or --params)");
   SG_CHECK(l.strategy == "ddp" || l.strategy == "zero1" || l.strategy == "zero2" || l.strategy == "zero3" ||
@@ -139,10 +139,9 @@ Plan make_plan(const PlanInput& in) {
   SG_CHECK(l.strategy != "fsdp-grad-op" || l.pp == 1, "plan: fsdp-grad-op keeps every unit gathered from forward to "
            "backward, which a pipeline's interleaved micro-batches would make the whole step (train refuses it "
            "with --pp)");
-  p.world = l.dp * l.tp * l.pp;
-  SG_CHECK(p.world <= c.gpus_per_node * c.nodes, "plan: dp ", l.dp, " x tp ", l.tp, " x pp ", l.pp, " = ", p.world,
+  const int world = l.dp * l.tp * l.pp;
+  SG_CHECK(world <= c.gpus_per_node * c.nodes, "plan: dp ", l.dp, " x tp ", l.tp, " x pp ", l.pp, " = ", world,
            " GPUs, the cluster has ", c.gpus_per_node * c.nodes, " (", c.nodes, " x ", c.gpus_per_node, ")");
-  p.nodes_used = int(ceil_div(p.world, c.gpus_per_node));
   if (m.has_shape()) {
     SG_CHECK(m.n_head % l.tp == 0, "plan: --tp ", l.tp, ": ", m.n_head, " heads cannot be split ", l.tp, " ways");
     SG_CHECK(m.vocab_rows() % l.tp == 0, "plan: --tp ", l.tp, ": ", m.vocab_rows(), " vocabulary rows cannot be split");
@@ -156,184 +155,212 @@ Plan make_plan(const PlanInput& in) {
   SG_CHECK(in.global_batch % l.dp == 0, "plan: --batch-size ", in.global_batch, " does not split over dp ", l.dp);
   SG_CHECK(l.micro_batch_size >= 1 && (in.global_batch / l.dp) % l.micro_batch_size == 0, "plan: --micro-batch-size ",
            l.micro_batch_size, " does not divide the per-rank batch ", in.global_batch / l.dp);
-  p.micro_batches = in.global_batch / l.dp / l.micro_batch_size;
-  const int v = l.pp > 1 ? l.virtual_stages : 1;
-
-  // The schedule, simulated: its bubble and the activations each rank holds.
-  std::vector<int> in_flight(size_t(l.pp), 1);
-  if (l.pp > 1) {
-    auto sched = parallel::pp::make_schedule(l.pp_schedule, l.pp, int(p.micro_batches), v);
-    auto tl = parallel::pp::simulate(sched, 1.0 / v, 2.0 / v);
-    p.bubble = tl.bubble_fraction();
-    for (int r = 0; r < l.pp; ++r) in_flight[size_t(r)] = tl.peak_in_flight(r);
-  }
-
-  // Data-parallel sharding: N ranks share the sharded states (hsdp: those of a shard group, by
-  // default the dp ranks of one node).
-  const int N = l.dp;
   SG_CHECK(l.shard_group_size >= 0, "plan: --shard-group-size must be >= 0, got ", l.shard_group_size);
   SG_CHECK(l.shard_group_size == 0 || l.strategy == "hsdp", "plan: --shard-group-size is for hsdp, not ", l.strategy);
-  const int shard_n = l.strategy != "hsdp"     ? N
-                      : l.shard_group_size > 0 ? l.shard_group_size
-                                               : std::max(1, std::min(N, c.gpus_per_node / (l.tp * l.pp)));
-  SG_CHECK(l.strategy != "hsdp" || N % shard_n == 0, "plan: hsdp: dp ", N, " is not a multiple of the shard group's ",
-           shard_n, " ranks");
-  const int replicas = N / shard_n;
-  p.shard_group = shard_n;
-  const int optim_bytes = 8 + (d < 4 ? 4 : 0);  // AdamW m, v (+ f32 master weights)
-  const double b = double(l.micro_batch_size), sbhd = double(m.seq_len) * b * double(m.n_embd) * d;
-  const bool dp_intra = p.world <= c.gpus_per_node, tp_intra = l.tp <= c.gpus_per_node,
-             pp_intra = l.tp * l.pp <= c.gpus_per_node;
-  double busiest_intra = 0, busiest_inter = 0;
-  double dp_time = 0, other_time = 0;  // the slowest rank's data-parallel / tp + pp + host transfer seconds
+}
 
-  for (int r = 0; r < l.pp; ++r) {
-    const StageUnits su = stage_units(m, l.tp, l.pp, r);
-    const std::vector<int64_t>& units = su.units;
-    int64_t E = 0, E_shard_units = 0, biggest_unit = 0, roots = 0;
-    for (size_t i = 0; i < units.size(); ++i) {
-      E += units[i];
-      E_shard_units += ceil_div(units[i], shard_n);
-      if (i < su.roots) roots += units[i];
-      else biggest_unit = std::max(biggest_unit, units[i]);
-    }
-    const int64_t E_shard_flat = ceil_div(E, N);  // zero1/2: one flat vector padded to a multiple of N
-    RankMemory mem;
-    const int64_t param_el = shards_params(l.strategy) ? E_shard_units : E;
-    const int64_t grad_el = shards_params(l.strategy) ? E_shard_units : shards_grads(l.strategy) ? E_shard_flat : E;
-    const int64_t optim_el = shards_params(l.strategy) ? E_shard_units : shards_optimizer(l.strategy) ? E_shard_flat : E;
-    mem.param = l.offload == "params" ? 0 : param_el * d;
-    mem.grad = grad_el * d;
-    mem.optim_state = l.offload == "none" ? optim_el * optim_bytes : 0;
+// How the N data-parallel ranks share the sharded states: in groups of shard_n (N, but for hsdp
+// one shard group, by default the dp ranks of one node), `replicas` groups holding the same shards.
+struct Sharding {
+  int N = 1, shard_n = 1, replicas = 1;
+};
 
-    // Activations: the micro-batch·chunk units in flight on this rank, L/(p·v) layers each.
-    if (m.has_shape()) {
-      const double layers_per_unit = double(m.n_layer) / double(l.pp * v);
-      mem.activation = double(in_flight[size_t(r)]) * layers_per_unit * layer_activation_bytes(m, l, b) * d / 2.0;
-      // f32 logits for the loss, vocabulary split over tp: one copy, as this engine's fused
-      // classifier keeps them (the softmax is never stored; the gradient is written over them)
-      if (r == l.pp - 1) mem.activation += 4.0 * double(m.seq_len) * b * double(m.vocab_rows()) / l.tp;
-    }
-    // Buffers: zero's stripe; fsdp's gathered root + one block (fsdp-grad-op: every unit, gathered
-    // from forward to the end of backward) and a flat gradient of one unit. ddp's buckets are its
-    // gradients (they take the .grad tensors' place and become them as views): nothing beside them.
-    if (N > 1) {
-      if (l.strategy == "ddp") mem.buffers = 0;
-      else if (l.strategy == "zero1" || l.strategy == "zero2") mem.buffers = std::min(double(in.bucket_bytes), double(E) * d);
-      else if (l.strategy == "fsdp-grad-op") mem.buffers = double(E) * d + double(std::max(roots, biggest_unit)) * d;
-      else if (m.has_shape()) mem.buffers = double(roots + biggest_unit) * d + double(std::max(roots, biggest_unit)) * d;
-      // A raw parameter count has no units: the gathered unit is unknown (not the whole model).
-    }
-    p.per_stage.push_back(mem);
-    if (mem.total() > p.worst.total()) p.worst = mem;
+Sharding sharding_of(const Layout& l, const Cluster& c) {
+  Sharding s;
+  s.N = l.dp;
+  s.shard_n = l.strategy != "hsdp"     ? s.N
+              : l.shard_group_size > 0 ? l.shard_group_size
+                                       : std::max(1, std::min(s.N, c.gpus_per_node / (l.tp * l.pp)));
+  SG_CHECK(l.strategy != "hsdp" || s.N % s.shard_n == 0, "plan: hsdp: dp ", s.N, " is not a multiple of the shard "
+           "group's ", s.shard_n, " ranks");
+  s.replicas = s.N / s.shard_n;
+  return s;
+}
 
-    // Communication of this rank per step, as ProcessGroup counts it.
-    std::map<std::string, int64_t> k;
-    const int64_t mb = p.micro_batches;
-    double dp_bytes = 0, dp_inter = 0;  // hsdp's replica all-reduce crosses nodes
-    if (N > 1) {
-      if (l.strategy == "ddp") {
-        k["all_reduce"] += comm::all_reduce_bytes(E * d, N);
-      } else if (l.strategy == "zero1" || l.strategy == "zero2") {
-        k["reduce_scatter"] += comm::reduce_scatter_bytes(E_shard_flat * N * d, N);
-        k["all_gather"] += comm::all_gather_bytes(E_shard_flat * N * d, N);
-      } else {
-        const int gathers = l.strategy == "fsdp-grad-op" ? 1 : 2;  // forward, and again in backward
-        for (size_t i = 0; i < units.size(); ++i) {
-          // Every micro-batch gathers and reduces a unit; a pipeline's roots once a step.
-          const bool once = l.pp > 1 && i < su.roots;
-          const int64_t padded = ceil_div(units[i], shard_n) * shard_n * d;
-          k["all_gather"] += (once ? 1 : gathers * mb) * comm::all_gather_bytes(padded, shard_n);
-          k["reduce_scatter"] += (once ? 1 : mb) * comm::reduce_scatter_bytes(padded, shard_n);
-          if (replicas > 1) {  // each reduced shard, across the replicas
-            const int64_t ar = (once ? 1 : mb) * comm::all_reduce_bytes(padded / shard_n, replicas);
-            k["all_reduce"] += ar;
-            dp_inter += double(ar);
-          }
-        }
-      }
-      // The gradient norm's partial sum (f64) over dp (hsdp: over one shard group, since every
-      // replica holds the same shards); under tp/pp over the whole world, on the metrics group,
-      // which the counters leave out.
-      if (l.strategy != "ddp" && l.tp * l.pp == 1) k["all_reduce"] += comm::all_reduce_bytes(8, shard_n);
-      for (const auto& [kind, bytes] : k) dp_bytes += double(bytes);
-      dp_bytes -= dp_inter;
-    }
-    double tp_bytes = 0, pp_bytes = 0;
-    if (l.tp > 1 && m.has_shape()) {
-      // Per micro-batch: 4 per layer (attention and MLP, forward and backward; 6 with full
-      // recompute, which repeats the forward's), one for the vocab-parallel embedding (forward) on
-      // the first stage, one for the tied head's input gradient on the last; the vocab-parallel
-      // cross-entropy all-reduces three f32 numbers per token (max, target logit, sum of exps).
-      const int64_t act = int64_t(sbhd);
-      const int64_t per_layer = l.recompute == "full" ? 6 : 4;
-      const int64_t big = mb * (m.n_layer / l.pp * per_layer + (r == 0 ? 1 : 0) + (r == l.pp - 1 ? 1 : 0));
-      if (l.sequence_parallel) {
-        // and the column-parallel GEMMs (c_attn, c_fc) gather their input again in the backward
-        // instead of keeping it whole (Megatron's sequence parallelism)
-        const int64_t gathers = big + mb * (m.n_layer / l.pp) * 2;
-        k["all_gather"] += gathers * comm::all_gather_bytes(act, l.tp);
-        k["reduce_scatter"] += big * comm::reduce_scatter_bytes(act, l.tp);
-        tp_bytes += double(gathers * comm::all_gather_bytes(act, l.tp) + big * comm::reduce_scatter_bytes(act, l.tp));
-        // The replicated parameters' gradients are partial sums over this rank's tokens: one
-        // all-reduce each per step (LayerNorms and row-parallel biases, 6·C a block; wpe; ln_f).
-        std::vector<int64_t> replicated(size_t(m.n_layer / l.pp * 6), m.n_embd);
-        if (r == 0) replicated.push_back(m.block_size * m.n_embd);
-        if (r == l.pp - 1) replicated.insert(replicated.end(), {m.n_embd, m.n_embd});
-        // The FSDP family sums them after the reduce over dp, on this rank's shards, packed into
-        // one all-reduce: about 1/shard_n of them (the segments' cuts move it by a few elements).
-        if (shards_params(l.strategy)) {
-          int64_t total = 0;
-          for (int64_t e : replicated) total += e;
-          replicated = {ceil_div(total, shard_n)};
-        }
-        for (int64_t e : replicated) {
-          k["all_reduce"] += comm::all_reduce_bytes(e * d, l.tp);
-          tp_bytes += double(comm::all_reduce_bytes(e * d, l.tp));
-        }
-      } else {
-        k["all_reduce"] += big * comm::all_reduce_bytes(act, l.tp);
-        tp_bytes += double(big * comm::all_reduce_bytes(act, l.tp));
-      }
-      if (r == l.pp - 1) {
-        const int64_t ce = 3 * mb * comm::all_reduce_bytes(int64_t(m.seq_len * l.micro_batch_size * 4), l.tp);
-        k["all_reduce"] += ce;
-        tp_bytes += double(ce);
-      }
-    }
-    if (l.pp > 1 && m.has_shape()) {
-      const int64_t act = int64_t(sbhd) / (l.sequence_parallel ? l.tp : 1);
-      const int stages = l.pp * v;
-      for (int chunk = 0; chunk < v; ++chunk) {
-        const int s = chunk * l.pp + r;
-        if (s < stages - 1) k["send"] += mb * act, k["recv"] += mb * act;  // activation out, its gradient in
-        if (s > 0) k["send"] += mb * act, k["recv"] += mb * act;           // gradient back, activation in
-      }
-      if (r == 0 || r == l.pp - 1) {  // the tied embedding's gradient, exchanged between its holders
-        const int64_t wte = m.vocab_rows() * m.n_embd / l.tp;
-        const int64_t bytes = (shards_params(l.strategy) ? ceil_div(wte, shard_n) : wte) * d;  // fsdp: its shard
-        k["send"] += bytes, k["recv"] += bytes;
-      }
-      k["all_reduce"] += comm::all_reduce_bytes(8, l.pp);  // the step's loss, known to every stage
-      pp_bytes = double(k["send"]);
-    }
-    if (r == 0) p.comm = k;
-    const bool shard_intra = dp_intra || (l.strategy == "hsdp" && shard_n * l.tp * l.pp <= c.gpus_per_node);
-    const double intra = (shard_intra ? dp_bytes : 0) + (tp_intra ? tp_bytes : 0) + (pp_intra ? pp_bytes : 0);
-    const double inter = (shard_intra ? 0 : dp_bytes) + dp_inter + (tp_intra ? 0 : tp_bytes) + (pp_intra ? 0 : pp_bytes);
-    busiest_intra = std::max(busiest_intra, intra);
-    busiest_inter = std::max(busiest_inter, inter);
+// One pipeline rank's parameter elements (its tp slices): E in all, E_shard_units as the FSDP
+// family shards them (each unit padded to shard_n), E_shard_flat as ZeRO-1/2 do (one flat vector
+// padded to N); the roots' elements and the biggest block unit (what FSDP gathers at once).
+struct StageElements {
+  StageUnits su;
+  int64_t E = 0, E_shard_units = 0, E_shard_flat = 0, roots = 0, biggest_unit = 0;
+};
 
-    // Time of this rank's exposed communication (the compute below is the same on every rank).
-    const double t_dp = dp_bytes / link_bandwidth(c, shard_intra) + dp_inter / c.inter_bandwidth;
-    const double t_tp = tp_bytes / link_bandwidth(c, tp_intra), t_pp = pp_bytes / link_bandwidth(c, pp_intra);
-    double host = 0;
-    if (l.offload != "none") host += 2.0 * double(optim_el) * d / c.host_bandwidth;  // grads down, params up
-    if (l.offload == "params") host += 2.0 * double(mb) * double(E_shard_units) * d / c.host_bandwidth;
-    other_time = std::max(other_time, t_tp + t_pp + host);
-    dp_time = std::max(dp_time, t_dp);
+StageElements stage_elements(const ModelShape& m, const Layout& l, const Sharding& sh, int r) {
+  StageElements st;
+  st.su = stage_units(m, l.tp, l.pp, r);
+  for (size_t i = 0; i < st.su.units.size(); ++i) {
+    const int64_t u = st.su.units[i];
+    st.E += u;
+    st.E_shard_units += ceil_div(u, sh.shard_n);
+    if (i < st.su.roots) st.roots += u;
+    else st.biggest_unit = std::max(st.biggest_unit, u);
   }
+  st.E_shard_flat = ceil_div(st.E, sh.N);
+  return st;
+}
 
+// The optimizer's elements on this rank: its shard under ZeRO/FSDP, all of them under ddp.
+int64_t optimizer_elements(const Layout& l, const StageElements& st) {
+  return shards_params(l.strategy) ? st.E_shard_units : shards_optimizer(l.strategy) ? st.E_shard_flat : st.E;
+}
+
+// ZeRO's model states, 2Ψ + 2Ψ + KΨ (bf16) divided as the strategy shards them, the activations of
+// the micro-batches in flight on this rank, and the communication buffers.
+RankMemory stage_memory(const PlanInput& in, const StageElements& st, const Sharding& sh, int in_flight, int r) {
+  const ModelShape& m = in.model;
+  const Layout& l = in.layout;
+  const int d = dtype_bytes(in.dtype);
+  const int optim_bytes = 8 + (d < 4 ? 4 : 0);  // AdamW m, v (+ f32 master weights)
+  RankMemory mem;
+  const int64_t param_el = shards_params(l.strategy) ? st.E_shard_units : st.E;
+  const int64_t grad_el = shards_params(l.strategy) ? st.E_shard_units : shards_grads(l.strategy) ? st.E_shard_flat : st.E;
+  mem.param = l.offload == "params" ? 0 : param_el * d;
+  mem.grad = grad_el * d;
+  mem.optim_state = l.offload == "none" ? optimizer_elements(l, st) * optim_bytes : 0;
+
+  // Activations: the micro-batch·chunk units in flight on this rank, L/(p·v) layers each.
+  if (m.has_shape()) {
+    const int v = l.pp > 1 ? l.virtual_stages : 1;
+    const double layers_per_unit = double(m.n_layer) / double(l.pp * v);
+    mem.activation = double(in_flight) * layers_per_unit * layer_activation_bytes(m, l, double(l.micro_batch_size)) * d / 2.0;
+    // f32 logits for the loss, vocabulary split over tp: one copy, as this engine's fused
+    // classifier keeps them (the softmax is never stored; the gradient is written over them)
+    if (r == l.pp - 1) mem.activation += 4.0 * double(m.seq_len) * double(l.micro_batch_size) * double(m.vocab_rows()) / l.tp;
+  }
+  // Buffers: zero's stripe; fsdp's gathered root + one block (fsdp-grad-op: every unit, gathered
+  // from forward to the end of backward) and a flat gradient of one unit. ddp's buckets are its
+  // gradients (they take the .grad tensors' place and become them as views): nothing beside them.
+  if (sh.N > 1) {
+    const double gathered = double(std::max(st.roots, st.biggest_unit)) * d;
+    if (l.strategy == "ddp") mem.buffers = 0;
+    else if (l.strategy == "zero1" || l.strategy == "zero2") mem.buffers = std::min(double(in.bucket_bytes), double(st.E) * d);
+    else if (l.strategy == "fsdp-grad-op") mem.buffers = double(st.E) * d + gathered;
+    else if (m.has_shape()) mem.buffers = double(st.roots + st.biggest_unit) * d + gathered;
+    // A raw parameter count has no units: the gathered unit is unknown (not the whole model).
+  }
+  return mem;
+}
+
+// What one rank sends in a step: by kind, as ProcessGroup counts it, and by the axis it crosses.
+struct StageTraffic {
+  std::map<std::string, int64_t> kinds;
+  double dp = 0, dp_inter = 0, tp = 0, pp = 0;  // dp_inter: hsdp's replica all-reduce, across nodes
+};
+
+// Data parallelism: ddp's all-reduce, ZeRO-1/2's reduce-scatter and all-gather of the flat vector,
+// the FSDP family's per-unit gathers and reduce-scatters (and hsdp's all-reduce over replicas).
+void add_dp_traffic(StageTraffic& t, const PlanInput& in, const StageElements& st, const Sharding& sh, int64_t mb) {
+  const Layout& l = in.layout;
+  const int d = dtype_bytes(in.dtype);
+  if (sh.N == 1) return;
+  std::map<std::string, int64_t>& k = t.kinds;
+  if (l.strategy == "ddp") {
+    k["all_reduce"] += comm::all_reduce_bytes(st.E * d, sh.N);
+  } else if (l.strategy == "zero1" || l.strategy == "zero2") {
+    k["reduce_scatter"] += comm::reduce_scatter_bytes(st.E_shard_flat * sh.N * d, sh.N);
+    k["all_gather"] += comm::all_gather_bytes(st.E_shard_flat * sh.N * d, sh.N);
+  } else {
+    const int gathers = l.strategy == "fsdp-grad-op" ? 1 : 2;  // forward, and again in backward
+    for (size_t i = 0; i < st.su.units.size(); ++i) {
+      // Every micro-batch gathers and reduces a unit; a pipeline's roots once a step.
+      const bool once = l.pp > 1 && i < st.su.roots;
+      const int64_t padded = ceil_div(st.su.units[i], sh.shard_n) * sh.shard_n * d;
+      k["all_gather"] += (once ? 1 : gathers * mb) * comm::all_gather_bytes(padded, sh.shard_n);
+      k["reduce_scatter"] += (once ? 1 : mb) * comm::reduce_scatter_bytes(padded, sh.shard_n);
+      if (sh.replicas > 1) {  // each reduced shard, across the replicas
+        const int64_t ar = (once ? 1 : mb) * comm::all_reduce_bytes(padded / sh.shard_n, sh.replicas);
+        k["all_reduce"] += ar;
+        t.dp_inter += double(ar);
+      }
+    }
+  }
+  // The gradient norm's partial sum (f64) over dp (hsdp: over one shard group, since every
+  // replica holds the same shards); under tp/pp over the whole world, on the metrics group,
+  // which the counters leave out.
+  if (l.strategy != "ddp" && l.tp * l.pp == 1) k["all_reduce"] += comm::all_reduce_bytes(8, sh.shard_n);
+  for (const auto& [kind, bytes] : k) t.dp += double(bytes);
+  t.dp -= t.dp_inter;
+}
+
+// Tensor parallelism, per micro-batch: 4 collectives per layer (attention and MLP, forward and
+// backward; 6 with full recompute, which repeats the forward's), one for the vocab-parallel
+// embedding (forward) on the first stage, one for the tied head's input gradient on the last; the
+// vocab-parallel cross-entropy all-reduces three f32 numbers per token (max, target logit, sum of
+// exps). Sequence parallelism turns each all-reduce into a reduce-scatter and an all-gather.
+void add_tp_traffic(StageTraffic& t, const PlanInput& in, const Sharding& sh, int64_t mb, int r) {
+  const ModelShape& m = in.model;
+  const Layout& l = in.layout;
+  if (l.tp == 1 || !m.has_shape()) return;
+  const int d = dtype_bytes(in.dtype);
+  std::map<std::string, int64_t>& k = t.kinds;
+  const int64_t act = m.seq_len * l.micro_batch_size * m.n_embd * d;
+  const int64_t per_layer = l.recompute == "full" ? 6 : 4;
+  const int64_t big = mb * (m.n_layer / l.pp * per_layer + (r == 0 ? 1 : 0) + (r == l.pp - 1 ? 1 : 0));
+  if (l.sequence_parallel) {
+    // and the column-parallel GEMMs (c_attn, c_fc) gather their input again in the backward
+    // instead of keeping it whole (Megatron's sequence parallelism)
+    const int64_t gathers = big + mb * (m.n_layer / l.pp) * 2;
+    k["all_gather"] += gathers * comm::all_gather_bytes(act, l.tp);
+    k["reduce_scatter"] += big * comm::reduce_scatter_bytes(act, l.tp);
+    t.tp += double(gathers * comm::all_gather_bytes(act, l.tp) + big * comm::reduce_scatter_bytes(act, l.tp));
+    // The replicated parameters' gradients are partial sums over this rank's tokens: one
+    // all-reduce each per step (LayerNorms and row-parallel biases, 6·C a block; wpe; ln_f).
+    std::vector<int64_t> replicated(size_t(m.n_layer / l.pp * 6), m.n_embd);
+    if (r == 0) replicated.push_back(m.block_size * m.n_embd);
+    if (r == l.pp - 1) replicated.insert(replicated.end(), {m.n_embd, m.n_embd});
+    // The FSDP family sums them after the reduce over dp, on this rank's shards, packed into
+    // one all-reduce: about 1/shard_n of them (the segments' cuts move it by a few elements).
+    if (shards_params(l.strategy)) {
+      int64_t total = 0;
+      for (int64_t e : replicated) total += e;
+      replicated = {ceil_div(total, sh.shard_n)};
+    }
+    for (int64_t e : replicated) {
+      k["all_reduce"] += comm::all_reduce_bytes(e * d, l.tp);
+      t.tp += double(comm::all_reduce_bytes(e * d, l.tp));
+    }
+  } else {
+    k["all_reduce"] += big * comm::all_reduce_bytes(act, l.tp);
+    t.tp += double(big * comm::all_reduce_bytes(act, l.tp));
+  }
+  if (r == l.pp - 1) {
+    const int64_t ce = 3 * mb * comm::all_reduce_bytes(int64_t(m.seq_len * l.micro_batch_size * 4), l.tp);
+    k["all_reduce"] += ce;
+    t.tp += double(ce);
+  }
+}
+
+// Pipeline parallelism: each micro-batch's activation out and its gradient back at every stage
+// boundary this rank's chunks touch, the tied embedding's gradient between the first and last
+// stage, and the step's loss.
+void add_pp_traffic(StageTraffic& t, const PlanInput& in, const Sharding& sh, int64_t mb, int r) {
+  const ModelShape& m = in.model;
+  const Layout& l = in.layout;
+  if (l.pp == 1 || !m.has_shape()) return;
+  const int d = dtype_bytes(in.dtype);
+  std::map<std::string, int64_t>& k = t.kinds;
+  const int64_t act = m.seq_len * l.micro_batch_size * m.n_embd * d / (l.sequence_parallel ? l.tp : 1);
+  const int v = l.virtual_stages, stages = l.pp * v;
+  for (int chunk = 0; chunk < v; ++chunk) {
+    const int s = chunk * l.pp + r;
+    if (s < stages - 1) k["send"] += mb * act, k["recv"] += mb * act;  // activation out, its gradient in
+    if (s > 0) k["send"] += mb * act, k["recv"] += mb * act;           // gradient back, activation in
+  }
+  if (r == 0 || r == l.pp - 1) {  // the tied embedding's gradient, exchanged between its holders
+    const int64_t wte = m.vocab_rows() * m.n_embd / l.tp;
+    const int64_t bytes = (shards_params(l.strategy) ? ceil_div(wte, sh.shard_n) : wte) * d;  // fsdp: its shard
+    k["send"] += bytes, k["recv"] += bytes;
+  }
+  k["all_reduce"] += comm::all_reduce_bytes(8, l.pp);  // the step's loss, known to every stage
+  t.pp = double(k["send"]);
+}
+
+// The model FLOPs, the step time with the exposed communication and the bubble, and MFU.
+void add_step_time(Plan& p, double dp_time, double other_time) {
+  const PlanInput& in = p.input;
+  const ModelShape& m = in.model;
+  const Cluster& c = in.cluster;
+  const Layout& l = in.layout;
   // Compute: model FLOPs per token 6·(Ψ − wpe) + 12·L·s·h (the convention of bench/RESULTS.md),
   // plus the recomputed forward (full: the whole forward; selective: the attention core's 4·s·h).
   const double psi = double(m.num_params());
@@ -355,14 +382,16 @@ Plan make_plan(const PlanInput& in) {
   p.step_s = p.compute_s * (1 + p.bubble) + p.comm_exposed_s;
   p.tokens_per_s = tokens / p.step_s;
   p.mfu = p.tokens_per_s * p.model_flops_per_token / (double(p.world) * c.peak_flops);
-  p.intra_bytes = busiest_intra;
-  p.inter_bytes = busiest_inter;
-  p.fits = p.worst.total() <= c.gpu_memory;
+}
+
+void add_notes(Plan& p) {
+  const ModelShape& m = p.input.model;
+  const Layout& l = p.input.layout;
   if (!m.has_shape())
     p.notes.push_back(shards_params(l.strategy)
                           ? "raw parameter count: activations, tp and pp traffic and the gathered FSDP unit not estimated"
                           : "raw parameter count: activations, tp and pp traffic not estimated");
-  if (d == 4) p.notes.push_back("fp32: Korthikanti's 2-byte activation formulas scaled by 2");
+  if (dtype_bytes(p.input.dtype) == 4) p.notes.push_back("fp32: Korthikanti's 2-byte activation formulas scaled by 2");
   if (m.has_shape() && l.recompute == "none") {
     // The a·s² term is the attention's score matrices, which a flash attention kernel never stores.
     const double scores = 5.0 * double(m.n_head) * double(m.seq_len) / double(m.n_embd);
@@ -372,6 +401,65 @@ Plan make_plan(const PlanInput& in) {
                           "stores: train --simulate counts its own"));
   }
   if (l.offload != "none") p.notes.push_back("offload: the optimizer state lives in host memory");
+}
+
+}  // namespace
+
+Plan make_plan(const PlanInput& in) {
+  check_layout(in);
+  const Cluster& c = in.cluster;
+  const Layout& l = in.layout;
+  Plan p;
+  p.input = in;
+  p.world = l.dp * l.tp * l.pp;
+  p.nodes_used = int(ceil_div(p.world, c.gpus_per_node));
+  p.micro_batches = in.global_batch / l.dp / l.micro_batch_size;
+
+  // The schedule, simulated: its bubble and the activations each rank holds.
+  std::vector<int> in_flight(size_t(l.pp), 1);
+  if (l.pp > 1) {
+    const int v = l.virtual_stages;
+    auto sched = parallel::pp::make_schedule(l.pp_schedule, l.pp, int(p.micro_batches), v);
+    auto tl = parallel::pp::simulate(sched, 1.0 / v, 2.0 / v);
+    p.bubble = tl.bubble_fraction();
+    for (int r = 0; r < l.pp; ++r) in_flight[size_t(r)] = tl.peak_in_flight(r);
+  }
+
+  const Sharding sh = sharding_of(l, c);
+  p.shard_group = sh.shard_n;
+  const int d = dtype_bytes(in.dtype);
+  const bool dp_intra = p.world <= c.gpus_per_node, tp_intra = l.tp <= c.gpus_per_node,
+             pp_intra = l.tp * l.pp <= c.gpus_per_node;
+  const bool shard_intra = dp_intra || (l.strategy == "hsdp" && sh.shard_n * l.tp * l.pp <= c.gpus_per_node);
+  double dp_time = 0, other_time = 0;  // the slowest rank's data-parallel / tp + pp + host transfer seconds
+  for (int r = 0; r < l.pp; ++r) {
+    const StageElements st = stage_elements(in.model, l, sh, r);
+    const RankMemory mem = stage_memory(in, st, sh, in_flight[size_t(r)], r);
+    p.per_stage.push_back(mem);
+    if (mem.total() > p.worst.total()) p.worst = mem;
+
+    StageTraffic t;
+    add_dp_traffic(t, in, st, sh, p.micro_batches);
+    add_tp_traffic(t, in, sh, p.micro_batches, r);
+    add_pp_traffic(t, in, sh, p.micro_batches, r);
+    if (r == 0) p.comm = t.kinds;
+    const double intra = (shard_intra ? t.dp : 0) + (tp_intra ? t.tp : 0) + (pp_intra ? t.pp : 0);
+    const double inter = (shard_intra ? 0 : t.dp) + t.dp_inter + (tp_intra ? 0 : t.tp) + (pp_intra ? 0 : t.pp);
+    p.intra_bytes = std::max(p.intra_bytes, intra);
+    p.inter_bytes = std::max(p.inter_bytes, inter);
+
+    // Time of this rank's exposed communication (the compute is the same on every rank).
+    const double t_dp = t.dp / link_bandwidth(c, shard_intra) + t.dp_inter / c.inter_bandwidth;
+    const double t_tp = t.tp / link_bandwidth(c, tp_intra), t_pp = t.pp / link_bandwidth(c, pp_intra);
+    double host = 0;
+    if (l.offload != "none") host += 2.0 * double(optimizer_elements(l, st)) * d / c.host_bandwidth;  // grads down, params up
+    if (l.offload == "params") host += 2.0 * double(p.micro_batches) * double(st.E_shard_units) * d / c.host_bandwidth;
+    other_time = std::max(other_time, t_tp + t_pp + host);
+    dp_time = std::max(dp_time, t_dp);
+  }
+  add_step_time(p, dp_time, other_time);
+  p.fits = p.worst.total() <= c.gpu_memory;
+  add_notes(p);
   return p;
 }
 
