@@ -1,7 +1,7 @@
 // shardgrad export: a checkpoint's model as one Hugging Face-named GPT-2 .safetensors file and its
-// config.json; `train --init-from`, `generate` and transformers' GPT2LMHeadModel read them. Either format: a sharded checkpoint is
-// consolidated tensor by tensor (each from the pieces of every rank's file, checksums verified),
-// and its optimizer state is never read.
+// config.json; `train --init-from`, `generate` and transformers' GPT2LMHeadModel read them. Either
+// format: a sharded checkpoint is consolidated tensor by tensor (each from the pieces of every
+// rank's file, checksums verified), and its optimizer state is never read.
 #include <cstdio>
 #include <filesystem>
 #include <nlohmann/json.hpp>

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstring>
+#include <vector>
 
 #include "autograd/ops.h"
 #include "core/error.h"
@@ -56,26 +58,34 @@ MPI_Op mpi_op(ReduceOp op, DType t) {
   return is_half(t) ? state().half_sum : MPI_SUM;  // avg = sum, then divide
 }
 
-// avg: the sum divided by the group size, in f32 for the 2-byte formats.
-void divide(void* p, int64_t n, DType t, int by) {
+// avg: dst = src divided by the group size, in f32 for the 2-byte formats (dst may be src).
+void divide(void* dst, const void* src, int64_t n, DType t, int by) {
   switch (t) {
-    case DType::f32: for (int64_t i = 0; i < n; ++i) static_cast<float*>(p)[i] /= float(by); break;
-    case DType::f64: for (int64_t i = 0; i < n; ++i) static_cast<double*>(p)[i] /= double(by); break;
+    case DType::f32:
+      for (int64_t i = 0; i < n; ++i) static_cast<float*>(dst)[i] = static_cast<const float*>(src)[i] / float(by);
+      break;
+    case DType::f64:
+      for (int64_t i = 0; i < n; ++i) static_cast<double*>(dst)[i] = static_cast<const double*>(src)[i] / double(by);
+      break;
     case DType::bf16:
-      for (int64_t i = 0; i < n; ++i) {
-        auto& h = static_cast<uint16_t*>(p)[i];
-        h = f32_to_bf16(bf16_to_f32(h) / float(by));
-      }
+      for (int64_t i = 0; i < n; ++i)
+        static_cast<uint16_t*>(dst)[i] = f32_to_bf16(bf16_to_f32(static_cast<const uint16_t*>(src)[i]) / float(by));
       break;
     case DType::f16:
-      for (int64_t i = 0; i < n; ++i) {
-        auto& h = static_cast<uint16_t*>(p)[i];
-        h = f32_to_f16(f16_to_f32(h) / float(by));
-      }
+      for (int64_t i = 0; i < n; ++i)
+        static_cast<uint16_t*>(dst)[i] = f32_to_f16(f16_to_f32(static_cast<const uint16_t*>(src)[i]) / float(by));
       break;
     default: throw Error(str("avg: not defined for ", dtype_name(t)));
   }
 }
+void divide(void* p, int64_t n, DType t, int by) { divide(p, p, n, t, by); }
+
+// f16 tops out at 65504: the sum of an average can overflow where the average (and each rank's
+// part) does not, which a loss-scaled gradient is near by design. Its parts are divided before the
+// sum, as PyTorch's DDP divides its buckets before the all-reduce. (bf16 has f32's range: it sums,
+// then divides once.)
+bool divides_first(ReduceOp op, DType t) { return op == ReduceOp::avg && t == DType::f16; }
+bool divides_after(ReduceOp op, DType t) { return op == ReduceOp::avg && t != DType::f16; }
 
 int mpi_count(const char* op, int64_t n) {
   SG_CHECK(n <= INT_MAX, op, ": ", n, " elements exceed MPI's int count; split the tensor");
@@ -268,8 +278,9 @@ std::shared_ptr<Work> MpiProcessGroup::do_all_reduce(const Tensor& t, ReduceOp o
   int n = mpi_count("all_reduce", t.numel());
   return enqueue("all_reduce", [=, this] {
     HostView buf(t, true);
+    if (divides_first(op, t.dtype())) divide(buf.ptr(), n, t.dtype(), size());
     SG_MPI_CHECK("all_reduce", MPI_Allreduce(MPI_IN_PLACE, buf.ptr(), n, mpi_type(t.dtype()), mpi_op(op, t.dtype()), comm_));
-    if (op == ReduceOp::avg) divide(buf.ptr(), n, t.dtype(), size());
+    if (divides_after(op, t.dtype())) divide(buf.ptr(), n, t.dtype(), size());
     buf.copy_out();
   });
 }
@@ -278,9 +289,16 @@ std::shared_ptr<Work> MpiProcessGroup::do_reduce_scatter(const Tensor& out, cons
   int n = mpi_count("reduce_scatter", out.numel());
   return enqueue("reduce_scatter", [=, this] {
     HostView src(in, true), dst(out, false);
-    SG_MPI_CHECK("reduce_scatter", MPI_Reduce_scatter_block(src.ptr(), dst.ptr(), n, mpi_type(in.dtype()),
+    const void* send = src.ptr();
+    std::vector<uint16_t> parts;  // the input divided first (f16), leaving the caller's as it was
+    if (divides_first(op, in.dtype())) {
+      parts.resize(size_t(in.numel()));
+      divide(parts.data(), src.ptr(), in.numel(), in.dtype(), size());
+      send = parts.data();
+    }
+    SG_MPI_CHECK("reduce_scatter", MPI_Reduce_scatter_block(send, dst.ptr(), n, mpi_type(in.dtype()),
                                                       mpi_op(op, in.dtype()), comm_));
-    if (op == ReduceOp::avg) divide(dst.ptr(), n, out.dtype(), size());
+    if (divides_after(op, out.dtype())) divide(dst.ptr(), n, out.dtype(), size());
     dst.copy_out();
   });
 }
@@ -317,10 +335,18 @@ std::shared_ptr<Work> MpiProcessGroup::do_reduce(const Tensor& t, int root, Redu
   return enqueue("reduce", [=, this] {
     HostView buf(t, true);
     bool is_root = rank() == root;
-    SG_MPI_CHECK("reduce", MPI_Reduce(is_root ? MPI_IN_PLACE : buf.ptr(), is_root ? buf.ptr() : nullptr, n,
+    void* send = buf.ptr();
+    std::vector<uint16_t> parts;  // f16: this rank's part divided first; a non-root's tensor is left as it was
+    if (divides_first(op, t.dtype())) {
+      parts.resize(size_t(n));
+      divide(parts.data(), buf.ptr(), n, t.dtype(), size());
+      if (is_root) std::memcpy(buf.ptr(), parts.data(), parts.size() * sizeof(uint16_t));
+      send = parts.data();
+    }
+    SG_MPI_CHECK("reduce", MPI_Reduce(is_root ? MPI_IN_PLACE : send, is_root ? buf.ptr() : nullptr, n,
                                 mpi_type(t.dtype()), mpi_op(op, t.dtype()), root, comm_));
     if (!is_root) return;
-    if (op == ReduceOp::avg) divide(buf.ptr(), n, t.dtype(), size());
+    if (divides_after(op, t.dtype())) divide(buf.ptr(), n, t.dtype(), size());
     buf.copy_out();
   });
 }
