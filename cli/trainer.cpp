@@ -406,12 +406,16 @@ double Trainer::model_parallel_grad_norm() {
   return std::sqrt(item(t));
 }
 
-// Whether to apply this step. The norm is the same on every rank (all-reduced), so every rank
-// decides alike. fp16: an overflow is the loss scaler's business (back off, skip). Otherwise a
+// Whether to apply this step; every rank decides alike. fp16: an overflow is the loss scaler's
+// business (back off, skip). Otherwise a
 // non-finite loss or norm stops the run naming the step and this rank's first non-finite tensor
 // (--on-nonfinite stop), or skips the step and counts it (skip).
 bool Trainer::accept_step(int64_t step, double loss, double grad_norm) {
-  const bool finite = std::isfinite(grad_norm) && std::isfinite(loss);
+  bool finite = std::isfinite(grad_norm) && std::isfinite(loss);
+  // The loss and norm are reduced, so ranks see the same values, but a value only one rank holds
+  // (its own loss scale under a pipeline, where only the last stage seeds the backward with it)
+  // must not make one stage step and another skip: the ranks decide together.
+  if (metrics_ && world_size_ > 1) finite = world_sum(finite ? 0.0 : 1.0) == 0.0;
   if (dtype_ == DType::f16) return scaler_.update(!finite);
   if (finite) return true;
   if (nonfinite_ == optim::NonFinitePolicy::skip) {

@@ -1005,6 +1005,23 @@ TEST_CASE("non-finite steps: --on-nonfinite stop names the step and the tensor, 
   auto c = read_log(d.path / "c.jsonl");
   REQUIRE(c[0]["loss"].get<double>() == b[0]["loss"].get<double>());
   REQUIRE(c[2]["loss"].get<double>() != b[2]["loss"].get<double>());
+  // Under a pipeline the NaN rides in the first stage's loss scale, which only the last stage's
+  // backward would use: the stages still skip the step together (before, the last stage applied
+  // it and the first did not), and the run goes on as one process skipping that step does.
+  const std::string two = " train --n-layer 2 --n-embd 32 --n-head 2 --seq-len 32 --batch-size 8 --micro-batch-size 4 "
+                          "--threads 1 --eval-every 0 --eval-batches 1 --eval-problems 8 --dropout 0 --steps 4 "
+                          "--inject-fault rank=0,step=2,kind=nan --on-nonfinite skip --log-json ";
+  Run one = shardgrad(two + (d.path / "one.jsonl").string());
+  const fs::path pp_log = d.path / "pp.jsonl";
+  Run pp = run_command(mpirun(2) + two + pp_log.string() + " --pp 2");
+  INFO(one.output << pp.output);
+  REQUIRE(one.code == 0);
+  REQUIRE(pp.code == 0);
+  auto o = read_log(d.path / "one.jsonl"), p = read_log(pp_log);
+  REQUIRE(p.size() == 4);
+  REQUIRE(o[1]["skipped"].get<bool>());
+  REQUIRE(p[1]["skipped"].get<bool>());
+  for (size_t i : {0, 2, 3}) CHECK(p[i]["loss"].get<double>() == Approx(o[i]["loss"].get<double>()).epsilon(1e-5));
 }
 
 // --simulate runs the ranks as threads on the meta device; its bytes must be the real run's. Two
