@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -31,12 +32,31 @@ int64_t at_step = -1;
 Clock::time_point last = Clock::now();
 std::thread checker;
 
+// This process's CPU seconds, all threads.
+double cpu_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  return double(t.tv_sec) + 1e-9 * double(t.tv_nsec);
+}
+
 void check_loop() {
+  // The CPU time at the last progress mark (taken at the first tick that sees the mark).
+  Clock::time_point seen = last;
+  double cpu_at_progress = cpu_seconds();
   while (armed.load()) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     std::lock_guard<std::mutex> g(mu);
+    if (last != seen) seen = last, cpu_at_progress = cpu_seconds();
     double idle = std::chrono::duration<double>(Clock::now() - last).count();
     if (!armed.load() || idle < limit) continue;
+    // Outside any wait, a rank that keeps a tenth of a core busy is computing (a long forward
+    // on a CPU), not stuck: the timeout bounds waits on peers and ranks that stopped, as
+    // PyTorch's bounds collectives. A hung rank (asleep, deadlocked) uses no CPU.
+    if (waits.empty() && cpu_seconds() - cpu_at_progress >= 0.1 * idle) {
+      last = seen = Clock::now();
+      cpu_at_progress = cpu_seconds();
+      continue;
+    }
     if (!waits.empty()) {
       // the outermost wait names the phase, the innermost the operation it is stuck in
       std::string what = waits.begin()->second;

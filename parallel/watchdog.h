@@ -2,7 +2,8 @@
 // in a collective) must not leave the job hanging. The training loop tells the watchdog what it
 // is doing; a thread checks that it keeps moving. After `timeout` seconds in one phase the
 // watchdog prints which rank is stuck, where, and at which step, and aborts the whole MPI job.
-// A rank stuck in a collective is a victim; a rank stuck anywhere else is the one that failed.
+// A rank stuck in a collective is a victim; a rank stuck anywhere else is the one that failed,
+// unless its process keeps using CPU: then it is computing (a long forward on a CPU), not stuck.
 #pragma once
 #include <cstdint>
 #include <string>

@@ -525,6 +525,21 @@ TEST_CASE("a rank that hangs is the one blamed: its peers say what they wait in,
   }
 }
 
+TEST_CASE("a rank computing longer than --comm-timeout is not stuck: the timeout bounds waits and ranks that stopped", "[cli]") {
+  // One rank (ddp, nothing to wait for), a forward + backward of ~3 s with no progress mark in it
+  // and --comm-timeout 1: the watchdog sees the process busy (its CPU time grows) and lets it run.
+  // Before, it aborted the healthy run ("no progress for 1 s ... not waiting on any peer").
+  TempDir d;
+  const fs::path log = d.path / "busy.jsonl";
+  Run r = shardgrad("train --data random:256 --n-layer 4 --n-embd 384 --n-head 6 --seq-len 256 --batch-size 32 "
+                    "--strategy ddp --comm-timeout 1 --steps 1 --eval-every 0 --eval-batches 1 --threads 1 --log-json " +
+                    log.string());
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK(r.output.find("no progress") == std::string::npos);
+  REQUIRE(read_log(log).at(0)["step_ms"].get<double>() > 1000);  // the step did outlast the timeout
+}
+
 TEST_CASE("the default run (tiny GPT, synthetic 3-digit addition) learns to >= 90% task accuracy", "[cli][learn]") {
   TempDir d;
   Run r = shardgrad("train --log-json " + (d.path / "log.jsonl").string());
