@@ -49,15 +49,25 @@ json read_json_file(const std::string& path, const char* flag) {
   }
 }
 
-// The reason train gave: the text after "error: " on its first error line.
+// The reason train gave: the text after "error: " on its first error line, else the rank the
+// watchdog blamed (its FAILED line, or a wait that timed out), else shardgrad's last line; mpirun's
+// own notices are left out.
 std::string failure_reason(const std::string& output, int code) {
   std::istringstream in(output);
+  std::string failed, waiting, last;
   for (std::string line; std::getline(in, line);) {
     const size_t at = line.find("error: ");
     if (at != std::string::npos) return line.substr(at + 7);
+    // shardgrad's diagnostics ("shardgrad: rank 1: ...", "shardgrad train: ..."), not its header
+    if (line.rfind("shardgrad:", 0) != 0 && line.rfind("shardgrad train:", 0) != 0) continue;
+    if (failed.empty() && line.find("FAILED:") != std::string::npos) failed = line.substr(line.find("rank"));
+    if (waiting.empty() && line.find("while waiting in") != std::string::npos) waiting = line.substr(line.find("rank"));
+    last = line;
   }
+  if (!failed.empty()) return failed;
+  if (!waiting.empty()) return waiting;
   if (code == 124) return "timed out";
-  return "exit status " + std::to_string(code) + (output.empty() ? "" : ": " + output.substr(output.size() > 300 ? output.size() - 300 : 0));
+  return "exit status " + std::to_string(code) + (last.empty() ? "" : ": " + last);
 }
 
 // The planner's figures for a row; `common` holds the flags every row shares (the micro-batch).
@@ -259,8 +269,12 @@ int bench_main(int argc, char** argv) {
       if (r["measured"].contains("bubble")) std::printf(", bubble %.1f%%", 100 * r["measured"]["bubble"].get<double>());
       std::printf("\n");
     } else {
-      r["status"] = records.empty() ? (code == 124 ? "timeout" : "refused") : "failed";
-      r["reason"] = failure_reason(read_text(out), code);
+      // Refused: train said why before its first step; a process that died there failed.
+      const std::string text = read_text(out);
+      r["status"] = code == 124                                                   ? "timeout"
+                    : records.empty() && text.find("error: ") != std::string::npos ? "refused"
+                                                                                   : "failed";
+      r["reason"] = failure_reason(text, code);
       std::printf("%s: %s\n", r["status"].get<std::string>().c_str(), r["reason"].get<std::string>().c_str());
     }
     std::fflush(stdout);
@@ -299,6 +313,16 @@ int bench_main(int argc, char** argv) {
   if (!a.str("report").empty()) {
     io::write_text_atomic(a.str("report"), "bench: --report", report::results_html(results));
     std::printf("wrote %s\n", a.str("report").c_str());
+  }
+  // A layout that ran and failed (or timed out) fails the command, after the report is written;
+  // one refused for this rank count or model is the matrix's business, not a failure.
+  std::string broken;
+  for (const json& r : results["layouts"])
+    if (r["status"] == "failed" || r["status"] == "timeout") broken += (broken.empty() ? "" : ", ") + r["name"].get<std::string>();
+  if (!broken.empty()) {
+    std::fprintf(stderr, "bench: layouts that failed: %s (their reasons are above and in %s.json)\n", broken.c_str(),
+                 prefix.c_str());
+    return 1;
   }
   return 0;
 }

@@ -138,6 +138,9 @@ int plan_main(int argc, char** argv) {
   if (a.i64("gpus-per-node")) in.cluster.gpus_per_node = int(a.i64("gpus-per-node"));
   in.cluster.nodes = int(a.i64("nodes"));
   SG_CHECK(in.cluster.gpus_per_node >= 1 && in.cluster.nodes >= 1, "plan: --gpus-per-node and --nodes must be >= 1");
+  for (const char* f : {"gpu-memory", "intra-bandwidth", "inter-bandwidth", "peak-tflops", "efficiency"})
+    SG_CHECK(!a.given(f) || a.f64(f) > 0, "plan: --", f, " must be > 0, got ", a.str(f), " (leave it out for the "
+             "cluster preset's)");
   if (a.f64("gpu-memory") > 0) in.cluster.gpu_memory = a.f64("gpu-memory") * 1e9;
   if (a.f64("intra-bandwidth") > 0) in.cluster.intra_bandwidth = a.f64("intra-bandwidth") * 1e9;
   if (a.f64("inter-bandwidth") > 0) in.cluster.inter_bandwidth = a.f64("inter-bandwidth") * 1e9;

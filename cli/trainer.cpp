@@ -144,6 +144,13 @@ int Trainer::run() {
     if (world_size_ == 1 && strategy_ != "single" && strategy_ != "dp")
       std::printf("note: --strategy %s on 1 rank shards and reduces nothing (launch it with mpirun -np N)\n",
                   strategy_.c_str());
+    // mpirun -np N of a one-process strategy: N copies of one run, each unaware of the others.
+    const char* launched = std::getenv("OMPI_COMM_WORLD_SIZE");
+    const char* launched_rank = std::getenv("OMPI_COMM_WORLD_RANK");
+    if (!distributed() && launched && std::atoi(launched) > 1 && (!launched_rank || std::atoi(launched_rank) == 0))
+      std::printf("note: mpirun started %s processes, but --strategy %s trains in each on its own: %s copies of one "
+                  "run (give --strategy ddp, zero1/2/3, fsdp..., --tp or --pp to train one model together)\n",
+                  launched, strategy_.c_str(), launched);
   }
   std::fflush(stdout);
   const int64_t save_every = args_.i64("save-every"), eval_every = args_.i64("eval-every");
@@ -514,6 +521,11 @@ json Trainer::evaluate() {
 }
 
 std::string Trainer::layout_label() const {
+  if (strategy_ == "dp") {  // one process: its replicas on the devices, the first holding the model
+    std::string devices;
+    for (const Device& d : dp_devices_) devices += (devices.empty() ? "" : ", ") + d.str();
+    return str("dp over ", dp_devices_.size(), " devices (", devices, "; the peak is ", device_.str(), "'s)");
+  }
   const std::string dp = strategy_ == "single" && dp_size_ == 1 ? "" : str(strategy_, " over dp ", dp_size_, " x ");
   return tp_ == 1 && pp_ == 1 ? str(strategy_, " x ", world_size_)
                               : str(dp, "tp ", tp_, cfg_.sequence_parallel ? "+sp" : "", " x pp ", pp_, " (",

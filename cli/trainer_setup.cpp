@@ -202,8 +202,13 @@ void Trainer::choose_device_and_batch() {
              " differs from the first of --devices (", dp_devices_[0].str(), ")");
     device_ = dp_devices_[0];
   }
-  dtype_ = parse_dtype(a.str("dtype"));
-  SG_CHECK(dtype_ == DType::f32 || dtype_ == DType::bf16 || dtype_ == DType::f16, "train: --dtype must be fp32, bf16 or fp16");
+  try {
+    dtype_ = parse_dtype(a.str("dtype"));
+  } catch (const Error&) {
+    dtype_ = DType::i64;  // refused below with train's own list (parse_dtype's has fp64, i32, i64)
+  }
+  SG_CHECK(dtype_ == DType::f32 || dtype_ == DType::bf16 || dtype_ == DType::f16, "train: --dtype must be fp32, bf16 ",
+           "or fp16, got '", a.str("dtype"), "'");
   kernels::select_attention(a.str("attention"), device_);
   seed_ = uint64_t(a.i64("seed"));
   const bool synthetic = synthetic_data(a);
@@ -216,6 +221,11 @@ void Trainer::choose_device_and_batch() {
            dp_size_ > 1 ? str("the per-rank batch ", B_ / dp_size_, " (--batch-size ", B_, " over ", dp_size_, " ranks)")
                            : str("--batch-size ", B_));
   steps_ = a.str("steps") != "auto" ? positive(a, "steps") : synthetic ? kSyntheticSteps : kFileSteps;
+  // A fault that could never fire would let a resilience test pass without testing anything.
+  SG_CHECK(!fault_.active() || fault_.rank < world_size_, "train: --inject-fault rank=", fault_.rank, ": the job has ",
+           world_size_, world_size_ == 1 ? " rank" : " ranks");
+  SG_CHECK(!fault_.active() || fault_.step <= steps_, "train: --inject-fault step=", fault_.step, ": the run has ",
+           steps_, " steps (--steps)");
   positive(a, "eval-batches");
   SG_CHECK(a.i64("save-every") >= 0 && a.i64("eval-every") >= 0, "train: --save-every/--eval-every must be >= 0");
   SG_CHECK(a.i64("profile-ops") >= 0 && a.i64("profile-ops") <= steps_,

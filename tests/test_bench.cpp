@@ -165,6 +165,29 @@ TEST_CASE("the default matrix has every strategy, tensor and pipeline layout, an
   }
 }
 
+TEST_CASE("bench names the rank that failed a layout and exits non-zero once the report is written", "[cli][mpi]") {
+  const fs::path dir = fs::temp_directory_path() / ("sg_bench_fail_" + std::to_string(::getpid()));
+  json matrix = json::array(
+      {{{"name", "single"}, {"ranks", 1}, {"args", ""}},
+       {{"name", "ddp-hang"}, {"ranks", 2}, {"args", "--strategy ddp --comm-timeout 3 --inject-fault rank=1,step=2,kind=hang"}},
+       {{"name", "ddp-exit"}, {"ranks", 2}, {"args", "--strategy ddp --inject-fault rank=1,step=1,kind=exit"}}});
+  const int status = run_bench(dir, matrix, 3);
+  const std::string out = read_text(dir / "out.txt");
+  INFO(out);
+  REQUIRE(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 1);
+  CHECK(out.find("bench: layouts that failed: ddp-hang, ddp-exit") != std::string::npos);
+  json res = json::parse(read_text(dir / "results" / "res.json"));  // written all the same
+  REQUIRE(res["layouts"].size() == 3);
+  CHECK(res["layouts"][0]["status"] == "ok");
+  CHECK(res["layouts"][1]["status"] == "failed");
+  CHECK(res["layouts"][1]["reason"].get<std::string>().find("rank 1: FAILED: no progress for 3 s") == 0);
+  CHECK(res["layouts"][2]["status"] == "failed");  // it died before its first step: not a refusal
+  CHECK(res["layouts"][2]["reason"].get<std::string>() == "exit status 7: shardgrad: rank 1: injecting fault 'exit' at step 1");
+  CHECK(res["layouts"][2]["reason"].get<std::string>().find("ORTE") == std::string::npos);
+  fs::remove_all(dir);
+}
+
 TEST_CASE("shardgrad bench runs a matrix file, measures every layout and reports the one train refuses", "[cli][mpi]") {
   const fs::path dir = fs::temp_directory_path() / ("sg_bench_test_" + std::to_string(::getpid()));
   json matrix = json::array({{{"name", "single"}, {"ranks", 1}, {"args", ""}},

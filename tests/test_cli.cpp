@@ -73,7 +73,6 @@ TEST_CASE("train refuses bad flags, missing files and existing checkpoints, nami
   fails_with("train --stepz 10", "unknown flag --stepz");
   fails_with("train --batch-size 8 --micro-batch-size 3", "--micro-batch-size 3 does not divide --batch-size 8");
   fails_with("train --n-head 5 --n-embd 64", "not divisible by n_head 5");
-  fails_with("train --dtype fp8", "unknown dtype 'fp8'");
   fails_with("train --data /nonexistent/file.txt", "/nonexistent/file.txt");
   fails_with("train --resume " + (d.path / "nothing").string(), "does not exist");
   fails_with("train --model gpt5", "unknown preset 'gpt5'");
@@ -92,6 +91,11 @@ TEST_CASE("train refuses bad flags, missing files and existing checkpoints, nami
   fails_with("train --strategy zero1 --find-unused-parameters", "--find-unused-parameters is for --strategy ddp");
   fails_with("train --devices cpu:0,cpu:1", "--devices is for --strategy dp (one process, several devices)");
   fails_with("train --save-every 5", "--save-every needs --save DIR");
+  // train's own dtypes, and a fault that could never fire
+  fails_with("train --dtype fp8", "--dtype must be fp32, bf16 or fp16, got 'fp8'");
+  fails_with("train --strategy ddp --inject-fault rank=5,step=2,kind=exit", "--inject-fault rank=5: the job has 1 rank");
+  fails_with("train --steps 5 --inject-fault rank=0,step=20,kind=exit", "--inject-fault step=20: the run has 5 steps");
+  fails_with("plan --model gpt2 --dp 8 --gpu-memory -1", "--gpu-memory must be > 0, got -1");
   {
     // a held-out split too small for the final evaluation is refused before training, not after it
     const std::string small = (d.path / "small.txt").string();
