@@ -343,6 +343,33 @@ TEST_CASE("resume auto skips the newest checkpoint when a file it lists is gone,
   CHECK(again.output.find("resumed from " + run + "/step_00000002 at step 2") != std::string::npos);
 }
 
+TEST_CASE("the ZeRO-2 example learns y = tanh(3x), gives one process's losses on 4 ranks, and holds ZeRO's bytes", "[cli][mpi]") {
+  const std::string example = std::string(SG_EXAMPLES_DIR) + "/sg_example_zero2_mlp";
+  Run one = run_command(example),
+      four = run_command(std::string(SG_MPIEXEC) + " --oversubscribe --allow-run-as-root --bind-to none "
+                         "-x OMP_NUM_THREADS=1 -np 4 " + example);
+  INFO(one.output << four.output);
+  REQUIRE(one.code == 0);  // it checks that it learned (the loss down 20x)
+  REQUIRE(four.code == 0);
+  const auto losses = [](const std::string& out) {
+    std::vector<double> v;
+    std::istringstream in(out);
+    for (std::string line; std::getline(in, line);)
+      if (line.rfind("step ", 0) == 0) v.push_back(std::stod(line.substr(line.find("loss ") + 5)));
+    return v;
+  };
+  const auto a = losses(one.output), b = losses(four.output);
+  REQUIRE(a.size() == 7);
+  REQUIRE(b.size() == a.size());
+  for (size_t i = 0; i < a.size(); ++i) CHECK(b[i] == Approx(a[i]).epsilon(1e-3));
+  // Ψ = 193 parameters (1·64 + 64 + 64·1 + 1), padded to 196 on 4 ranks: 4Ψ, 4Ψp/N, 8Ψp/N
+  CHECK(one.output.find("params 772 B (4Ψ = 772) | gradient shard 772 B (4Ψp/N = 772) | AdamW m, v 1544 B") !=
+        std::string::npos);
+  for (int r = 0; r < 4; ++r)
+    CHECK(four.output.find("rank " + std::to_string(r) + " of 4 | params 772 B (4Ψ = 772) | gradient shard 196 B "
+                           "(4Ψp/N = 196) | AdamW m, v 392 B (8Ψp/N = 392)") != std::string::npos);
+}
+
 TEST_CASE("generate samples from what train saved", "[cli]") {
   TempDir d;
   std::string save = (d.path / "run").string();
