@@ -370,6 +370,21 @@ TEST_CASE("the ZeRO-2 example learns y = tanh(3x), gives one process's losses on
                            "(4Ψp/N = 196) | AdamW m, v 392 B (8Ψp/N = 392)") != std::string::npos);
 }
 
+TEST_CASE("the tensor-parallel example equals the unsharded MLP on 2 and 4 ranks, with two all-reduces of 2(p-1)/p of the activation", "[cli][mpi]") {
+  const std::string example = std::string(SG_EXAMPLES_DIR) + "/sg_example_tensor_parallel_mlp";
+  for (int p : {2, 4}) {
+    Run r = run_command(std::string(SG_MPIEXEC) + " --oversubscribe --allow-run-as-root --bind-to none "
+                        "-x OMP_NUM_THREADS=1 -np " + std::to_string(p) + " " + example);
+    INFO(r.output);
+    REQUIRE(r.code == 0);  // it checks y, dX, dA and dB against the unsharded MLP (1e-5) and the bytes
+    const std::string bytes = std::to_string(2 * 2 * (p - 1) * 2048 / p);  // [16, 32] f32 = 2048 B
+    for (int k = 0; k < p; ++k)
+      CHECK(r.output.find("rank " + std::to_string(k) + " of " + std::to_string(p) + " | hidden units " +
+                          std::to_string(128 / p) + " of 128") != std::string::npos);
+    CHECK(r.output.find("all-reduces 2, " + bytes + " bytes") != std::string::npos);
+  }
+}
+
 TEST_CASE("generate samples from what train saved", "[cli]") {
   TempDir d;
   std::string save = (d.path / "run").string();
