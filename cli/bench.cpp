@@ -269,11 +269,12 @@ int bench_main(int argc, char** argv) {
       if (r["measured"].contains("bubble")) std::printf(", bubble %.1f%%", 100 * r["measured"]["bubble"].get<double>());
       std::printf("\n");
     } else {
-      // Refused: train said why before its first step; a process that died there failed.
+      // Refused: train said why before its setup was done (its header line); anything else that
+      // ended the run (an error in a step, a process that died) failed.
       const std::string text = read_text(out);
-      r["status"] = code == 124                                                   ? "timeout"
-                    : records.empty() && text.find("error: ") != std::string::npos ? "refused"
-                                                                                   : "failed";
+      const bool refused = records.empty() && text.find("error: ") != std::string::npos &&
+                           text.find("shardgrad train | model") == std::string::npos;
+      r["status"] = code == 124 ? "timeout" : refused ? "refused" : "failed";
       r["reason"] = failure_reason(text, code);
       std::printf("%s: %s\n", r["status"].get<std::string>().c_str(), r["reason"].get<std::string>().c_str());
     }

@@ -37,26 +37,33 @@ int export_main(int argc, char** argv) {
   file.metadata["format"] = "pt";
   for (auto& [n, t] : tensors) file.order.push_back(n), file.tensors[n] = t;
   const nn::GPTConfig cfg = nn::config_from_hf(file);  // the head count from the checkpoint's metadata
+  // transformers' GPT2LMHeadModel.from_pretrained(folder) reads the architecture from config.json
+  // beside the weights (model.safetensors; the head ties to wte, as here). One that is there
+  // already must describe this model: checked before anything is written.
+  const nlohmann::json config = {{"architectures", {"GPT2LMHeadModel"}}, {"model_type", "gpt2"},
+                                 {"vocab_size", cfg.vocab_size},       {"n_positions", cfg.block_size},
+                                 {"n_ctx", cfg.block_size},            {"n_embd", cfg.n_embd},
+                                 {"n_layer", cfg.n_layer},             {"n_head", cfg.n_head},
+                                 {"activation_function", "gelu_new"},  {"layer_norm_epsilon", cfg.ln_eps},
+                                 {"tie_word_embeddings", true},        {"resid_pdrop", 0.0},
+                                 {"embd_pdrop", 0.0},                  {"attn_pdrop", 0.0}};
+  const std::filesystem::path config_path = std::filesystem::path(out).parent_path() / "config.json";
+  const bool have_config = std::filesystem::exists(config_path);
+  if (have_config) {
+    const nlohmann::json there = nlohmann::json::parse(io::read_file(config_path.string(), "export"), nullptr, false);
+    SG_CHECK(there == config, "export: ", config_path.string(), " is there already and describes another model than ",
+             c->path(), " (", cfg.n_layer, " layers, ", cfg.n_head, " heads, width ", cfg.n_embd, ", vocab ",
+             cfg.vocab_size, "); export to another folder, or remove it");
+  }
   io::save_safetensors(out, tensors, file.metadata);
   std::printf("exported %zu tensors from %s to %s\n", tensors.size(), c->path().c_str(), out.c_str());
-  // transformers' GPT2LMHeadModel.from_pretrained(folder) reads the architecture from config.json
-  // beside the weights (the head ties to wte, as here).
-  const std::filesystem::path config = std::filesystem::path(out).parent_path() / "config.json";
-  if (std::filesystem::exists(config)) {
-    std::printf("%s already exists: left as it is\n", config.string().c_str());
-  } else {
-    const nlohmann::json j = {{"architectures", {"GPT2LMHeadModel"}}, {"model_type", "gpt2"},
-                              {"vocab_size", cfg.vocab_size},       {"n_positions", cfg.block_size},
-                              {"n_ctx", cfg.block_size},            {"n_embd", cfg.n_embd},
-                              {"n_layer", cfg.n_layer},             {"n_head", cfg.n_head},
-                              {"activation_function", "gelu_new"},  {"layer_norm_epsilon", cfg.ln_eps},
-                              {"tie_word_embeddings", true},        {"resid_pdrop", 0.0},
-                              {"embd_pdrop", 0.0},                  {"attn_pdrop", 0.0}};
-    io::write_text_atomic(config.string(), "export: config.json", j.dump(2) + "\n");
-    std::printf("wrote %s (GPT2LMHeadModel: %lld layers, %lld heads, width %lld, vocab %lld)\n",
-                config.string().c_str(), (long long)cfg.n_layer, (long long)cfg.n_head, (long long)cfg.n_embd,
-                (long long)cfg.vocab_size);
-  }
+  if (!have_config) io::write_text_atomic(config_path.string(), "export: config.json", config.dump(2) + "\n");
+  std::printf("%s %s (GPT2LMHeadModel: %lld layers, %lld heads, width %lld, vocab %lld)%s\n",
+              have_config ? "kept" : "wrote", config_path.string().c_str(), (long long)cfg.n_layer,
+              (long long)cfg.n_head, (long long)cfg.n_embd, (long long)cfg.vocab_size,
+              std::filesystem::path(out).filename() == "model.safetensors"
+                  ? ""
+                  : "; transformers' from_pretrained(folder) reads model.safetensors");
   return 0;
 }
 

@@ -120,8 +120,11 @@ int Trainer::run() {
       std::istringstream lines(io::read_file(args_.str("log-json"), "train: --log-json"));
       std::string kept;
       for (std::string line; std::getline(lines, line);) {
+        // a line cut short by the crash, or not one of train's records, goes too
         const json rec = json::parse(line, nullptr, false);
-        if (rec.is_discarded() || rec.value("step", int64_t(0)) <= start_step_) kept += line + "\n";
+        if (rec.is_object() && rec.contains("step") && rec["step"].is_number_integer() &&
+            rec["step"].get<int64_t>() <= start_step_)
+          kept += line + "\n";
       }
       io::write_text_atomic(args_.str("log-json"), "train: --log-json", kept);
     }

@@ -226,6 +226,12 @@ void Trainer::choose_device_and_batch() {
            world_size_, world_size_ == 1 ? " rank" : " ranks");
   SG_CHECK(!fault_.active() || fault_.step <= steps_, "train: --inject-fault step=", fault_.step, ": the run has ",
            steps_, " steps (--steps)");
+  if (fault_.active() && fault_.during == "save") {
+    const int64_t every = a.i64("save-every");
+    SG_CHECK(a.given("save") && (fault_.step == steps_ || (every > 0 && fault_.step % every == 0)),
+             "train: --inject-fault step=", fault_.step, ",during=save: that step saves no checkpoint (--save ",
+             a.given("save") ? str("--save-every ", every, " --steps ", steps_) : std::string("not given"), ")");
+  }
   positive(a, "eval-batches");
   SG_CHECK(a.i64("save-every") >= 0 && a.i64("eval-every") >= 0, "train: --save-every/--eval-every must be >= 0");
   SG_CHECK(a.i64("profile-ops") >= 0 && a.i64("profile-ops") <= steps_,
@@ -256,18 +262,20 @@ void Trainer::build_model(const ckpt::Checkpoint* ck) {
   // The model a checkpoint or --init-from loads: a shape flag (or --model's preset) given beside it
   // must agree with it, not be ignored (launch's restarts repeat the first command's flags).
   const auto agree = [&](const std::string& source) {
-    const nn::GPTConfig fresh = model_config(a, cfg_.vocab_size);  // what these flags build from scratch
+    const auto of = [](const nn::GPTConfig& c, const std::string& f) {
+      return f == "n-layer" ? c.n_layer : f == "n-head" ? c.n_head : f == "n-embd" ? c.n_embd
+             : f == "block-size" ? c.block_size : c.vocab_size;
+    };
+    const nn::GPTConfig preset = nn::gpt_preset(a.str("model"));
     for (const char* f : {"n-layer", "n-head", "n-embd", "block-size", "vocab-size"}) {
-      const std::string flag(f);
-      const bool from_preset = a.given("model") && flag != "vocab-size";
-      if (!a.given(f) && !from_preset) continue;
-      const auto of = [&](const nn::GPTConfig& c) {
-        return flag == "n-layer" ? c.n_layer : flag == "n-head" ? c.n_head : flag == "n-embd" ? c.n_embd
-               : flag == "block-size" ? c.block_size : c.vocab_size;
-      };
-      SG_CHECK(of(fresh) == of(cfg_), "train: ", a.given(f) ? str("--", f, " ", of(fresh))
-                                                           : str("--model ", a.str("model"), " (", f, " ", of(fresh), ")"),
-               " does not match ", source, " (", of(cfg_), ")");
+      if (a.given(f)) {
+        SG_CHECK(a.i64(f) == of(cfg_, f), "train: --", f, " ", a.i64(f), " does not match ", source, " (", of(cfg_, f), ")");
+      } else if (a.given("model") && std::string(f) != "block-size" && std::string(f) != "vocab-size") {
+        // the preset's shape; its block size may have grown with --seq-len, and --seq-len is
+        // checked against what is loaded anyway
+        SG_CHECK(of(preset, f) == of(cfg_, f), "train: --model ", a.str("model"), " (", f, " ", of(preset, f),
+                 ") does not match ", source, " (", of(cfg_, f), ")");
+      }
     }
     cfg_.dropout = a.f64("dropout");
   };

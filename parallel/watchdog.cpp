@@ -40,22 +40,24 @@ double cpu_seconds() {
 }
 
 void check_loop() {
-  // The CPU time at the last progress mark (taken at the first tick that sees the mark).
-  Clock::time_point seen = last;
-  double cpu_at_progress = cpu_seconds();
+  // Each tick, whether the process used a tenth of a core or more since the last one: busy.
+  double cpu_before = cpu_seconds();
+  Clock::time_point tick_before = Clock::now(), last_busy = tick_before;
   while (armed.load()) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     std::lock_guard<std::mutex> g(mu);
-    if (last != seen) seen = last, cpu_at_progress = cpu_seconds();
-    double idle = std::chrono::duration<double>(Clock::now() - last).count();
+    const Clock::time_point now = Clock::now();
+    const double cpu_now = cpu_seconds();
+    if (cpu_now - cpu_before >= 0.1 * std::chrono::duration<double>(now - tick_before).count()) last_busy = now;
+    cpu_before = cpu_now, tick_before = now;
+    double idle = std::chrono::duration<double>(now - last).count();
     if (!armed.load() || idle < limit) continue;
-    // Outside any wait, a rank that keeps a tenth of a core busy is computing (a long forward
-    // on a CPU), not stuck: the timeout bounds waits on peers and ranks that stopped, as
-    // PyTorch's bounds collectives. A hung rank (asleep, deadlocked) uses no CPU.
-    if (waits.empty() && cpu_seconds() - cpu_at_progress >= 0.1 * idle) {
-      last = seen = Clock::now();
-      cpu_at_progress = cpu_seconds();
-      continue;
+    // Outside any wait, a rank that keeps computing (a long forward on a CPU) is not stuck: the
+    // timeout bounds waits on peers and ranks that stopped, as PyTorch's bounds collectives. A hung
+    // rank (asleep, deadlocked) uses no CPU: it fails `limit` seconds after its last busy tick.
+    if (waits.empty()) {
+      idle = std::min(idle, std::chrono::duration<double>(now - last_busy).count());
+      if (idle < limit) continue;
     }
     if (!waits.empty()) {
       // the outermost wait names the phase, the innermost the operation it is stuck in

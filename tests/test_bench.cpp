@@ -170,21 +170,25 @@ TEST_CASE("bench names the rank that failed a layout and exits non-zero once the
   json matrix = json::array(
       {{{"name", "single"}, {"ranks", 1}, {"args", ""}},
        {{"name", "ddp-hang"}, {"ranks", 2}, {"args", "--strategy ddp --comm-timeout 3 --inject-fault rank=1,step=2,kind=hang"}},
-       {{"name", "ddp-exit"}, {"ranks", 2}, {"args", "--strategy ddp --inject-fault rank=1,step=1,kind=exit"}}});
+       {{"name", "ddp-exit"}, {"ranks", 2}, {"args", "--strategy ddp --inject-fault rank=1,step=1,kind=exit"}},
+       {{"name", "ddp-throw"}, {"ranks", 2}, {"args", "--strategy ddp --inject-fault rank=0,step=1,kind=throw"}}});
   const int status = run_bench(dir, matrix, 3);
   const std::string out = read_text(dir / "out.txt");
   INFO(out);
   REQUIRE(WIFEXITED(status));
   CHECK(WEXITSTATUS(status) == 1);
-  CHECK(out.find("bench: layouts that failed: ddp-hang, ddp-exit") != std::string::npos);
+  CHECK(out.find("bench: layouts that failed: ddp-hang, ddp-exit, ddp-throw") != std::string::npos);
   json res = json::parse(read_text(dir / "results" / "res.json"));  // written all the same
-  REQUIRE(res["layouts"].size() == 3);
+  REQUIRE(res["layouts"].size() == 4);
   CHECK(res["layouts"][0]["status"] == "ok");
   CHECK(res["layouts"][1]["status"] == "failed");
-  CHECK(res["layouts"][1]["reason"].get<std::string>().find("rank 1: FAILED: no progress for 3 s") == 0);
+  CHECK(res["layouts"][1]["reason"].get<std::string>().find("rank 1: FAILED: no progress for ") == 0);
   CHECK(res["layouts"][2]["status"] == "failed");  // it died before its first step: not a refusal
   CHECK(res["layouts"][2]["reason"].get<std::string>() == "exit status 7: shardgrad: rank 1: injecting fault 'exit' at step 1");
   CHECK(res["layouts"][2]["reason"].get<std::string>().find("ORTE") == std::string::npos);
+  // an error in the first step, after setup: failed too, with train's words
+  CHECK(res["layouts"][3]["status"] == "failed");
+  CHECK(res["layouts"][3]["reason"].get<std::string>().find("injected fault at step 1") != std::string::npos);
   fs::remove_all(dir);
 }
 

@@ -350,15 +350,20 @@ TEST_CASE("export consolidates a sharded checkpoint into one Hugging Face file t
     INFO(a[i].first);
     CHECK(same(a[i].second, b[i].second));
   }
-  // The file is refused as an export target a second time; a second file in the folder leaves its
-  // config.json as it is; train starts from the file.
+  // The file is refused as an export target a second time; a second file in the folder keeps the
+  // same model's config.json, another model's is refused; train starts from the file.
   CHECK(std::system((cmd + " > /dev/null 2>&1").c_str()) != 0);
   {
-    std::ofstream(config) << "{}";
     const std::string again = std::string(SG_BINARY) + " export " + d.p.string() + " --out " +
                               (out.parent_path() / "second.safetensors").string();
-    REQUIRE(std::system((again + " > /dev/null").c_str()) == 0);
-    CHECK(io::read_file(config.string(), "test") == "{}");
+    REQUIRE(std::system((again + " > /dev/null").c_str()) == 0);  // the same model's config: kept
+    // a config.json of another model is refused before anything is written
+    std::ofstream(config) << "{\"n_head\": 12}";
+    const fs::path third = out.parent_path() / "third.safetensors";
+    const std::string other = std::string(SG_BINARY) + " export " + d.p.string() + " --out " + third.string();
+    CHECK(std::system((other + " > /dev/null 2>&1").c_str()) != 0);
+    CHECK(!fs::exists(third));
+    CHECK(io::read_file(config.string(), "test") == "{\"n_head\": 12}");
   }
   const std::string train = std::string(SG_BINARY) + " train --init-from " + out.string() +
                             " --steps 1 --seq-len 16 --batch-size 2 --threads 1 --eval-every 0 --eval-batches 1 "

@@ -48,7 +48,7 @@ using Stream = cudaStream_t;
 
 template <class... P, class... A>
 void launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t shmem, Stream stream, A... args) {
-  if (grid.x * grid.y * grid.z == 0) return;
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;  // (their product could wrap in 32 bits)
   SG_CHECK(grid.y <= 65535 && grid.z <= 65535, "CUDA launch: grid (", grid.x, ", ", grid.y, ", ", grid.z,
            "): gridDim.y and gridDim.z are at most 65535 (the emulation refuses it too)");
   kernel<<<grid, block, shmem, stream>>>(static_cast<P>(args)...);

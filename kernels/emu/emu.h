@@ -167,7 +167,7 @@ inline void run_grid(dim3 grid, dim3 block, size_t shmem, const std::function<vo
   const unsigned threads = block.x * block.y * block.z;
   if (threads == 0 || threads > 1024) fail("a block needs 1 to 1024 threads");
   if (grid.y > 65535 || grid.z > 65535) fail("gridDim.y and gridDim.z are at most 65535");
-  if (grid.x * grid.y * grid.z == 0) return;
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;  // (their product could wrap in 32 bits)
   Grid g(grid, block, shmem);
   auto thread_main = [&](int tid) {
     ThreadState& t = this_thread;

@@ -86,6 +86,16 @@ void divide(void* p, int64_t n, DType t, int by) { divide(p, p, n, t, by); }
 // then divides once.)
 bool divides_first(ReduceOp op, DType t) { return op == ReduceOp::avg && t == DType::f16; }
 bool divides_after(ReduceOp op, DType t) { return op == ReduceOp::avg && t != DType::f16; }
+// n elements of src divided by `by` into a fresh host buffer (ledger: comm_buffer).
+Tensor divided_copy(const void* src, int64_t n, DType t, int by) {
+  Tensor parts;
+  {
+    MemScope scope(MemCategory::comm_buffer);
+    parts = Tensor::empty({n}, t);
+  }
+  divide(parts.data_ptr(), src, n, t, by);
+  return parts;
+}
 
 int mpi_count(const char* op, int64_t n) {
   SG_CHECK(n <= INT_MAX, op, ": ", n, " elements exceed MPI's int count; split the tensor");
@@ -290,11 +300,10 @@ std::shared_ptr<Work> MpiProcessGroup::do_reduce_scatter(const Tensor& out, cons
   return enqueue("reduce_scatter", [=, this] {
     HostView src(in, true), dst(out, false);
     const void* send = src.ptr();
-    std::vector<uint16_t> parts;  // the input divided first (f16), leaving the caller's as it was
+    Tensor parts;  // the input divided first (f16), leaving the caller's as it was
     if (divides_first(op, in.dtype())) {
-      parts.resize(size_t(in.numel()));
-      divide(parts.data(), src.ptr(), in.numel(), in.dtype(), size());
-      send = parts.data();
+      parts = divided_copy(src.ptr(), in.numel(), in.dtype(), size());
+      send = parts.data_ptr();
     }
     SG_MPI_CHECK("reduce_scatter", MPI_Reduce_scatter_block(send, dst.ptr(), n, mpi_type(in.dtype()),
                                                       mpi_op(op, in.dtype()), comm_));
@@ -336,12 +345,11 @@ std::shared_ptr<Work> MpiProcessGroup::do_reduce(const Tensor& t, int root, Redu
     HostView buf(t, true);
     bool is_root = rank() == root;
     void* send = buf.ptr();
-    std::vector<uint16_t> parts;  // f16: this rank's part divided first; a non-root's tensor is left as it was
+    Tensor parts;  // f16: this rank's part divided first; a non-root's tensor is left as it was
     if (divides_first(op, t.dtype())) {
-      parts.resize(size_t(n));
-      divide(parts.data(), buf.ptr(), n, t.dtype(), size());
-      if (is_root) std::memcpy(buf.ptr(), parts.data(), parts.size() * sizeof(uint16_t));
-      send = parts.data();
+      parts = divided_copy(buf.ptr(), n, t.dtype(), size());
+      if (is_root) std::memcpy(buf.ptr(), parts.data_ptr(), size_t(parts.nbytes()));
+      send = parts.data_ptr();
     }
     SG_MPI_CHECK("reduce", MPI_Reduce(is_root ? MPI_IN_PLACE : send, is_root ? buf.ptr() : nullptr, n,
                                 mpi_type(t.dtype()), mpi_op(op, t.dtype()), root, comm_));

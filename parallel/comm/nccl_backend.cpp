@@ -112,10 +112,20 @@ class StreamWork : public Work {
         results_(std::move(results)) {}
   ~StreamWork() override {
     // A destructor cannot throw: an error here was already raised by wait()/test(), or the
-    // process is going down with the communicator. Not while an error unwinds the stack: the
-    // operation may wait for a peer that will never join it (the group aborts its communicator).
-    if (!held_.empty() && !done_ && !aborted_->load() && std::uncaught_exceptions() == 0)
-      (void)cudaEventSynchronize(event_);
+    // process is going down with the communicator. While an error unwinds the stack the operation
+    // may wait for a peer that will never join it (the group then aborts its communicator): no
+    // wait, and its tensors are parked for good rather than handed back to the allocator while a
+    // kernel may still use them.
+    if (!held_.empty() && !done_ && !aborted_->load()) {
+      if (std::uncaught_exceptions() == 0) {
+        (void)cudaEventSynchronize(event_);
+      } else {
+        static std::mutex parked_mu;
+        static std::vector<Tensor>* parked = new std::vector<Tensor>;  // never freed
+        std::lock_guard<std::mutex> lock(parked_mu);
+        parked->insert(parked->end(), held_.begin(), held_.end());
+      }
+    }
     (void)cudaEventDestroy(event_);
   }
   void wait() override {
