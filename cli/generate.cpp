@@ -103,16 +103,8 @@ int generate_main(int argc, char** argv) {
       std::fprintf(stderr, "generate: %s was trained on the bytes of %s, which is not here; bytes need no file\n",
                    file.c_str(), data.c_str());
       sample_vocab = 256;
-      encode = [](const std::string& t) {
-        std::vector<int64_t> ids;
-        for (unsigned char c : t) ids.push_back(c);
-        return ids;
-      };
-      decode = [](const std::vector<int64_t>& ids) {
-        std::string t;
-        for (int64_t i : ids) t.push_back(char(i));
-        return t;
-      };
+      encode = io::encode_bytes;
+      decode = io::decode_bytes;
     } else {
       io::DataOptions opt;
       opt.spec = data;

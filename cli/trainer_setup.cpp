@@ -464,17 +464,12 @@ void Trainer::restore(const ckpt::Checkpoint* ck) {
   }
   // A run resumed from an earlier step of its own directory would meet the later steps' checkpoints.
   const int64_t every = a.i64("save-every");
-  if (!fs::exists(save_dir_)) return;
-  for (const auto& entry : fs::directory_iterator(save_dir_)) {
-    const std::string name = entry.path().filename().string();
-    if (name.rfind("step_", 0) != 0 || name.size() == 5 ||
-        name.find_first_not_of("0123456789", 5) != std::string::npos)
-      continue;
-    const int64_t step = std::stoll(name.substr(5));
+  for (const auto& [step, dir] : ckpt::step_dirs(save_dir_)) {
     const bool saved = step == steps_ || (every > 0 && step % every == 0);
     if (step <= start_step_ || step > steps_ || !saved) continue;
-    const std::string damage = ckpt::checkpoint_files_problem(entry.path().string());
-    throw Error(str("train: --save ", save_dir_, " already holds ", name, ", which this run would save again (resumed "
+    const std::string damage = ckpt::checkpoint_files_problem(dir.string());
+    throw Error(str("train: --save ", save_dir_, " already holds ", dir.filename().string(), ", which this run would "
+                    "save again (resumed "
                     "at step ", start_step_, "); checkpoints are never overwritten: ",
                     damage.empty() ? "give another --save, or resume its newest (--resume auto)"
                                    : "it is damaged (" + damage + "): move it away to save that step again"));

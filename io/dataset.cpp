@@ -105,16 +105,12 @@ class FileDataset : public Dataset {
 
   std::vector<int64_t> encode(const std::string& text) const override {
     SG_CHECK(vocab_ == 256, "data ", spec_, ": token shards carry no tokenizer (io::Gpt2Tokenizer encodes GPT-2 tokens)");
-    std::vector<int64_t> out;
-    for (unsigned char c : text) out.push_back(c);
-    return out;
+    return encode_bytes(text);
   }
 
   std::string decode(const std::vector<int64_t>& tokens) const override {
     SG_CHECK(vocab_ == 256, "data ", spec_, ": token shards carry no tokenizer (io::Gpt2Tokenizer decodes GPT-2 tokens)");
-    std::string out;
-    for (int64_t t : tokens) out.push_back(t >= 0 && t < 256 ? char(t) : '?');
-    return out;
+    return decode_bytes(tokens);
   }
 
  private:
@@ -208,6 +204,18 @@ void Dataset::restrict_vocab(int64_t v) {
 
 bool is_generated_spec(const std::string& s) {
   return s == "synthetic" || s.rfind("synthetic:", 0) == 0 || s == "random" || s.rfind("random:", 0) == 0;
+}
+
+std::vector<int64_t> encode_bytes(const std::string& text) {
+  std::vector<int64_t> out;
+  for (unsigned char c : text) out.push_back(c);
+  return out;
+}
+
+std::string decode_bytes(const std::vector<int64_t>& ids) {
+  std::string out;
+  for (int64_t t : ids) out.push_back(t >= 0 && t < 256 ? char(t) : '?');
+  return out;
 }
 
 bool is_shard_spec(const std::string& s) {

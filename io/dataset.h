@@ -52,6 +52,9 @@ struct DataOptions {
 bool is_shard_spec(const std::string& spec);
 // Whether a data spec is generated, not read from a file: synthetic[:...] or random[:V].
 bool is_generated_spec(const std::string& spec);
+// A text file's tokens: its bytes (vocabulary 256). Ids outside it decode as '?'.
+std::vector<int64_t> encode_bytes(const std::string& text);
+std::string decode_bytes(const std::vector<int64_t>& ids);
 
 // Throws sg::Error naming the file/glob when it cannot be opened or is malformed.
 std::unique_ptr<Dataset> open_dataset(const DataOptions& opt);

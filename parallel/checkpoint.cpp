@@ -55,8 +55,7 @@ static bool has_manifest(const fs::path& step) {
   return fs::exists(step / kFullManifest) || fs::exists(step / kShardedManifest);
 }
 
-// Step directories of a run, oldest first.
-static std::vector<std::pair<int64_t, fs::path>> step_dirs(const fs::path& run) {
+std::vector<std::pair<int64_t, fs::path>> step_dirs(const fs::path& run) {
   std::vector<std::pair<int64_t, fs::path>> out;
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(run, ec)) {

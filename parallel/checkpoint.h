@@ -6,8 +6,11 @@
 // Sharded checkpoints (parallel/sharded_checkpoint.h) share the run layout and the commit: their
 // manifest is index.json. A step directory is complete when it holds its manifest.
 #pragma once
+#include <filesystem>
 #include <map>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -30,6 +33,8 @@ inline constexpr const char* kShardedManifest = "index.json";
 // The commit shared by both formats. The temporary directory of a step: RUN/.tmp-step_...
 // (`suffix` distinguishes writers; sharded saves use none, since every rank must find it).
 std::string temp_step_dir(const std::string& run_dir, int64_t step, const std::string& suffix = "");
+// A run's step directories (RUN/step_NNNNNNNN) with their steps, oldest first; none if RUN is not there.
+std::vector<std::pair<int64_t, std::filesystem::path>> step_dirs(const std::filesystem::path& run);
 // Refuses (naming it) when RUN/step_... already exists.
 void check_step_is_new(const std::string& run_dir, int64_t step);
 void fsync_path(const std::string& path);  // a file or a directory; best effort

@@ -39,10 +39,12 @@ inline CommandResult run_shell(const std::string& cmdline, double* seconds = nul
 }
 
 // "mpirun ... -np N shardgrad": 1 thread per rank, ranks allowed to share cores.
-inline std::string mpirun_shardgrad(int np) {
+// mpirun for np ranks on this machine's cores (one thread each), then the program to run.
+inline std::string mpirun_command(int np) {
   return std::string(SG_MPIEXEC) + " --oversubscribe --allow-run-as-root --bind-to none -x OMP_NUM_THREADS=1 -np " +
-         std::to_string(np) + " " + SG_BINARY;
+         std::to_string(np) + " ";
 }
+inline std::string mpirun_shardgrad(int np) { return mpirun_command(np) + SG_BINARY; }
 
 // One JSON object per line (--log-json).
 inline std::vector<nlohmann::json> read_json_lines(const std::filesystem::path& p) {

@@ -360,9 +360,7 @@ TEST_CASE("resume auto skips the newest checkpoint when a file it lists is gone,
 
 TEST_CASE("the ZeRO-2 example learns y = tanh(3x), gives one process's losses on 4 ranks, and holds ZeRO's bytes", "[cli][mpi]") {
   const std::string example = std::string(SG_EXAMPLES_DIR) + "/sg_example_zero2_mlp";
-  Run one = run_command(example),
-      four = run_command(std::string(SG_MPIEXEC) + " --oversubscribe --allow-run-as-root --bind-to none "
-                         "-x OMP_NUM_THREADS=1 -np 4 " + example);
+  Run one = run_command(example), four = run_command(sg::testing::mpirun_command(4) + example);
   INFO(one.output << four.output);
   REQUIRE(one.code == 0);  // it checks that it learned (the loss down 20x)
   REQUIRE(four.code == 0);
@@ -388,8 +386,7 @@ TEST_CASE("the ZeRO-2 example learns y = tanh(3x), gives one process's losses on
 TEST_CASE("the tensor-parallel example equals the unsharded MLP on 2 and 4 ranks, with two all-reduces of 2(p-1)/p of the activation", "[cli][mpi]") {
   const std::string example = std::string(SG_EXAMPLES_DIR) + "/sg_example_tensor_parallel_mlp";
   for (int p : {2, 4}) {
-    Run r = run_command(std::string(SG_MPIEXEC) + " --oversubscribe --allow-run-as-root --bind-to none "
-                        "-x OMP_NUM_THREADS=1 -np " + std::to_string(p) + " " + example);
+    Run r = run_command(sg::testing::mpirun_command(p) + example);
     INFO(r.output);
     REQUIRE(r.code == 0);  // it checks y, dX, dA and dB against the unsharded MLP (1e-5) and the bytes
     const std::string bytes = std::to_string(2 * 2 * (p - 1) * 2048 / p);  // [16, 32] f32 = 2048 B
