@@ -32,6 +32,8 @@ int generate_main(int argc, char** argv) {
   a.flag("n-head", "0", "head count, for files that do not record it");
   a.flag("data", "", "tokenizer: synthetic or a text file's bytes (default: what the model was trained on)");
   a.flag("tokenizer", "", "GPT-2 tokens: a folder holding GPT-2's vocab.json and merges.txt (an empty prompt starts from <|endoftext|>)");
+  a.flag("device", "cpu", "cpu or cuda:N (the model, its KV cache and the forward run there; sampling on the host)");
+  a.flag("dtype", "fp32", "fp32 | bf16 | fp16: the weights and activations (the file's values rounded to it)");
   if (!a.parse(argc, argv)) {
     std::printf("%s", a.usage().c_str());
     return 0;
@@ -42,6 +44,15 @@ int generate_main(int argc, char** argv) {
   SG_CHECK(max_new >= 0, "generate: --max-new-tokens must be >= 0");
   SG_CHECK(temperature >= 0, "generate: --temperature must be >= 0");
   SG_CHECK(top_k >= 0, "generate: --top-k must be >= 0");
+  const Device device = parse_device(a.str("device"));
+  SG_CHECK(!device.is_meta(), "generate: --device ", device.str(), " holds no values to sample from");
+  DType dtype = DType::i64;
+  try {
+    dtype = parse_dtype(a.str("dtype"));
+  } catch (const Error&) {
+  }  // refused below with generate's own list
+  SG_CHECK(dtype == DType::f32 || dtype == DType::bf16 || dtype == DType::f16, "generate: --dtype must be fp32, bf16 ",
+           "or fp16, got '", a.str("dtype"), "'");
 
   std::string from = a.str("from");
   const bool newest = from.rfind("auto:", 0) == 0;  // the newest complete checkpoint of a run directory
@@ -65,8 +76,8 @@ int generate_main(int argc, char** argv) {
     SG_CHECK(std::to_string(a.i64("n-head")) == h->second, "generate: --n-head ", a.i64("n-head"), " does not match ",
              file, ", which records ", h->second, " heads (--n-head is for files that do not record it)");
   nn::GPTConfig cfg = nn::config_from_hf(weights, a.i64("n-head"));
-  nn::GPT model(cfg);
-  nn::load_hf_state(model, weights);
+  nn::GPT model(cfg, dtype, device);
+  nn::load_hf_state(model, weights);  // copied from the host into the device's parameters
 
   // Text <-> ids: GPT-2's tokenizer, or the tokens of the data the model was trained on.
   std::function<std::vector<int64_t>(const std::string&)> encode;
@@ -129,18 +140,22 @@ int generate_main(int argc, char** argv) {
   autograd::NoGradGuard ng;
   DropoutOff eval_mode;  // sampling is evaluation: no dropout, whatever the weights were trained with
   std::vector<int64_t> out;
-  nn::KVCache cache;  // the keys and values of ids but the last: each step runs one new position
+  nn::KVCache cache;  // the keys and values of ids but the last: each step runs one new position (on the device)
+  auto on_device = [&](std::vector<int64_t> v) {
+    const int64_t n = int64_t(v.size());
+    return to(from_vector(std::move(v), {1, n}), device);
+  };
   for (int64_t s = 0; s < max_new; ++s) {
     Tensor logits;
     if (cache.len > 0 && cache.len < cfg.block_size && cache.len + 1 == int64_t(ids.size())) {
-      logits = model.forward_cached(from_vector(std::vector<int64_t>{ids.back()}, {1, 1}), cache);
+      logits = model.forward_cached(on_device({ids.back()}), cache);
     } else {  // the prompt, or a window that slid past block_size: its last block_size ids afresh
       const int64_t start = std::max<int64_t>(0, int64_t(ids.size()) - cfg.block_size);
       std::vector<int64_t> window(ids.begin() + start, ids.end());
       cache = nn::KVCache{};
-      logits = model.forward_cached(from_vector(window, {1, int64_t(window.size())}), cache);
+      logits = model.forward_cached(on_device(std::move(window)), cache);
     }
-    std::vector<float> last = to_vector<float>(narrow(logits, 1, logits.size(1) - 1, 1));
+    std::vector<float> last = to_vector<float>(narrow(logits, 1, logits.size(1) - 1, 1));  // to the host, in f32
     last.resize(size_t(sample_vocab));  // the padded columns (and ids past the tokenizer's) are never sampled
     int64_t next = 0;
     if (temperature == 0) {

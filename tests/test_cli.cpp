@@ -415,6 +415,28 @@ TEST_CASE("generate samples from what train saved", "[cli]") {
   }
 }
 
+TEST_CASE("generate runs the model on --device in --dtype: cpu:1 samples as cpu does, half precision runs", "[cli]") {
+  TempDir d;
+  std::string save = (d.path / "run").string();
+  REQUIRE(shardgrad("train " + kSmall + " --steps 2 --save " + save).code == 0);
+  const std::string base = "generate --from " + save + " --prompt 123+456= --max-new-tokens 40";
+  for (const char* seed : {"1", "2", "3"}) {  // the ids go to the device, the logits come back, same bits
+    Run here = shardgrad(base + " --seed " + seed), there = shardgrad(base + " --seed " + seed + " --device cpu:1");
+    INFO(here.output << there.output);
+    REQUIRE(here.code == 0);
+    REQUIRE(there.code == 0);
+    CHECK(here.output == there.output);
+  }
+  for (const char* dtype : {"bf16", "fp16"}) {
+    Run half = shardgrad(base + " --temperature 0 --device cpu:1 --dtype " + dtype);
+    INFO(half.output);
+    REQUIRE(half.code == 0);
+    CHECK(half.output.rfind("123+456=", 0) == 0);
+  }
+  refuses(std::string(SG_BINARY) + " " + base + " --device meta", "holds no values to sample from");
+  refuses(std::string(SG_BINARY) + " " + base + " --dtype i32", "--dtype must be fp32, bf16 or fp16, got 'i32'");
+}
+
 TEST_CASE("generate draws only the data's tokens, refuses data the model cannot read, and needs no text file for bytes",
           "[cli]") {
   TempDir d;

@@ -1,7 +1,7 @@
 // The trainer on a real GPU, run as a user runs it (the shardgrad executable): the tiny GPT's
 // losses on cuda:0 against the CPU's in f32; bf16 and fp16 (loss scaling) close to them; and the
 // multi-rank paths that fit on one GPU — ddp and zero3 over MPI with the ranks sharing cuda:0
-// (host staging), ddp over NCCL at one rank. Exits 77 (CTest: skipped) without a CUDA device.
+// (host staging), ddp over NCCL at one rank; generate on cuda:0 against the CPU. Exits 77 (CTest: skipped) without a CUDA device.
 #define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
 #include <cmath>
@@ -68,6 +68,26 @@ TEST_CASE("ddp and zero3 on 2 ranks sharing cuda:0 over MPI, and ddp over NCCL, 
         1e-5);
   CHECK(max_rel(losses(mpirun1, "--device cuda --backend nccl --strategy ddp", dir, "nccl"), one,
                 "ddp, 1 rank over nccl") < 1e-5);
+}
+
+TEST_CASE("generate samples on cuda:0 as on the CPU (f32, greedy) and runs in bf16 with its KV cache", "[gpu][generate]") {
+  ScratchDir dir("gpu_generate");
+  const std::string save = (dir.path / "run").string();
+  const CommandResult t = run_shell(single + " train --steps 60 --eval-every 0 --threads 2 --save '" + save + "'");
+  INFO(t.output);
+  REQUIRE(t.code == 0);
+  // 40 new tokens: the prompt goes through the fused attention, each token after it through the cache.
+  const std::string gen = single + " generate --from '" + save + "' --prompt 123+456= --max-new-tokens 40 --temperature 0";
+  const CommandResult cpu = run_shell(gen), gpu = run_shell(gen + " --device cuda:0"),
+                      bf16 = run_shell(gen + " --device cuda:0 --dtype bf16");
+  std::printf("generate: cpu %s         cuda:0 %s         cuda:0 bf16 %s", cpu.output.c_str(), gpu.output.c_str(),
+              bf16.output.c_str());
+  INFO(cpu.output << gpu.output << bf16.output);
+  REQUIRE(cpu.code == 0);
+  REQUIRE(gpu.code == 0);
+  REQUIRE(bf16.code == 0);
+  CHECK(gpu.output == cpu.output);
+  CHECK(bf16.output.rfind("123+456=", 0) == 0);
 }
 
 int main(int argc, char** argv) {
