@@ -149,8 +149,7 @@ int Trainer::run() {
                   strategy_.c_str());
     // mpirun -np N of a one-process strategy: N copies of one run, each unaware of the others.
     const char* launched = std::getenv("OMPI_COMM_WORLD_SIZE");
-    const char* launched_rank = std::getenv("OMPI_COMM_WORLD_RANK");
-    if (!distributed() && launched && std::atoi(launched) > 1 && (!launched_rank || std::atoi(launched_rank) == 0))
+    if (!distributed() && launched && std::atoi(launched) > 1 && first_launched_rank())
       std::printf("note: mpirun started %s processes, but --strategy %s trains in each on its own: %s copies of one "
                   "run (give --strategy ddp, zero1/2/3, fsdp..., --tp or --pp to train one model together)\n",
                   launched, strategy_.c_str(), launched);

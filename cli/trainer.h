@@ -42,6 +42,9 @@ nlohmann::json ledger_json(Device d);
 void inherit_run_flags(Args& a, const ckpt::Checkpoint* ck);
 // The checkpoint --resume names (nullptr for `--resume auto` before the first save).
 std::unique_ptr<ckpt::Checkpoint> resume_checkpoint(const Args& a);
+// False in every process but the first of an mpirun (OMPI_COMM_WORLD_RANK) or a launcher's
+// (RANK) job: for notes printed before the world is joined.
+bool first_launched_rank();
 // The model config a checkpoint records; `where` names it in errors.
 nn::GPTConfig config_from_metadata(const std::map<std::string, std::string>& m, const std::string& where);
 

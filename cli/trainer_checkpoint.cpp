@@ -2,6 +2,7 @@
 // checkpoint records, and this rank's pieces of the training state (parallel/sharded_checkpoint.h),
 // written and read back whatever the layout that saved them.
 #include <cstdio>
+#include <cstdlib>
 
 #include "autograd/tape.h"
 #include "cli/trainer.h"
@@ -55,12 +56,20 @@ nn::GPTConfig config_from_metadata(const std::map<std::string, std::string>& m, 
   return c;
 }
 
+bool first_launched_rank() {
+  for (const char* name : {"OMPI_COMM_WORLD_RANK", "RANK"})
+    if (const char* r = std::getenv(name); r && *r) return std::atoi(r) == 0;
+  return true;
+}
+
 std::unique_ptr<ckpt::Checkpoint> resume_checkpoint(const Args& a) {
+  // Every rank opens the checkpoint before the world is joined; one names the steps passed over.
+  const bool report = first_launched_rank();
   if (a.str("resume") == "auto") {
     SG_CHECK(!a.str("save").empty(), "train: --resume auto needs --save (the run directory to look in)");
-    return std::filesystem::exists(a.str("save")) ? ckpt::open_checkpoint("auto:" + a.str("save")) : nullptr;
+    return std::filesystem::exists(a.str("save")) ? ckpt::open_checkpoint("auto:" + a.str("save"), report) : nullptr;
   }
-  return a.str("resume").empty() ? nullptr : ckpt::open_checkpoint(a.str("resume"));
+  return a.str("resume").empty() ? nullptr : ckpt::open_checkpoint(a.str("resume"), report);
 }
 
 void inherit_run_flags(Args& a, const ckpt::Checkpoint* ck) {

@@ -112,7 +112,7 @@ std::string save_checkpoint(const std::string& run_dir, int64_t step, const io::
   return commit_step_dir(run_dir, tmp.string(), step, keep);
 }
 
-std::string resolve_checkpoint(const std::string& dir_in) {
+std::string resolve_checkpoint(const std::string& dir_in, bool report_skipped) {
   if (dir_in.rfind("auto:", 0) == 0) {
     fs::path run(dir_in.substr(5));
     SG_CHECK(fs::exists(run), "checkpoint: ", run.string(), " does not exist");
@@ -122,7 +122,7 @@ std::string resolve_checkpoint(const std::string& dir_in) {
       // A file lost after the commit (a disk, a hand): the step before it is the newest complete one.
       const std::string problem = checkpoint_files_problem(it->second.string());
       if (problem.empty()) return it->second.string();
-      std::fprintf(stderr, "checkpoint: skipping %s: %s\n", it->second.string().c_str(), problem.c_str());
+      if (report_skipped) std::fprintf(stderr, "checkpoint: skipping %s: %s\n", it->second.string().c_str(), problem.c_str());
     }
     throw Error(str("checkpoint: ", run.string(), " holds no complete checkpoint"));
   }

@@ -56,7 +56,8 @@ struct LoadedCheckpoint {
 // "auto:RUN" picks the newest complete step directory of RUN (by step number), whatever
 // `latest` says (a crash between the rename and the pointer update leaves `latest` one behind).
 // Either format: the returned step directory holds state.json (full) or index.json (sharded).
-std::string resolve_checkpoint(const std::string& dir);
+// A newer step that auto: passes over is named on stderr when report_skipped (one rank of a job).
+std::string resolve_checkpoint(const std::string& dir, bool report_skipped = true);
 // "" when every file a step directory's manifest names is there (at its recorded size, for the
 // sharded format); else what is not (parallel/sharded_checkpoint.cpp). auto: skips such steps.
 std::string checkpoint_files_problem(const std::string& step_dir);

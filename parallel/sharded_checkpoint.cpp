@@ -556,8 +556,8 @@ class FullCheckpoint : public Checkpoint {
 
 }  // namespace
 
-std::unique_ptr<Checkpoint> open_checkpoint(const std::string& dir) {
-  const std::string step = resolve_checkpoint(dir);
+std::unique_ptr<Checkpoint> open_checkpoint(const std::string& dir, bool report_skipped) {
+  const std::string step = resolve_checkpoint(dir, report_skipped);
   if (is_sharded_checkpoint(step)) return std::make_unique<ShardedCheckpoint>(step);
   return std::make_unique<FullCheckpoint>(step);
 }

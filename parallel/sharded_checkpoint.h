@@ -126,8 +126,8 @@ void parse_sharded_index(const std::string& dir, const std::string& text, nlohma
 // Opens a run directory (`latest` followed), a step directory, or "auto:RUN" (the newest complete
 // step directory), in either format. A full checkpoint is converted to the global names and
 // layouts of shard_state.h: Hugging Face Conv1D weights transposed back, optimizer state of wte
-// cut to vocab_size rows.
-std::unique_ptr<Checkpoint> open_checkpoint(const std::string& dir);
+// cut to vocab_size rows. report_skipped: as resolve_checkpoint's.
+std::unique_ptr<Checkpoint> open_checkpoint(const std::string& dir, bool report_skipped = true);
 
 // Optimizer state ("<param>.exp_avg", ".exp_avg_sq", ".master") as opposed to model parameters.
 bool is_optimizer_state(const std::string& name);

@@ -24,6 +24,15 @@ Run run_command(const std::string& cmdline, double* seconds = nullptr) { return 
 std::vector<nlohmann::json> read_log(const fs::path& p) { return sg::testing::read_json_lines(p); }
 Run shardgrad(const std::string& args) { return run_command(std::string(SG_BINARY) + " " + args); }
 
+// dir/<prefix><n>.jsonl (built with append: GCC 12's -Wrestrict misfires on "x" + std::string).
+template <class N>
+std::filesystem::path log_path(const sg::testing::ScratchDir& d, const char* prefix, const N& n) {
+  std::string name(prefix);
+  if constexpr (std::is_convertible_v<N, std::string>) name.append(n);
+  else name.append(std::to_string(n));
+  return d.path / name.append(".jsonl");
+}
+
 // The command fails, and its output says why in these words.
 void refuses(const std::string& cmd, const std::string& text) {
   Run r = run_command(cmd);
@@ -356,6 +365,16 @@ TEST_CASE("resume auto skips the newest checkpoint when a file it lists is gone,
   INFO(again.output);
   REQUIRE(again.code == 0);
   CHECK(again.output.find("resumed from " + run + "/step_00000002 at step 2") != std::string::npos);
+  // Under mpirun every rank opens the checkpoint; one of them names the step it passes over.
+  const std::string ranks = (d.path / "ranks").string();
+  const std::string two = sg::testing::mpirun_shardgrad(2) + " train " + kSmall + " --strategy ddp --steps 4 --save-every 2 ";
+  REQUIRE(run_command(two + "--save " + ranks).code == 0);
+  std::filesystem::remove(d.path / "ranks" / "step_00000004" / "rank_00001.safetensors");
+  Run both = run_command(two + "--resume auto --save " + ranks);
+  INFO(both.output);
+  size_t lines = 0;
+  for (size_t at = both.output.find("skipping "); at != std::string::npos; at = both.output.find("skipping ", at + 1)) ++lines;
+  CHECK(lines == 1);
 }
 
 TEST_CASE("the ZeRO-2 example learns y = tanh(3x), gives one process's losses on 4 ranks, and holds ZeRO's bytes", "[cli][mpi]") {
@@ -735,7 +754,7 @@ TEST_CASE("a checkpoint saved under one layout resumes under any other with the 
       {4, "--pp 2 --strategy zero3"}, {1, ""}};
   for (size_t k = 0; k < layouts.size(); ++k) {
     INFO(layouts[k].second);
-    const fs::path log = d.path / ("r" + std::to_string(k) + ".jsonl");
+    const fs::path log = log_path(d, "r", k);
     const std::string launch = layouts[k].first > 1 ? mpirun(layouts[k].first) : std::string(SG_BINARY);
     Run r = run_command(launch + args + log.string() + " " + layouts[k].second + " --resume " + run);
     INFO(r.output);
@@ -783,7 +802,7 @@ TEST_CASE("pipeline (every schedule) and tensor parallelism (with and without se
                                             "--tp 2", "--tp 2 --sequence-parallel"};
   for (size_t k = 0; k < layouts.size(); ++k) {
     INFO(layouts[k]);
-    const fs::path log = d.path / ("l" + std::to_string(k) + ".jsonl");
+    const fs::path log = log_path(d, "l", k);
     Run two = run_command(mpirun(2) + args + log.string() + " " + layouts[k]);
     INFO(two.output);
     REQUIRE(two.code == 0);
@@ -883,7 +902,7 @@ TEST_CASE("3-D layouts (dp x tp x pp, ddp, zero1/2, zero3, hsdp or no-shard acro
   for (size_t k = 0; k < layouts.size(); ++k) {
     INFO(layouts[k].second);
     Run r;
-    auto b = matches_one_process(a, layouts[k].first, args, layouts[k].second, d.path / ("l" + std::to_string(k) + ".jsonl"), &r);
+    auto b = matches_one_process(a, layouts[k].first, args, layouts[k].second, log_path(d, "l", k), &r);
     INFO(r.output);
     {
       // the progress line shows the range of the ranks' peaks (they differ under a pipeline)
@@ -983,12 +1002,12 @@ TEST_CASE("with dropout every layout draws the single-process masks and gives it
       {2, "--pp 2 --pp-schedule interleaved --virtual-stages 2"},
       {8, "--tp 2 --pp 2 --strategy zero1 --sequence-parallel"}};
   for (size_t k = 0; k < layouts.size(); ++k)
-    matches_one_process(a, layouts[k].first, args, layouts[k].second, d.path / ("l" + std::to_string(k) + ".jsonl"));
+    matches_one_process(a, layouts[k].first, args, layouts[k].second, log_path(d, "l", k));
   // with a learning rate of 1e-12 the weights stay as initialised (to 1e-12): the validation loss is
   // the same whatever the dropout, as evaluation drops nothing (with dropout it moves by ~1e-2)
   std::map<std::string, double> val;
   for (const char* p : {"0", "0.1", "0.5"}) {
-    const fs::path log = d.path / ("p" + std::string(p) + ".jsonl");
+    const fs::path log = log_path(d, "p", p);
     Run r = shardgrad(" train --n-layer 2 --n-embd 32 --n-head 2 --seq-len 16 --batch-size 8 --steps 1 --threads 1 "
                       "--eval-every 0 --lr 1e-12 --min-lr 0 --dropout " + std::string(p) + " --log-json " + log.string());
     INFO(r.output);
@@ -1021,7 +1040,7 @@ TEST_CASE("bf16 and fp16 under ddp, zero2, tp, pp and their compositions stay wi
         {4, "--pp 2 --strategy zero3"}};
     for (size_t k = 0; k < layouts.size(); ++k) {
       INFO(layouts[k].second);
-      const fs::path log = d.path / ("m" + std::to_string(k) + ".jsonl");
+      const fs::path log = log_path(d, "m", k);
       Run r = run_command(mpirun(layouts[k].first) + args + log.string() + dt + " --steps 4 " + layouts[k].second);
       INFO(r.output);
       REQUIRE(r.code == 0);
@@ -1064,7 +1083,7 @@ TEST_CASE("fp16 data parallelism skips no step that one process does not: an ave
       {2, "--strategy ddp"}, {2, "--strategy zero2"}, {2, "--strategy zero3"}, {4, "--strategy ddp"}};
   for (size_t k = 0; k < layouts.size(); ++k) {
     INFO(layouts[k].first << " ranks " << layouts[k].second);
-    const fs::path log = d.path / ("r" + std::to_string(k) + ".jsonl");
+    const fs::path log = log_path(d, "r", k);
     Run r = run_command(mpirun(layouts[k].first) + args + log.string() + " " + layouts[k].second);
     INFO(r.output);
     REQUIRE(r.code == 0);
