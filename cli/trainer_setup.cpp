@@ -468,11 +468,21 @@ void Trainer::restore(const ckpt::Checkpoint* ck) {
     const bool saved = step == steps_ || (every > 0 && step % every == 0);
     if (step <= start_step_ || step > steps_ || !saved) continue;
     const std::string damage = ckpt::checkpoint_files_problem(dir.string());
-    throw Error(str("train: --save ", save_dir_, " already holds ", dir.filename().string(), ", which this run would "
-                    "save again (resumed "
-                    "at step ", start_step_, "); checkpoints are never overwritten: ",
-                    damage.empty() ? "give another --save, or resume its newest (--resume auto)"
-                                   : "it is damaged (" + damage + "): move it away to save that step again"));
+    SG_CHECK(!damage.empty(), "train: --save ", save_dir_, " already holds ", dir.filename().string(),
+             ", which this run would save again (resumed at step ", start_step_,
+             "); checkpoints are never overwritten: give another --save, or resume its newest (--resume auto)");
+    // A damaged step (a file lost after its save) is kept, under another name, and saved again:
+    // a launch restart goes on by itself. The other ranks leave it to the lead.
+    if (!lead()) continue;
+    fs::path aside = dir;
+    aside += ".damaged";
+    for (int k = 2; fs::exists(aside); ++k) (aside = dir) += ".damaged." + std::to_string(k);
+    std::error_code ec;
+    fs::rename(dir, aside, ec);
+    SG_CHECK(!ec, "train: cannot move the damaged ", dir.string(), " (", damage, ") to ", aside.string(), ": ",
+             ec.message(), "; move it away to save that step again");
+    std::printf("moved the damaged %s (%s) to %s: this run saves that step again\n", dir.string().c_str(),
+                damage.c_str(), aside.filename().string().c_str());
   }
 }
 

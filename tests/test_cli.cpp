@@ -13,6 +13,7 @@
 
 #include "io/gpt2_tokenizer.h"
 #include "io/token_shards.h"
+#include "parallel/checkpoint.h"
 #include "tests/cli_support.h"
 
 namespace fs = std::filesystem;
@@ -345,7 +346,7 @@ TEST_CASE("train refuses before its first step what would stop it at a save or w
   CHECK(steps == std::vector<int64_t>{1, 2, 3, 4});
 }
 
-TEST_CASE("resume auto skips the newest checkpoint when a file it lists is gone, saying so, and will not save over it", "[cli]") {
+TEST_CASE("resume auto skips the newest checkpoint when a file it lists is gone, saying so, and saves that step again beside it", "[cli]") {
   TempDir d;
   const std::string run = (d.path / "run").string();
   REQUIRE(shardgrad("train " + kSmall + " --steps 4 --save-every 2 --save " + run).code == 0);
@@ -355,16 +356,23 @@ TEST_CASE("resume auto skips the newest checkpoint when a file it lists is gone,
   INFO(r.output);
   CHECK(r.output.find("skipping " + run + "/step_00000004: " + run + "/step_00000004/rank_00000.safetensors is missing") !=
         std::string::npos);
-  // It would save step 4 again: refused before training, saying the directory there is damaged.
-  CHECK(r.code != 0);
-  CHECK(r.output.find("already holds step_00000004") != std::string::npos);
-  CHECK(r.output.find("it is damaged") != std::string::npos);
-  CHECK(r.output.find("| loss") == std::string::npos);
-  std::filesystem::rename(d.path / "run" / "step_00000004", d.path / "damaged");
-  Run again = shardgrad(resume);
-  INFO(again.output);
-  REQUIRE(again.code == 0);
-  CHECK(again.output.find("resumed from " + run + "/step_00000002 at step 2") != std::string::npos);
+  // It saves step 4 again: the damaged directory is kept beside it under another name.
+  REQUIRE(r.code == 0);
+  CHECK(r.output.find("resumed from " + run + "/step_00000002 at step 2") != std::string::npos);
+  CHECK(r.output.find("moved the damaged " + run + "/step_00000004") != std::string::npos);
+  CHECK(std::filesystem::exists(d.path / "run" / "step_00000004.damaged" / "index.json"));
+  CHECK(sg::ckpt::checkpoint_files_problem((d.path / "run" / "step_00000004").string()).empty());
+  // Damaged again: the first kept copy stays, the second gets a name of its own.
+  std::filesystem::remove(d.path / "run" / "step_00000004" / "rank_00000.safetensors");
+  REQUIRE(shardgrad(resume).code == 0);
+  CHECK(std::filesystem::exists(d.path / "run" / "step_00000004.damaged.2"));
+  CHECK(std::filesystem::exists(d.path / "run" / "step_00000004.damaged"));
+  // A complete later step is another run's history: refused before training.
+  Run complete = shardgrad("train " + kSmall + " --steps 4 --save-every 2 --resume " + run + "/step_00000002 --save " + run);
+  INFO(complete.output);
+  CHECK(complete.code != 0);
+  CHECK(complete.output.find("already holds step_00000004") != std::string::npos);
+  CHECK(complete.output.find("| loss") == std::string::npos);
   // Under mpirun every rank opens the checkpoint; one of them names the step it passes over.
   const std::string ranks = (d.path / "ranks").string();
   const std::string two = sg::testing::mpirun_shardgrad(2) + " train " + kSmall + " --strategy ddp --steps 4 --save-every 2 ";
