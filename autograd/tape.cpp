@@ -147,14 +147,35 @@ void Tape::run(const TensorList& outputs, const TensorList& grad_outputs, const 
     }
   }
 
-  std::unordered_map<TensorImpl*, size_t> wrt_index;
+  // grad(): where each wrt tensor's gradient is read. A leaf's as the tape delivers it; an
+  // intermediate's from its node's output slot just before that node runs, when every consumer
+  // has added to it. A tensor listed twice gets it twice.
+  std::unordered_multimap<TensorImpl*, size_t> wrt_leaf;
+  std::unordered_multimap<Node*, std::pair<int, size_t>> wrt_node;  // node -> (output, index in wrt)
   if (wrt)
-    for (size_t i = 0; i < wrt->size(); ++i) wrt_index[(*wrt)[i].impl()] = i;
+    for (size_t i = 0; i < wrt->size(); ++i) {
+      const Tensor& t = (*wrt)[i];
+      if (!t.defined() || !t.requires_grad()) continue;  // no gradient: left undefined
+      if (!t.grad_fn()) wrt_leaf.emplace(t.impl(), i);
+      else wrt_node.emplace(t.grad_fn().get(), std::pair{t.output_nr(), i});
+    }
+
+  // The slot of an input's gradient in the node that made it. That node may be on another tape
+  // that is still to be walked (the gradient waits there); one already walked or destroyed has
+  // nothing left to carry it on.
+  auto producer_slot = [](const Node& n, size_t k) -> Tensor& {
+    const Edge& e = n.edges[k];
+    SG_CHECK(e.producer->backward && size_t(e.output_nr) < e.producer->grad_outputs.size(), "backward: input ", k,
+             " of '", n.name, "' was made by '", e.producer->name, "' on a tape that has already been walked ",
+             "backward or destroyed, so its gradient cannot reach what that tape recorded (record the whole forward ",
+             "on one tape, or walk that tape after this one)");
+    return e.producer->grad_outputs[size_t(e.output_nr)];
+  };
 
   auto deliver_leaf = [&](const std::shared_ptr<TensorImpl>& leaf, const Tensor& g) {
     if (wrt) {
-      auto it = wrt_index.find(leaf.get());
-      if (it != wrt_index.end()) accumulate((*wrt_grads)[it->second], g);
+      auto [first, last] = wrt_leaf.equal_range(leaf.get());
+      for (auto it = first; it != last; ++it) accumulate((*wrt_grads)[it->second], g);
       return;
     }
     if (!g.defined()) return;
@@ -178,6 +199,11 @@ void Tape::run(const TensorList& outputs, const TensorList& grad_outputs, const 
   for (size_t i = nodes_.size(); i-- > 0;) {
     if (!needed[i]) continue;
     Node& n = *nodes_[i];
+    if (wrt) {
+      auto [first, last] = wrt_node.equal_range(&n);
+      for (auto it = first; it != last; ++it)
+        accumulate((*wrt_grads)[it->second.second], n.grad_outputs[size_t(it->second.first)]);
+    }
     bool any = false;
     for (const auto& g : n.grad_outputs) any = any || g.defined();
     TensorList in_grads;
@@ -187,7 +213,7 @@ void Tape::run(const TensorList& outputs, const TensorList& grad_outputs, const 
       if (n.absorb_edge >= 0) {  // hand over what the input has gathered so far (moved: n alone holds it)
         const Edge& e = n.edges[size_t(n.absorb_edge)];
         Tensor pending;
-        if (e.producer) pending = std::exchange(e.producer->grad_outputs[size_t(e.output_nr)], Tensor());
+        if (e.producer) pending = std::exchange(producer_slot(n, size_t(n.absorb_edge)), Tensor());
         else if (e.leaf && !wrt && e.leaf->grad.defined() && sole_owner(e.leaf->grad))
           pending = std::exchange(e.leaf->grad, Tensor());
         absorbed = pending.defined();
@@ -206,7 +232,7 @@ void Tape::run(const TensorList& outputs, const TensorList& grad_outputs, const 
       const Edge& e = n.edges[k];
       const Tensor g = any ? std::move(in_grads[k]) : Tensor();  // moved: g alone may own it
       if (e.producer) {
-        if (g.defined()) accumulate(e.producer->grad_outputs[size_t(e.output_nr)], g);
+        if (g.defined()) accumulate(producer_slot(n, k), g);
       } else if (e.leaf) {
         if (absorbed && int(k) == n.absorb_edge) {  // the sum with the leaf's own .grad, which n took
           if (g.storage()->category() != MemCategory::grad) g.storage()->recategorize(MemCategory::grad);

@@ -57,7 +57,12 @@ class Tape {
   // fire as soon as the leaf's last consumer on this tape has run. The tape is consumed.
   void backward(const Tensor& loss);
   void backward(const TensorList& outputs, const TensorList& grad_outputs);
-  // Like torch.autograd.grad: returns d(outputs)/d(wrt) without touching any .grad.
+  // Like torch.autograd.grad: returns d(outputs)/d(wrt) without touching any .grad. wrt may hold
+  // leaves and tensors recorded on this tape, a tensor more than once; one the outputs do not
+  // depend on (or that requires no grad) gets an undefined gradient (PyTorch's allow_unused=True).
+  // For both: an undefined grad_output counts as zero. A gradient that reaches a tensor recorded
+  // on another tape waits in that tape until it is walked; a tape already walked or destroyed
+  // cannot carry it on, and backward says so.
   TensorList grad(const TensorList& outputs, const TensorList& grad_outputs, const TensorList& wrt);
   void clear();
 

@@ -18,8 +18,8 @@ SG_BINARY_FN T apply_binary(Binary op, T a, T b) {
     case Binary::sub: return a - b;
     case Binary::mul: return a * b;
     case Binary::div: return a / b;
-    case Binary::max: return a > b ? a : b;
-    case Binary::min: return a < b ? a : b;
+    case Binary::max: return (a > b || a != a) ? a : b;  // a NaN on either side is kept, as in PyTorch
+    case Binary::min: return (a < b || a != a) ? a : b;
   }
   return T(0);
 }

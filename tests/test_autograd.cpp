@@ -268,3 +268,74 @@ TEST_CASE("recompute records one node and its params' hooks fire once, from the 
   CHECK(r.W1.grad().defined());
   CHECK(r.W2.grad().defined());
 }
+
+TEST_CASE("grad() w.r.t. an intermediate, a tensor listed twice, and one the outputs do not use", "[autograd]") {
+  Tensor x = leaf({3}, 40), u = leaf({3}, 41);
+  Tape t;
+  Tensor h, y;
+  {
+    TapeScope s(t);
+    h = mul(x, 2.0);
+    y = sum(mul(h, h));  // dy/dh = 2h, dy/dx = 8x
+  }
+  const TensorList g = t.grad({y}, {ones({}, DType::f64)}, {h, x, h, u});
+  REQUIRE(g[0].defined());
+  check_close(vec(g[0]), axpb(vec(h), 2.0, {}));
+  check_close(vec(g[1]), axpb(vec(x), 8.0, {}));
+  check_close(vec(g[2]), vec(g[0]));
+  CHECK_FALSE(g[3].defined());
+  CHECK_FALSE(x.grad().defined());
+}
+
+TEST_CASE("a gradient waits in a tape still to be walked, and one that reaches a walked or destroyed tape is refused",
+          "[autograd]") {
+  Tensor x = leaf({3}, 42);
+  {  // the second tape's gradient waits in the first, and arrives when that one is walked
+    Tape t1, t2;
+    Tensor h, l1, y;
+    {
+      TapeScope s(t1);
+      h = mul(x, 2.0);
+      l1 = sum(h);
+    }
+    {
+      TapeScope s(t2);
+      y = sum(mul(h, 3.0));
+    }
+    t2.backward(y);
+    CHECK_FALSE(x.grad().defined());
+    t1.backward(l1);
+    check_close(vec(x.grad()), std::vector<double>(3, 8.0));
+  }
+  x.set_grad(Tensor());
+  {  // walked in the other order: the first tape's nodes are gone
+    Tape t1, t2;
+    Tensor h, l1, y;
+    {
+      TapeScope s(t1);
+      h = mul(x, 2.0);
+      l1 = sum(h);
+    }
+    {
+      TapeScope s(t2);
+      y = sum(mul(h, 3.0));
+    }
+    t1.backward(l1);
+    REQUIRE_THROWS_WITH(t2.backward(y), Contains("made by 'mul_scalar' on a tape that has already been walked backward or destroyed"));
+  }
+  {  // the tape that recorded h destroyed first
+    Tensor h;
+    {
+      Tape t1;
+      TapeScope s(t1);
+      h = mul(x, 2.0);
+    }
+    Tape t2;
+    Tensor y;
+    {
+      TapeScope s(t2);
+      y = sum(mul(h, 3.0));
+    }
+    REQUIRE_THROWS_WITH(t2.backward(y), Contains("walked backward or destroyed"));
+  }
+}

@@ -1460,3 +1460,66 @@ TEST_CASE("ops that may hand back their input never turn a leaf into a recorded 
     CHECK(to_vector<double>(y) == to_vector<double>(x));
   }
 }
+
+TEST_CASE("edge cases as PyTorch has them: 0-d dims, repeated dims, empty K, overlapping copies, NaN in max", "[ops]") {
+  const Tensor s = from_vector<float>({3.f}, {});
+  // A 0-d tensor's dim 0 (or -1) is itself for reductions, transpose and squeeze; other ops refuse it.
+  CHECK(to_vector<float>(sum(s, {0})) == std::vector<float>{3.f});
+  CHECK(sum(s, {-1}).dim() == 0);
+  CHECK(to_vector<float>(mean(s, {0})) == std::vector<float>{3.f});
+  CHECK(to_vector<float>(amax(s, 0)) == std::vector<float>{3.f});
+  CHECK(transpose(s, 0, -1).dim() == 0);
+  CHECK(squeeze(s, 0).dim() == 0);
+  REQUIRE_THROWS_WITH(sum(s, {1}), Contains("sum: dimension 1 out of range for a 1-d tensor"));
+  REQUIRE_THROWS_WITH(narrow(s, 0, 0, 1), Contains("narrow: a 0-d tensor has no dimension 0"));
+  REQUIRE_THROWS_WITH(cat({s, s}, 0), Contains("cat: a 0-d tensor has no dimension 0"));
+  REQUIRE_THROWS_WITH(chunk(s, 1, 0), Contains("chunk: a 0-d tensor has no dimension 0"));
+  // A dim named twice is refused (mean divided by its size twice).
+  const Tensor x = from_vector<float>({1, 2, 3, 4, 5, 6}, {2, 3});
+  REQUIRE_THROWS_WITH(mean(x, {0, 0}), Contains("mean: a dim appears more than once"));
+  REQUIRE_THROWS_WITH(sum(x, {1, -1}), Contains("sum: a dim appears more than once"));
+  CHECK(to_vector<float>(mean(x, {0})) == std::vector<float>{2.5f, 3.5f, 4.5f});
+  // An f16 mean is scaled before it is rounded to f16: 70000 ones average to 1, not inf.
+  CHECK(to_vector<float>(mean(full({70000}, 1.0, DType::f16))) == std::vector<float>{1.f});
+  CHECK(to_vector<float>(mean(full({2, 70000}, 1.0, DType::f16), {1})) == std::vector<float>{1.f, 1.f});
+  // amax over an empty dim has no maximum.
+  REQUIRE_THROWS_WITH(amax(zeros({2, 0}), 1), Contains("amax: dim 1 of [2,0] is empty"));
+  // K = 0: the product of nothing is zeros, in both matmul paths.
+  CHECK(to_vector<float>(matmul(zeros({3, 0}), zeros({0, 4}))) == std::vector<float>(12, 0.f));
+  CHECK(to_vector<float>(matmul(zeros({2, 3, 0}), zeros({2, 0, 4}))) == std::vector<float>(24, 0.f));
+  // copy_ from a view of the destination's own bytes reads them all before it writes.
+  Tensor m = contiguous(reshape(from_vector<float>({0, 1, 2, 3}, {4}), {2, 2}));
+  copy_(m, transpose(m, 0, 1));
+  CHECK(to_vector<float>(m) == std::vector<float>{0, 2, 1, 3});
+  Tensor r = from_vector<float>({0, 1, 2, 3, 4, 5}, {6});
+  copy_(narrow(r, 0, 0, 5), narrow(r, 0, 1, 5));
+  CHECK(to_vector<float>(r) == std::vector<float>{1, 2, 3, 4, 5, 5});
+  // max keeps a NaN from either side, and a row's NaN wherever it is.
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  const auto mx = to_vector<float>(maximum(from_vector<float>({1, nan, 3}, {3}), from_vector<float>({2, 0, nan}, {3})));
+  CHECK(mx[0] == 2.f);
+  CHECK(std::isnan(mx[1]));
+  CHECK(std::isnan(mx[2]));
+  const auto rows = to_vector<float>(amax(from_vector<float>({1, nan, 3, -inf, 5, 2}, {3, 2}), 1));
+  CHECK(std::isnan(rows[0]));
+  CHECK(rows[1] == 3.f);
+  CHECK(rows[2] == 5.f);
+  const auto cols = to_vector<float>(amax(from_vector<float>({1, nan, 3, -inf, 5, 2}, {3, 2}), 0));
+  CHECK(cols[0] == 5.f);
+  CHECK(std::isnan(cols[1]));
+  // pow(x, 0) is a constant: its gradient is 0, also at x = 0.
+  Tensor z = zeros({2});
+  z.set_requires_grad(true);
+  autograd::Tape tape;
+  {
+    autograd::TapeScope scope(tape);
+    tape.backward(sum(pow(z, 0.0)));
+  }
+  CHECK(to_vector<float>(z.grad()) == std::vector<float>{0.f, 0.f});
+  // A norm's weight and bias, and linear's bias, must be in the input's dtype.
+  const Tensor in = ones({2, 4});
+  REQUIRE_THROWS_WITH(layernorm(in, ones({4}, DType::f64), ones({4})), Contains("layernorm: weight"));
+  REQUIRE_THROWS_WITH(layernorm(in, ones({4}), ones({4}, DType::f64)), Contains("must have the input's dtype"));
+  REQUIRE_THROWS_WITH(rmsnorm(in, ones({4}, DType::bf16)), Contains("rmsnorm: weight"));
+  REQUIRE_THROWS_WITH(linear(in, ones({5, 4}), ones({5}, DType::f64)), Contains("linear: bias dtype f64 but weight dtype f32"));
+}

@@ -35,8 +35,11 @@ inline void check_same_device(const char* op, const Tensor& a, const Tensor& b) 
 inline void check_floating(const char* op, const Tensor& t) {
   SG_CHECK(is_floating(t.dtype()), op, ": expected a floating tensor, got ", t.describe());
 }
+// A dim of an n-d tensor, negative counting from the end. A 0-d tensor has none: the ops that
+// take dim 0 (or -1) of one as PyTorch does (reductions, transpose, squeeze) check it with n = 1.
 inline int64_t wrap_dim(int64_t d, int64_t n, const char* op) {
-  SG_CHECK(d >= -n && d < (n == 0 ? 1 : n), op, ": dimension ", d, " out of range for a ", n, "-d tensor");
+  SG_CHECK(n > 0, op, ": a 0-d tensor has no dimension ", d);
+  SG_CHECK(d >= -n && d < n, op, ": dimension ", d, " out of range for a ", n, "-d tensor");
   return d < 0 ? d + n : d;
 }
 

@@ -110,6 +110,14 @@ void copy_(const Tensor& dst, const Tensor& src) {
     if (d.impl() != dst.impl()) copy_(dst, d);
     return;
   }
+  if (src.storage() == dst.storage() && src.dtype() == dst.dtype() && src.offset() == dst.offset() &&
+      src.strides() == dst.strides())
+    return;  // the same elements
+  if (dst.is_contiguous() && src.storage() == dst.storage()) {  // overlapping bytes: read them all before writing
+    autograd::NoGradGuard ng;
+    copy_(dst, clone(src));
+    return;
+  }
   if (dst.is_contiguous()) {
     SG_KERNEL(dst.device(), copy_strided)(dst.data_ptr(), dst.dtype(), src.data_ptr(), src.dtype(), src.shape(),
                                           src.strides());

@@ -2,6 +2,8 @@
 // backward next to it.
 #include <algorithm>
 #include <cmath>
+#include <numeric>
+#include <utility>
 
 #include "autograd/ops/common.h"
 
@@ -203,6 +205,7 @@ Tensor pow(const Tensor& a, double p) {
     Tensor x = detach(a);
     record("pow", {a}, {out}, [x, p](const TensorList& g) {
       autograd::NoGradGuard ng;
+      if (p == 0) return TensorList{zeros_like(g[0])};  // a constant (0 * x^-1 would be NaN at 0)
       return TensorList{mul(g[0], mul(unary_forward(kernels::Unary::pow, x, p - 1, "pow"), p))};
     });
   }
@@ -237,13 +240,27 @@ static Tensor reduce_dim(kernels::Reduce op, const Tensor& x, int64_t dim) {
   return out;
 }
 
-static Tensor reduce_dims(kernels::Reduce op, const Tensor& a, std::vector<int64_t> dims, bool keepdim, const char* name) {
-  detail::check_floating(name, a);
-  for (auto& d : dims) d = wrap_dim(d, a.dim(), name);
+// The dims a reduction names, wrapped and sorted; each at most once. A 0-d tensor's dim 0 (or -1)
+// is itself, as in PyTorch: nothing to reduce.
+static std::vector<int64_t> reduction_dims(const Tensor& a, std::vector<int64_t> dims, const char* name) {
+  for (auto& d : dims) d = wrap_dim(d, std::max<int64_t>(a.dim(), 1), name);
   std::sort(dims.begin(), dims.end());
+  SG_CHECK(std::adjacent_find(dims.begin(), dims.end()) == dims.end(), name, ": a dim appears more than once in the ",
+           "dims of ", shape_str(a.shape()));
+  if (a.dim() == 0) dims.clear();
+  return dims;
+}
+
+// Reduces dims (reduction_dims) in the op's compute dtype and multiplies by scale there, before
+// the result is rounded back to a's dtype (an f16 mean never holds its sum in f16).
+static Tensor reduce_dims(kernels::Reduce op, const Tensor& a, std::vector<int64_t> dims, bool keepdim, const char* name,
+                          double scale = 1.0) {
+  detail::check_floating(name, a);
+  dims = reduction_dims(a, std::move(dims), name);
   Tensor x = detail::operand(a);
   if (dims.empty()) x = clone(x);  // nothing to reduce: still a new tensor, never the input's own handle
   for (auto it = dims.rbegin(); it != dims.rend(); ++it) x = reduce_dim(op, x, *it);
+  if (scale != 1.0) x = mul(x, scale);
   if (!keepdim) {
     Shape s;
     for (int64_t d = 0; d < a.dim(); ++d)
@@ -253,40 +270,48 @@ static Tensor reduce_dims(kernels::Reduce op, const Tensor& a, std::vector<int64
   return detail::narrow_result(x, a.dtype());
 }
 
-Tensor sum(const Tensor& a, std::vector<int64_t> dims, bool keepdim) {
+// sum (scale 1) and mean (scale 1/n): the reduction and its gradient, g * scale spread back over
+// the reduced dims.
+static Tensor scaled_sum(const Tensor& a, const std::vector<int64_t>& dims, bool keepdim, bool average,
+                         const char* name) {
+  const std::vector<int64_t> reduced = reduction_dims(a, dims, name);
+  Shape kept = a.shape();
+  int64_t n = 1;
+  for (auto d : reduced) n *= std::exchange(kept[size_t(d)], 1);
+  const double scale = average ? 1.0 / double(n) : 1.0;
   Tensor out;
   {
     autograd::NoGradGuard ng;
-    out = reduce_dims(kernels::Reduce::sum, a, dims, keepdim, "sum");
+    out = reduce_dims(kernels::Reduce::sum, a, reduced, keepdim, name, scale);
   }
   if (needs_grad({a})) {
-    Shape in_shape = a.shape();
-    Shape kept = in_shape;
-    for (auto d : dims) kept[size_t(wrap_dim(d, a.dim(), "sum"))] = 1;
-    record("sum", {a}, {out}, [in_shape, kept](const TensorList& g) {
-      return TensorList{contiguous(expand(reshape(g[0], kept), in_shape))};
+    record(name, {a}, {out}, [in_shape = a.shape(), kept, scale](const TensorList& g) {
+      const Tensor spread = contiguous(expand(reshape(g[0], kept), in_shape));
+      return TensorList{scale == 1.0 ? spread : mul(spread, scale)};
     });
   }
   return out;
 }
 
-Tensor sum(const Tensor& a) {
+static std::vector<int64_t> all_dims(const Tensor& a) {
   std::vector<int64_t> all(size_t(a.dim()));
-  for (int64_t i = 0; i < a.dim(); ++i) all[size_t(i)] = i;
-  if (all.empty()) return clone(a);
-  return sum(a, all, false);
+  std::iota(all.begin(), all.end(), 0);
+  return all;
 }
 
+Tensor sum(const Tensor& a, std::vector<int64_t> dims, bool keepdim) { return scaled_sum(a, dims, keepdim, false, "sum"); }
+Tensor sum(const Tensor& a) { return sum(a, all_dims(a), false); }
 Tensor mean(const Tensor& a, std::vector<int64_t> dims, bool keepdim) {
-  int64_t n = 1;
-  for (auto d : dims) n *= a.shape()[size_t(wrap_dim(d, a.dim(), "mean"))];
-  return mul(sum(a, dims, keepdim), 1.0 / double(n));
+  return scaled_sum(a, dims, keepdim, true, "mean");
 }
-
-Tensor mean(const Tensor& a) { return mul(sum(a), 1.0 / double(a.numel())); }
+Tensor mean(const Tensor& a) { return mean(a, all_dims(a), false); }
 
 Tensor amax(const Tensor& a, int64_t dim, bool keepdim) {
   autograd::NoGradGuard ng;
+  if (a.dim() > 0) {
+    const int64_t d = wrap_dim(dim, a.dim(), "amax");
+    SG_CHECK(a.shape()[size_t(d)] > 0, "amax: dim ", d, " of ", shape_str(a.shape()), " is empty (no maximum)");
+  }
   return reduce_dims(kernels::Reduce::max, a, {dim}, keepdim, "amax");
 }
 

@@ -56,7 +56,8 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
     // Fold all leading dims of a into M: one GEMM.
     autograd::NoGradGuard ng;
     Tensor A = detail::operand(a), B = detail::operand(b);
-    const int64_t M = a.numel() / std::max<int64_t>(K, 1);
+    int64_t M = 1;  // not numel / K: with K = 0 that is 0 rows, and the output's would stay unwritten
+    for (int64_t d = 0; d + 1 < a.dim(); ++d) M *= a.size(d);
     Shape s = a.shape();
     s.back() = N;
     out = empty(s, A.dtype(), a.device());
@@ -155,6 +156,8 @@ void check_linear(const char* op, const Tensor& x, const Tensor& w, const Tensor
            " does not match ", outf, " outputs");
   SG_CHECK(!b.defined() || b.device() == w.device(), op, ": bias on ", b.device().str(), ", weight on ",
            w.device().str());
+  SG_CHECK(!b.defined() || b.dtype() == w.dtype(), op, ": bias dtype ", dtype_name(b.dtype()), " but weight dtype ",
+           dtype_name(w.dtype()));
 }
 
 Shape with_last(Shape s, int64_t n) {

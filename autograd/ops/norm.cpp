@@ -12,6 +12,12 @@ using detail::TensorList;
 
 namespace {
 
+// A norm's weight or bias is in the input's dtype and on its device (the kernels read them as such).
+void check_param_like(const char* op, const char* what, const Tensor& x, const Tensor& p) {
+  SG_CHECK(p.dtype() == x.dtype() && p.device() == x.device(), op, ": ", what, " ", p.describe(),
+           " must have the input's dtype and device (", x.describe(), ")");
+}
+
 void check_layernorm_args(const char* op, const Tensor& x, const Tensor& w, const Tensor& b) {
   detail::check_floating(op, x);
   const int64_t C = x.size(-1);
@@ -19,6 +25,8 @@ void check_layernorm_args(const char* op, const Tensor& x, const Tensor& w, cons
            shape_str(x.shape()));
   SG_CHECK(!b.defined() || (b.dim() == 1 && b.size(0) == C), op, ": bias ", shape_str(b.shape()),
            " does not match input ", shape_str(x.shape()));
+  check_param_like(op, "weight", x, w);
+  if (b.defined()) check_param_like(op, "bias", x, b);
 }
 
 // The forward of layernorm (residual undefined) or add_layernorm: runs the kernel, records the
@@ -109,6 +117,7 @@ Tensor rmsnorm(const Tensor& x, const Tensor& w, double eps) {
   const int64_t C = x.size(-1), rows = x.numel() / std::max<int64_t>(C, 1);
   SG_CHECK(w.dim() == 1 && w.size(0) == C, "rmsnorm: weight ", shape_str(w.shape()), " does not match input ",
            shape_str(x.shape()));
+  check_param_like("rmsnorm", "weight", x, w);
   Tensor y, X, W, rstd;
   {
     autograd::NoGradGuard ng;

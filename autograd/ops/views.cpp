@@ -114,7 +114,9 @@ Tensor transpose(const Tensor& t, int64_t d0, int64_t d1) {
   const int64_t n = t.dim();
   std::vector<int64_t> dims(static_cast<size_t>(n));
   std::iota(dims.begin(), dims.end(), 0);
-  std::swap(dims[size_t(wrap_dim(d0, n, "transpose"))], dims[size_t(wrap_dim(d1, n, "transpose"))]);
+  const int64_t m = std::max<int64_t>(n, 1);  // a 0-d tensor's dim 0 (or -1) swapped with itself
+  const int64_t a = wrap_dim(d0, m, "transpose"), b = wrap_dim(d1, m, "transpose");
+  if (n > 0) std::swap(dims[size_t(a)], dims[size_t(b)]);
   return permute(t, dims);
 }
 
@@ -167,6 +169,10 @@ Tensor unsqueeze(const Tensor& t, int64_t dim) {
 }
 
 Tensor squeeze(const Tensor& t, int64_t dim) {
+  if (t.dim() == 0) {  // PyTorch's 0-d squeeze: itself
+    wrap_dim(dim, 1, "squeeze");
+    return reshape(t, {});
+  }
   dim = wrap_dim(dim, t.dim(), "squeeze");
   SG_CHECK(t.shape()[size_t(dim)] == 1, "squeeze: dim ", dim, " of ", shape_str(t.shape()), " is not 1");
   Shape s = t.shape();

@@ -307,7 +307,7 @@ void reduce(Reduce op, DType dtype, void* out, const void* x, int64_t outer, int
         const T* row = p + r * n;
         if (op == Reduce::max) {
           T m = n ? row[0] : T(-INFINITY);
-          for (int64_t k = 1; k < n; ++k) m = row[k] > m ? row[k] : m;
+          for (int64_t k = 1; k < n; ++k) m = (row[k] > m || row[k] != row[k]) ? row[k] : m;  // NaN is kept
           o[r] = m;
         } else {
           double acc = 0;
@@ -333,7 +333,10 @@ void reduce(Reduce op, DType dtype, void* out, const void* x, int64_t outer, int
         T m[kCols];
         for (int64_t i = 0; i < w; ++i) m[i] = n ? base[i] : T(-INFINITY);
         for (int64_t k = 1; k < n; ++k)
-          for (int64_t i = 0; i < w; ++i) m[i] = base[k * inner + i] > m[i] ? base[k * inner + i] : m[i];
+          for (int64_t i = 0; i < w; ++i) {
+            const T v = base[k * inner + i];
+            m[i] = (v > m[i] || v != v) ? v : m[i];  // NaN is kept
+          }
         for (int64_t i = 0; i < w; ++i) dst[i] = m[i];
       } else {
         double acc[kCols] = {};

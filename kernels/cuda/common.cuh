@@ -128,8 +128,10 @@ SG_DEVICE float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
   return v;
 }
+// max that keeps a NaN from either side, as the CPU's and PyTorch's max do (fmaxf drops it).
+SG_DEVICE float max_keep_nan(float a, float b) { return (b > a || b != b) ? b : a; }
 SG_DEVICE float warp_max(float v) {
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o));
+  for (int o = 16; o > 0; o >>= 1) v = max_keep_nan(v, __shfl_xor_sync(kFullMask, v, o));
   return v;
 }
 

@@ -12,7 +12,7 @@ SG_DEVICE float reduce_step(Reduce op, float acc, float v) {
   switch (op) {
     case Reduce::sum: return acc + v;
     case Reduce::sum_squares: return acc + v * v;
-    case Reduce::max: return v > acc ? v : acc;
+    case Reduce::max: return max_keep_nan(acc, v);
   }
   return acc;
 }
@@ -65,7 +65,7 @@ __global__ void reduce_columns_kernel(Reduce op, T* out, const T* x, int64_t n, 
     __syncthreads();
     if (lane < s) {
       const float other = mine[s * kColumns];
-      *mine = op == Reduce::max ? (other > *mine ? other : *mine) : *mine + other;
+      *mine = op == Reduce::max ? max_keep_nan(*mine, other) : *mine + other;
     }
   }
   if (lane == 0 && col < inner) out[o * inner + col] = from_f32<T>(*mine);

@@ -5,6 +5,8 @@
 // first, so the CPU reference sees exactly what the kernel sees; tolerances then cover the f32
 // math (f32) or the rounding of the output (half types).
 #include <catch2/catch.hpp>
+#include <algorithm>
+#include <limits>
 #include <tuple>
 
 #include "kernels/cuda/adamw.cuh"
@@ -176,6 +178,31 @@ TEMPLATE_TEST_CASE("emu axis reductions match the CPU table", "[emu]", float, cu
     std::vector<T> got(2);
     cu::reduce(op, dtype_of<T>(), got.data(), ys.data(), 2, n, 1, nullptr, work.data());
     check_close(got, want, 10.0);
+  }
+}
+
+TEST_CASE("emu max reductions and binary max/min keep a NaN from any position, as the CPU table does", "[emu]") {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  auto x = randn(2 * 555 * 37, 12);
+  for (size_t i : {size_t(0), size_t(38), size_t(555 * 37 + 5), size_t(2 * 555 * 37 - 1), size_t(777)}) x[i] = nan;
+  for (auto [outer, n, inner] : {std::tuple<int64_t, int64_t, int64_t>{3, 37, 5}, {15, 37, 1}, {1, 555, 1},
+                                 {2, 555, 37}, {5, 3, 70}, {2, 555 * 37, 1}}) {
+    INFO("outer " << outer << " n " << n << " inner " << inner);
+    std::vector<float> want(static_cast<size_t>(outer * inner)), got(want.size());
+    cpu::reduce(kernels::Reduce::max, DType::f32, want.data(), x.data(), outer, n, inner);
+    REQUIRE(std::count_if(want.begin(), want.end(), [](float v) { return std::isnan(v); }) > 0);
+    std::vector<float> work(size_t(cu::reduce_workspace(outer, n, inner)));
+    cu::reduce(kernels::Reduce::max, DType::f32, got.data(), x.data(), outer, n, inner, nullptr, work.data());
+    check_close(got, want, 0.0, 0.0);
+  }
+  const std::vector<float> a = {1, nan, 3, nan}, b = {2, 0, nan, nan};
+  for (Binary op : {Binary::max, Binary::min}) {
+    std::vector<float> want(4), got(4);
+    cpu::binary(op, DType::f32, want.data(), a.data(), {1}, b.data(), {1}, {4});
+    cu::binary(op, DType::f32, got.data(), a.data(), {1}, b.data(), {1}, {4}, nullptr);
+    CHECK(want[0] == (op == Binary::max ? 2.f : 1.f));
+    for (int i = 1; i < 4; ++i) CHECK(std::isnan(want[size_t(i)]));
+    check_close(got, want, 0.0, 0.0);
   }
 }
 
