@@ -290,38 +290,31 @@ TEST_CASE("grad() w.r.t. an intermediate, a tensor listed twice, and one the out
 TEST_CASE("a gradient waits in a tape still to be walked, and one that reaches a walked or destroyed tape is refused",
           "[autograd]") {
   Tensor x = leaf({3}, 42);
-  {  // the second tape's gradient waits in the first, and arrives when that one is walked
+  struct TwoTapes {  // h = 2x and l1 = sum(h) on t1, y = sum(3h) on t2
     Tape t1, t2;
     Tensor h, l1, y;
-    {
-      TapeScope s(t1);
-      h = mul(x, 2.0);
-      l1 = sum(h);
-    }
-    {
+    explicit TwoTapes(const Tensor& x) {
+      {
+        TapeScope s(t1);
+        h = mul(x, 2.0);
+        l1 = sum(h);
+      }
       TapeScope s(t2);
       y = sum(mul(h, 3.0));
     }
-    t2.backward(y);
+  };
+  {  // the second tape's gradient waits in the first, and arrives when that one is walked
+    TwoTapes t(x);
+    t.t2.backward(t.y);
     CHECK_FALSE(x.grad().defined());
-    t1.backward(l1);
+    t.t1.backward(t.l1);
     check_close(vec(x.grad()), std::vector<double>(3, 8.0));
   }
   x.set_grad(Tensor());
   {  // walked in the other order: the first tape's nodes are gone
-    Tape t1, t2;
-    Tensor h, l1, y;
-    {
-      TapeScope s(t1);
-      h = mul(x, 2.0);
-      l1 = sum(h);
-    }
-    {
-      TapeScope s(t2);
-      y = sum(mul(h, 3.0));
-    }
-    t1.backward(l1);
-    REQUIRE_THROWS_WITH(t2.backward(y), Contains("made by 'mul_scalar' on a tape that has already been walked backward or destroyed"));
+    TwoTapes t(x);
+    t.t1.backward(t.l1);
+    REQUIRE_THROWS_WITH(t.t2.backward(t.y), Contains("made by 'mul_scalar' on a tape that has already been walked backward or destroyed"));
   }
   {  // the tape that recorded h destroyed first
     Tensor h;
