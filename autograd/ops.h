@@ -36,7 +36,10 @@ Tensor to(const Tensor& t, Device device);   // differentiable device move
 Tensor contiguous(const Tensor& t);          // differentiable; a no-op handle when already contiguous
 Tensor clone(const Tensor& t);               // differentiable copy
 
-// In-place, never recorded (optimizer steps, gradient buffers, communication buffers).
+// In-place, never recorded (optimizer steps, gradient buffers, communication buffers). On a tensor
+// that requires grad they are refused while a tape records (what its nodes saved would change
+// unseen); write under a NoGradGuard. There are no version counters: a tensor that requires no
+// grad but that a node saved (a weight frozen for the step) must not be written before backward.
 void copy_(const Tensor& dst, const Tensor& src);  // same shape; converts dtype; any layouts
 void fill_(const Tensor& t, double value);
 void zero_(const Tensor& t);

@@ -67,6 +67,7 @@ Tensor Embedding::forward(const Tensor& idx) const { return embedding(weight, id
 LayerNorm::LayerNorm(int64_t dim, double eps_, DType dtype, Device device) : eps(eps_) {
   weight = register_parameter("weight", {dim}, dtype, device);
   bias = register_parameter("bias", {dim}, dtype, device);
+  autograd::NoGradGuard ng;  // a module built while a tape records: its init is not part of the graph
   fill_(weight, 1.0);
 }
 Tensor LayerNorm::forward(const Tensor& x) const { return layernorm(x, weight, bias, eps); }
@@ -82,6 +83,7 @@ BatchNorm::BatchNorm(int64_t channels, double eps_, double momentum_, DType dtyp
     : eps(eps_), momentum(momentum_) {
   weight = register_parameter("weight", {channels}, dtype, device);
   bias = register_parameter("bias", {channels}, dtype, device);
+  autograd::NoGradGuard ng;  // as LayerNorm's
   fill_(weight, 1.0);
   running_mean = register_buffer("running_mean", zeros({channels}, dtype, device));
   running_var = register_buffer("running_var", ones({channels}, dtype, device));

@@ -49,6 +49,11 @@ class Module {
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
 };
 
+// Parameters start at zero (LayerNorm's and BatchNorm's gains at one): the engine draws nothing
+// without a seed. Initialise them from one (randn(shape, seed, stream, ...) copied in under a
+// NoGradGuard, as examples/ do; GPT::init_weights for GPT-2's scheme). PyTorch's modules draw a
+// Kaiming-uniform init from its global generator instead.
+
 // y = x W^T + b, W [out, in].
 class Linear : public Module {
  public:

@@ -21,7 +21,9 @@ class AdamW {
  public:
   AdamW(NamedTensors params, AdamWConfig cfg);
   // One update with learning rate lr; gradients are multiplied by grad_scale first (clipping).
-  // Parameters without a gradient are left alone (their moments do not advance). An f32
+  // Parameters without a gradient are left alone (their moments do not advance), but the bias
+  // correction of every parameter counts the optimizer's steps (PyTorch counts each parameter's
+  // own; they differ only for a parameter that went without a gradient for some steps). An f32
   // parameter's gradient may be bf16/f16 (a mixed-precision model's own, read as it is).
   void step(double lr, double grad_scale = 1.0);
   // Mixed precision: the parameters are f32 masters of these half-precision tensors (one per

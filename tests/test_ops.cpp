@@ -1391,6 +1391,13 @@ TEST_CASE("in-place updates and sum_squares: never recorded, exact on every layo
   t.set_requires_grad(true);
   autograd::Tape tape;
   autograd::TapeScope scope(tape);
+  // While the tape records, a tensor that requires grad is not written in place: the tape would not see it.
+  REQUIRE_THROWS_WITH(add_(t, ones({2, 3})), Contains("add_: in place on f32[2,3] on cpu, which requires grad"));
+  REQUIRE_THROWS_WITH(mul_(t, 2.0), Contains("mul_: in place"));
+  REQUIRE_THROWS_WITH(fill_(t, 2.0), Contains("fill_: in place"));
+  REQUIRE_THROWS_WITH(copy_(t, ones({2, 3})), Contains("copy_: in place"));
+  CHECK(to_vector<float>(t) == std::vector<float>{1, 2, 3, 4, 5, 6});
+  autograd::NoGradGuard no_grad;  // as an optimizer writes
   add_(t, from_vector<float>({1, 1, 1, 2, 2, 2}, {2, 3}), -0.5);
   CHECK(to_vector<float>(t) == std::vector<float>{0.5f, 1.5f, 2.5f, 3, 4, 5});
   mul_(t, 2.0);

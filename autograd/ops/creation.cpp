@@ -88,7 +88,15 @@ double item(const Tensor& t) {
   return to_vector<double>(t)[0];
 }
 
+// In-place ops are never recorded: one on a tensor that requires grad, while a tape records, would
+// change what the tape's nodes saved behind their back (and a leaf's value under its gradient).
+static void check_not_recorded(const char* op, const Tensor& t) {
+  SG_CHECK(!autograd::needs_grad({t}), op, ": in place on ", t.describe(), ", which requires grad, while a tape ",
+           "records: the tape would not see the change (use the out-of-place op, or write under a NoGradGuard)");
+}
+
 void copy_(const Tensor& dst, const Tensor& src) {
+  check_not_recorded("copy_", dst);
   SG_CHECK(dst.shape() == src.shape(), "copy_: destination ", shape_str(dst.shape()), " and source ",
            shape_str(src.shape()), " differ");
   if (dst.numel() == 0) return;
@@ -135,12 +143,14 @@ void copy_(const Tensor& dst, const Tensor& src) {
 }
 
 void fill_(const Tensor& t, double value) {
+  check_not_recorded("fill_", t);
   SG_CHECK(t.is_contiguous(), "fill_: tensor must be contiguous, got strides ", shape_str(t.strides()));
   SG_KERNEL(t.device(), fill)(t.data_ptr(), t.dtype(), t.numel(), value);
 }
 void zero_(const Tensor& t) { fill_(t, 0.0); }
 
 void add_(const Tensor& t, const Tensor& other, double alpha) {
+  check_not_recorded("add_", t);
   SG_CHECK(t.shape() == other.shape(), "add_: shapes ", shape_str(t.shape()), " and ", shape_str(other.shape()),
            " differ");
   SG_CHECK(t.is_contiguous(), "add_: destination must be contiguous");
@@ -159,6 +169,7 @@ void add_(const Tensor& t, const Tensor& other, double alpha) {
 }
 
 void mul_(const Tensor& t, double s) {
+  check_not_recorded("mul_", t);
   autograd::NoGradGuard ng;
   copy_(t, mul(t, s));
 }
