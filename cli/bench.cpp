@@ -147,7 +147,7 @@ int bench_main(int argc, char** argv) {
   const int ranks = int(a.i64("ranks"));
   SG_CHECK(ranks >= 1, "bench: --ranks must be >= 1");
   std::vector<report::BenchLayout> matrix =
-      a.str("matrix").empty() ? report::default_matrix(ranks) : report::matrix_from_json(read_json_file(a.str("matrix"), "matrix"));
+      a.str("matrix").empty() ? report::default_matrix(ranks) : report::matrix_from_json(read_json_file(a.str("matrix"), "matrix"), a.str("matrix"));
   if (!a.str("layouts").empty()) {
     std::vector<report::BenchLayout> chosen;
     std::stringstream names(a.str("layouts"));

@@ -119,6 +119,11 @@ int launch_main(int argc, char** argv) {
   const std::string save = flag_value(train, "save");
   SG_CHECK(max_restarts == 0 || !save.empty(), "launch: --max-restarts ", max_restarts,
            " needs --save DIR in the train flags: a restart resumes from the newest checkpoint in DIR");
+  const std::string every = flag_value(train, "save-every");
+  if (max_restarts > 0 && (every.empty() || every == "0"))
+    std::printf("shardgrad launch: note: the train flags save only at the end (no --save-every N): a restart "
+                "finds no newer checkpoint in %s and trains again from where that one is (step 0 if none)\n",
+                save.c_str());
   const std::string resume = flag_value(train, "resume");
   SG_CHECK(resume.empty() || resume == "auto", "launch: the train flags say --resume ", resume,
            "; a supervised run resumes from its own --save directory (use --resume auto or none)");

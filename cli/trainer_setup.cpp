@@ -136,8 +136,8 @@ void Trainer::join_world() {
   const Args& a = args_;
   const std::string rdv = a.str("rendezvous");
   const bool file_rdv = rdv.rfind("file:", 0) == 0;
+  SG_CHECK(a.f64("comm-timeout") > 0, "train: --comm-timeout must be > 0");  // in one process too: a flag is checked
   if (distributed()) {
-    SG_CHECK(a.f64("comm-timeout") > 0, "train: --comm-timeout must be > 0");
     const bool nccl = a.str("backend") == "nccl";
     SG_CHECK(!nccl || a.str("device").rfind("cuda", 0) == 0, "train: --backend nccl carries CUDA tensors: pass "
              "--device cuda (each rank then uses cuda:<its local rank>) or --device cuda:N");

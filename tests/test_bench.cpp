@@ -256,8 +256,10 @@ TEST_CASE("shardgrad bench runs a matrix file, measures every layout and reports
   CHECK(bad_out.find("[1/1]") == std::string::npos);
   // a matrix file that is missing or not JSON is refused naming the flag and the file
   std::ofstream(dir / "broken.json") << "[{\"name\": ";
+  std::ofstream(dir / "args.json") << "[{\"name\": \"z2\", \"ranks\": 2, \"args\": [\"--strategy\", \"zero2\"]}]";
   for (const auto& [file, why] : {std::pair<std::string, std::string>{(dir / "none.json").string(), ": no such file"},
-                                  {(dir / "broken.json").string(), " is not valid JSON"}}) {
+                                  {(dir / "broken.json").string(), " is not valid JSON"},
+                                  {(dir / "args.json").string(), ": row z2: \"args\" must be one string of train flags"}}) {
     const std::string cmd = std::string(SG_BINARY) + " bench --matrix " + file + " > " + (dir / "m.txt").string() + " 2>&1";
     const int st = std::system(cmd.c_str());
     CHECK((WIFEXITED(st) && WEXITSTATUS(st) != 0));

@@ -84,6 +84,7 @@ TEST_CASE("train refuses bad flags, missing files and existing checkpoints, nami
   fails_with("train --batch-size 8 --micro-batch-size 3", "--micro-batch-size 3 does not divide --batch-size 8");
   fails_with("train --n-head 5 --n-embd 64", "not divisible by n_head 5");
   fails_with("train --data /nonexistent/file.txt", "/nonexistent/file.txt");
+  fails_with("train --steps 1 --comm-timeout 0", "--comm-timeout must be > 0");  // one process checks it too
   fails_with("train --resume " + (d.path / "nothing").string(), "does not exist");
   fails_with("train --model gpt5", "unknown preset 'gpt5'");
   fails_with("train --lr-schedule linear", "unknown schedule 'linear'");

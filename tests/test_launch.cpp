@@ -49,6 +49,7 @@ TEST_CASE("launch restarts a job whose rank exited and the losses continue as if
   REQUIRE(sup.output.find("restart 1 of 2") != std::string::npos);
   REQUIRE(sup.output.find("--resume auto") != std::string::npos);
   REQUIRE(sup.output.find("restart 2 of 2") == std::string::npos);  // one restart was enough
+  REQUIRE(sup.output.find("save only at the end") == std::string::npos);
   auto a = read_log(d.path / "a.jsonl"), b = read_log(d.path / "b.jsonl");
   REQUIRE(a.size() == 6);
   REQUIRE(b.size() == 6);  // steps 1-2 from the first run, 3-6 from the restart: none twice
@@ -74,6 +75,7 @@ TEST_CASE("launch refuses restarts without --save and gives up after --max-resta
   REQUIRE(r.code != 0);
   REQUIRE(r.output.find("restart 1 of 1") != std::string::npos);
   REQUIRE(r.output.find("after 1 restart; giving up") != std::string::npos);
+  REQUIRE(r.output.find("save only at the end (no --save-every N)") != std::string::npos);
 }
 
 TEST_CASE("a rank dying inside a checkpoint save leaves the previous checkpoint and ends the job naming it", "[cli][mpi][launch]") {

@@ -55,16 +55,20 @@ std::vector<BenchLayout> default_matrix(int n) {
   return m;
 }
 
-std::vector<BenchLayout> matrix_from_json(const nlohmann::json& j) {
-  SG_CHECK(j.is_array(), "bench: --matrix: expected a JSON array of {name, ranks, args}");
+std::vector<BenchLayout> matrix_from_json(const nlohmann::json& j, const std::string& file) {
+  SG_CHECK(j.is_array(), "bench: --matrix ", file, ": expected a JSON array of {name, ranks, args}");
   std::vector<BenchLayout> m;
   for (const auto& row : j) {
-    SG_CHECK(row.contains("name") && row["name"].is_string(), "bench: --matrix: every row needs a \"name\" string");
+    SG_CHECK(row.contains("name") && row["name"].is_string(), "bench: --matrix ", file, ": every row needs a \"name\" string");
     BenchLayout b;
     b.name = row["name"].get<std::string>();
+    SG_CHECK(!row.contains("ranks") || row["ranks"].is_number_integer(), "bench: --matrix ", file, ": row ", b.name,
+             ": \"ranks\" must be an integer, got ", row["ranks"].dump());
+    SG_CHECK(!row.contains("args") || row["args"].is_string(), "bench: --matrix ", file, ": row ", b.name,
+             ": \"args\" must be one string of train flags (\"--strategy zero2 --tp 2\"), got ", row["args"].dump());
     b.ranks = row.value("ranks", 1);
     b.args = row.value("args", std::string());
-    SG_CHECK(b.ranks >= 1, "bench: --matrix: row ", b.name, ": ranks must be >= 1");
+    SG_CHECK(b.ranks >= 1, "bench: --matrix ", file, ": row ", b.name, ": ranks must be >= 1");
     m.push_back(b);
   }
   return m;

@@ -22,7 +22,7 @@ struct BenchLayout {
 // every pipeline schedule, and a 3-D layout (those train refuses are reported as refused).
 std::vector<BenchLayout> default_matrix(int ranks);
 // [{"name": "...", "ranks": 2, "args": "--strategy ddp"}, ...]
-std::vector<BenchLayout> matrix_from_json(const nlohmann::json& j);
+std::vector<BenchLayout> matrix_from_json(const nlohmann::json& j, const std::string& file);  // file: for errors
 
 // Summarises one layout's --log-json records (every step, rank 0's file), dropping the first
 // `warmup` steps: {"steps", "step_ms", "tokens_per_s", "loss_last", "mem_peak": [per rank {cat: bytes}],
