@@ -139,7 +139,8 @@ Tensor embedding(const Tensor& weight, const Tensor& idx);  // weight [V, C], id
 struct CrossEntropyOptions {
   int64_t vocab = -1;          // real vocabulary: columns >= vocab are padding and never count
   int64_t ignore_index = -1;   // targets equal to this contribute nothing
-  bool sum = false;            // false: mean over counted targets; true: plain sum
+  bool sum = false;            // false: mean over counted targets (0 when none counts, where
+                               // PyTorch gives NaN: a micro-batch of padding adds nothing); true: plain sum
   double scale = 1.0;          // multiplies the result (e.g. 1 / global token count)
 };
 // logits [..., Vp], targets [...] (i32/i64). Fused: probabilities are never materialised.
