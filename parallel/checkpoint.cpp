@@ -102,7 +102,7 @@ std::string save_checkpoint(const std::string& run_dir, int64_t step, const io::
   fs::create_directories(run_dir, ec);
   SG_CHECK(!ec, "checkpoint: cannot create ", run_dir, ": ", ec.message());
   check_step_is_new(run_dir, step);
-  const fs::path tmp = temp_step_dir(run_dir, step, "-" + std::to_string(::getpid()));
+  const fs::path tmp = temp_step_dir(run_dir, step, std::string("-").append(std::to_string(::getpid())));
   fs::remove_all(tmp, ec);
   fs::create_directories(tmp);
   io::save_safetensors((tmp / "model.safetensors").string(), model, model_metadata);

@@ -5,6 +5,7 @@
 // Behaviour that is not a pure function of the inputs (dropout statistics, errors, padded
 // vocabularies, casts) has its own tests after the harness.
 #include <catch2/catch.hpp>
+#include <climits>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -1523,6 +1524,12 @@ TEST_CASE("edge cases as PyTorch has them: 0-d dims, repeated dims, empty K, ove
     tape.backward(sum(pow(z, 0.0)));
   }
   CHECK(to_vector<float>(z.grad()) == std::vector<float>{0.f, 0.f});
+  // Integers convert as integers: 2^24 + 1 (which a float cannot hold) exactly, 2^40 + 5 to i32 wrapping to 5.
+  const Tensor big = from_vector<int64_t>({(int64_t(1) << 24) + 1, (int64_t(1) << 40) + 5, -3, int64_t(1) << 31}, {2, 2});
+  CHECK(to_vector<int32_t>(to(big, DType::i32)) == std::vector<int32_t>{(1 << 24) + 1, 5, -3, INT32_MIN});
+  CHECK(to_vector<int32_t>(to(transpose(big, 0, 1), DType::i32)) == std::vector<int32_t>{(1 << 24) + 1, -3, 5, INT32_MIN});
+  CHECK(to_vector<int64_t>(to(to(big, DType::i32), DType::i64)) ==
+        std::vector<int64_t>{(1 << 24) + 1, 5, -3, int64_t(INT32_MIN)});
   // A norm's weight and bias, and linear's bias, must be in the input's dtype.
   const Tensor in = ones({2, 4});
   REQUIRE_THROWS_WITH(layernorm(in, ones({4}, DType::f64), ones({4})), Contains("layernorm: weight"));

@@ -27,6 +27,13 @@ inline double load(DType t, const void* p, int64_t i) {
   }
   return 0;
 }
+// Integer to integer: exact (i32 -> i64) or wrapping (i64 -> i32, as PyTorch), never through double.
+inline bool is_integer(DType t) { return t == DType::i32 || t == DType::i64; }
+inline void convert_integer(DType dt, void* dst, int64_t di, DType st, const void* src, int64_t si) {
+  const int64_t v = st == DType::i32 ? int64_t(static_cast<const int32_t*>(src)[si]) : static_cast<const int64_t*>(src)[si];
+  if (dt == DType::i32) static_cast<int32_t*>(dst)[di] = int32_t(uint32_t(uint64_t(v)));
+  else static_cast<int64_t*>(dst)[di] = v;
+}
 inline void store(DType t, void* p, int64_t i, double v) {
   switch (t) {
     case DType::f32: static_cast<float*>(p)[i] = float(v); break;
@@ -154,6 +161,8 @@ static void convert_contiguous(void* dst, DType dt, const void* src, DType st, i
       auto* d = static_cast<float*>(dst) + i0;
       auto* s = static_cast<const double*>(src) + i0;
       for (int64_t i = 0; i < len; ++i) d[i] = float(s[i]);
+    } else if (is_integer(dt) && is_integer(st)) {
+      for (int64_t i = i0; i < i0 + len; ++i) convert_integer(dt, dst, i, st, src, i);
     } else {
       for (int64_t i = i0; i < i0 + len; ++i) store(dt, dst, i, load(st, src, i));
     }
@@ -193,6 +202,8 @@ void copy_strided(void* dst, DType dt, const void* src, DType st, const Dims& sh
       auto* d = static_cast<float*>(dst) + o;
       auto* s = static_cast<const float*>(src) + offs[0];
       for (int64_t i = 0; i < inner; ++i) d[i] = s[i * sinner];
+    } else if (is_integer(dt) && is_integer(st)) {
+      for (int64_t i = 0; i < inner; ++i) convert_integer(dt, dst, o + i, st, src, offs[0] + i * sinner);
     } else {
       for (int64_t i = 0; i < inner; ++i) store(dt, dst, o + i, load(st, src, offs[0] + i * sinner));
     }
