@@ -286,8 +286,8 @@ static Tensor scaled_sum(const Tensor& a, const std::vector<int64_t>& dims, bool
   }
   if (needs_grad({a})) {
     record(name, {a}, {out}, [in_shape = a.shape(), kept, scale](const TensorList& g) {
-      const Tensor spread = contiguous(expand(reshape(g[0], kept), in_shape));
-      return TensorList{scale == 1.0 ? spread : mul(spread, scale)};
+      const Tensor g0 = scale == 1.0 ? g[0] : mul(g[0], scale);  // scaled while it is small
+      return TensorList{contiguous(expand(reshape(g0, kept), in_shape))};
     });
   }
   return out;

@@ -127,6 +127,10 @@ int init(int* argc, char*** argv) {
   return s.provided;
 }
 
+namespace {
+void reap_orphans(bool wait);
+}  // namespace
+
 void finalize() {
   auto& s = state();
   std::vector<MpiProcessGroup*> groups;
@@ -135,10 +139,12 @@ void finalize() {
     if (!s.ready) return;
     groups = s.groups;
   }
+  int fin = 0;
+  MPI_Finalized(&fin);
+  if (!fin) reap_orphans(true);  // dropped sends and receives finish before their communicators go
   for (auto* g : groups) g->shutdown();
   std::lock_guard<std::mutex> lock(s.mu);
   s.ready = false;
-  int fin = 0;
   MPI_Finalized(&fin);
   if (fin) return;  // whoever initialised MPI has finalized it already
   MPI_Type_free(&s.bf16);
@@ -183,7 +189,41 @@ std::string mpi_error(int rc) {
   return std::string(msg, size_t(len));
 }
 
-// A posted MPI_Isend/MPI_Irecv. Dropping it unfinished waits, since MPI still owns its buffer.
+// Sends and receives whose Work was dropped before they completed (PyTorch's isend without a
+// wait): MPI still owns their buffers, which are kept alive here. Each new send or recv polls
+// them (a finished receive is copied out then) and finalize waits for the rest. Waiting in the
+// Work's destructor deadlocked two ranks that each dropped a large send before posting the
+// receive its peer's send needed.
+struct Orphan {
+  MPI_Request req;
+  HostView buf;
+  bool receives;
+};
+std::mutex g_orphans_mu;
+std::vector<Orphan> g_orphans;
+
+void adopt(MPI_Request req, HostView buf, bool receives) {
+  std::lock_guard<std::mutex> lock(g_orphans_mu);
+  g_orphans.push_back(Orphan{req, std::move(buf), receives});
+}
+
+// Completes the orphans that have finished (all of them when wait). Their errors have no one to
+// go to: the caller dropped the Work.
+void reap_orphans(bool wait) {
+  std::lock_guard<std::mutex> lock(g_orphans_mu);
+  for (auto it = g_orphans.begin(); it != g_orphans.end();) {
+    int done = 0;
+    const int rc = wait ? MPI_Wait(&it->req, MPI_STATUS_IGNORE) : MPI_Test(&it->req, &done, MPI_STATUS_IGNORE);
+    if (wait || done || rc != MPI_SUCCESS) {
+      if (rc == MPI_SUCCESS && it->receives) it->buf.copy_out();
+      it = g_orphans.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+// A posted MPI_Isend/MPI_Irecv. Dropped unfinished, it becomes an orphan (above).
 class RequestWork : public Work {
  public:
   RequestWork(std::string what, std::string at, MPI_Request req, HostView buf, bool receives)
@@ -191,7 +231,7 @@ class RequestWork : public Work {
   ~RequestWork() override {
     int fin = 0;
     MPI_Finalized(&fin);
-    if (!done_ && !fin) MPI_Wait(&req_, MPI_STATUS_IGNORE);
+    if (!done_ && !fin) adopt(req_, std::move(buf_), receives_);
   }
   void wait() override {
     std::lock_guard<std::mutex> lock(mu_);
@@ -365,6 +405,7 @@ std::shared_ptr<Work> MpiProcessGroup::do_barrier() {
 
 std::shared_ptr<Work> MpiProcessGroup::do_send(const Tensor& t, int dst, int tag) {
   SG_CHECK(comm_ != MPI_COMM_NULL, "send: the process group was shut down (comm::finalize)", at());
+  reap_orphans(false);
   HostView buf(t, true);
   MPI_Request req;
   SG_MPI_CHECK("send", MPI_Isend(buf.ptr(), mpi_count("send", t.numel()), mpi_type(t.dtype()), dst, tag, comm_, &req));
@@ -373,6 +414,7 @@ std::shared_ptr<Work> MpiProcessGroup::do_send(const Tensor& t, int dst, int tag
 
 std::shared_ptr<Work> MpiProcessGroup::do_recv(const Tensor& t, int src, int tag) {
   SG_CHECK(comm_ != MPI_COMM_NULL, "recv: the process group was shut down (comm::finalize)", at());
+  reap_orphans(false);
   HostView buf(t, false);
   MPI_Request req;
   SG_MPI_CHECK("recv", MPI_Irecv(buf.ptr(), mpi_count("recv", t.numel()), mpi_type(t.dtype()), src, tag, comm_, &req));

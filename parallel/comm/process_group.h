@@ -98,6 +98,9 @@ class ProcessGroup {
   // before the Work completes. Messages between two ranks match in the order they were posted
   // (MPI also checks the tag; NCCL does not use it). On NCCL a send is issued with the rank's next
   // recv in one group, so ranks that both send before they receive do not wait on each other.
+  // A Work dropped unfinished does not block (PyTorch's isend without wait): on MPI the request
+  // finishes in the background, completed by later sends/recvs or at comm::finalize, and t must
+  // stay as it is (send) or unread (recv) until then; its errors are lost.
   std::shared_ptr<Work> send(const Tensor& t, int dst, int tag = 0);
   std::shared_ptr<Work> recv(const Tensor& t, int src, int tag = 0);
   // Completes once every rank has reached it, after this rank's earlier operations.

@@ -199,6 +199,41 @@ TEST_CASE("send/recv around a ring, with messages too big to go eagerly", "[comm
   }
 }
 
+TEST_CASE("a send or recv whose Work is dropped finishes in the background: no deadlock, the data arrives",
+          "[comm]") {
+  auto pg = world();
+  const int n = pg->size(), r = pg->rank();
+  const int next = (r + 1) % n, prev = (r + n - 1) % n;
+  const int64_t numel = int64_t(1) << 20;  // past the eager size: a send waits for its receive
+  {
+    // Every rank drops its send before it receives (PyTorch's isend without wait). Waiting for
+    // the send when its Work went would keep every rank from posting the receive a peer needs.
+    Tensor out = filled(r, numel, DType::f32), in = zeros({numel});
+    pg->send(out, next, 5);
+    pg->recv(in, prev, 5)->wait();
+    std::vector<double> want;
+    for (int64_t i = 0; i < numel; ++i) want.push_back(value(prev, i, DType::f32));
+    check_values(in, want);
+  }
+  {
+    // A dropped receive still fills its tensor: by the time a later receive from the same peer
+    // completes (messages between two ranks match in order), the first one has too.
+    Tensor first = zeros({numel}), second = zeros({3});
+    pg->recv(first, prev, 6);
+    auto s1 = pg->send(filled(r, numel, DType::f32), next, 6);
+    auto s2 = pg->send(filled(r, 3, DType::f32), next, 6);
+    pg->recv(second, prev, 6)->wait();
+    s1->wait();
+    s2->wait();
+    pg->barrier()->wait();
+    pg->send(zeros({1}), next, 7);  // any later send or recv completes the finished orphans
+    pg->recv(zeros({1}), prev, 7)->wait();
+    std::vector<double> want;
+    for (int64_t i = 0; i < numel; ++i) want.push_back(value(prev, i, DType::f32));
+    check_values(first, want);
+  }
+}
+
 TEST_CASE("barrier completes only when every rank has reached it", "[comm]") {
   auto pg = world();
   if (pg->rank() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(300));
