@@ -11,6 +11,7 @@ DistributedDataParallel::DistributedDataParallel(NamedTensors params, std::share
   SG_CHECK(opt_.bucket_bytes > 0, "ddp: --bucket-mb must be > 0");
   bucket_of_.assign(params_.size(), 0);
   marked_.assign(params_.size(), 0);
+  had_grad_.assign(params_.size(), 0);
   // Reverse registration order: the head and last blocks finish backward first.
   Bucket cur;
   int64_t bytes = 0;
@@ -59,7 +60,14 @@ std::vector<std::string> DistributedDataParallel::bucket_names(int b) const {
 }
 
 void DistributedDataParallel::on_grad_ready(size_t i) {
-  if (!sync_ || marked_[i]) return;
+  finished_ = false;
+  if (!sync_) return;
+  if (marked_[i]) {
+    abandon_step();
+    throw Error(str("ddp: '", params_[i].first, "' got a second gradient before finish_gradients: a backward ran ",
+                    "again with synchronisation on (accumulate with set_sync(false) on every backward but the last, ",
+                    "PyTorch's no_sync); this step's gradients are dropped"));
+  }
   marked_[i] = 1;
   Bucket& b = buckets_[bucket_of_[i]];
   if (++b.ready == int(b.params.size())) launch(b);
@@ -78,6 +86,7 @@ void DistributedDataParallel::launch(Bucket& b) {
     const Tensor& p = params_[b.params[k]].second;
     Tensor slot = narrow(b.buffer, 0, b.offsets[k], p.numel());
     Tensor g = p.grad();
+    had_grad_[b.params[k]] = g.defined();
     if (g.defined()) copy_(slot, reshape(g, {p.numel()}));
     else zero_(slot);
     p.set_grad(Tensor());
@@ -85,21 +94,40 @@ void DistributedDataParallel::launch(Bucket& b) {
   b.work = group_->all_reduce(b.buffer, comm::ReduceOp::avg);
 }
 
+void DistributedDataParallel::abandon_step() {
+  for (auto& b : buckets_) {
+    if (b.work) {
+      try {
+        b.work->wait();  // the peers launched it too: let it finish before its buffer goes
+      } catch (const Error&) {
+      }
+      b.work.reset();
+    }
+    b.ready = 0;
+    b.buffer = Tensor();
+  }
+  std::fill(marked_.begin(), marked_.end(), 0);
+}
+
 void DistributedDataParallel::reduce_now() {
   sync_ = true;
+  finished_ = false;
   for (size_t i = 0; i < params_.size(); ++i) marked_[i] = params_[i].second.grad().defined();
   finish_gradients();
 }
 
 void DistributedDataParallel::finish_gradients() {
   if (!sync_) return;
+  SG_CHECK(!finished_, "ddp: finish_gradients was already called for this step (run a backward first)");
   // Buckets whose parameters did not all get a gradient never launched.
   std::string unused;
   for (size_t i = 0; i < params_.size(); ++i)
     if (!marked_[i]) unused += (unused.empty() ? "" : ", ") + params_[i].first;
-  if (!unused.empty() && !opt_.find_unused_parameters)
+  if (!unused.empty() && !opt_.find_unused_parameters) {
+    abandon_step();
     throw Error(str("ddp: these parameters received no gradient in this step: ", unused,
-                    " (pass --find-unused-parameters if that is intended)"));
+                    " (pass --find-unused-parameters if that is intended); this step's gradients are dropped"));
+  }
   for (auto& b : buckets_)  // every rank launches the leftovers in bucket order: same order everywhere
     if (!b.work) launch(b);
   autograd::NoGradGuard ng;
@@ -113,11 +141,12 @@ void DistributedDataParallel::finish_gradients() {
     b.buffer.storage()->recategorize(MemCategory::grad);
     for (size_t k = 0; k < b.params.size(); ++k) {
       const Tensor& p = params_[b.params[k]].second;
-      p.set_grad(reshape(narrow(b.buffer, 0, b.offsets[k], p.numel()), p.shape()));
+      p.set_grad(had_grad_[b.params[k]] ? reshape(narrow(b.buffer, 0, b.offsets[k], p.numel()), p.shape()) : Tensor());
     }
     b.buffer = Tensor();
   }
   std::fill(marked_.begin(), marked_.end(), 0);
+  finished_ = true;
 }
 
 }  // namespace sg::parallel

@@ -36,7 +36,12 @@ class DistributedDataParallel {
   void set_sync(bool sync) { sync_ = sync; }
   bool sync() const { return sync_; }
   // Waits for every bucket's all-reduce and writes the averaged gradients back. Parameters that
-  // got no gradient: an error naming them, or zeros with find_unused_parameters.
+  // got no gradient: an error naming them, or with find_unused_parameters their .grad stays
+  // undefined (as PyTorch leaves a globally unused parameter's: the optimizer skips it; the set
+  // must be the same on every rank). A second backward with sync on before this call (a
+  // parameter ready twice) is an error, as it is in PyTorch: accumulate under set_sync(false).
+  // Either error abandons the step's reduction (its launched buckets are waited for and dropped)
+  // so that the next step starts clean.
   void finish_gradients();
   // After backward(s) run under no_sync: all-reduces every bucket now and writes the averages
   // back. The pipeline uses this: its micro-batch backwards interleave, so gradients are complete
@@ -59,6 +64,7 @@ class DistributedDataParallel {
   };
   void on_grad_ready(size_t param);
   void launch(Bucket& b);
+  void abandon_step();  // after an error: waits for launched buckets, drops them, unmarks all
 
   NamedTensors params_;
   std::shared_ptr<comm::ProcessGroup> group_;
@@ -66,6 +72,8 @@ class DistributedDataParallel {
   std::vector<Bucket> buckets_;
   std::vector<size_t> bucket_of_;
   std::vector<char> marked_;
+  std::vector<char> had_grad_;  // per parameter, at its bucket's launch: whether it had a gradient
+  bool finished_ = false;       // finish_gradients ran and no backward has marked a parameter since
   bool sync_ = true;
   std::shared_ptr<bool> alive_;  // hooks outlive us on the parameters: they check this first
 };

@@ -114,7 +114,22 @@ void ZeroOptimizer::broadcast_parameters() {
 }
 
 void ZeroOptimizer::on_grad_ready(size_t i) {
-  if (!sync_ || marked_[i]) return;
+  if (!sync_) return;
+  if (marked_[i]) {
+    for (size_t k : in_flight_) {
+      try {
+        stripes_[k].work->wait();  // the peers issued it too: let it finish before its buffer goes
+      } catch (const Error&) {
+      }
+      stripes_[k].work.reset();
+      stripes_[k].buffer = Tensor();
+    }
+    in_flight_.clear();
+    reset_stripes();
+    throw Error(str("zero: '", params_[i].first, "' got a second gradient before finish_gradients: a backward ran ",
+                    "again with synchronisation on (accumulate with set_sync(false) on every backward but the last); ",
+                    "this step's gradients are dropped"));
+  }
   marked_[i] = 1;
   for (size_t k : stripes_of_[i])
     if (--stripes_[k].pending == 0) launch(k);
@@ -193,6 +208,10 @@ void ZeroOptimizer::finish_gradients() {
   }
   for (size_t k : in_flight_) complete(stripes_[k]);
   in_flight_.clear();
+  reset_stripes();
+}
+
+void ZeroOptimizer::reset_stripes() {
   for (auto& s : stripes_) {
     s.launched = false;
     s.pending = int(s.params.size());

@@ -92,7 +92,12 @@ class ZeroOptimizer {
   // reduces (stage 2 from the grad-ready hooks).
   void set_sync(bool sync) { sync_ = sync; }
   // Waits for (stage 1: issues, then waits for) every stripe's reduce-scatter: this rank's shard
-  // then holds the gradient averaged over the group. Parameters without a gradient count zero.
+  // then holds the gradient averaged over the group. Parameters without a gradient count zero
+  // (their shard is stepped, weight decay included, as DeepSpeed's flat partitions are; a single
+  // process's AdamW skips them). Stage 1 reduces here, so backwards before this call simply
+  // accumulate; at stage 2 a second backward with sync on (a parameter ready twice) is an error,
+  // as in PyTorch's DDP: accumulate under set_sync(false). The error waits for the stripes in
+  // flight and drops the step's reduction, so the next step starts clean.
   void finish_gradients();
   // After backward(s) run under set_sync(false): reduce-scatters every stripe now (stage 2 then
   // frees the full gradients) and turns sync back on. The pipeline and sequence parallelism use
@@ -158,6 +163,7 @@ class ZeroOptimizer {
   void launch(size_t stripe);
   void complete(Stripe& s);
   void reap();
+  void reset_stripes();  // every stripe unlaunched, every parameter unmarked: a step's start
   std::vector<std::pair<std::string, Tensor>> state_tensors() const;  // (suffix, S-element shard)
 
   NamedTensors params_;

@@ -82,8 +82,11 @@ void divide(void* p, int64_t n, DType t, int by) { divide(p, p, n, t, by); }
 
 // f16 tops out at 65504: the sum of an average can overflow where the average (and each rank's
 // part) does not, which a loss-scaled gradient is near by design. Its parts are divided before the
-// sum, as PyTorch's DDP divides its buckets before the all-reduce. (bf16 has f32's range: it sums,
-// then divides once.)
+// sum, as PyTorch's DDP divides its buckets before the all-reduce. Each partial sum is still
+// rounded to f16, so an average within rounding of 65504 can still overflow when N is not a power
+// of two (65504/3 rounds up, and three of it round to inf), and parts below f16's subnormals
+// (~6e-8 · N) flush to zero: the loss scaler backs off from the first and keeps gradients far
+// above the second. (bf16 has f32's range: it sums, then divides once.)
 bool divides_first(ReduceOp op, DType t) { return op == ReduceOp::avg && t == DType::f16; }
 bool divides_after(ReduceOp op, DType t) { return op == ReduceOp::avg && t != DType::f16; }
 // n elements of src divided by `by` into a fresh host buffer (ledger: comm_buffer).
@@ -401,6 +404,10 @@ std::shared_ptr<Work> MpiProcessGroup::do_reduce(const Tensor& t, int root, Redu
 
 std::shared_ptr<Work> MpiProcessGroup::do_barrier() {
   return enqueue("barrier", [this] { SG_MPI_CHECK("barrier", MPI_Barrier(comm_)); });
+}
+
+std::string MpiProcessGroup::closed_reason() const {
+  return comm_ == MPI_COMM_NULL ? "the process group was shut down (comm::finalize)" : "";
 }
 
 std::shared_ptr<Work> MpiProcessGroup::do_send(const Tensor& t, int dst, int tag) {

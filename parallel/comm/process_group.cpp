@@ -73,6 +73,8 @@ void ProcessGroup::reset_counters() {
 }
 
 void ProcessGroup::count(CommKind k, int64_t bytes) {
+  const std::string closed = closed_reason();
+  SG_CHECK(closed.empty(), comm_kind_name(k), ": ", closed, at());
   std::lock_guard<std::mutex> lock(counters_mu_);
   counters_[k].calls += 1;
   counters_[k].bytes += bytes;

@@ -129,6 +129,9 @@ class ProcessGroup {
   virtual std::shared_ptr<Work> do_recv(const Tensor& t, int src, int tag) = 0;
   virtual std::shared_ptr<Work> do_barrier() = 0;
   virtual std::shared_ptr<ProcessGroup> do_split(int color, int key) = 0;
+  // Why this group takes no more operations ("" while it does): checked before an operation is
+  // counted, so a refused one never shows in the counters.
+  virtual std::string closed_reason() const { return ""; }
 
   // " (rank 1 of 4)": ends every error this group raises, so a log line names its rank.
   std::string at() const;

@@ -132,6 +132,60 @@ TEST_CASE("ddp buckets follow reverse registration order and name parameters tha
   REQUIRE_THROWS_WITH(ddp.finish_gradients(), Catch::Contains("received no gradient") && Catch::Contains("h.0.ln_1.weight"));
 }
 
+// A backward through wte only (the others get no gradient), or through the whole model.
+Tensor partial_or_whole(nn::GPT& m, bool whole, autograd::Tape& tape) {
+  autograd::TapeScope sc(tape);
+  Tensor idx, tgt;
+  testing::token_batch(0, 2, kT, idx, tgt);
+  return whole ? m.loss(idx, tgt) : sum(m.wte->forward(idx));
+}
+
+TEST_CASE("ddp refuses a second synchronised backward and a finish without one, and starts clean after an error",
+          "[ddp]") {
+  auto w = world();
+  nn::GPT m(tiny());
+  m.init_weights(1);
+  parallel::DistributedDataParallel ddp(m.named_parameters(), w, parallel::DdpOptions{});
+  // What a clean step gives: the reference for the steps after each error.
+  auto step = [&](bool whole) {
+    autograd::Tape tape;
+    tape.backward(partial_or_whole(m, whole, tape));
+  };
+  step(true);
+  ddp.finish_gradients();
+  const std::vector<float> want = to_vector<float>(m.h[0]->ln_1->weight.grad());
+  REQUIRE_THROWS_WITH(ddp.finish_gradients(), Catch::Contains("finish_gradients was already called"));
+  m.zero_grad();
+  // Two backwards with sync on: PyTorch's "mark a variable ready only once".
+  step(true);
+  REQUIRE_THROWS_WITH(step(true), Catch::Contains("got a second gradient before finish_gradients") &&
+                                      Catch::Contains("set_sync(false)"));
+  m.zero_grad();
+  step(true);
+  ddp.finish_gradients();
+  CHECK(to_vector<float>(m.h[0]->ln_1->weight.grad()) == want);
+  m.zero_grad();
+  // Parameters without a gradient: refused, and the next step is whole again.
+  step(false);
+  REQUIRE_THROWS_WITH(ddp.finish_gradients(), Catch::Contains("received no gradient"));
+  m.zero_grad();
+  step(true);
+  ddp.finish_gradients();
+  CHECK(to_vector<float>(m.h[0]->ln_1->weight.grad()) == want);
+  m.zero_grad();
+  // find_unused_parameters: an unused parameter's .grad stays undefined (AdamW then skips it).
+  parallel::DdpOptions o;
+  o.find_unused_parameters = true;
+  nn::GPT m2(tiny());
+  m2.init_weights(1);
+  parallel::DistributedDataParallel tolerant(m2.named_parameters(), w, o);
+  autograd::Tape tape;
+  tape.backward(partial_or_whole(m2, false, tape));
+  tolerant.finish_gradients();
+  CHECK(m2.wte->weight.grad().defined());
+  CHECK_FALSE(m2.h[0]->ln_1->weight.grad().defined());
+}
+
 // gradient_as_bucket_view: at launch a bucket takes its parameters' gradients (their own .grad
 // freed), and once averaged its slots are the .grad tensors. A gradient is never held twice.
 TEST_CASE("ddp holds each gradient once: in its tensor, then in its bucket, then as a view of the averaged bucket", "[ddp]") {

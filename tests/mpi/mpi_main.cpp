@@ -6,9 +6,26 @@
 #define CATCH_CONFIG_RUNNER
 #include <mpi.h>
 
+#include <cstdio>
+#include <string>
+
 #include <catch2/catch.hpp>
 
+#include "autograd/ops.h"
 #include "parallel/comm/mpi_backend.h"
+
+// After comm::finalize a group refuses work by name, and a refused operation is not counted.
+// Returns 0 when it does.
+static int refuses_after_finalize(sg::comm::ProcessGroup& g) {
+  const int64_t before = g.counters()[sg::comm::CommKind::all_reduce].calls;
+  try {
+    g.all_reduce(sg::zeros({4}));
+  } catch (const sg::Error& e) {
+    if (std::string(e.what()).find("all_reduce: the process group was shut down") == std::string::npos) return 1;
+    return g.counters()[sg::comm::CommKind::all_reduce].calls == before ? 0 : 1;
+  }
+  return 1;
+}
 
 int main(int argc, char** argv) {
   int provided = 0;
@@ -22,7 +39,12 @@ int main(int argc, char** argv) {
   if (rc == 0) rc = session.run();
   int worst = 0;
   MPI_Allreduce(&rc, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  auto probe = sg::comm::MpiProcessGroup::world();
   sg::comm::finalize();
+  if (refuses_after_finalize(*probe) != 0) {
+    std::fprintf(stderr, "rank %d: a group used after comm::finalize was not refused, or was counted\n", rank);
+    worst = 1;
+  }
   MPI_Finalize();
   return worst;
 }

@@ -472,3 +472,42 @@ TEST_CASE("zero1/zero2 across dp with tp, tp + sp or pp reproduce the single-pro
       REQUIRE(optim_bytes == 8 * ((psi + dp - 1) / dp));
     }
 }
+
+TEST_CASE("zero2 refuses a second synchronised backward, and the step after the error reduces as a clean one; zero1 accumulates", "[zero]") {
+  auto w = world();
+  for (int stage : {1, 2}) {
+    INFO("zero" << stage);
+    nn::GPT m(testing::tiny_gpt());
+    m.init_weights(1);
+    parallel::ZeroOptions zo;
+    zo.stage = stage;
+    zo.bucket_bytes = 4096;  // several stripes
+    parallel::ZeroOptimizer zero(m.named_parameters(), w, optim::AdamWConfig{}, zo);
+    auto backward = [&] {
+      autograd::Tape tape;
+      Tensor idx, tgt;
+      testing::token_batch(0, 2, 8, idx, tgt);
+      {
+        autograd::TapeScope sc(tape);
+        tape.backward(m.loss(idx, tgt));
+      }
+    };
+    backward();
+    zero.finish_gradients();
+    const double want = zero.grad_norm();
+    m.zero_grad();
+    backward();
+    if (stage == 1) {  // the stripes are reduced at finish_gradients: two backwards are twice the gradient
+      backward();
+      zero.finish_gradients();
+      CHECK(zero.grad_norm() == Approx(2 * want).epsilon(1e-6));
+      m.zero_grad();
+      continue;
+    }
+    REQUIRE_THROWS_WITH(backward(), Catch::Contains("got a second gradient before finish_gradients"));
+    m.zero_grad();
+    backward();
+    zero.finish_gradients();
+    CHECK(zero.grad_norm() == want);
+  }
+}
