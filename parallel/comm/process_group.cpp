@@ -1,7 +1,10 @@
 #include "parallel/comm/process_group.h"
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
 
+#include "autograd/ops.h"
 #include "core/error.h"
 #include "core/trace.h"
 #include "parallel/watchdog.h"
@@ -78,6 +81,41 @@ void ProcessGroup::count(CommKind k, int64_t bytes) {
   std::lock_guard<std::mutex> lock(counters_mu_);
   counters_[k].calls += 1;
   counters_[k].bytes += bytes;
+}
+
+namespace {
+std::atomic<int> g_check_collectives{-1};  // -1: not yet read from the environment
+}  // namespace
+
+void ProcessGroup::check_collectives(bool on) { g_check_collectives = on ? 1 : 0; }
+
+bool ProcessGroup::checking_collectives() {
+  if (g_check_collectives < 0) {
+    const char* e = std::getenv("SHARDGRAD_CHECK_COLLECTIVES");
+    g_check_collectives = e && *e && std::string(e) != "0" ? 1 : 0;
+  }
+  return g_check_collectives == 1;
+}
+
+void ProcessGroup::check_same_call(CommKind k, int64_t numel, DType dtype, int64_t detail) {
+  if (size_ == 1 || !checking_collectives() || !closed_reason().empty()) return;  // a closed group: count() says so
+  constexpr int64_t kFields = 5;
+  const Tensor mine = from_vector<int64_t>({int64_t(k), numel, int64_t(dtype), detail, checked_calls_++},
+                                           {kFields});
+  Tensor all = empty({kFields * size_}, DType::i64);
+  do_all_gather(all, mine)->wait();
+  const std::vector<int64_t> v = to_vector<int64_t>(all);
+  auto describe = [&](const int64_t* f) {
+    return str(comm_kind_name(CommKind(f[0])), " of ", f[1], " ", dtype_name(DType(f[2])), " elements (op/root ", f[3],
+               ", call ", f[4] + 1, " checked on this group)");
+  };
+  for (int q = 0; q < size_; ++q) {
+    const int64_t* f = v.data() + q * kFields;
+    if (std::equal(f, f + kFields, v.data() + rank_ * kFields)) continue;
+    throw Error(str(comm_kind_name(k), ": rank ", q, " of the group called ", describe(f), " where this rank called ",
+                    describe(v.data() + rank_ * kFields), ": the ranks' collectives differ (SHARDGRAD_CHECK_COLLECTIVES)",
+                    at()));
+  }
 }
 
 void ProcessGroup::check_tensor(const char* op, const char* role, const Tensor& t) const {
@@ -182,6 +220,7 @@ std::shared_ptr<Work> ProcessGroup::all_reduce(const Tensor& t, ReduceOp op, Syn
   check_tensor("all_reduce", "tensor", t);
   SG_CHECK(op != ReduceOp::avg || is_floating(t.dtype()), "all_reduce: avg of ", t.describe(),
            " would not be exact; use sum and divide", at());
+  check_same_call(CommKind::all_reduce, t.numel(), t.dtype(), int64_t(op));
   count(CommKind::all_reduce, all_reduce_bytes(int64_t(t.nbytes()), size_));
   return issue(sync, collective_name(CommKind::all_reduce, size_),
                [&] { return traced(this, CommKind::all_reduce, t.nbytes(), do_all_reduce(t, op)); });
@@ -197,6 +236,7 @@ std::shared_ptr<Work> ProcessGroup::reduce_scatter(const Tensor& out, const Tens
   SG_CHECK(!overlap(out, in), "reduce_scatter: output and input share memory", at());
   SG_CHECK(op != ReduceOp::avg || is_floating(in.dtype()), "reduce_scatter: avg of ", in.describe(),
            " would not be exact; use sum and divide", at());
+  check_same_call(CommKind::reduce_scatter, in.numel(), in.dtype(), int64_t(op));
   count(CommKind::reduce_scatter, reduce_scatter_bytes(int64_t(in.nbytes()), size_));
   return issue(sync, collective_name(CommKind::reduce_scatter, size_),
                [&] { return traced(this, CommKind::reduce_scatter, in.nbytes(), do_reduce_scatter(out, in, op)); });
@@ -213,6 +253,7 @@ std::shared_ptr<Work> ProcessGroup::all_gather(const Tensor& out, const Tensor& 
   const char* own_chunk = static_cast<const char*>(out.data_ptr()) + size_t(rank_) * in.nbytes();
   SG_CHECK(!overlap(out, in) || in.data_ptr() == own_chunk, "all_gather: input overlaps the output but is not its chunk ",
            rank_, at());
+  check_same_call(CommKind::all_gather, out.numel(), out.dtype(), 0);
   count(CommKind::all_gather, all_gather_bytes(int64_t(out.nbytes()), size_));
   return issue(sync, collective_name(CommKind::all_gather, size_),
                [&] { return traced(this, CommKind::all_gather, out.nbytes(), do_all_gather(out, in)); });
@@ -221,6 +262,7 @@ std::shared_ptr<Work> ProcessGroup::all_gather(const Tensor& out, const Tensor& 
 std::shared_ptr<Work> ProcessGroup::broadcast(const Tensor& t, int root, Sync sync) {
   check_tensor("broadcast", "tensor", t);
   check_peer("broadcast", "root", root, true);
+  check_same_call(CommKind::broadcast, t.numel(), t.dtype(), root);
   count(CommKind::broadcast, size_ > 1 ? int64_t(t.nbytes()) : 0);
   return issue(sync, collective_name(CommKind::broadcast, size_),
                [&] { return traced(this, CommKind::broadcast, t.nbytes(), do_broadcast(t, root)); });
@@ -231,6 +273,7 @@ std::shared_ptr<Work> ProcessGroup::reduce(const Tensor& t, int root, ReduceOp o
   check_peer("reduce", "root", root, true);
   SG_CHECK(op != ReduceOp::avg || is_floating(t.dtype()), "reduce: avg of ", t.describe(),
            " would not be exact; use sum and divide", at());
+  check_same_call(CommKind::reduce, t.numel(), t.dtype(), root * 16 + int64_t(op));
   count(CommKind::reduce, size_ > 1 ? int64_t(t.nbytes()) : 0);
   return issue(sync, collective_name(CommKind::reduce, size_),
                [&] { return traced(this, CommKind::reduce, t.nbytes(), do_reduce(t, root, op)); });
@@ -255,6 +298,7 @@ std::shared_ptr<Work> ProcessGroup::recv(const Tensor& t, int src, int tag) {
 }
 
 std::shared_ptr<Work> ProcessGroup::barrier(Sync sync) {
+  check_same_call(CommKind::barrier, 0, DType::f32, 0);
   count(CommKind::barrier, 0);
   return issue(sync, collective_name(CommKind::barrier, size_),
                [&] { return traced(this, CommKind::barrier, 0, do_barrier()); });

@@ -113,6 +113,14 @@ class ProcessGroup {
   // ranks not listed get nullptr.
   std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks);
 
+  // Checked collectives (PyTorch's TORCH_DISTRIBUTED_DEBUG=DETAIL): before each collective the
+  // ranks all-gather what they are about to call (kind, element count, dtype, op or root) and a
+  // rank that differs is named on every rank, instead of mismatched buffers or a hang. Off by
+  // default (one extra small all-gather per collective, not counted); on when the environment has
+  // SHARDGRAD_CHECK_COLLECTIVES=1, or through this call (for every group of the process).
+  static void check_collectives(bool on);
+  static bool checking_collectives();
+
   // Each group keeps its own counters; a subgroup's traffic is not added to its parent's.
   CommCounters counters() const;
   void reset_counters();
@@ -140,6 +148,9 @@ class ProcessGroup {
 
  private:
   void check_tensor(const char* op, const char* name, const Tensor& t) const;
+  // check_collectives: every rank calls the same collective on the same shape (detail: op or root).
+  void check_same_call(CommKind k, int64_t numel, DType dtype, int64_t detail);
+  int64_t checked_calls_ = 0;
   void check_peer(const char* op, const char* what, int peer, bool allow_self) const;
   void count(CommKind k, int64_t bytes);
 

@@ -234,6 +234,30 @@ TEST_CASE("a send or recv whose Work is dropped finishes in the background: no d
   }
 }
 
+TEST_CASE("checked collectives name the rank whose call differs, on every rank, and leave the group usable", "[comm]") {
+  auto pg = world();
+  const int n = pg->size(), r = pg->rank();
+  comm::ProcessGroup::check_collectives(true);
+  struct Off {
+    ~Off() { comm::ProcessGroup::check_collectives(false); }
+  } off;
+  // Rank 0 reduces 4 elements, the others 8: without the check, mismatched buffers.
+  Tensor t = ones({r == 0 ? 4 : 8});
+  const std::string other = r == 0 ? "rank 1 of the group called all_reduce of 8 f32 elements"
+                                   : "rank 0 of the group called all_reduce of 4 f32 elements";
+  REQUIRE_THROWS_WITH(pg->all_reduce(t), Catch::Contains(other) && Catch::Contains("the ranks' collectives differ"));
+  // Rank 0 broadcasts while the others all-reduce: without the check, a hang.
+  Tensor u = ones({6});
+  auto mismatched = [&] { return r == 0 ? pg->broadcast(u, 0) : pg->all_reduce(u); };
+  REQUIRE_THROWS_WITH(mismatched(), Catch::Contains(r == 0 ? "called all_reduce of 6" : "called broadcast of 6"));
+  // Calls that agree go through, checked; the check's own all-gathers are not counted.
+  pg->reset_counters();
+  pg->all_reduce(u)->wait();
+  pg->barrier()->wait();
+  CHECK(to_vector<float>(u) == std::vector<float>(6, float(n)));
+  CHECK(pg->counters()[comm::CommKind::all_gather].calls == 0);
+}
+
 TEST_CASE("barrier completes only when every rank has reached it", "[comm]") {
   auto pg = world();
   if (pg->rank() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(300));
