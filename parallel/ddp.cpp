@@ -1,5 +1,7 @@
 #include "parallel/ddp.h"
 
+#include <algorithm>
+
 #include "autograd/ops.h"
 #include "autograd/tape.h"
 
@@ -12,6 +14,7 @@ DistributedDataParallel::DistributedDataParallel(NamedTensors params, std::share
   bucket_of_.assign(params_.size(), 0);
   marked_.assign(params_.size(), 0);
   had_grad_.assign(params_.size(), 0);
+  handed_.assign(params_.size(), {});
   // Reverse registration order: the head and last blocks finish backward first.
   Bucket cur;
   int64_t bytes = 0;
@@ -60,7 +63,6 @@ std::vector<std::string> DistributedDataParallel::bucket_names(int b) const {
 }
 
 void DistributedDataParallel::on_grad_ready(size_t i) {
-  finished_ = false;
   if (!sync_) return;
   if (marked_[i]) {
     abandon_step();
@@ -107,18 +109,26 @@ void DistributedDataParallel::abandon_step() {
     b.buffer = Tensor();
   }
   std::fill(marked_.begin(), marked_.end(), 0);
+  for (auto& [n, p] : params_) p.set_grad(Tensor());  // the step's partial gradients go too
 }
 
 void DistributedDataParallel::reduce_now() {
   sync_ = true;
-  finished_ = false;
   for (size_t i = 0; i < params_.size(); ++i) marked_[i] = params_[i].second.grad().defined();
   finish_gradients();
 }
 
 void DistributedDataParallel::finish_gradients() {
   if (!sync_) return;
-  SG_CHECK(!finished_, "ddp: finish_gradients was already called for this step (run a backward first)");
+  // Called again with nothing new: every gradient is still a view of the buckets handed out last.
+  // (weak handles: a buffer freed since, its address reused, is not mistaken for it)
+  bool again = std::none_of(marked_.begin(), marked_.end(), [](char m) { return m; }) &&
+               std::any_of(handed_.begin(), handed_.end(), [](const auto& h) { return !h.expired(); });
+  for (size_t i = 0; again && i < params_.size(); ++i) {
+    const Tensor& g = params_[i].second.grad();
+    again = g.defined() ? g.storage() == handed_[i].lock() : handed_[i].expired();
+  }
+  SG_CHECK(!again, "ddp: finish_gradients was already called for this step (run a backward first)");
   // Buckets whose parameters did not all get a gradient never launched.
   std::string unused;
   for (size_t i = 0; i < params_.size(); ++i)
@@ -131,6 +141,15 @@ void DistributedDataParallel::finish_gradients() {
   for (auto& b : buckets_)  // every rank launches the leftovers in bucket order: same order everywhere
     if (!b.work) launch(b);
   autograd::NoGradGuard ng;
+  // A parameter some rank used has a gradient (the average) on every rank; one no rank used has
+  // none, as PyTorch decides from its all-reduced usage map.
+  if (opt_.find_unused_parameters) {
+    std::vector<int32_t> flags(had_grad_.begin(), had_grad_.end());
+    Tensor used = from_vector<int32_t>(flags, {int64_t(flags.size())});
+    group_->all_reduce(used, comm::ReduceOp::max)->wait();
+    const std::vector<int32_t> any = to_vector<int32_t>(used);
+    for (size_t i = 0; i < any.size(); ++i) had_grad_[i] = char(any[i] != 0);
+  }
   for (auto& b : buckets_) {
     b.work->wait();
     b.work.reset();
@@ -142,11 +161,11 @@ void DistributedDataParallel::finish_gradients() {
     for (size_t k = 0; k < b.params.size(); ++k) {
       const Tensor& p = params_[b.params[k]].second;
       p.set_grad(had_grad_[b.params[k]] ? reshape(narrow(b.buffer, 0, b.offsets[k], p.numel()), p.shape()) : Tensor());
+      handed_[b.params[k]] = p.grad().defined() ? p.grad().storage() : nullptr;
     }
     b.buffer = Tensor();
   }
   std::fill(marked_.begin(), marked_.end(), 0);
-  finished_ = true;
 }
 
 }  // namespace sg::parallel

@@ -37,11 +37,11 @@ class DistributedDataParallel {
   bool sync() const { return sync_; }
   // Waits for every bucket's all-reduce and writes the averaged gradients back. Parameters that
   // got no gradient: an error naming them, or with find_unused_parameters their .grad stays
-  // undefined (as PyTorch leaves a globally unused parameter's: the optimizer skips it; the set
-  // must be the same on every rank). A second backward with sync on before this call (a
-  // parameter ready twice) is an error, as it is in PyTorch: accumulate under set_sync(false).
-  // Either error abandons the step's reduction (its launched buckets are waited for and dropped)
-  // so that the next step starts clean.
+  // undefined where no rank used them (one more all-reduce, of a flag per parameter, as PyTorch's
+  // usage map; the optimizer then skips them), and is the average where some rank did. A second
+  // backward with sync on before this call (a parameter ready twice) is an error, as it is in
+  // PyTorch: accumulate under set_sync(false). Either error abandons the step (its launched
+  // buckets are waited for and dropped, every .grad cleared) so that the next step starts clean.
   void finish_gradients();
   // After backward(s) run under no_sync: all-reduces every bucket now and writes the averages
   // back. The pipeline uses this: its micro-batch backwards interleave, so gradients are complete
@@ -73,7 +73,7 @@ class DistributedDataParallel {
   std::vector<size_t> bucket_of_;
   std::vector<char> marked_;
   std::vector<char> had_grad_;  // per parameter, at its bucket's launch: whether it had a gradient
-  bool finished_ = false;       // finish_gradients ran and no backward has marked a parameter since
+  std::vector<std::weak_ptr<Storage>> handed_;  // the storage of each .grad the last finish_gradients set
   bool sync_ = true;
   std::shared_ptr<bool> alive_;  // hooks outlive us on the parameters: they check this first
 };

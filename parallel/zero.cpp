@@ -126,6 +126,7 @@ void ZeroOptimizer::on_grad_ready(size_t i) {
     }
     in_flight_.clear();
     reset_stripes();
+    for (auto& [n, p] : params_) p.set_grad(Tensor());  // the step's partial gradients go too
     throw Error(str("zero: '", params_[i].first, "' got a second gradient before finish_gradients: a backward ran ",
                     "again with synchronisation on (accumulate with set_sync(false) on every backward but the last); ",
                     "this step's gradients are dropped"));
@@ -195,6 +196,15 @@ void ZeroOptimizer::reap() {
 
 void ZeroOptimizer::finish_gradients() {
   if (!sync_) return;
+  // Stage 2 with no stripe launched and no gradient anywhere: nothing since the last call (whose
+  // reduce-scatters freed the gradients), and reducing again would write zeros over the shard.
+  const bool nothing = opt_.stage == 2 && std::none_of(stripes_.begin(), stripes_.end(), [](const Stripe& s) {
+                         return s.launched;
+                       }) && std::none_of(params_.begin(), params_.end(), [](const auto& p) {
+                         return p.second.grad().defined();
+                       });
+  SG_CHECK(!nothing, "zero: no gradient to reduce: no backward since the last finish_gradients (stage 2 has reduced ",
+           "and freed that step's gradients; calling it twice would zero the shard)");
   autograd::NoGradGuard ng;
   // Stage 1 issues every stripe here; stage 2 only the ones whose parameters did not all get a
   // gradient. Stripe order, so every rank issues the same sequence. At most two buffers in flight.

@@ -97,7 +97,9 @@ class ZeroOptimizer {
   // process's AdamW skips them). Stage 1 reduces here, so backwards before this call simply
   // accumulate; at stage 2 a second backward with sync on (a parameter ready twice) is an error,
   // as in PyTorch's DDP: accumulate under set_sync(false). The error waits for the stripes in
-  // flight and drops the step's reduction, so the next step starts clean.
+  // flight and drops the step's reduction and gradients, so the next step starts clean. At stage
+  // 2 a call with no gradient anywhere (a second call without a backward between) is refused: it
+  // would zero the shard.
   void finish_gradients();
   // After backward(s) run under set_sync(false): reduce-scatters every stripe now (stage 2 then
   // frees the full gradients) and turns sync back on. The pipeline and sequence parallelism use

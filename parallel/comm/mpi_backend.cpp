@@ -2,10 +2,12 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdio>
 #include <cstring>
 #include <vector>
 
 #include "autograd/ops.h"
+#include "autograd/tape.h"
 #include "core/error.h"
 
 namespace sg::comm {
@@ -210,18 +212,34 @@ void adopt(MPI_Request req, HostView buf, bool receives) {
   g_orphans.push_back(Orphan{req, std::move(buf), receives});
 }
 
-// Completes the orphans that have finished (all of them when wait). Their errors have no one to
-// go to: the caller dropped the Work.
+// Completes the orphans that have finished (all of them when wait): a receive into a device
+// tensor is copied there now. Their errors have no one to go to (the caller dropped the Work):
+// they are printed, never thrown into the unrelated call that reaps them.
 void reap_orphans(bool wait) {
-  std::lock_guard<std::mutex> lock(g_orphans_mu);
-  for (auto it = g_orphans.begin(); it != g_orphans.end();) {
-    int done = 0;
-    const int rc = wait ? MPI_Wait(&it->req, MPI_STATUS_IGNORE) : MPI_Test(&it->req, &done, MPI_STATUS_IGNORE);
-    if (wait || done || rc != MPI_SUCCESS) {
-      if (rc == MPI_SUCCESS && it->receives) it->buf.copy_out();
-      it = g_orphans.erase(it);
-    } else {
-      ++it;
+  std::vector<Orphan> done;
+  {
+    std::lock_guard<std::mutex> lock(g_orphans_mu);
+    for (auto it = g_orphans.begin(); it != g_orphans.end();) {
+      int flag = 0;
+      const int rc = wait ? MPI_Wait(&it->req, MPI_STATUS_IGNORE) : MPI_Test(&it->req, &flag, MPI_STATUS_IGNORE);
+      if (wait || flag || rc != MPI_SUCCESS) {
+        if (rc != MPI_SUCCESS)
+          std::fprintf(stderr, "shardgrad: a dropped %s failed: %s\n", it->receives ? "recv" : "send",
+                       mpi_error(rc).c_str());
+        else if (it->receives)
+          done.push_back(std::move(*it));
+        it = g_orphans.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (Orphan& o : done) {
+    try {
+      autograd::NoGradGuard ng;
+      o.buf.copy_out();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "shardgrad: a dropped recv could not be copied to its tensor: %s\n", e.what());
     }
   }
 }
@@ -403,6 +421,7 @@ std::shared_ptr<Work> MpiProcessGroup::do_reduce(const Tensor& t, int root, Redu
 }
 
 std::shared_ptr<Work> MpiProcessGroup::do_barrier() {
+  reap_orphans(false);
   return enqueue("barrier", [this] { SG_MPI_CHECK("barrier", MPI_Barrier(comm_)); });
 }
 

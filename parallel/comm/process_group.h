@@ -99,8 +99,9 @@ class ProcessGroup {
   // (MPI also checks the tag; NCCL does not use it). On NCCL a send is issued with the rank's next
   // recv in one group, so ranks that both send before they receive do not wait on each other.
   // A Work dropped unfinished does not block (PyTorch's isend without wait): on MPI the request
-  // finishes in the background, completed by later sends/recvs or at comm::finalize, and t must
-  // stay as it is (send) or unread (recv) until then; its errors are lost.
+  // finishes in the background and t must stay as it is (send) or unread (recv) until it has; a
+  // dropped recv into a CUDA tensor is copied there when a later send, recv or barrier (or
+  // comm::finalize) reaps it. Its errors are printed, not thrown.
   std::shared_ptr<Work> send(const Tensor& t, int dst, int tag = 0);
   std::shared_ptr<Work> recv(const Tensor& t, int src, int tag = 0);
   // Completes once every rank has reached it, after this rank's earlier operations.

@@ -75,6 +75,19 @@ TEST_CASE("MPI collectives on CUDA tensors of 2 ranks sharing one GPU equal the 
   }
 }
 
+TEST_CASE("a dropped recv into a CUDA tensor is copied there once a later barrier reaps it", "[gpu][comm]") {
+  auto pg = comm::MpiProcessGroup::world();
+  const int n = pg->size(), r = pg->rank();
+  const int next = (r + 1) % n, prev = (r + n - 1) % n;
+  const int64_t len = 300007;
+  Tensor in = on_gpu(std::vector<float>(size_t(len), 0.0f), DType::f32);
+  pg->recv(in, prev, 11);  // dropped: staged through the host, copied to the device when reaped
+  pg->send(on_gpu(values(r, len), DType::f32), next, 11)->wait();
+  pg->barrier()->wait();  // past it, every rank's send has been posted and completed
+  pg->barrier()->wait();  // this call's start reaps the dropped recv, whose message is there
+  CHECK(to_vector<float>(in) == values(prev, len));
+}
+
 int main(int argc, char** argv) {
   int provided = 0;
   MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);

@@ -216,8 +216,9 @@ TEST_CASE("a send or recv whose Work is dropped finishes in the background: no d
     check_values(in, want);
   }
   {
-    // A dropped receive still fills its tensor: by the time a later receive from the same peer
-    // completes (messages between two ranks match in order), the first one has too.
+    // A dropped receive does not block either (waiting in its destructor, every rank would sit
+    // there before its send), and it still fills its CPU tensor, which MPI writes directly: by the
+    // time a later receive from the same peer completes (messages match in order), it has too.
     Tensor first = zeros({numel}), second = zeros({3});
     pg->recv(first, prev, 6);
     auto s1 = pg->send(filled(r, numel, DType::f32), next, 6);

@@ -160,15 +160,13 @@ TEST_CASE("ddp refuses a second synchronised backward and a finish without one, 
   step(true);
   REQUIRE_THROWS_WITH(step(true), Catch::Contains("got a second gradient before finish_gradients") &&
                                       Catch::Contains("set_sync(false)"));
-  m.zero_grad();
-  step(true);
+  step(true);  // no zero_grad: the error dropped the step's gradients
   ddp.finish_gradients();
   CHECK(to_vector<float>(m.h[0]->ln_1->weight.grad()) == want);
   m.zero_grad();
   // Parameters without a gradient: refused, and the next step is whole again.
   step(false);
   REQUIRE_THROWS_WITH(ddp.finish_gradients(), Catch::Contains("received no gradient"));
-  m.zero_grad();
   step(true);
   ddp.finish_gradients();
   CHECK(to_vector<float>(m.h[0]->ln_1->weight.grad()) == want);
@@ -179,11 +177,24 @@ TEST_CASE("ddp refuses a second synchronised backward and a finish without one, 
   nn::GPT m2(tiny());
   m2.init_weights(1);
   parallel::DistributedDataParallel tolerant(m2.named_parameters(), w, o);
-  autograd::Tape tape;
-  tape.backward(partial_or_whole(m2, false, tape));
+  {
+    autograd::Tape tape;
+    tape.backward(partial_or_whole(m2, false, tape));
+  }
   tolerant.finish_gradients();
   CHECK(m2.wte->weight.grad().defined());
   CHECK_FALSE(m2.h[0]->ln_1->weight.grad().defined());
+  m2.zero_grad();
+  // Used on rank 0 only: every rank gets the average (rank 0's gradient / n), as PyTorch's usage map.
+  {
+    autograd::Tape tape;
+    tape.backward(partial_or_whole(m2, w->rank() == 0, tape));
+  }
+  tolerant.finish_gradients();
+  REQUIRE(m2.h[0]->ln_1->weight.grad().defined());
+  Tensor g = clone(m2.h[0]->ln_1->weight.grad());
+  w->all_reduce(g, comm::ReduceOp::max)->wait();  // the same on every rank
+  CHECK(to_vector<float>(g) == to_vector<float>(m2.h[0]->ln_1->weight.grad()));
 }
 
 // gradient_as_bucket_view: at launch a bucket takes its parameters' gradients (their own .grad

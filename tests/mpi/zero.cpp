@@ -505,9 +505,10 @@ TEST_CASE("zero2 refuses a second synchronised backward, and the step after the 
       continue;
     }
     REQUIRE_THROWS_WITH(backward(), Catch::Contains("got a second gradient before finish_gradients"));
-    m.zero_grad();
-    backward();
+    backward();  // no zero_grad: the error dropped the step's gradients
     zero.finish_gradients();
+    CHECK(zero.grad_norm() == want);
+    REQUIRE_THROWS_WITH(zero.finish_gradients(), Catch::Contains("no backward since the last finish_gradients"));
     CHECK(zero.grad_norm() == want);
   }
 }
