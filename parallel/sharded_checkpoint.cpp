@@ -161,32 +161,66 @@ std::string commit_sharded(const std::string& run_dir, int64_t step, int world, 
   return commit_step_dir(run_dir, tmp.string(), step, keep);
 }
 
-std::string save_sharded(const std::string& run_dir, int64_t step, const std::vector<Piece>& mine, const json& state,
-                         const std::map<std::string, std::string>& metadata, int rank, int world,
-                         const std::function<void()>& barrier, int keep) {
-  if (rank == 0) {
+namespace {
+// The save in three phases (rank 0 makes the run directory; every rank writes its file; rank 0
+// commits), each ended by agree(this rank failed), which returns whether any rank did: then every
+// rank throws, the failed one its own error, so no rank waits for a commit that will not come or
+// returns a step directory that does not exist.
+std::string save_in_phases(const std::string& run_dir, int64_t step, const std::vector<Piece>& mine, const json& state,
+                           const std::map<std::string, std::string>& metadata, int rank, int world,
+                           const std::function<bool(bool)>& agree, int keep) {
+  std::string error;
+  auto phase = [&](const std::function<void()>& work) {
+    try {
+      work();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    if (agree(!error.empty()))
+      throw Error(!error.empty() ? error
+                                 : str("checkpoint: step ", step, " was not saved: another rank failed (its error is ",
+                                       "in its own output); ", run_dir, " keeps the previous checkpoint"));
+  };
+  phase([&] {
+    if (rank != 0) return;
     std::error_code ec;
     fs::create_directories(run_dir, ec);
     SG_CHECK(fs::is_directory(run_dir), "checkpoint: cannot create ", run_dir, ": ", ec.message());
-  }
-  barrier();
-  write_rank_shard(run_dir, step, rank, mine);
-  parallel::maybe_inject_in_save(step);  // testing: this rank's files written, no manifest yet
-  barrier();
+  });
+  phase([&] {
+    write_rank_shard(run_dir, step, rank, mine);
+    parallel::maybe_inject_in_save(step);  // testing: this rank's files written, no manifest yet
+  });
   std::string where = (fs::path(run_dir) / step_dir_name(step)).string();
-  if (rank == 0) where = commit_sharded(run_dir, step, world, state, metadata, keep);
-  barrier();
+  phase([&] {
+    if (rank == 0) where = commit_sharded(run_dir, step, world, state, metadata, keep);
+  });
   return where;
+}
+}  // namespace
+
+std::string save_sharded(const std::string& run_dir, int64_t step, const std::vector<Piece>& mine, const json& state,
+                         const std::map<std::string, std::string>& metadata, int rank, int world,
+                         const std::function<void()>& barrier, int keep) {
+  // A plain barrier cannot carry a failure: a rank's error stays its own.
+  return save_in_phases(run_dir, step, mine, state, metadata, rank, world,
+                        [&](bool failed) {
+                          if (!failed) barrier();
+                          return failed;
+                        },
+                        keep);
 }
 
 std::string save_sharded(const std::string& run_dir, int64_t step, const std::vector<Piece>& mine, const json& state,
                          const std::map<std::string, std::string>& metadata, comm::ProcessGroup& group, int keep) {
   parallel::watchdog::beat("the checkpoint save", step - 1);
-  auto barrier = [&] {
+  auto agree = [&](bool failed) {  // a barrier that also tells every rank whether any failed
     parallel::watchdog::Waiting w("the checkpoint barrier");
-    group.barrier(comm::Sync::blocking);
+    Tensor flag = from_vector<int32_t>({failed ? 1 : 0}, {1});
+    group.all_reduce(flag, comm::ReduceOp::max, comm::Sync::blocking);
+    return item(flag) != 0;
   };
-  return save_sharded(run_dir, step, mine, state, metadata, group.rank(), group.size(), barrier, keep);
+  return save_in_phases(run_dir, step, mine, state, metadata, group.rank(), group.size(), agree, keep);
 }
 
 // ---- the index ----

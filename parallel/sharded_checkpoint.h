@@ -40,11 +40,14 @@ namespace sg::ckpt {
 
 // The collective save. Every rank writes its file into RUN/.tmp-step_XXXXXXXX; after a barrier,
 // rank 0 writes index.json last, renames the directory into place, updates `latest` and keeps the
-// newest `keep` (> 0); a final barrier. Returns the step directory (on every rank).
+// newest `keep` (> 0); a final barrier. Returns the step directory (on every rank). Each barrier
+// is an all-reduce of a failure flag: when any rank fails (its write, the commit's checks), every
+// rank throws, and the run directory keeps its previous checkpoint.
 std::string save_sharded(const std::string& run_dir, int64_t step, const std::vector<Piece>& mine,
                          const nlohmann::json& state, const std::map<std::string, std::string>& metadata,
                          comm::ProcessGroup& group, int keep = 0);
-// The same with the rank, world size and barrier given (other launchers; threads in tests).
+// The same with the rank, world size and barrier given (other launchers; threads in tests): a
+// failure is thrown on the rank that had it only.
 std::string save_sharded(const std::string& run_dir, int64_t step, const std::vector<Piece>& mine,
                          const nlohmann::json& state, const std::map<std::string, std::string>& metadata, int rank,
                          int world, const std::function<void()>& barrier, int keep = 0);

@@ -95,3 +95,28 @@ TEST_CASE("ranks save tensor-parallel pieces collectively and read back flat sha
   world->barrier()->wait();
   if (rank == 0) fs::remove_all(run);
 }
+
+TEST_CASE("a save that one rank's commit refuses fails on every rank, and the previous checkpoint stays", "[ckpt]") {
+  auto world = testing::world();
+  const int rank = world->rank();
+  Tensor pid = from_vector<int64_t>({int64_t(::getpid())}, {1});
+  world->broadcast(pid, 0)->wait();
+  const fs::path run = fs::temp_directory_path() / ("sg_mpi_ckpt_refused_" + std::to_string(int64_t(item(pid))));
+  const Tensor w = reshape(to(arange(12), DType::f32), {3, 4});
+  // Rank 0's copy alone: a good checkpoint at step 1.
+  std::vector<Piece> mine;
+  if (rank == 0) mine = pieces_of(whole_view("w", w.shape()), w);
+  save_sharded(run.string(), 1, mine, {{"step", 1}}, {}, *world);
+  // Every rank's copy of the replicated tensor: the commit on rank 0 finds the pieces overlapping.
+  // Every rank throws (before, the others waited in the last barrier, or returned a step
+  // directory that does not exist).
+  const std::vector<Piece> all = pieces_of(whole_view("w", w.shape()), w);
+  if (world->size() > 1) {
+    REQUIRE_THROWS_WITH(save_sharded(run.string(), 2, all, {{"step", 2}}, {}, *world),
+                        Catch::Contains(rank == 0 ? "overlaps another piece" : "another rank failed"));
+    CHECK_FALSE(fs::exists(run / "step_00000002"));
+    CHECK(open_checkpoint("auto:" + run.string())->state()["step"] == 1);
+  }
+  world->barrier()->wait();  // the group is still in step: the next collective goes through
+  if (rank == 0) fs::remove_all(run);
+}
