@@ -1,5 +1,7 @@
 #include "autograd/recompute.h"
 
+#include <unordered_set>
+
 #include "autograd/ops.h"
 
 namespace sg::autograd {
@@ -38,6 +40,15 @@ TensorList recompute(const RegionFn& fn, const TensorList& inputs, const TensorL
       outs = fn(leaves);
     }
     gen = now;
+    // A leaf the region uses must be an input or in params: this node's edges are the only way its
+    // gradient leaves the replay (PyTorch's checkpoint finds them itself; here they are declared).
+    std::unordered_set<const TensorImpl*> declared;
+    for (const auto& l : leaves) declared.insert(l.impl());
+    for (const auto& p : params) declared.insert(p.impl());
+    for (const Tensor& l : inner.leaves())
+      SG_CHECK(declared.count(l.impl()), "recompute: the region uses ", l.name().empty() ? "a tensor" : "'" + l.name() + "'",
+               " (", l.describe(), ") that requires grad but is neither an input nor in params: its gradient would be ",
+               "lost; pass it in params");
     TensorList live_outs, live_grads;
     for (size_t i = 0; i < outs.size(); ++i)
       if (g[i].defined() && outs[i].requires_grad()) {

@@ -1,6 +1,7 @@
 #include "autograd/tape.h"
 
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 
 #include "autograd/ops.h"
@@ -63,6 +64,15 @@ void record(const std::string& name, const TensorList& inputs, const TensorList&
 }
 
 Tape::~Tape() { clear(); }
+
+TensorList Tape::leaves() const {
+  TensorList out;
+  std::unordered_set<const TensorImpl*> seen;
+  for (const auto& n : nodes_)
+    for (const Edge& e : n->edges)
+      if (e.leaf && seen.insert(e.leaf.get()).second) out.emplace_back(e.leaf);
+  return out;
+}
 
 void Tape::clear() {
   for (auto& n : nodes_) n->release();

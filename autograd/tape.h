@@ -65,6 +65,9 @@ class Tape {
   // cannot carry it on, and backward says so.
   TensorList grad(const TensorList& outputs, const TensorList& grad_outputs, const TensorList& wrt);
   void clear();
+  // The leaves (tensors that require grad and have no grad_fn) the recorded nodes take as inputs,
+  // each once, in first-use order.
+  TensorList leaves() const;
 
  private:
   void run(const TensorList& outputs, const TensorList& grad_outputs, const TensorList* wrt, TensorList* wrt_grads);

@@ -332,3 +332,22 @@ TEST_CASE("a gradient waits in a tape still to be walked, and one that reaches a
     REQUIRE_THROWS_WITH(t2.backward(y), Contains("walked backward or destroyed"));
   }
 }
+
+TEST_CASE("recompute refuses a leaf the region uses but neither takes as an input nor lists in params", "[autograd]") {
+  Tensor x = leaf({3, 4}, 50), w = leaf({4, 4}, 51);
+  const autograd::RegionFn region = [&](const TensorList& in) { return TensorList{tanh(matmul(in[0], w))}; };
+  Tape forgot, listed;
+  Tensor a, b;
+  {
+    TapeScope s(forgot);
+    a = sum(autograd::recompute(region, {x}, {})[0]);
+  }
+  // Before, w's gradient was dropped in silence.
+  REQUIRE_THROWS_WITH(forgot.backward(a), Contains("neither an input nor in params") && Contains("pass it in params"));
+  {
+    TapeScope s(listed);
+    b = sum(autograd::recompute(region, {x}, {w})[0]);
+  }
+  listed.backward(b);
+  CHECK(w.grad().defined());
+}

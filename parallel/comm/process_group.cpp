@@ -97,25 +97,30 @@ bool ProcessGroup::checking_collectives() {
   return g_check_collectives == 1;
 }
 
+std::vector<std::vector<int64_t>> ProcessGroup::gather_uncounted(const std::vector<int64_t>& v) {
+  const int64_t n = int64_t(v.size());
+  std::vector<int64_t> each;  // this rank's v in every slot: what a backend that moves no values leaves
+  for (int q = 0; q < size_; ++q) each.insert(each.end(), v.begin(), v.end());
+  Tensor all = from_vector<int64_t>(each, {n * size_});
+  if (size_ > 1) do_all_gather(all, from_vector<int64_t>(v, {n}))->wait();
+  const std::vector<int64_t> flat = to_vector<int64_t>(all);
+  std::vector<std::vector<int64_t>> out;
+  for (int q = 0; q < size_; ++q) out.emplace_back(flat.begin() + q * n, flat.begin() + (q + 1) * n);
+  return out;
+}
+
 void ProcessGroup::check_same_call(CommKind k, int64_t numel, DType dtype, int64_t detail) {
   if (size_ == 1 || !checking_collectives() || !closed_reason().empty()) return;  // a closed group: count() says so
-  constexpr int64_t kFields = 5;
-  const Tensor mine = from_vector<int64_t>({int64_t(k), numel, int64_t(dtype), detail, checked_calls_++},
-                                           {kFields});
-  Tensor all = empty({kFields * size_}, DType::i64);
-  do_all_gather(all, mine)->wait();
-  const std::vector<int64_t> v = to_vector<int64_t>(all);
-  auto describe = [&](const int64_t* f) {
+  const std::vector<int64_t> mine = {int64_t(k), numel, int64_t(dtype), detail, checked_calls_++};
+  const auto all = gather_uncounted(mine);
+  auto describe = [&](const std::vector<int64_t>& f) {
     return str(comm_kind_name(CommKind(f[0])), " of ", f[1], " ", dtype_name(DType(f[2])), " elements (op/root ", f[3],
                ", call ", f[4] + 1, " checked on this group)");
   };
-  for (int q = 0; q < size_; ++q) {
-    const int64_t* f = v.data() + q * kFields;
-    if (std::equal(f, f + kFields, v.data() + rank_ * kFields)) continue;
-    throw Error(str(comm_kind_name(k), ": rank ", q, " of the group called ", describe(f), " where this rank called ",
-                    describe(v.data() + rank_ * kFields), ": the ranks' collectives differ (SHARDGRAD_CHECK_COLLECTIVES)",
-                    at()));
-  }
+  for (int q = 0; q < size_; ++q)
+    SG_CHECK(all[size_t(q)] == mine, comm_kind_name(k), ": rank ", q, " of the group called ", describe(all[size_t(q)]),
+             " where this rank called ", describe(mine), ": the ranks' collectives differ (SHARDGRAD_CHECK_COLLECTIVES)",
+             at());
 }
 
 void ProcessGroup::check_tensor(const char* op, const char* role, const Tensor& t) const {

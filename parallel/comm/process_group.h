@@ -121,6 +121,10 @@ class ProcessGroup {
   // SHARDGRAD_CHECK_COLLECTIVES=1, or through this call (for every group of the process).
   static void check_collectives(bool on);
   static bool checking_collectives();
+  // Every rank's copy of v (the same length on every rank), in rank order: a blocking all-gather
+  // left out of the counters, for checks that the ranks agree (the checked collectives, the
+  // pipeline's schedule). A backend that moves no values (sim) returns this rank's v in each slot.
+  std::vector<std::vector<int64_t>> gather_uncounted(const std::vector<int64_t>& v);
 
   // Each group keeps its own counters; a subgroup's traffic is not added to its parent's.
   CommCounters counters() const;

@@ -1,5 +1,6 @@
 #include "parallel/pp/executor.h"
 
+#include <algorithm>
 #include <chrono>
 #include <map>
 
@@ -21,6 +22,19 @@ PipelineExecutor::PipelineExecutor(nn::GPT& model, Schedule schedule, std::share
     : model_(model), schedule_(std::move(schedule)), group_(std::move(pp_group)) {
   SG_CHECK(group_->size() == schedule_.ranks, "pipeline: the schedule has ", schedule_.ranks, " ranks, the group ",
            group_->size());
+  SG_CHECK(schedule_.ranks > 1 || schedule_.chunks == 1, "pipeline: ", schedule_.name, " with ", schedule_.chunks,
+           " chunks on one rank would send its activations to itself: give it one chunk (or several ranks)");
+  // Every rank runs the same schedule: a mismatch would pair sends and receives of different
+  // micro-batches (truncated messages, or a silent deadlock). One small all-gather, once.
+  {
+    const int64_t kind = schedule_.name == "gpipe" ? 0 : schedule_.name == "1f1b" ? 1 : 2;
+    const std::vector<int64_t> mine = {kind, schedule_.ranks, schedule_.micro_batches, schedule_.chunks,
+                                       model_.config.n_layer};
+    const auto all = group_->gather_uncounted(mine);
+    for (size_t q = 0; q < all.size(); ++q)
+      SG_CHECK(all[q] == mine, "pipeline: rank ", q, " of the pipeline group runs another schedule (kind, p, m, v, ",
+               "layers = ", shape_str(all[q]), ") than this rank (", schedule_.name, ", ", shape_str(mine), ")");
+  }
   const int S = schedule_.stages();
   SG_CHECK(model_.config.n_layer % S == 0, "--pp: ", model_.config.n_layer, " layers cannot be split into ", S,
            " stages evenly");

@@ -219,3 +219,22 @@ TEST_CASE("the measured timeline leaves waits for another stage out of the actio
     REQUIRE(makespan - busy >= 0.75 * m * kSlow);  // both slow forwards upstream are idle time here
   }
 }
+
+TEST_CASE("ranks that build different schedules are refused at construction, naming the rank; one rank with chunks too",
+          "[pp]") {
+  auto world = comm::MpiProcessGroup::world();
+  const int p = world->size(), r = world->rank();
+  const nn::GPTConfig c = config(2 * p);
+  nn::GPT model(c);
+  // Rank 0 runs 4 micro-batches, the others 2: unchecked, sends and receives of different
+  // micro-batches would pair up (a truncated message, or a deadlock).
+  if (p > 1)
+    REQUIRE_THROWS_WITH(pp::PipelineExecutor(model, pp::make_schedule("1f1b", p, r == 0 ? 4 : 2), world),
+                        Catch::Contains(r == 0 ? "rank 1 of the pipeline group runs another schedule"
+                                               : "rank 0 of the pipeline group runs another schedule"));
+  // Interleaving on one rank would send a chunk's activations to this rank.
+  auto self = world->split(r, 0);
+  nn::GPT solo(c);
+  REQUIRE_THROWS_WITH(pp::PipelineExecutor(solo, pp::make_schedule("interleaved", 1, 2, 2), self),
+                      Catch::Contains("interleaved with 2 chunks on one rank"));
+}
