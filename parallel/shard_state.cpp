@@ -165,7 +165,7 @@ void read_local(const PieceSource& src, const LocalView& v, int64_t flat_lo, con
   const int64_t n = out.numel(), rowsz = row_numel(v.local_shape);
   SG_CHECK(flat_lo >= 0 && flat_lo + n <= v.local_numel(), "shard state: elements [", flat_lo, ", ", flat_lo + n,
            ") are outside '", v.name, "' of local shape ", shape_str(v.local_shape));
-  SG_CHECK(src.has(v.name), "checkpoint: tensor '", v.name, "' is missing");
+  SG_CHECK(src.has(v.name), "checkpoint: tensor '", v.name, "' is missing", src.where());
   const Shape have = src.shape(v.name);
   SG_CHECK(have == v.global_shape, "checkpoint: tensor '", v.name, "' has shape ", shape_str(have),
            " but this layout expects ", shape_str(v.global_shape));

@@ -78,6 +78,8 @@ class PieceSource {
   // out (1-D, contiguous, any dtype: converted) = elements [flat_lo, flat_lo + out.numel()) of
   // the box of `name`. Throws naming the tensor when it is missing or the box does not fit.
   virtual void read(const std::string& name, const Box& box, int64_t flat_lo, const Tensor& out) const = 0;
+  // Where the tensors come from, for errors (" in DIR"; "" for a source in memory).
+  virtual std::string where() const { return ""; }
 };
 // out (1-D, local_numel elements or a run of them starting at flat_lo) from the source; padding
 // rows are zeroed.

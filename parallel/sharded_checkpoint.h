@@ -61,6 +61,7 @@ std::string commit_sharded(const std::string& run_dir, int64_t step, int world, 
 class Checkpoint : public PieceSource {
  public:
   const std::string& path() const { return path_; }  // the step directory
+  std::string where() const override { return " from " + path_; }
   const nlohmann::json& state() const { return state_; }
   // The model config as strings (n_layer, n_head, ...; safetensors metadata of the full format).
   const std::map<std::string, std::string>& metadata() const { return metadata_; }

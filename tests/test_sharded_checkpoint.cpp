@@ -112,6 +112,10 @@ TEST_CASE("sharded checkpoints saved under tp on 2 ranks and flat shards on 4 re
   REQUIRE(c2->metadata().at("n_head") == "2");
   REQUIRE(c2->names().size() == g2.size());
   auto c1 = open_checkpoint(s1);
+  // A tensor the checkpoint does not hold is named with the checkpoint's directory.
+  Tensor none = zeros({2});
+  CHECK_THROWS_WITH(read_local(*c1, whole_view("not.there", {2}), none),
+                    Catch::Contains("tensor 'not.there' is missing from " + s1));
   // tp 2 -> whole tensors, and -> flat runs of 3 ranks.
   for (const auto& [name, t] : g1) {
     INFO(name);
