@@ -150,6 +150,9 @@ std::vector<Piece> pieces_of(const LocalView& v, int64_t flat_lo, const Tensor& 
     autograd::NoGradGuard ng;
     out.push_back({v.name, v.global_shape, part.box, lo - a, narrow(data, 0, lo - flat_lo, hi - lo)});
   }
+  // A tensor with no elements still gets one (empty) piece, so that a checkpoint names it.
+  if (out.empty() && shape_numel(v.global_shape) == 0 && !v.parts.empty())
+    out.push_back({v.name, v.global_shape, v.parts.front().box, 0, data});
   return out;
 }
 

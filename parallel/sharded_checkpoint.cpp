@@ -92,7 +92,10 @@ void write_rank_shard(const std::string& run_dir, int64_t step, int rank, const 
              "checkpoint: a piece of '", p.name, "' has a box of another rank than ", shape_str(p.global_shape));
     SG_CHECK(p.flat_lo >= 0 && p.flat_lo + p.data.numel() <= p.box.numel(), "checkpoint: a piece of '", p.name,
              "' holds elements [", p.flat_lo, ", ", p.flat_lo + p.data.numel(), ") of a box of ", p.box.numel());
-    if (p.data.numel() == 0) continue;
+    if (p.data.numel() == 0) {  // no bytes, but the tensor is named (an empty tensor has only such pieces)
+      pieces.push_back({{"name", p.name}, {"shape", p.global_shape}, {"dtype", dtype_tag(p.data.dtype())}, {"empty", true}});
+      continue;
+    }
     const std::string key = p.name + "#" + std::to_string(count[p.name]++);
     tensors.emplace_back(key, p.data);
     pieces.push_back({{"name", p.name},
@@ -109,6 +112,7 @@ void write_rank_shard(const std::string& run_dir, int64_t step, int rank, const 
   io::save_safetensors(path, tensors, {{"format", "shardgrad-sharded-rank"}, {"rank", std::to_string(rank)}});
   auto ranges = data_ranges(path);
   for (auto& p : pieces) {
+    if (p.contains("empty")) continue;
     auto [b, e] = ranges.at(p["key"].get<std::string>());
     p["data_offsets"] = {b, e};
   }
@@ -137,6 +141,7 @@ std::string commit_sharded(const std::string& run_dir, int64_t step, int world, 
       SG_CHECK(t["shape"] == p.at("shape") && t["dtype"] == p.at("dtype"), "checkpoint: tensor '", name,
                "' is ", t["dtype"].get<std::string>(), " ", t["shape"].dump(), " in one rank's pieces but ",
                p.at("dtype").get<std::string>(), " ", p.at("shape").dump(), " in ", file);
+      if (p.contains("empty")) continue;  // named, nothing to read
       json q = p;
       q.erase("name");
       q.erase("shape");
@@ -528,7 +533,8 @@ void ShardedCheckpoint::load(const std::string& name) const {
              "' (piece '", p.key, "') in ", rf.path(), " fails its checksum: the file is corrupt");
     pieces.push_back({name, t.shape, p.box, p.flat_lo, data});
   }
-  cached_.add(name, assemble(pieces).at(name));
+  // A tensor with no elements has no pieces with bytes: nothing to assemble.
+  cached_.add(name, pieces.empty() ? Tensor::empty(t.shape, t.dtype, Device::cpu()) : assemble(pieces).at(name));
   cached_name_ = name;
 }
 

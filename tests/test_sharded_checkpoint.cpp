@@ -144,6 +144,23 @@ TEST_CASE("sharded checkpoints saved under tp on 2 ranks and flat shards on 4 re
   }
 }
 
+TEST_CASE("an empty tensor round-trips: named in the index with no bytes, read back with its shape", "[ckpt]") {
+  Dir d;
+  const Tensor w = reshape(to(arange(6), DType::f32), {2, 3});
+  const Tensor e = zeros({0, 4});
+  // rank 0 holds w and e (no elements), rank 1 an empty run of w as a flat shard might.
+  std::vector<Piece> r0 = pieces_of(whole_view("w", w.shape()), w);
+  for (auto& p : pieces_of(whole_view("e", e.shape()), e)) r0.push_back(p);
+  const std::string step = save_ranks(d.p, 1, {r0, pieces_of(whole_view("w", w.shape()), 6, zeros({0}))});
+  auto c = open_checkpoint(step);
+  REQUIRE(c->has("e"));
+  CHECK(c->shape("e") == Shape{0, 4});
+  CHECK(c->tensor("e").shape() == Shape{0, 4});
+  Tensor local = zeros({0, 4});
+  read_local(*c, whole_view("e", {0, 4}), local);
+  CHECK(same(c->tensor("w"), w));
+}
+
 TEST_CASE("the commit refuses pieces that overlap or leave gaps, naming the tensor", "[ckpt]") {
   Dir d;
   auto g = global_state(0);
