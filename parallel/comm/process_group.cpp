@@ -102,7 +102,10 @@ std::vector<std::vector<int64_t>> ProcessGroup::gather_uncounted(const std::vect
   std::vector<int64_t> each;  // this rank's v in every slot: what a backend that moves no values leaves
   for (int q = 0; q < size_; ++q) each.insert(each.end(), v.begin(), v.end());
   Tensor all = from_vector<int64_t>(each, {n * size_});
-  if (size_ > 1) do_all_gather(all, from_vector<int64_t>(v, {n}))->wait();
+  if (size_ > 1) {
+    parallel::watchdog::Waiting waiting(str("a check that the ", size_, " ranks of its group agree"));
+    do_all_gather(all, from_vector<int64_t>(v, {n}))->wait();
+  }
   const std::vector<int64_t> flat = to_vector<int64_t>(all);
   std::vector<std::vector<int64_t>> out;
   for (int q = 0; q < size_; ++q) out.emplace_back(flat.begin() + q * n, flat.begin() + (q + 1) * n);
