@@ -131,4 +131,15 @@ std::string Args::usage() const {
   return os.str();
 }
 
+DType model_dtype(const Args& a) {
+  DType d = DType::i64;
+  try {
+    d = parse_dtype(a.str("dtype"));
+  } catch (const Error&) {
+  }  // refused below with the model dtypes (parse_dtype's list has fp64, i32, i64)
+  SG_CHECK(d == DType::f32 || d == DType::bf16 || d == DType::f16, a.command(), ": --dtype must be fp32, bf16 or fp16, ",
+           "got '", a.str("dtype"), "'");
+  return d;
+}
+
 }  // namespace sg::cli

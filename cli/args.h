@@ -6,7 +6,13 @@
 #include <string>
 #include <vector>
 
+#include "core/dtype.h"
+
 namespace sg::cli {
+
+class Args;
+// A model's --dtype: fp32, bf16 or fp16; anything else is refused naming the command.
+DType model_dtype(const Args& a);
 
 class Args {
  public:
@@ -31,6 +37,7 @@ class Args {
   void inherit(const std::string& name, const std::string& value);
   const std::vector<std::string>& inherited() const { return inherited_; }
   std::string usage() const;
+  const std::string& command() const { return command_; }
   std::vector<std::string> argv_copy;  // the command line, for run configs
 
  private:

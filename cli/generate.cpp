@@ -46,13 +46,7 @@ int generate_main(int argc, char** argv) {
   SG_CHECK(top_k >= 0, "generate: --top-k must be >= 0");
   const Device device = parse_device(a.str("device"));
   SG_CHECK(!device.is_meta(), "generate: --device ", device.str(), " holds no values to sample from");
-  DType dtype = DType::i64;
-  try {
-    dtype = parse_dtype(a.str("dtype"));
-  } catch (const Error&) {
-  }  // refused below with generate's own list
-  SG_CHECK(dtype == DType::f32 || dtype == DType::bf16 || dtype == DType::f16, "generate: --dtype must be fp32, bf16 ",
-           "or fp16, got '", a.str("dtype"), "'");
+  const DType dtype = model_dtype(a);
 
   std::string from = a.str("from");
   const bool newest = from.rfind("auto:", 0) == 0;  // the newest complete checkpoint of a run directory

@@ -155,7 +155,7 @@ int Trainer::run() {
                   launched, strategy_.c_str(), launched);
   }
   std::fflush(stdout);
-  const int64_t save_every = args_.i64("save-every"), eval_every = args_.i64("eval-every");
+  const int64_t eval_every = args_.i64("eval-every");
   for (int64_t step = start_step_; step < steps_; ++step) {
     const double lr = sched_.at(step);
     Ledger::global().reset_peaks(device_);
@@ -213,7 +213,7 @@ int Trainer::run() {
       *log << rec.dump() << "\n";
       log->flush();
     }
-    if (!save_dir_.empty() && ((save_every && (step + 1) % save_every == 0) || last)) {
+    if (saves_after(step + 1)) {
       parallel::watchdog::Waiting w("the checkpoint save");
       save(step + 1);  // collective: every rank writes its own pieces
     }

@@ -106,6 +106,12 @@ class Trainer {
 
   // What this rank is and holds.
   bool lead() const { return rank_ == 0; }
+  // Whether the run saves a checkpoint after step n (1-based): --save, at every --save-every and
+  // at the last step.
+  bool saves_after(int64_t n) const {
+    const int64_t every = args_.i64("save-every");
+    return !args_.str("save").empty() && (n == steps_ || (every > 0 && n % every == 0));
+  }
   // Where --offload puts its state: the host, or under --simulate a meta device of the rank's own
   // standing for it (a ledger apart from the rank's compute device's, and no memory).
   Device host_device() const { return sim_ ? Device::meta((1 << 20) + rank_) : Device::cpu(0); }

@@ -202,13 +202,7 @@ void Trainer::choose_device_and_batch() {
              " differs from the first of --devices (", dp_devices_[0].str(), ")");
     device_ = dp_devices_[0];
   }
-  try {
-    dtype_ = parse_dtype(a.str("dtype"));
-  } catch (const Error&) {
-    dtype_ = DType::i64;  // refused below with train's own list (parse_dtype's has fp64, i32, i64)
-  }
-  SG_CHECK(dtype_ == DType::f32 || dtype_ == DType::bf16 || dtype_ == DType::f16, "train: --dtype must be fp32, bf16 ",
-           "or fp16, got '", a.str("dtype"), "'");
+  dtype_ = model_dtype(a);
   kernels::select_attention(a.str("attention"), device_);
   seed_ = uint64_t(a.i64("seed"));
   const bool synthetic = synthetic_data(a);
@@ -227,10 +221,10 @@ void Trainer::choose_device_and_batch() {
   SG_CHECK(!fault_.active() || fault_.step <= steps_, "train: --inject-fault step=", fault_.step, ": the run has ",
            steps_, " steps (--steps)");
   if (fault_.active() && fault_.during == "save") {
-    const int64_t every = a.i64("save-every");
-    SG_CHECK(a.given("save") && (fault_.step == steps_ || (every > 0 && fault_.step % every == 0)),
-             "train: --inject-fault step=", fault_.step, ",during=save: that step saves no checkpoint (--save ",
-             a.given("save") ? str("--save-every ", every, " --steps ", steps_) : std::string("not given"), ")");
+    SG_CHECK(saves_after(fault_.step), "train: --inject-fault step=", fault_.step,
+             ",during=save: that step saves no checkpoint (--save ",
+             a.given("save") ? str("--save-every ", a.i64("save-every"), " --steps ", steps_) : std::string("not given"),
+             ")");
   }
   positive(a, "eval-batches");
   SG_CHECK(a.i64("save-every") >= 0 && a.i64("eval-every") >= 0, "train: --save-every/--eval-every must be >= 0");
@@ -463,10 +457,8 @@ void Trainer::restore(const ckpt::Checkpoint* ck) {
     throw Error(str("train: --save ", save_dir_, " already holds a run; choose another directory or --resume it"));
   }
   // A run resumed from an earlier step of its own directory would meet the later steps' checkpoints.
-  const int64_t every = a.i64("save-every");
   for (const auto& [step, dir] : ckpt::step_dirs(save_dir_)) {
-    const bool saved = step == steps_ || (every > 0 && step % every == 0);
-    if (step <= start_step_ || step > steps_ || !saved) continue;
+    if (step <= start_step_ || step > steps_ || !saves_after(step)) continue;
     const std::string damage = ckpt::checkpoint_files_problem(dir.string());
     SG_CHECK(!damage.empty(), "train: --save ", save_dir_, " already holds ", dir.filename().string(),
              ", which this run would save again (resumed at step ", start_step_,

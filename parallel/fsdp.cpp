@@ -595,7 +595,8 @@ std::map<std::string, Tensor> FullyShardedDataParallel::full_state_dict(bool wit
   for (const Unit& u : units_)
     for (size_t i = 0; i < u.params.size(); ++i) {
       const auto& [name, p] = u.params[i];
-      std::vector<std::pair<std::string, Tensor>> kinds{{"", u.shard_param}};
+      std::vector<std::pair<std::string, Tensor>> kinds;  // (built by emplace: GCC 12 misreads the braced list)
+      kinds.emplace_back("", u.shard_param);
       if (with_optimizer_state) {
         kinds.emplace_back(".exp_avg", u.m);
         kinds.emplace_back(".exp_avg_sq", u.v);

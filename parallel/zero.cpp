@@ -116,17 +116,7 @@ void ZeroOptimizer::broadcast_parameters() {
 void ZeroOptimizer::on_grad_ready(size_t i) {
   if (!sync_) return;
   if (marked_[i]) {
-    for (size_t k : in_flight_) {
-      try {
-        stripes_[k].work->wait();  // the peers issued it too: let it finish before its buffer goes
-      } catch (const Error&) {
-      }
-      stripes_[k].work.reset();
-      stripes_[k].buffer = Tensor();
-    }
-    in_flight_.clear();
-    reset_stripes();
-    for (auto& [n, p] : params_) p.set_grad(Tensor());  // the step's partial gradients go too
+    abandon_step();
     throw Error(str("zero: '", params_[i].first, "' got a second gradient before finish_gradients: a backward ran ",
                     "again with synchronisation on (accumulate with set_sync(false) on every backward but the last); ",
                     "this step's gradients are dropped"));
@@ -219,6 +209,20 @@ void ZeroOptimizer::finish_gradients() {
   for (size_t k : in_flight_) complete(stripes_[k]);
   in_flight_.clear();
   reset_stripes();
+}
+
+void ZeroOptimizer::abandon_step() {
+  for (size_t k : in_flight_) {
+    try {
+      stripes_[k].work->wait();  // the peers issued it too: let it finish before its buffer goes
+    } catch (const Error&) {
+    }
+    stripes_[k].work.reset();
+    stripes_[k].buffer = Tensor();
+  }
+  in_flight_.clear();
+  reset_stripes();
+  for (auto& [n, p] : params_) p.set_grad(Tensor());  // the step's partial gradients go too
 }
 
 void ZeroOptimizer::reset_stripes() {

@@ -166,6 +166,7 @@ class ZeroOptimizer {
   void complete(Stripe& s);
   void reap();
   void reset_stripes();  // every stripe unlaunched, every parameter unmarked: a step's start
+  void abandon_step();   // after an error: waits for stripes in flight, drops them and every .grad
   std::vector<std::pair<std::string, Tensor>> state_tensors() const;  // (suffix, S-element shard)
 
   NamedTensors params_;

@@ -195,8 +195,8 @@ std::string mpi_error(int rc) {
 }
 
 // Sends and receives whose Work was dropped before they completed (PyTorch's isend without a
-// wait): MPI still owns their buffers, which are kept alive here. Each new send or recv polls
-// them (a finished receive is copied out then) and finalize waits for the rest. Waiting in the
+// wait): MPI still owns their buffers, which are kept alive here. Each new send, recv or barrier
+// polls them (a finished receive is copied out then) and finalize waits for the rest. Waiting in the
 // Work's destructor deadlocked two ranks that each dropped a large send before posting the
 // receive its peer's send needed.
 struct Orphan {
@@ -334,7 +334,7 @@ void MpiProcessGroup::shutdown() {
 }
 
 std::shared_ptr<Work> MpiProcessGroup::enqueue(const char* op, std::function<void()> body) {
-  SG_CHECK(comm_ != MPI_COMM_NULL, op, ": the process group was shut down (comm::finalize)", at());
+  SG_CHECK(comm_ != MPI_COMM_NULL, op, ": ", closed_reason(), at());
   return queue_ ? queue_->push(std::move(body), issuing_blocking()) : WorkQueue::run_inline(body);
 }
 
@@ -430,8 +430,7 @@ std::string MpiProcessGroup::closed_reason() const {
 }
 
 std::shared_ptr<Work> MpiProcessGroup::do_send(const Tensor& t, int dst, int tag) {
-  SG_CHECK(comm_ != MPI_COMM_NULL, "send: the process group was shut down (comm::finalize)", at());
-  reap_orphans(false);
+  reap_orphans(false);  // (a closed group was refused before: ProcessGroup::count)
   HostView buf(t, true);
   MPI_Request req;
   SG_MPI_CHECK("send", MPI_Isend(buf.ptr(), mpi_count("send", t.numel()), mpi_type(t.dtype()), dst, tag, comm_, &req));
@@ -439,7 +438,6 @@ std::shared_ptr<Work> MpiProcessGroup::do_send(const Tensor& t, int dst, int tag
 }
 
 std::shared_ptr<Work> MpiProcessGroup::do_recv(const Tensor& t, int src, int tag) {
-  SG_CHECK(comm_ != MPI_COMM_NULL, "recv: the process group was shut down (comm::finalize)", at());
   reap_orphans(false);
   HostView buf(t, false);
   MPI_Request req;

@@ -1,6 +1,5 @@
 #include "parallel/pp/executor.h"
 
-#include <algorithm>
 #include <chrono>
 #include <map>
 
