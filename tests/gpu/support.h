@@ -31,6 +31,7 @@ inline void check_close(const std::vector<float>& got, const std::vector<float>&
   REQUIRE(got.size() == want.size());
   for (size_t i = 0; i < got.size(); ++i) {
     if (std::isnan(want[i]) && std::isnan(got[i])) continue;
+    if (got[i] == want[i]) continue;  // equal infinities too (inf - inf is NaN)
     if (!(std::fabs(got[i] - want[i]) <= atol + rtol * std::fabs(want[i]))) {
       INFO("element " << i << " of " << got.size() << ": got " << got[i] << ", want " << want[i]);
       REQUIRE(false);
