@@ -10,7 +10,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <map>
+#include <string>
+#include <vector>
 #include <mutex>
 #include <optional>
 #include <tuple>
@@ -31,6 +34,11 @@ namespace sg::cuda {
 namespace {
 
 std::atomic<bool> g_allow_tf32{false};
+// SG_GEMM_TUNE=1 (or set_gemm_tuning): time the heuristic's candidates on each shape's first call.
+std::atomic<bool> g_tune_gemms{[] {
+  const char* e = std::getenv("SG_GEMM_TUNE");
+  return e && *e && std::string(e) != "0";
+}()};
 
 // 32 MiB: what cuBLASLt's Hopper kernels ask for at most (NVIDIA's recommendation for sm_90).
 constexpr size_t kWorkspaceBytes = size_t(32) << 20;
@@ -216,15 +224,55 @@ bool matmul(const kernels::GemmArgs& g, const char* op) {
         {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_c}, {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_d}};
     for (const auto& [attr, bytes] : aligns)
       SG_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(desc.pref, attr, &bytes, sizeof(bytes)));
-    // The best few: a residual GEMM takes the best that writes out of place.
-    constexpr int kAsk = 4;
+    // The best few: a residual GEMM takes the best that writes out of place; tuning times them all.
+    constexpr int kAsk = 8;
+    const bool tune = g_tune_gemms.load();
     cublasLtMatmulHeuristicResult_t results[kAsk] = {};
     int found = 0;
     const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(h, desc.op, desc.a, desc.b, desc.c, desc.c, desc.pref,
-                                                             residual ? kAsk : 1, results, &found);
-    const cublasLtMatmulHeuristicResult_t* best = nullptr;
-    for (int i = 0; st == CUBLAS_STATUS_SUCCESS && i < found && !best; ++i)
-      if (results[i].state == CUBLAS_STATUS_SUCCESS && (!residual || out_of_place(results[i].algo))) best = &results[i];
+                                                             tune ? kAsk : residual ? 4 : 1, results, &found);
+    std::vector<const cublasLtMatmulHeuristicResult_t*> usable;
+    for (int i = 0; st == CUBLAS_STATUS_SUCCESS && i < found; ++i)
+      if (results[i].state == CUBLAS_STATUS_SUCCESS && results[i].workspaceSize <= kWorkspaceBytes &&
+          (!residual || out_of_place(results[i].algo)))
+        usable.push_back(&results[i]);
+    const cublasLtMatmulHeuristicResult_t* best = usable.empty() ? nullptr : usable[0];
+    if (tune && usable.size() > 1) {
+      // Each candidate run 1 + 3 times on this call's operands, the median kept. A call that reads
+      // its output (beta != 0, a residual) runs on a copy, so the real call below sees the real C.
+      // The bias-gradient and pre-activation outputs are written again by the real call.
+      const size_t es = dtype_size(g.dtype);
+      const size_t extent = size_t((g.batch - 1) * g.stride_c + (g.M - 1) * g.ldc + g.N) * es;
+      std::optional<Storage> copy;
+      void* out = g.C;
+      const void* in = source;
+      if (beta != 0.0f) {
+        copy.emplace(extent, d, MemCategory::workspace);
+        SG_CUDA_CHECK(cudaMemcpyAsync(copy->data(), source, extent, cudaMemcpyDeviceToDevice, stream));
+        out = copy->data(), in = copy->data();
+      }
+      size_t most = 0;
+      for (const auto* r : usable) most = std::max(most, r->workspaceSize);
+      std::optional<Storage> ws;
+      if (most) ws.emplace(most, d, MemCategory::workspace);
+      cudaEvent_t ev[4];
+      for (cudaEvent_t& e : ev) SG_CUDA_CHECK(cudaEventCreate(&e));
+      float fastest = 0;
+      for (const auto* r : usable) {
+        float ms[3];
+        for (int rep = 0; rep < 4; ++rep) {
+          if (rep) SG_CUDA_CHECK(cudaEventRecord(ev[rep - 1], stream));
+          SG_CUBLAS_CHECK(cublasLtMatmul(h, desc.op, &alpha, g.B, desc.a, g.A, desc.b, &beta, in, desc.c, out, desc.c,
+                                         &r->algo, ws ? ws->data() : nullptr, r->workspaceSize, stream));
+        }
+        SG_CUDA_CHECK(cudaEventRecord(ev[3], stream));
+        SG_CUDA_CHECK(cudaEventSynchronize(ev[3]));
+        for (int rep = 0; rep < 3; ++rep) SG_CUDA_CHECK(cudaEventElapsedTime(&ms[rep], ev[rep], ev[rep + 1]));
+        std::sort(ms, ms + 3);
+        if (r == usable[0] || ms[1] < fastest) fastest = ms[1], best = r;
+      }
+      for (cudaEvent_t& e : ev) (void)cudaEventDestroy(e);
+    }
     // No algorithm, or a refusal of this shape/epilogue combination: the caller runs the epilogue
     // (residual included) apart, after a bare GEMM.
     const bool refused = st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE || !best;
@@ -247,6 +295,8 @@ bool matmul(const kernels::GemmArgs& g, const char* op) {
 }  // namespace
 
 void set_allow_tf32(bool allow) { g_allow_tf32 = allow; }
+void set_gemm_tuning(bool tune) { g_tune_gemms = tune; }
+bool gemm_tuning() { return g_tune_gemms; }
 bool allow_tf32() { return g_allow_tf32; }
 
 bool gemm_fused(const kernels::GemmArgs& a) {

@@ -124,6 +124,12 @@ bool gemm_fused(const kernels::GemmArgs& a);
 // results match the CPU to f32 rounding.
 void set_allow_tf32(bool allow);
 bool allow_tf32();
+// GEMM tuning (also SG_GEMM_TUNE=1 in the environment): the first call of each shape times up to
+// 8 of the heuristic's algorithms on its own operands and keeps the fastest, instead of taking the
+// heuristic's first. Off by default: the choice depends on timings, so two processes may pick
+// differently and round differently (each one is deterministic once it has chosen).
+void set_gemm_tuning(bool tune);
+bool gemm_tuning();
 // Whether a's epilogue meets cuBLASLt's rules: the bias, bias gradient, row sums and
 // pre-activation 16-byte aligned, N a multiple of 8 with a pre-activation, a bias gradient only
 // with the GELU derivative (DGELU_BGRAD), the row sums alone and alpha 1 (BGRADB). Its heuristic may still

@@ -232,8 +232,10 @@ TEMPLATE_TEST_CASE("emu fused classifier matches cross_entropy and its backward 
   using T = TestType;
   // Rows of 16-byte pieces plus a tail (Vp 64, 3008), rows that start off a 16-byte boundary (Vp
   // 61, 3005: element by element), and a vocabulary that gives every warp of the block several
-  // logits (3001: the running max and sum are rescaled and merged across warps).
-  for (auto [V, Vp] : {std::pair<int64_t, int64_t>{53, 64}, {53, 61}, {3001, 3008}, {3001, 3005}}) {
+  // logits (3001: the running max and sum are rescaled and merged across warps). Rows of whole
+  // pieces are held in registers (64, 3008, 20008: the last gives each of the 1024 threads up to
+  // 3 pieces of bf16/f16, 5 of f32); the others are read piecewise.
+  for (auto [V, Vp] : {std::pair<int64_t, int64_t>{53, 64}, {53, 61}, {3001, 3008}, {3001, 3005}, {20001, 20008}}) {
     INFO("V " << V << " Vp " << Vp);
     const int64_t rows = 5, ignore = -100;
     auto logits = rounded<T>(randn(rows * Vp, 13, 2.0f));
