@@ -18,7 +18,7 @@ template <class T, class F>
 SG_DEVICE void for_row(const T* p, int64_t n, F&& f) {
   constexpr int kPer = int(16 / sizeof(T));
   const int64_t whole = aligned16(p) ? n / kPer : 0;
-  for (int64_t k = threadIdx.x; k < whole; k += blockDim.x) {
+  SG_UNROLL(4) for (int64_t k = threadIdx.x; k < whole; k += blockDim.x) {  // loads in flight together
     const Pack<T> pk = load_pack(p + k * kPer);
     for (int e = 0; e < kPer; ++e) f(k * kPer + e, to_f32(pk.v[e]));
   }
@@ -132,7 +132,7 @@ SG_DEVICE void row_dlogits(T* g, const T* x, float lse, int64_t t, float d, int6
   };
   constexpr int kPer = int(16 / sizeof(T));
   const int64_t whole = aligned16(x) && aligned16(g) ? Vp / kPer : 0;
-  for (int64_t k = threadIdx.x; k < whole; k += blockDim.x) {
+  SG_UNROLL(4) for (int64_t k = threadIdx.x; k < whole; k += blockDim.x) {
     const Pack<T> in = load_pack(x + k * kPer);
     Pack<T> out;
     for (int e = 0; e < kPer; ++e) out.v[e] = from_f32<T>(grad(k * kPer + e, to_f32(in.v[e])));
@@ -146,7 +146,7 @@ SG_DEVICE void row_dlogits(T* g, const T* x, float lse, int64_t t, float d, int6
 // memory once, its max and then its sum of exp reduced over the block; 0: read piecewise with a
 // running max and sum, and again for dlogits (from L2 when it is still there).
 template <class T, class I, bool kBackward, int kPacks = 0>
-__global__ void __launch_bounds__(kPacks > 0 ? 1024 : 512) classifier_kernel(float* loss, float* lse, T* dlogits, const T* logits, const I* targets, float dloss,
+__global__ void __launch_bounds__(1024, kPacks > 0 ? 1 : 2) classifier_kernel(float* loss, float* lse, T* dlogits, const T* logits, const I* targets, float dloss,
                                   int64_t Vp, int64_t V, int64_t ignore_index, int* bad_targets) {
   SG_SHARED(float, scratch, 64);
   const int64_t r = blockIdx.x;
@@ -207,35 +207,42 @@ void dispatch_index(DType t, const char* op, Body&& body) {
   kernels::unsupported(op, t, "cuda (targets/indices)");
 }
 
-constexpr int kClassifierThreads = 512;
-// The register-resident kernel: 1024 threads of 8 pieces each, rows of up to 8192 16-byte pieces
-// (GPT-2's 50304 bf16 logits are 6288).
+constexpr int kClassifierThreads = 512;  // cross_entropy_backward_kernel's block
+
+// The kernels (cuda::set_classifier_kernel picks one, for timing them against each other):
+//   0 streaming, 1024-thread blocks (the default): each row read twice, the second time mostly
+//     from L2 (two blocks per SM: 264 rows of GPT-2's 100 KB in flight on an H100/H200)
+//   1 streaming, 512-thread blocks: four per SM, twice the rows in flight, more of them gone from
+//     L2 by the second read
+//   2 register-resident (ResidentRow): 1024 threads of up to 8 pieces (rows of whole 16-byte
+//     pieces, at most 8192 of them), read once; one block per SM, so its load, reduction and store
+//     phases overlap little. Other rows take kernel 0.
 constexpr int kResidentThreads = 1024, kResidentPacks = 8;
 
-// Launches classifier_kernel<T, I, kBackward> over `rows`, register-resident when the rows allow.
+// Launches classifier_kernel<T, I, kBackward> over `rows` with kernel `which` (above).
 template <class T, class I, bool kBackward>
-void launch_classifier(float* loss, float* lse, T* dlogits, const T* logits, const I* targets, float dloss,
+void launch_classifier(int which, float* loss, float* lse, T* dlogits, const T* logits, const I* targets, float dloss,
                        int64_t rows, int64_t Vp, int64_t V, int64_t ignore_index, int* bad_targets, Stream stream) {
   constexpr int kPer = Pack<T>::N;
-  const bool resident = Vp % kPer == 0 && Vp / kPer <= int64_t(kResidentThreads) * kResidentPacks &&
+  const bool resident = which == 2 && Vp % kPer == 0 && Vp / kPer <= int64_t(kResidentThreads) * kResidentPacks &&
                         aligned16(logits) && (!kBackward || aligned16(dlogits));
   if (resident)
     launch(classifier_kernel<T, I, kBackward, kResidentPacks>, dim3(blocks_for(rows, 1)), dim3(kResidentThreads), 0,
            stream, loss, lse, dlogits, logits, targets, dloss, Vp, V, ignore_index, bad_targets);
   else
-    launch(classifier_kernel<T, I, kBackward>, dim3(blocks_for(rows, 1)), dim3(kClassifierThreads), 0, stream, loss,
-           lse, dlogits, logits, targets, dloss, Vp, V, ignore_index, bad_targets);
+    launch(classifier_kernel<T, I, kBackward>, dim3(blocks_for(rows, 1)), dim3(which == 1 ? 512 : 1024), 0, stream,
+           loss, lse, dlogits, logits, targets, dloss, Vp, V, ignore_index, bad_targets);
 }
 
 // loss[r], lse[r] ('=').
 inline void cross_entropy(DType dtype, DType tgt_dtype, float* loss, float* lse, const void* logits,
                           const void* targets, int64_t rows, int64_t Vp, int64_t V, int64_t ignore_index,
-                          int* bad_targets, Stream stream) {
+                          int* bad_targets, Stream stream, int which = 0) {
   dispatch_storage(dtype, "cross_entropy", [&](auto tag) {
     dispatch_index(tgt_dtype, "cross_entropy", [&](auto itag) {
       using T = decltype(tag);
       using I = decltype(itag);
-      launch_classifier<T, I, false>(loss, lse, static_cast<T*>(nullptr), static_cast<const T*>(logits),
+      launch_classifier<T, I, false>(which, loss, lse, static_cast<T*>(nullptr), static_cast<const T*>(logits),
                                      static_cast<const I*>(targets), 0.0f, rows, Vp, V, ignore_index, bad_targets,
                                      stream);
     });
@@ -264,12 +271,13 @@ inline void cross_entropy_backward(DType dtype, DType tgt_dtype, void* dlogits, 
 // when the first pass left them there.
 inline void classifier_forward_backward(DType dtype, DType tgt_dtype, float* loss, float* lse, void* dlogits,
                                         const void* logits, const void* targets, float dloss, int64_t rows,
-                                        int64_t Vp, int64_t V, int64_t ignore_index, int* bad_targets, Stream stream) {
+                                        int64_t Vp, int64_t V, int64_t ignore_index, int* bad_targets, Stream stream,
+                                        int which = 0) {
   dispatch_storage(dtype, "classifier_forward_backward", [&](auto tag) {
     dispatch_index(tgt_dtype, "classifier_forward_backward", [&](auto itag) {
       using T = decltype(tag);
       using I = decltype(itag);
-      launch_classifier<T, I, true>(loss, lse, static_cast<T*>(dlogits), static_cast<const T*>(logits),
+      launch_classifier<T, I, true>(which, loss, lse, static_cast<T*>(dlogits), static_cast<const T*>(logits),
                                     static_cast<const I*>(targets), dloss, rows, Vp, V, ignore_index, bad_targets,
                                     stream);
     });
