@@ -210,13 +210,14 @@ void dispatch_index(DType t, const char* op, Body&& body) {
 constexpr int kClassifierThreads = 512;  // cross_entropy_backward_kernel's block
 
 // The kernels (cuda::set_classifier_kernel picks one, for timing them against each other):
-//   0 streaming, 1024-thread blocks (the default): each row read twice, the second time mostly
-//     from L2 (two blocks per SM: 264 rows of GPT-2's 100 KB in flight on an H100/H200)
-//   1 streaming, 512-thread blocks: four per SM, twice the rows in flight, more of them gone from
-//     L2 by the second read
+//   0 streaming, 512-thread blocks (the default): each row read twice, the second time partly from
+//     L2; four blocks per SM. On an H200 at GPT-2's shape (16384 x 50304 bf16) 1.34 ms, 2.45 TB/s
+//     counting one read and one write (bench/RESULTS.md)
+//   1 streaming, 1024-thread blocks: two per SM, half the rows in flight (1.43 ms: fewer misses in
+//     L2 did not make up for less work in flight)
 //   2 register-resident (ResidentRow): 1024 threads of up to 8 pieces (rows of whole 16-byte
 //     pieces, at most 8192 of them), read once; one block per SM, so its load, reduction and store
-//     phases overlap little. Other rows take kernel 0.
+//     phases overlap little (1.88 ms). Other rows take kernel 0.
 constexpr int kResidentThreads = 1024, kResidentPacks = 8;
 
 // Launches classifier_kernel<T, I, kBackward> over `rows` with kernel `which` (above).
@@ -230,7 +231,7 @@ void launch_classifier(int which, float* loss, float* lse, T* dlogits, const T* 
     launch(classifier_kernel<T, I, kBackward, kResidentPacks>, dim3(blocks_for(rows, 1)), dim3(kResidentThreads), 0,
            stream, loss, lse, dlogits, logits, targets, dloss, Vp, V, ignore_index, bad_targets);
   else
-    launch(classifier_kernel<T, I, kBackward>, dim3(blocks_for(rows, 1)), dim3(which == 1 ? 512 : 1024), 0, stream,
+    launch(classifier_kernel<T, I, kBackward>, dim3(blocks_for(rows, 1)), dim3(which == 1 ? 1024 : 512), 0, stream,
            loss, lse, dlogits, logits, targets, dloss, Vp, V, ignore_index, bad_targets);
 }
 

@@ -264,7 +264,7 @@ std::atomic<int> g_classifier_kernel{0};
 }  // namespace
 
 void set_classifier_kernel(int which) {
-  SG_CHECK(which >= 0 && which <= 2, "set_classifier_kernel: ", which, " is not a kernel (0 streaming, 1 streaming at 512 "
+  SG_CHECK(which >= 0 && which <= 2, "set_classifier_kernel: ", which, " is not a kernel (0 streaming, 1 streaming at 1024 "
            "threads, 2 register-resident)");
   g_classifier_kernel = which;
 }

@@ -108,7 +108,7 @@ void set_norm_backward_fused(bool on);
 bool norm_backward_fused();
 
 // Which fused-classifier kernel the cross-entropy entries run, process-wide (kernels/cuda/
-// classifier.cuh): 0 (default) streaming with 1024-thread blocks, 1 streaming with 512-thread
+// classifier.cuh): 0 (default) streaming with 512-thread blocks, 1 streaming with 1024-thread
 // blocks, 2 the row held in registers. For timing one against another (bench/memory_gpu.cpp).
 void set_classifier_kernel(int which);
 int classifier_kernel();

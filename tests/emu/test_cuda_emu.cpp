@@ -249,7 +249,7 @@ TEMPLATE_TEST_CASE("emu fused classifier matches cross_entropy and its backward 
     cpu::cross_entropy_backward(DType::f32, DType::i64, dl_ref.data(), dloss.data(), logits.data(), lse_ref.data(),
                                 targets.data(), rows, Vp, V, ignore);
     const auto xs = to_storage<T>(logits);
-    for (int which : {0, 1, 2}) {  // streaming at 1024 and 512 threads, register-resident
+    for (int which : {0, 1, 2}) {  // streaming at 512 and 1024 threads, register-resident
       INFO("kernel " << which);
       std::vector<float> loss(rows), lse(rows);
       int bad = 0;
