@@ -3,7 +3,8 @@
 # NCCL at world size 1, the MPI backend with CUDA tensors on 2 ranks sharing cuda:0, the trainer
 # on cuda:0 against the CPU), then the single-GPU figures for bench/RESULTS.md: GPT-2 124M
 # training (T=1024, bf16) through `shardgrad train`, the PyTorch peer (bench/gpu/), and the
-# kernel sandboxes when built. Logs go to LOG_DIR (default ./gpu_check).
+# kernel sandboxes when built. Logs go to LOG_DIR (default ./gpu_check). SG_GEMM_TUNE=1 in the
+# environment times cuBLASLt's candidates per GEMM shape (README, "GEMM tuning").
 #   BUILD=build bash scripts/gpu_check.sh [tests] [train] [torch] [kernels] [sanitize]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -68,8 +69,11 @@ fi
 
 if want torch; then
   echo "== GPT-2 124M, T=1024, bf16, one GPU: PyTorch peer"
-  for c in 0 1; do
-    timeout 400 python3 bench/gpu/torch_gpt2_step.py --batch-size "$BATCH" --compile $c --json-out "$LOG_DIR/torch_compile$c.json" 2>&1 | tail -n 2
+  # torch.compile at each of shardgrad's batches, eager at the first
+  for run in "$BATCH:0" $(for b in $BATCHES; do echo "$b:1"; done); do
+    b=${run%%:*} c=${run##*:}
+    timeout 400 python3 bench/gpu/torch_gpt2_step.py --batch-size "$b" --compile $c \
+      --json-out "$LOG_DIR/torch_b${b}_compile$c.json" 2>&1 | tail -n 2
   done
 fi
 
