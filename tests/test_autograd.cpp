@@ -1,7 +1,7 @@
 // The tape: gradients accumulate, several tapes live at once, hooks fire exactly when a leaf's
 // gradient is final, and recompute trades activation bytes for a second forward without
 // changing a single number.
-#include <catch2/catch.hpp>
+#include "tests/catch.h"
 
 #include "autograd/ops.h"
 #include "autograd/recompute.h"

@@ -2,7 +2,7 @@
 // counters, peaks), the HTML report on a small results file, and the command itself on a small
 // matrix, including a layout train refuses.
 #include <algorithm>
-#include <catch2/catch.hpp>
+#include "tests/catch.h"
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>

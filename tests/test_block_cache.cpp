@@ -1,7 +1,7 @@
 // The block cache under the CUDA device and pinned-host allocators, over a fake raw allocator
 // (malloc with a byte budget), and host tensors asked for page-locked memory on a machine
 // without the CUDA backend.
-#include <catch2/catch.hpp>
+#include "tests/catch.h"
 #include <cstdlib>
 #include <map>
 

@@ -1,6 +1,6 @@
 // Checkpoint commit: atomic directories, a latest pointer, keep-last-K, checksums that catch a
 // flipped byte, and recovery of the newest complete checkpoint after a crash.
-#include <catch2/catch.hpp>
+#include "tests/catch.h"
 #include <filesystem>
 #include <fstream>
 

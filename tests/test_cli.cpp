@@ -1,6 +1,6 @@
 // The shardgrad executable as a user runs it: resume reproduces the uninterrupted losses, flags
 // are validated, checkpoints are never overwritten, generate reads what train wrote.
-#include <catch2/catch.hpp>
+#include "tests/catch.h"
 #include <chrono>
 #include <cmath>
 #include <cstdlib>

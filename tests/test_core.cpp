@@ -1,6 +1,6 @@
 // core/: views share storage, the ledger counts bytes per category, half conversions round to
 // nearest even, parsers name what they refuse, and Philox is a pure function of its counter.
-#include <catch2/catch.hpp>
+#include "tests/catch.h"
 #include <algorithm>
 #include <cmath>
 #include <cstring>

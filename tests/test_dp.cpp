@@ -1,6 +1,6 @@
 // DataParallel (one process, several devices): the single-process losses, and the ledger showing
 // what piles up on the first device.
-#include <catch2/catch.hpp>
+#include "tests/catch.h"
 #include <map>
 #include <cmath>
 

@@ -2,7 +2,7 @@
 // atomic; token shards are validated; file datasets yield exactly the expected token windows and
 // resume exactly; the synthetic task is deterministic, split-disjoint and scored correctly; GPT-2's
 // tokenizer matches its Python oracle.
-#include <catch2/catch.hpp>
+#include "tests/catch.h"
 #include <unistd.h>
 
 #include <algorithm>

@@ -1,7 +1,7 @@
 // The supervisor and faults during a save, as a user meets them: `shardgrad launch` restarts a job
 // whose rank died and the losses continue exactly; a rank dying inside a checkpoint save leaves
 // the previous checkpoint loadable and the job ends within --comm-timeout naming the rank.
-#include <catch2/catch.hpp>
+#include "tests/catch.h"
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>

@@ -1,6 +1,6 @@
 // DeviceMesh arithmetic, layout validation and the simulated world (its ranks are threads): no MPI
 // ranks needed, so these run in the plain test binary.
-#include <catch2/catch.hpp>
+#include "tests/catch.h"
 
 #include <chrono>
 #include <thread>

@@ -1,6 +1,6 @@
 // GPT-2 models: structure, init, Hugging Face names, padded vocabulary, recompute, and the
 // golden test against PyTorch (tests/golden/make_gpt_golden.py wrote the reference).
-#include <catch2/catch.hpp>
+#include "tests/catch.h"
 #include <cmath>
 #include <cstdio>
 #include <filesystem>

@@ -1,5 +1,5 @@
 // --on-nonfinite: the first NaN/Inf among the loss and the named gradients, found by name.
-#include <catch2/catch.hpp>
+#include "tests/catch.h"
 #include <cmath>
 #include <limits>
 

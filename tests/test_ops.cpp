@@ -4,7 +4,7 @@
 // the values match within the half precision) and the backward against f64 finite differences.
 // Behaviour that is not a pure function of the inputs (dropout statistics, errors, padded
 // vocabularies, casts) has its own tests after the harness.
-#include <catch2/catch.hpp>
+#include "tests/catch.h"
 #include <climits>
 #include <cmath>
 #include <functional>

@@ -1,5 +1,5 @@
 // Optimizers and schedules against values worked out by hand.
-#include <catch2/catch.hpp>
+#include "tests/catch.h"
 #include <cmath>
 
 #include "autograd/ops.h"

@@ -1,7 +1,7 @@
 // Pipeline schedules: every rank's action list is complete and legal, and the simulated timeline
 // shows the textbook bubble and activation memory: (p-1)/m for GPipe and 1F1B, (p-1)/(v m)
 // interleaved; m micro-batches alive under GPipe, at most p under 1F1B.
-#include <catch2/catch.hpp>
+#include "tests/catch.h"
 #include <set>
 
 #include "parallel/pp/schedule.h"

@@ -2,7 +2,7 @@
 // activations, the collectives' volumes) and against the engine itself: for small CPU layouts, the
 // predicted param/grad/optimizer bytes and bytes per collective kind equal what `shardgrad train`
 // measures in its ledger and counters.
-#include <catch2/catch.hpp>
+#include "tests/catch.h"
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>

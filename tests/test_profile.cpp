@@ -1,7 +1,7 @@
 // The op profiler (kernels/profile.h): every op-table call of the profiling thread, by entry, once
 // each; other threads' calls and calls made inside an entry are not counted; the real table is back
 // when it ends; the model computes the same bits under it.
-#include <catch2/catch.hpp>
+#include "tests/catch.h"
 #include <chrono>
 #include <thread>
 

@@ -1,6 +1,6 @@
 // Pieces of global tensors: every layout's local tensors and flat runs cut into pieces that
 // reassemble the global tensor exactly, and read back into any other layout.
-#include <catch2/catch.hpp>
+#include "tests/catch.h"
 #include <numeric>
 
 #include "autograd/ops.h"

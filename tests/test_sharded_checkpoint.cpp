@@ -1,7 +1,7 @@
 // Sharded checkpoints: ranks (simulated in one process) write their pieces, rank 0 commits the
 // index; any other layout reads them back; corrupt, truncated and edited checkpoints are refused
 // by name; a crash before the manifest leaves the previous checkpoint in place.
-#include <catch2/catch.hpp>
+#include "tests/catch.h"
 #include <filesystem>
 #include <fstream>
 #include <numeric>

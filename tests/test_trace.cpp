@@ -1,6 +1,6 @@
 // --trace: each rank records Chrome trace events on named tracks; rank 0 merges the parts into
 // one file that Perfetto and chrome://tracing open (pid = rank, tid = track).
-#include <catch2/catch.hpp>
+#include "tests/catch.h"
 #include <filesystem>
 #include <fstream>
 #include <map>

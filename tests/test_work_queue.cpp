@@ -1,7 +1,7 @@
 // The communication thread's queue (parallel/comm/work_queue.h), without MPI: operations run in
 // queue order and never two at once, whether the queue's thread runs them or a caller that waits
 // for one the thread has not started; an operation nobody waits for runs on the thread.
-#include <catch2/catch.hpp>
+#include "tests/catch.h"
 
 #include <algorithm>
 #include <atomic>

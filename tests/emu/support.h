@@ -1,6 +1,6 @@
 // Shared by the emulation tests: random inputs, storage conversions and tolerant comparison.
 #pragma once
-#include <catch2/catch.hpp>
+#include "tests/catch.h"
 #include <cmath>
 #include <random>
 #include <type_traits>

@@ -4,7 +4,7 @@
 // kernel runs in f32 and bf16 (f16 where the kernel takes it). Inputs for half types are rounded
 // first, so the CPU reference sees exactly what the kernel sees; tolerances then cover the f32
 // math (f32) or the rounding of the output (half types).
-#include <catch2/catch.hpp>
+#include "tests/catch.h"
 #include <algorithm>
 #include <limits>
 #include <tuple>

@@ -4,7 +4,7 @@
 // v contiguous or packed in one [B, T, 3 H D] projection with out [B, T, H D] (AttentionArgs' strides).
 // Tolerances scale with the storage type's precision (tol<T>() in support.h: f16's is 8 times
 // tighter than bf16's, 2^3 for its 3 more mantissa bits).
-#include <catch2/catch.hpp>
+#include "tests/catch.h"
 #include <limits>
 #include <tuple>
 

@@ -1,7 +1,7 @@
 // The emulation layer itself: the built-ins no kernel of kernels/cuda exercises yet behave as the
 // CUDA programming guide documents them (ballot, shuffle variants with widths, atomics, 2-D
 // blocks and grids, shared memory visible across the block after __syncthreads).
-#include <catch2/catch.hpp>
+#include "tests/catch.h"
 #include <vector>
 
 #include "kernels/cuda/common.cuh"

@@ -3,7 +3,7 @@
 // D must equal A B + C computed directly, for bf16 and for f16 operands. A load helper or an
 // emulated layout that disagrees with the documented one scrambles D, and an f16 half widened as
 // bf16 (or the reverse) gives values of another magnitude altogether, so these tests fail.
-#include <catch2/catch.hpp>
+#include "tests/catch.h"
 
 #include "kernels/cuda/mma.cuh"
 #include "tests/emu/support.h"

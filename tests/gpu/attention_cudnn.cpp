@@ -4,7 +4,7 @@
 // inputs; the bound is on the relative L2 error of each output (bf16 keeps 8 significant bits).
 // Exits 77 (CTest: skipped) without a CUDA device, or on a build without the kernels or cuDNN.
 #define CATCH_CONFIG_RUNNER
-#include <catch2/catch.hpp>
+#include "tests/catch.h"
 #include <algorithm>
 #include <array>
 #include <cmath>

@@ -2,7 +2,7 @@
 // f32, bf16 and f16 (the CPU computes in f32 on the rounded inputs). Exits 77
 // (CTest: skipped) on a machine without a CUDA device or on a build without SG_CUDA_KERNELS.
 #define CATCH_CONFIG_RUNNER
-#include <catch2/catch.hpp>
+#include "tests/catch.h"
 #include <cmath>
 #include <cstdio>
 #include <optional>

@@ -4,7 +4,7 @@
 #define CATCH_CONFIG_RUNNER
 #include <mpi.h>
 
-#include <catch2/catch.hpp>
+#include "tests/catch.h"
 #include <algorithm>
 #include <cstdio>
 
@@ -101,10 +101,8 @@ int main(int argc, char** argv) {
   if (devices == 0) {
     if (rank == 0) std::printf("no CUDA device: the MPI-with-CUDA-tensors test is skipped\n");
   } else {
-    Catch::Session session;
-    if (rank != 0) session.configData().reporterName = "compact";
-    rc = session.applyCommandLine(argc, argv);
-    if (rc == 0) rc = session.run();
+    rc = rank == 0 ? sg::testing::run_catch(argc, argv, {"--order", "decl"})
+                   : sg::testing::run_catch(argc, argv, {"--order", "decl", "--reporter", "compact"});
   }
   int worst = 0;
   MPI_Allreduce(&rc, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);

@@ -2,7 +2,7 @@
 // result, on CUDA tensors and on CPU tensors staged through the device; the world also comes from
 // a file rendezvous. Exits 77 (CTest: skipped) on a machine without a CUDA device or without NCCL.
 #define CATCH_CONFIG_RUNNER
-#include <catch2/catch.hpp>
+#include "tests/catch.h"
 #include <stdlib.h>
 #include <unistd.h>
 

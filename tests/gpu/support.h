@@ -1,7 +1,7 @@
 // Shared by the GPU tests: host data onto cuda:0 and back, the bf16-rounded values a kernel reads,
 // and an element-wise closeness check. Only for builds with SG_CUDA_KERNELS.
 #pragma once
-#include <catch2/catch.hpp>
+#include "tests/catch.h"
 #include <cmath>
 #include <random>
 #include <vector>

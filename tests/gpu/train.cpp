@@ -3,7 +3,7 @@
 // multi-rank paths that fit on one GPU — ddp and zero3 over MPI with the ranks sharing cuda:0
 // (host staging), ddp over NCCL at one rank; generate on cuda:0 against the CPU. Exits 77 (CTest: skipped) without a CUDA device.
 #define CATCH_CONFIG_RUNNER
-#include <catch2/catch.hpp>
+#include "tests/catch.h"
 #include <cmath>
 #include <cstdio>
 

@@ -2,7 +2,7 @@
 // its rank with one formula, so every rank can compute locally what the collective must return.
 // Checks use CHECK, not REQUIRE, inside collectives: a rank that stopped early would leave the
 // others waiting in the next collective.
-#include <catch2/catch.hpp>
+#include "tests/catch.h"
 
 #include <chrono>
 #include <cmath>

@@ -1,6 +1,6 @@
 // DDP under mpirun: the same losses as one process with the same global batch, the ring
 // all-reduce volume per step, bucket order, and unused-parameter handling.
-#include <catch2/catch.hpp>
+#include "tests/catch.h"
 #include <cmath>
 #include <map>
 

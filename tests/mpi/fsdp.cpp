@@ -3,7 +3,7 @@
 // ledger's bytes per rank against the mode's formula (parallel/fsdp.h), the bytes per step per
 // collective kind counted by the process groups, mixed precision (bf16 compute, f32 masters), and
 // the checkpoint state (pieces of global tensors, resume in the same and in another layout).
-#include <catch2/catch.hpp>
+#include "tests/catch.h"
 #include <algorithm>
 #include <cmath>
 

@@ -9,7 +9,7 @@
 #include <cstdio>
 #include <string>
 
-#include <catch2/catch.hpp>
+#include "tests/catch.h"
 
 #include "autograd/ops.h"
 #include "parallel/comm/mpi_backend.h"
@@ -33,10 +33,9 @@ int main(int argc, char** argv) {
   sg::comm::init();
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  Catch::Session session;
-  if (rank != 0) session.configData().reporterName = "compact";  // rank 0 prints the summary line
-  int rc = session.applyCommandLine(argc, argv);
-  if (rc == 0) rc = session.run();
+  // Every rank runs the cases in the same (declared) order; rank 0 prints the summary line.
+  int rc = rank == 0 ? sg::testing::run_catch(argc, argv, {"--order", "decl"})
+                     : sg::testing::run_catch(argc, argv, {"--order", "decl", "--reporter", "compact"});
   int worst = 0;
   MPI_Allreduce(&rc, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
   auto probe = sg::comm::MpiProcessGroup::world();

@@ -1,7 +1,7 @@
 // Shared by the multi-rank tests: the world group, summing a scalar over a group, and the
 // contract check "same losses as the single-process run".
 #pragma once
-#include <catch2/catch.hpp>
+#include "tests/catch.h"
 #include <algorithm>
 #include <cmath>
 #include <map>

@@ -1,7 +1,7 @@
 // Pipeline parallelism under mpirun (one rank per pipeline stage group): every schedule
 // reproduces the single-process losses; the recorded timeline and the ledger show the bubble and
 // GPipe's larger activation memory.
-#include <catch2/catch.hpp>
+#include "tests/catch.h"
 #include <chrono>
 #include <cmath>
 #include <map>

@@ -1,6 +1,6 @@
 // SyncBatchNorm on each rank's slice equals BatchNorm over the whole batch: outputs, input
 // gradients, parameter gradients (summed over ranks) and running statistics.
-#include <catch2/catch.hpp>
+#include "tests/catch.h"
 #include <cmath>
 
 #include "autograd/gradcheck.h"

@@ -2,7 +2,7 @@
 // against the unsharded layer built from the same weights (forward, input and parameter
 // gradients), the all-reduce count of a block, and a whole GPT under tp = 2 and 4 against the
 // single-process model.
-#include <catch2/catch.hpp>
+#include "tests/catch.h"
 #include <cmath>
 
 #include "autograd/ops.h"

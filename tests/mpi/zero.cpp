@@ -1,7 +1,7 @@
 // ZeRO stages 1 and 2 under mpirun: the same losses as one process with the same global batch
 // (gradient accumulation and clipping on), the ledger's bytes per rank against the ZeRO paper's
 // formulas, and the reduce-scatter + all-gather volume per step.
-#include <catch2/catch.hpp>
+#include "tests/catch.h"
 #include <cmath>
 
 #include "autograd/ops.h"
