@@ -42,10 +42,6 @@ SG_DEVICE float classifier_exp(float x) {
   return expf(x);
 }
 
-// A row held in registers: thread i keeps 16-byte pieces i, i + blockDim.x, ... (kPacks of them),
-// all loaded before the first is used, so the row is read from memory once and the loads are in
-// flight together. For rows of 16-byte pieces (Vp a multiple of the piece, the row aligned) of at
-// most kPacks * blockDim.x pieces.
 // Element e of a piece in f32. bf16 from the piece's 32-bit words by shifts (the widening is
 // exact): through __bfloat162float nvcc kept widened copies live and spilled the resident row.
 template <class T>
@@ -62,6 +58,10 @@ SG_DEVICE float piece_value(const Pack<T>& p, int e) {
   }
 }
 
+// A row held in registers: thread i keeps 16-byte pieces i, i + blockDim.x, ... (kPacks of them),
+// all loaded before the first is used, so the row is read from memory once and the loads are in
+// flight together. For rows of 16-byte pieces (Vp a multiple of the piece, the row aligned) of at
+// most kPacks * blockDim.x pieces.
 template <class T, int kPacks>
 struct ResidentRow {
   static constexpr int kPer = Pack<T>::N;
@@ -146,8 +146,9 @@ SG_DEVICE void row_dlogits(T* g, const T* x, float lse, int64_t t, float d, int6
 // memory once, its max and then its sum of exp reduced over the block; 0: read piecewise with a
 // running max and sum, and again for dlogits (from L2 when it is still there).
 template <class T, class I, bool kBackward, int kPacks = 0>
-__global__ void __launch_bounds__(1024, kPacks > 0 ? 1 : 2) classifier_kernel(float* loss, float* lse, T* dlogits, const T* logits, const I* targets, float dloss,
-                                  int64_t Vp, int64_t V, int64_t ignore_index, int* bad_targets) {
+__global__ void __launch_bounds__(1024, kPacks > 0 ? 1 : 2)
+    classifier_kernel(float* loss, float* lse, T* dlogits, const T* logits, const I* targets, float dloss, int64_t Vp,
+                      int64_t V, int64_t ignore_index, int* bad_targets) {
   SG_SHARED(float, scratch, 64);
   const int64_t r = blockIdx.x;
   const T* x = logits + r * Vp;
@@ -268,8 +269,8 @@ inline void cross_entropy_backward(DType dtype, DType tgt_dtype, void* dlogits, 
 // Forward and backward in one read of the logits from memory (the fused classifier): loss, lse
 // (when given) and dlogits ('='), dlogits may be the logits buffer itself. dloss is the same for
 // every row and known before the forward (e.g. 1 / number of counted targets for a mean loss).
-// Rows of 16-byte pieces are held in registers (read once); others are read a second time, from L2
-// when the first pass left them there.
+// The default kernel reads each row twice, the second time partly from L2; `which` picks another
+// (launch_classifier).
 inline void classifier_forward_backward(DType dtype, DType tgt_dtype, float* loss, float* lse, void* dlogits,
                                         const void* logits, const void* targets, float dloss, int64_t rows,
                                         int64_t Vp, int64_t V, int64_t ignore_index, int* bad_targets, Stream stream,

@@ -12,11 +12,11 @@
 #include <atomic>
 #include <cstdlib>
 #include <map>
-#include <string>
-#include <vector>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <tuple>
+#include <vector>
 
 #include "core/storage.h"
 #include "kernels/cuda/runtime.h"
@@ -255,8 +255,15 @@ bool matmul(const kernels::GemmArgs& g, const char* op) {
       for (const auto* r : usable) most = std::max(most, r->workspaceSize);
       std::optional<Storage> ws;
       if (most) ws.emplace(most, d, MemCategory::workspace);
-      cudaEvent_t ev[4];
-      for (cudaEvent_t& e : ev) SG_CUDA_CHECK(cudaEventCreate(&e));
+      struct Events {  // destroyed on every path, a failed launch included
+        cudaEvent_t e[4] = {};
+        ~Events() {
+          for (cudaEvent_t x : e)
+            if (x) (void)cudaEventDestroy(x);
+        }
+      } events;
+      cudaEvent_t* ev = events.e;
+      for (int i = 0; i < 4; ++i) SG_CUDA_CHECK(cudaEventCreate(&ev[i]));
       float fastest = 0;
       for (const auto* r : usable) {
         float ms[3];
@@ -271,7 +278,6 @@ bool matmul(const kernels::GemmArgs& g, const char* op) {
         std::sort(ms, ms + 3);
         if (r == usable[0] || ms[1] < fastest) fastest = ms[1], best = r;
       }
-      for (cudaEvent_t& e : ev) (void)cudaEventDestroy(e);
     }
     // No algorithm, or a refusal of this shape/epilogue combination: the caller runs the epilogue
     // (residual included) apart, after a bare GEMM.

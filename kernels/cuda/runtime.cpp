@@ -264,8 +264,8 @@ std::atomic<int> g_classifier_kernel{0};
 }  // namespace
 
 void set_classifier_kernel(int which) {
-  SG_CHECK(which >= 0 && which <= 2, "set_classifier_kernel: ", which, " is not a kernel (0 streaming, 1 streaming at 1024 "
-           "threads, 2 register-resident)");
+  SG_CHECK(which >= 0 && which <= 2, "set_classifier_kernel: ", which,
+           " is not a kernel (0 streaming at 512 threads, the default; 1 streaming at 1024; 2 register-resident)");
   g_classifier_kernel = which;
 }
 int classifier_kernel() { return g_classifier_kernel; }

@@ -511,7 +511,7 @@ TEST_CASE("embedding on packed rows with a long run of one row matches the CPU",
 }
 
 // Checks cross_entropy, its backward and the fused classifier on rows x Vp logits against the CPU.
-// Rows of whole 16-byte pieces of at most 8192 pieces take the register-resident kernel.
+// Under set_classifier_kernel(2), rows of whole 16-byte pieces (at most 8192) are held in registers.
 static void check_classifier(int64_t rows, int64_t Vp, int64_t V) {
   const int64_t ignore = -100;
   const auto logits = randn(size_t(rows * Vp), 24, 2.0f), dloss = randn(size_t(rows), 25);
