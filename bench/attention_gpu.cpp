@@ -10,7 +10,8 @@
 // GEMM: C = A B^T (a linear layer), M=N=K=8192 and GPT-2 small's three shapes at 8192 tokens;
 // then the two c_proj GEMMs with their bias and the block's residual add in cuBLASLt's epilogue
 // (GemmArgs::residual), against the GEMM with its bias and a separate add: whether the beta = 1
-// algorithm costs more than the pass over [M, 768] it saves.
+// algorithm costs more than the pass over [M, 768] it saves. Then every GEMM of a GPT-2 124M step at
+// batch 16 and 64 (T = 1024), with cuBLASLt's heuristic choice and tuned.
 // Each figure is the median of 20 timed runs (CUDA events on the compute stream) after 3 warm-ups.
 //
 //   ./build/bench/sg_bench_attention_gpu
@@ -117,6 +118,56 @@ void bench_gemm() {
   }
 }
 
+// Every GEMM of a GPT-2 124M training step at BT tokens, as bare bf16 GEMMs (the model's carry
+// bias, GELU, residual and bias-gradient epilogues on some): each linear layer's forward
+// (Y = X W^T), input gradient (dX = dY W) and weight gradient (dW = dY^T X), W stored [out, in];
+// the per-block ones 12 times a step, the tied head once. Each timed with cuBLASLt's heuristic
+// choice and with tuning (cuda::set_gemm_tuning), then the step's sum: where the GEMMs' 70% of a
+// step is lost against the square GEMM's rate.
+void bench_gpt2_gemms(int64_t BT) {
+  struct Layer {
+    const char* name;
+    int64_t in, out, per_step;
+  };
+  std::printf("\nGPT-2 124M's GEMMs at %ld tokens, bf16, bare (median of 20): heuristic | tuned\n", long(BT));
+  std::printf("%-18s %-4s %6s %6s %6s %9s %7s %9s %7s\n", "layer", "", "M", "N", "K", "ms", "TF/s", "ms", "TF/s");
+  double step[2] = {0, 0}, flops = 0;
+  for (const Layer& l : {Layer{"attn c_attn", 768, 2304, 12}, Layer{"attn c_proj", 768, 768, 12},
+                         Layer{"mlp c_fc", 768, 3072, 12}, Layer{"mlp c_proj", 3072, 768, 12},
+                         Layer{"lm_head (wte)", 768, 50304, 1}}) {
+    const Buffer X(BT * l.in, 60), W(l.out * l.in, 61), dY(BT * l.out, 62), out(std::max(BT * l.out, BT * l.in), 63),
+        dW(l.out * l.in, 64);
+    for (int pass = 0; pass < 3; ++pass) {  // forward, dX, dW
+      kernels::GemmArgs g;
+      g.dtype = DType::bf16;
+      if (pass == 0) {
+        g.M = BT, g.N = l.out, g.K = l.in, g.trans_b = true;
+        g.A = X.get(), g.lda = l.in, g.B = W.get(), g.ldb = l.in, g.C = out.get(), g.ldc = l.out;
+      } else if (pass == 1) {
+        g.M = BT, g.N = l.in, g.K = l.out;
+        g.A = dY.get(), g.lda = l.out, g.B = W.get(), g.ldb = l.in, g.C = out.get(), g.ldc = l.in;
+      } else {
+        g.M = l.out, g.N = l.in, g.K = BT, g.trans_a = true;
+        g.A = dY.get(), g.lda = l.out, g.B = X.get(), g.ldb = l.in, g.C = dW.get(), g.ldc = l.in;
+      }
+      double ms[2];
+      for (int tuned = 0; tuned < 2; ++tuned) {
+        cuda::set_gemm_tuning(tuned == 1);
+        ms[tuned] = median_ms([&] { cuda::gemm(g); });
+        step[tuned] += double(l.per_step) * ms[tuned];
+      }
+      cuda::set_gemm_tuning(false);
+      const double f = 2.0 * double(g.M) * double(g.N) * double(g.K);
+      flops += double(l.per_step) * f;
+      const char* what = pass == 0 ? "fwd" : pass == 1 ? "dX" : "dW";
+      std::printf("%-18s %-4s %6ld %6ld %6ld %9.3f %7.1f %9.3f %7.1f\n", l.name, what, long(g.M), long(g.N), long(g.K),
+                  ms[0], f / ms[0] * 1e-9, ms[1], f / ms[1] * 1e-9);
+    }
+  }
+  std::printf("%-18s %-4s %20s %9.3f %7.1f %9.3f %7.1f\n", "a step's GEMMs", "", "", step[0], flops / step[0] * 1e-9,
+              step[1], flops / step[1] * 1e-9);
+}
+
 void bench_gemm_residual() {
   const int64_t M = 8192, N = 768;
   const kernels::OpTable& G = kernels::table(gpu);
@@ -157,6 +208,7 @@ int main() {
   bench_attention(6, 128);
   bench_gemm();
   bench_gemm_residual();
+  for (int64_t BT : {int64_t(16384), int64_t(65536)}) bench_gpt2_gemms(BT);  // batch 16 and 64 at T = 1024
   return 0;
 #endif
 }

@@ -183,7 +183,8 @@ __global__ void __launch_bounds__(1024, kPacks > 0 ? 1 : 2)
           Pack<T> out;
           for (int e = 0; e < kPer; ++e) {
             const float v = piece_value(row.p[k], e);
-            out.v[e] = from_f32<T>(j0 + e < n ? (classifier_exp<T>(v - s) - (j0 + e == ti ? 1.0f : 0.0f)) * dloss : 0.0f);
+            const float p = classifier_exp<T>(v - s) - (j0 + e == ti ? 1.0f : 0.0f);
+            out.v[e] = from_f32<T>(j0 + e < n ? p * dloss : 0.0f);
           }
           store_pack(g + int64_t(j0), out);
         }

@@ -97,10 +97,10 @@ uint32_t min_alignment(std::initializer_list<const void*> ptrs) {
 
 // Everything the heuristic's answer depends on: device, types, shapes, leading dimensions,
 // batching, epilogue and alignment (the operands', and the bias and aux pointers', whose values
-// the heuristic reads to decide the alignment it may assume).
+// the heuristic reads to decide the alignment it may assume); and whether tuning chose it.
 using AlgoKey = std::tuple<int, int, int, bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                            int64_t, int64_t, int64_t, int, bool, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t,
-                           uint32_t>;
+                           uint32_t, bool>;
 // The heuristic's choice and the workspace it asked for (at most kWorkspaceBytes).
 struct Algo {
   cublasLtMatmulAlgo_t algo;
@@ -210,10 +210,11 @@ bool matmul(const kernels::GemmArgs& g, const char* op) {
   const uint32_t align_a = min_alignment({g.B}), align_b = min_alignment({g.A}), align_c = min_alignment({source}),
                  align_d = min_alignment({g.C}), align_vector = min_alignment({vector}), align_aux = min_alignment({aux});
   const bool residual = g.residual != nullptr;
+  const bool tune = g_tune_gemms.load();
   const AlgoKey key{d.index,    int(g.dtype),  int(compute), g.trans_a, g.trans_b, g.M,         g.N,
                     g.K,        g.lda,         g.ldb,        g.ldc,     g.batch,   g.stride_a,  g.stride_b,
                     g.stride_c, int(epilogue), residual,     align_a,   align_b,   align_c,     align_d,
-                    align_vector, align_aux};
+                    align_vector, align_aux,   tune};
   const std::optional<Algo> algo = cached_algo(key, [&]() -> std::optional<Algo> {
     SG_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&desc.pref));
     const uint64_t ws = kWorkspaceBytes;
@@ -226,7 +227,6 @@ bool matmul(const kernels::GemmArgs& g, const char* op) {
       SG_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(desc.pref, attr, &bytes, sizeof(bytes)));
     // The best few: a residual GEMM takes the best that writes out of place; tuning times them all.
     constexpr int kAsk = 8;
-    const bool tune = g_tune_gemms.load();
     cublasLtMatmulHeuristicResult_t results[kAsk] = {};
     int found = 0;
     const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(h, desc.op, desc.a, desc.b, desc.c, desc.c, desc.pref,

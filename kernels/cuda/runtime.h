@@ -133,8 +133,8 @@ bool allow_tf32();
 // GEMM tuning (also SG_GEMM_TUNE=1 in the environment): the first call of each shape times up to
 // 8 of the heuristic's algorithms on its own operands and keeps the fastest, instead of taking the
 // heuristic's first. Off by default: the choice depends on timings, so two processes may pick
-// differently and round differently (each one is deterministic once it has chosen). A shape
-// already called keeps the algorithm it got when the setting changes.
+// differently and round differently (each one is deterministic once it has chosen). Choices are
+// kept per shape and per setting: turning tuning on later tunes each shape at its next call.
 void set_gemm_tuning(bool tune);
 bool gemm_tuning();
 // Whether a's epilogue meets cuBLASLt's rules: the bias, bias gradient, row sums and
