@@ -3,8 +3,9 @@
 # NCCL at world size 1, the MPI backend with CUDA tensors on 2 ranks sharing cuda:0, the trainer
 # on cuda:0 against the CPU), then the single-GPU figures for bench/RESULTS.md: GPT-2 124M
 # training (T=1024, bf16) through `shardgrad train`, the PyTorch peer (bench/gpu/), and the
-# kernel sandboxes when built. Logs go to LOG_DIR (default ./gpu_check). SG_GEMM_TUNE=1 in the
-# environment times cuBLASLt's candidates per GEMM shape (README, "GEMM tuning").
+# kernel sandboxes when built. Logs go to LOG_DIR (default ./gpu_check). The train part also runs
+# the last of BATCHES with GEMM tuning (SG_GEMM_TUNE=1; README, "GEMM tuning"); TUNED_BATCHES=""
+# skips that, TUNED_BATCHES="16 64" tunes both.
 #   BUILD=build bash scripts/gpu_check.sh [build] [tests] [train] [torch] [kernels] [sanitize]
 # `build` configures BUILD (Release) and builds only what the other parts run (the CLI, the GPU
 # tests, the kernel benches): about 4 minutes on 16 cores, where a full build with every CPU test
@@ -54,12 +55,15 @@ with open(sys.argv[1], "wb") as f:
     f.write(struct.pack("<3i", 20240520, 1, n) + bytes(4 * 253))
     f.write(struct.pack(f"<{n}H", *(ranks[k] for k in random.choices(range(V), cum_weights=cum, k=n))))
 PY
+  # attention:batch[:tuned] runs; TUNED_BATCHES (default the last of BATCHES) also with GEMM tuning
   for run in $(for b in $BATCHES; do for a in ${ATTENTION:-cudnn flash}; do
-                 [ "$a" = cudnn ] || [ "$b" = "$BATCH" ] && echo "$a:$b"; done; done); do
-    attn=${run%%:*} batch=${run##*:}
-    log="$LOG_DIR/gpt2_bf16_${attn}_b$batch.jsonl"
+                 [ "$a" = cudnn ] || [ "$b" = "$BATCH" ] && echo "$a:$b"; done; done
+               for b in ${TUNED_BATCHES-${BATCHES##* }}; do echo "cudnn:$b:tuned"; done); do
+    attn=${run%%:*} rest=${run#*:} batch=${rest%%:*} tuned=0
+    [ "$rest" != "$batch" ] && tuned=1
+    log="$LOG_DIR/gpt2_bf16_${attn}_b$batch$([ $tuned = 1 ] && echo _tuned).jsonl"
     # --profile-ops: one step's time by op-table entry (device ms between events around each call)
-    timeout 300 "$BUILD/shardgrad" train --model gpt2 --data "$shard" --device cuda:0 --dtype bf16 --attention "$attn" \
+    SG_GEMM_TUNE=$tuned timeout 300 "$BUILD/shardgrad" train --model gpt2 --data "$shard" --device cuda:0 --dtype bf16 --attention "$attn" \
       --batch-size "$batch" --seq-len 1024 --steps "$STEPS" --warmup-steps 2 --lr 6e-4 --eval-every 0 \
       --profile-ops "$PROFILE_STEP" --log-json "$log" > "${log%.jsonl}.txt" 2>&1
     sed -n '/^op profile/,/outside the op table/p' "${log%.jsonl}.txt"
