@@ -104,15 +104,10 @@ int main() {
     G.copy_from_host(tg.data(), t.data(), size_t(R) * 4, gpu);
     const double L = h * double(R * Vp);
     // in place over the logits each run: the values become gradients, which are as good logits
-    const char* kernel_names[] = {"streaming, 512 threads", "streaming, 1024 threads", "row in registers"};
-    for (int which : {0, 1, 2}) {  // cuda::set_classifier_kernel: the default first
-      cuda::set_classifier_kernel(which);
-      row(str("classifier, fused (", kernel_names[which], ")").c_str(), 2 * L, median_ms([&] {
-            G.cross_entropy_fused(bf, DType::i32, loss.get(), logits.get(), logits.get(), tg.data(), 1.0 / double(R),
-                                  R, Vp, V, -1);
-          }));
-    }
-    cuda::set_classifier_kernel(0);
+    row("classifier, fused: loss + dlogits in one call", 2 * L, median_ms([&] {
+          G.cross_entropy_fused(bf, DType::i32, loss.get(), logits.get(), logits.get(), tg.data(), 1.0 / double(R), R,
+                                Vp, V, -1);
+        }));
     row("classifier, two calls: cross_entropy + its backward", 2 * L, median_ms([&] {
           G.cross_entropy(bf, DType::i32, loss.get(), lse.get(), logits.get(), tg.data(), R, Vp, V, -1);
           G.cross_entropy_backward(bf, DType::i32, logits.get(), dloss.get(), logits.get(), lse.get(), tg.data(), R, Vp,

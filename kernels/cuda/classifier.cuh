@@ -42,58 +42,13 @@ SG_DEVICE float classifier_exp(float x) {
   return expf(x);
 }
 
-// Element e of a piece in f32. bf16 from the piece's 32-bit words by shifts (the widening is
-// exact): through __bfloat162float nvcc kept widened copies live and spilled the resident row.
-template <class T>
-SG_DEVICE float piece_value(const Pack<T>& p, int e) {
-  if constexpr (std::is_same_v<T, bf16>) {  // (little-endian words: element 2i is the low half)
-    uint32_t w[Pack<T>::N / 2];
-    memcpy(w, &p, sizeof(w));
-    const uint32_t bits = e % 2 ? w[e / 2] & 0xffff0000u : w[e / 2] << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-  } else {
-    return to_f32(p.v[e]);
-  }
-}
-
-// A row held in registers: thread i keeps 16-byte pieces i, i + blockDim.x, ... (kPacks of them),
-// all loaded before the first is used, so the row is read from memory once and the loads are in
-// flight together. For rows of 16-byte pieces (Vp a multiple of the piece, the row aligned) of at
-// most kPacks * blockDim.x pieces.
-template <class T, int kPacks>
-struct ResidentRow {
-  static constexpr int kPer = Pack<T>::N;
-  Pack<T> p[kPacks];
-  int pieces;  // 32-bit indices: a resident row has at most kPacks * 1024 pieces
-  SG_DEVICE int piece(int k) const { return int(threadIdx.x) + k * int(blockDim.x); }
-  SG_DEVICE void load(const T* x, int64_t Vp) {
-    pieces = int(Vp / kPer);
-    SG_UNROLL(kPacks) for (int k = 0; k < kPacks; ++k) {
-      if (piece(k) < pieces) p[k] = load_pack(x + int64_t(piece(k)) * kPer);
-    }
-  }
-  // f(j, value) for this thread's elements j < n.
-  template <class F>
-  SG_DEVICE void each(int n, F&& f) const {
-    SG_UNROLL(kPacks) for (int k = 0; k < kPacks; ++k) {
-      const int j0 = piece(k) * kPer;
-      if (piece(k) < pieces)
-        for (int e = 0; e < kPer; ++e)
-          if (j0 + e < n) f(j0 + e, piece_value(p[k], e));
-    }
-  }
-};
-
 // Row r's log-sum-exp over its first V logits, in one pass over them (every thread of the block
 // gets it): each thread keeps a running max and the sum rescaled to it, then the block merges the
-// pairs in a fixed tree (run-to-run deterministic). each(f) calls f(j, value) for the thread's
-// logits j < V. scratch: 64 floats of shared memory.
-template <class T, class Each>
-SG_DEVICE float row_logsumexp(Each&& each, float* scratch) {
+// pairs in a fixed tree (run-to-run deterministic). scratch: 64 floats of shared memory.
+template <class T>
+SG_DEVICE float row_logsumexp(const T* x, int64_t V, float* scratch) {
   float m = -INFINITY, s = 0.0f;
-  each([&](int64_t, float v) {
+  for_row(x, V, [&](int64_t, float v) {
     if (!(v <= m)) {  // v > m, or a NaN, which then rides in m and s to the result (as on the CPU)
       s = s * classifier_exp<T>(m - v) + 1.0f;  // m = -inf at first: s is 0 then
       m = v;
@@ -141,29 +96,20 @@ SG_DEVICE void row_dlogits(T* g, const T* x, float lse, int64_t t, float d, int6
   for (int64_t j = whole * kPer + threadIdx.x; j < Vp; j += blockDim.x) g[j] = from_f32<T>(grad(j, to_f32(x[j])));
 }
 
+// One block of 512 threads per row, four blocks an SM (at most 32 registers a thread): measured on
+// an H200 at GPT-2's 16384 x 50304 bf16 logits (bench/RESULTS.md), this beat 1024-thread blocks
+// (fewer rows in flight) and a kernel holding the row in registers (one block an SM; git d36249f).
+constexpr int kClassifierThreads = 512;
+
 // Forward, and with kBackward also dlogits with the same dloss for every row (in place over the
-// logits if dlogits == logits). kPacks > 0: the row is held in registers (ResidentRow), read from
-// memory once, its max and then its sum of exp reduced over the block; 0: read piecewise with a
-// running max and sum, and again for dlogits (from L2 when it is still there).
-template <class T, class I, bool kBackward, int kPacks = 0>
-__global__ void __launch_bounds__(1024, kPacks > 0 ? 1 : 2)
-    classifier_kernel(float* loss, float* lse, T* dlogits, const T* logits, const I* targets, float dloss, int64_t Vp,
-                      int64_t V, int64_t ignore_index, int* bad_targets) {
+// logits if dlogits == logits).
+template <class T, class I, bool kBackward>
+__global__ void __launch_bounds__(kClassifierThreads, 4) classifier_kernel(float* loss, float* lse, T* dlogits, const T* logits, const I* targets, float dloss,
+                                  int64_t Vp, int64_t V, int64_t ignore_index, int* bad_targets) {
   SG_SHARED(float, scratch, 64);
   const int64_t r = blockIdx.x;
   const T* x = logits + r * Vp;
-  [[maybe_unused]] ResidentRow<T, kPacks == 0 ? 1 : kPacks> row;
-  float s;
-  if constexpr (kPacks > 0) {  // from registers: the max, then the sum of exp (as the CPU: a +inf gives NaN)
-    row.load(x, Vp);
-    float m = -INFINITY, e = 0.0f;
-    row.each(int(V), [&](int, float v) { m = max_keep_nan(m, v); });
-    m = block_reduce<true>(m, scratch);
-    row.each(int(V), [&](int, float v) { e += classifier_exp<T>(v - m); });
-    s = m + logf(block_reduce(e, scratch));
-  } else {
-    s = row_logsumexp<T>([&](auto&& f) { for_row(x, V, f); }, scratch);
-  }
+  const float s = row_logsumexp(x, V, scratch);
   const int64_t t = int64_t(targets[r]);
   const bool ignored = t == ignore_index, in_range = t >= 0 && t < V;
   if (threadIdx.x == 0) {
@@ -173,25 +119,7 @@ __global__ void __launch_bounds__(1024, kPacks > 0 ? 1 : 2)
   }
   if constexpr (kBackward) {
     __syncthreads();  // x[t] is read above before the in-place write below
-    if constexpr (kPacks > 0) {  // 32-bit indices; an ignored row is all zeros (V = 0)
-      const int n = ignored || !in_range ? 0 : int(V), ti = n ? int(t) : -1;
-      T* g = dlogits + r * Vp;
-      constexpr int kPer = Pack<T>::N;
-      SG_UNROLL(kPacks) for (int k = 0; k < kPacks; ++k) {
-        const int j0 = row.piece(k) * kPer;
-        if (row.piece(k) < row.pieces) {
-          Pack<T> out;
-          for (int e = 0; e < kPer; ++e) {
-            const float v = piece_value(row.p[k], e);
-            const float p = classifier_exp<T>(v - s) - (j0 + e == ti ? 1.0f : 0.0f);
-            out.v[e] = from_f32<T>(j0 + e < n ? p * dloss : 0.0f);
-          }
-          store_pack(g + int64_t(j0), out);
-        }
-      }
-    } else {
-      row_dlogits(dlogits + r * Vp, x, s, t, dloss, Vp, V, ignored || !in_range);
-    }
+    row_dlogits(dlogits + r * Vp, x, s, t, dloss, Vp, V, ignored || !in_range);
   }
 }
 
@@ -209,45 +137,17 @@ void dispatch_index(DType t, const char* op, Body&& body) {
   kernels::unsupported(op, t, "cuda (targets/indices)");
 }
 
-constexpr int kClassifierThreads = 512;  // cross_entropy_backward_kernel's block
-
-// The kernels (cuda::set_classifier_kernel picks one, for timing them against each other):
-//   0 streaming, 512-thread blocks (the default): each row read twice, the second time partly from
-//     L2; four blocks per SM. On an H200 at GPT-2's shape (16384 x 50304 bf16) 1.34 ms, 2.45 TB/s
-//     counting one read and one write (bench/RESULTS.md)
-//   1 streaming, 1024-thread blocks: two per SM, half the rows in flight (1.43 ms: fewer misses in
-//     L2 did not make up for less work in flight)
-//   2 register-resident (ResidentRow): 1024 threads of up to 8 pieces (rows of whole 16-byte
-//     pieces, at most 8192 of them), read once; one block per SM, so its load, reduction and store
-//     phases overlap little (1.88 ms). Other rows take kernel 0.
-constexpr int kResidentThreads = 1024, kResidentPacks = 8;
-
-// Launches classifier_kernel<T, I, kBackward> over `rows` with kernel `which` (above).
-template <class T, class I, bool kBackward>
-void launch_classifier(int which, float* loss, float* lse, T* dlogits, const T* logits, const I* targets, float dloss,
-                       int64_t rows, int64_t Vp, int64_t V, int64_t ignore_index, int* bad_targets, Stream stream) {
-  constexpr int kPer = Pack<T>::N;
-  const bool resident = which == 2 && Vp % kPer == 0 && Vp / kPer <= int64_t(kResidentThreads) * kResidentPacks &&
-                        aligned16(logits) && (!kBackward || aligned16(dlogits));
-  if (resident)
-    launch(classifier_kernel<T, I, kBackward, kResidentPacks>, dim3(blocks_for(rows, 1)), dim3(kResidentThreads), 0,
-           stream, loss, lse, dlogits, logits, targets, dloss, Vp, V, ignore_index, bad_targets);
-  else
-    launch(classifier_kernel<T, I, kBackward>, dim3(blocks_for(rows, 1)), dim3(which == 1 ? 1024 : 512), 0, stream,
-           loss, lse, dlogits, logits, targets, dloss, Vp, V, ignore_index, bad_targets);
-}
-
 // loss[r], lse[r] ('=').
 inline void cross_entropy(DType dtype, DType tgt_dtype, float* loss, float* lse, const void* logits,
                           const void* targets, int64_t rows, int64_t Vp, int64_t V, int64_t ignore_index,
-                          int* bad_targets, Stream stream, int which = 0) {
+                          int* bad_targets, Stream stream) {
   dispatch_storage(dtype, "cross_entropy", [&](auto tag) {
     dispatch_index(tgt_dtype, "cross_entropy", [&](auto itag) {
       using T = decltype(tag);
       using I = decltype(itag);
-      launch_classifier<T, I, false>(which, loss, lse, static_cast<T*>(nullptr), static_cast<const T*>(logits),
-                                     static_cast<const I*>(targets), 0.0f, rows, Vp, V, ignore_index, bad_targets,
-                                     stream);
+      launch(classifier_kernel<T, I, false>, dim3(blocks_for(rows, 1)), dim3(kClassifierThreads), 0, stream, loss, lse,
+             static_cast<T*>(nullptr), static_cast<const T*>(logits), static_cast<const I*>(targets), 0.0f, Vp, V,
+             ignore_index, bad_targets);
     });
   });
 }
@@ -270,19 +170,17 @@ inline void cross_entropy_backward(DType dtype, DType tgt_dtype, void* dlogits, 
 // Forward and backward in one read of the logits from memory (the fused classifier): loss, lse
 // (when given) and dlogits ('='), dlogits may be the logits buffer itself. dloss is the same for
 // every row and known before the forward (e.g. 1 / number of counted targets for a mean loss).
-// The default kernel reads each row twice, the second time partly from L2; `which` picks another
-// (launch_classifier).
+// The block's second pass over its row reads what its first pass brought into L2.
 inline void classifier_forward_backward(DType dtype, DType tgt_dtype, float* loss, float* lse, void* dlogits,
                                         const void* logits, const void* targets, float dloss, int64_t rows,
-                                        int64_t Vp, int64_t V, int64_t ignore_index, int* bad_targets, Stream stream,
-                                        int which = 0) {
+                                        int64_t Vp, int64_t V, int64_t ignore_index, int* bad_targets, Stream stream) {
   dispatch_storage(dtype, "classifier_forward_backward", [&](auto tag) {
     dispatch_index(tgt_dtype, "classifier_forward_backward", [&](auto itag) {
       using T = decltype(tag);
       using I = decltype(itag);
-      launch_classifier<T, I, true>(which, loss, lse, static_cast<T*>(dlogits), static_cast<const T*>(logits),
-                                    static_cast<const I*>(targets), dloss, rows, Vp, V, ignore_index, bad_targets,
-                                    stream);
+      launch(classifier_kernel<T, I, true>, dim3(blocks_for(rows, 1)), dim3(kClassifierThreads), 0, stream, loss, lse,
+             static_cast<T*>(dlogits), static_cast<const T*>(logits), static_cast<const I*>(targets), dloss, Vp, V,
+             ignore_index, bad_targets);
     });
   });
 }

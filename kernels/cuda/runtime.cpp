@@ -259,17 +259,6 @@ std::atomic<bool> g_norm_backward_fused{true};
 void set_norm_backward_fused(bool on) { g_norm_backward_fused = on; }
 bool norm_backward_fused() { return g_norm_backward_fused; }
 
-namespace {
-std::atomic<int> g_classifier_kernel{0};
-}  // namespace
-
-void set_classifier_kernel(int which) {
-  SG_CHECK(which >= 0 && which <= 2, "set_classifier_kernel: ", which,
-           " is not a kernel (0 streaming at 512 threads, the default; 1 streaming at 1024; 2 register-resident)");
-  g_classifier_kernel = which;
-}
-int classifier_kernel() { return g_classifier_kernel; }
-
 void ensure_registered() {
   static std::once_flag once;
   std::call_once(once, [] {

@@ -107,12 +107,6 @@ AttentionBackend attention_backend();
 void set_norm_backward_fused(bool on);
 bool norm_backward_fused();
 
-// Which fused-classifier kernel the cross-entropy entries run, process-wide (kernels/cuda/
-// classifier.cuh): 0 (default) streaming with 512-thread blocks, 1 streaming with 1024-thread
-// blocks, 2 the row held in registers. For timing one against another (bench/memory_gpu.cpp).
-void set_classifier_kernel(int which);
-int classifier_kernel();
-
 #ifdef SG_CUDA_KERNELS
 // kernels/cuda/table.cu: every kernel entry of the CUDA op table (all but the host copies).
 void fill_kernel_table(kernels::OpTable& t);

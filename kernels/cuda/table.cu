@@ -234,7 +234,7 @@ void cross_entropy(DType dtype, DType tgt_dtype, void* loss, void* lse, const vo
   if (rows == 0) return;
   const On o = on(loss, "cross_entropy");
   cuda::cross_entropy(dtype, tgt_dtype, stats(loss), stats(lse), logits, targets, rows, Vp, V, ignore_index,
-                      check_targets(o.dev, rows, V, ignore_index).ptr(), o.stream, cuda::classifier_kernel());
+                      check_targets(o.dev, rows, V, ignore_index).ptr(), o.stream);
 }
 
 void cross_entropy_backward(DType dtype, DType tgt_dtype, void* dlogits, const void* dloss, const void* logits,
@@ -251,7 +251,7 @@ void cross_entropy_fused(DType dtype, DType tgt_dtype, void* loss, void* dlogits
   const On o = on(loss, "cross_entropy_fused");
   cuda::classifier_forward_backward(dtype, tgt_dtype, stats(loss), nullptr, dlogits, logits, targets, float(dloss),
                                     rows, Vp, V, ignore_index, check_targets(o.dev, rows, V, ignore_index).ptr(),
-                                    o.stream, cuda::classifier_kernel());
+                                    o.stream);
 }
 
 void dropout(DType dtype, void* out, const void* x, int64_t n, double p, uint64_t seed, uint64_t stream,

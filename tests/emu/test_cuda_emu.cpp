@@ -232,9 +232,8 @@ TEMPLATE_TEST_CASE("emu fused classifier matches cross_entropy and its backward 
   using T = TestType;
   // Rows of 16-byte pieces plus a tail (Vp 64, 3008), rows that start off a 16-byte boundary (Vp
   // 61, 3005: element by element), and a vocabulary that gives every warp of the block several
-  // logits (3001: the running max and sum are rescaled and merged across warps). Each of the three
-  // kernels; the register-resident one holds rows of whole pieces (64, 3008, 20008: the last gives
-  // each of the 1024 threads up to 3 pieces of bf16/f16, 5 of f32) and streams the others.
+  // logits (3001: the running max and sum are rescaled and merged across warps); 20008: a thread
+  // loops over up to 5 (bf16/f16) or 10 (f32) pieces, past the unrolled 4.
   for (auto [V, Vp] : {std::pair<int64_t, int64_t>{53, 64}, {53, 61}, {3001, 3008}, {3001, 3005}, {20001, 20008}}) {
     INFO("V " << V << " Vp " << Vp);
     const int64_t rows = 5, ignore = -100;
@@ -249,37 +248,34 @@ TEMPLATE_TEST_CASE("emu fused classifier matches cross_entropy and its backward 
     cpu::cross_entropy_backward(DType::f32, DType::i64, dl_ref.data(), dloss.data(), logits.data(), lse_ref.data(),
                                 targets.data(), rows, Vp, V, ignore);
     const auto xs = to_storage<T>(logits);
-    for (int which : {0, 1, 2}) {  // streaming at 512 and 1024 threads, register-resident
-      INFO("kernel " << which);
-      std::vector<float> loss(rows), lse(rows);
-      int bad = 0;
-      cu::cross_entropy(dtype_of<T>(), DType::i64, loss.data(), lse.data(), xs.data(), targets.data(), rows, Vp, V, ignore,
-                        &bad, nullptr, which);
-      check_close(loss, loss_ref, 1e-5, 1e-5);
-      check_close(lse, lse_ref, 1e-5, 1e-5);
-      CHECK(bad == 0);
-      std::vector<T> dl(rows * Vp);
-      cu::cross_entropy_backward(dtype_of<T>(), DType::i64, dl.data(), dloss.data(), xs.data(), lse.data(),
-                                 targets.data(), rows, Vp, V, ignore, nullptr);
-      check_close(dl, dl_ref, 0.1);
+    std::vector<float> loss(rows), lse(rows);
+    int bad = 0;
+    cu::cross_entropy(dtype_of<T>(), DType::i64, loss.data(), lse.data(), xs.data(), targets.data(), rows, Vp, V, ignore,
+                      &bad, nullptr);
+    check_close(loss, loss_ref, 1e-5, 1e-5);
+    check_close(lse, lse_ref, 1e-5, 1e-5);
+    CHECK(bad == 0);
+    std::vector<T> dl(rows * Vp);
+    cu::cross_entropy_backward(dtype_of<T>(), DType::i64, dl.data(), dloss.data(), xs.data(), lse.data(),
+                               targets.data(), rows, Vp, V, ignore, nullptr);
+    check_close(dl, dl_ref, 0.1);
 
-      // Fused forward+backward (one dloss for every row), in place over the logits, with i32 targets,
-      // against the CPU's fused entry.
-      const std::vector<int32_t> t32(targets.begin(), targets.end());
-      const float d = -0.375f;
-      std::vector<float> loss_fused_ref(rows), dl_fused_ref(rows * Vp);
-      cpu::cross_entropy_fused(DType::f32, DType::i64, loss_fused_ref.data(), dl_fused_ref.data(), logits.data(),
-                               targets.data(), d, rows, Vp, V, ignore);
-      CHECK(loss_fused_ref == loss_ref);
-      auto inplace = xs;
-      std::vector<float> loss2(rows), lse2(rows);
-      cu::classifier_forward_backward(dtype_of<T>(), DType::i32, loss2.data(), lse2.data(), inplace.data(), inplace.data(),
-                                      t32.data(), d, rows, Vp, V, ignore, &bad, nullptr, which);
-      check_close(loss2, loss_ref, 1e-5, 1e-5);
-      check_close(lse2, lse_ref, 1e-5, 1e-5);
-      check_close(inplace, dl_fused_ref, 0.1);
-      CHECK(bad == 0);
-    }
+    // Fused forward+backward (one dloss for every row), in place over the logits, with i32 targets,
+    // against the CPU's fused entry.
+    const std::vector<int32_t> t32(targets.begin(), targets.end());
+    const float d = -0.375f;
+    std::vector<float> loss_fused_ref(rows), dl_fused_ref(rows * Vp);
+    cpu::cross_entropy_fused(DType::f32, DType::i64, loss_fused_ref.data(), dl_fused_ref.data(), logits.data(),
+                             targets.data(), d, rows, Vp, V, ignore);
+    CHECK(loss_fused_ref == loss_ref);
+    auto inplace = xs;
+    std::vector<float> loss2(rows), lse2(rows);
+    cu::classifier_forward_backward(dtype_of<T>(), DType::i32, loss2.data(), lse2.data(), inplace.data(), inplace.data(),
+                                    t32.data(), d, rows, Vp, V, ignore, &bad, nullptr);
+    check_close(loss2, loss_ref, 1e-5, 1e-5);
+    check_close(lse2, lse_ref, 1e-5, 1e-5);
+    check_close(inplace, dl_fused_ref, 0.1);
+    CHECK(bad == 0);
   }
 }
 
