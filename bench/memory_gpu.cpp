@@ -4,10 +4,11 @@
 // time of 20 runs (CUDA events on the compute stream, after 3 warm-ups) and the effective
 // bandwidth: the bytes the op must move at least (every input read once, every output written
 // once) over that time, to hold against the card's ~4.3 TB/s (H200; ~3.35 TB/s on an H100 SXM).
-// Where one op has two implementations the rows time both: the LayerNorm backward with dw/db
-// summed inside its input-gradient kernel or by a second kernel (cuda::set_norm_backward_fused),
-// and the classifier as one fused pass or as the cross_entropy + cross_entropy_backward pair (both
-// rows count the fused pass's 2 logits-sized transfers: the pair's lower GB/s is its third one).
+// Where one op has several implementations the rows time each: the LayerNorm backward with dw/db
+// summed in each place kernels/cuda/variants.h lists (cuda::set_norm_backward), at batch 16 and 64,
+// and the classifier as one fused pass (its row read twice, streaming, or once into shared memory,
+// staged: cuda::set_classifier) or as the cross_entropy + cross_entropy_backward pair (every row
+// counts the fused pass's 2 logits-sized transfers: the pair's lower GB/s is its third one).
 // The classifier and norm entries copy a count or a sum to the host and wait, inside the timing.
 // The embedding backward runs over uniform and text-like (Zipf) tokens: real text repeats a few
 // tokens hundreds of times per batch, and each table row's run is summed by one block.
@@ -37,7 +38,7 @@ using bench::median_ms;
 using Buffer = bench::DeviceBuffer;
 
 void row(const char* what, double bytes, double ms) {
-  std::printf("%-52s %9.3f %9.1f\n", what, ms, bytes / ms * 1e-6);
+  std::printf("%-68s %9.3f %9.1f\n", what, ms, bytes / ms * 1e-6);
 }
 
 }  // namespace
@@ -58,12 +59,11 @@ int main() {
   const int64_t R = 16 * 1024, C = 768, F = 4 * C, V = 50257, Vp = 50304, N = R * C;
   const double h = 2.0;  // bytes per bf16
   std::printf("memory-bound kernels, GPT-2 124M shapes at B=16 T=1024 (median of 20)\n");
-  std::printf("%-52s %9s %9s\n", "", "ms", "GB/s");
+  std::printf("%-68s %9s %9s\n", "", "ms", "GB/s");
 
-  {  // LayerNorm, with and without the residual add, forward and backward
-    const Buffer x(N, bf, 1), res(N, bf, 2), dy(N, bf, 3), dr(N, bf, 4), w(C, bf, 5, 1.0, 0.1), b(C, bf, 6);
-    const Buffer y(N, bf, 7), r(N, bf, 8), dx(N, bf, 9), dw(C, bf, 10), db(C, bf, 11), mean(R, f32, 12),
-        rstd(R, f32, 13, 1.0, 0.1);
+  {  // LayerNorm, with and without the residual add, forward; then the residual add alone
+    const Buffer x(N, bf, 1), res(N, bf, 2), w(C, bf, 5, 1.0, 0.1), b(C, bf, 6);
+    const Buffer y(N, bf, 7), r(N, bf, 8), mean(R, f32, 12), rstd(R, f32, 13, 1.0, 0.1);
     const double stats = 8.0 * double(R);
     row("layernorm forward [16384, 768]", h * 2 * N + stats,
         median_ms([&] { G.layernorm(bf, y.get(), mean.get(), rstd.get(), x.get(), w.get(), b.get(), R, C, 1e-5); }));
@@ -71,24 +71,36 @@ int main() {
           G.residual_layernorm(bf, r.get(), y.get(), mean.get(), rstd.get(), x.get(), res.get(), w.get(), b.get(), R,
                                C, 1e-5);
         }));
-    for (bool fused : {true, false}) {
-      cuda::set_norm_backward_fused(fused);
-      row(fused ? "layernorm backward, dw/db in the dx kernel" : "layernorm backward, dw/db by a second kernel",
-          h * 3 * N + stats, median_ms([&] {
-            G.layernorm_backward(bf, dx.get(), dw.get(), db.get(), dy.get(), x.get(), w.get(), mean.get(), rstd.get(),
-                                 R, C);
-          }));
-      row(fused ? "residual_layernorm backward (+ dr), fused dw/db" : "residual_layernorm backward (+ dr), split dw/db",
-          h * 4 * N + stats, median_ms([&] {
-            G.residual_layernorm_backward(bf, dx.get(), dw.get(), db.get(), dr.get(), dy.get(), x.get(), w.get(),
-                                          mean.get(), rstd.get(), R, C);
-          }));
-    }
-    cuda::set_norm_backward_fused(true);
     const kernels::Dims shape{R, C}, strides{C, 1};
     row("add [16384, 768] (the residual add)", h * 3 * N, median_ms([&] {
           G.binary(kernels::Binary::add, bf, y.get(), x.get(), strides, res.get(), strides, shape);
         }));
+  }
+  // The LayerNorm backward, each place dw/db can be summed (cuda::set_norm_backward), at batch 16
+  // and at batch 64 (4x the row chunks: the fused kernels' grid fills the GPU differently).
+  for (const int64_t rows : {R, 4 * R}) {
+    const int64_t n = rows * C;
+    const Buffer x(n, bf, 1), dy(n, bf, 3), dr(n, bf, 4), w(C, bf, 5, 1.0, 0.1), dx(n, bf, 9), dw(C, bf, 10),
+        db(C, bf, 11), mean(rows, f32, 12), rstd(rows, f32, 13, 1.0, 0.1);
+    const double stats = 8.0 * double(rows);
+    for (auto kind : {cuda::NormBackward::fused, cuda::NormBackward::smem, cuda::NormBackward::smem_ahead,
+                      cuda::NormBackward::split}) {
+      cuda::set_norm_backward(kind);
+      char what[96];
+      std::snprintf(what, sizeof what, "layernorm backward [%lld, 768], dw/db %s", static_cast<long long>(rows),
+                    cuda::name(kind));
+      row(what, h * 3 * double(n) + stats, median_ms([&] {
+            G.layernorm_backward(bf, dx.get(), dw.get(), db.get(), dy.get(), x.get(), w.get(), mean.get(), rstd.get(),
+                                 rows, C);
+          }));
+      std::snprintf(what, sizeof what, "residual_layernorm backward (+ dr) [%lld, 768], dw/db %s",
+                    static_cast<long long>(rows), cuda::name(kind));
+      row(what, h * 4 * double(n) + stats, median_ms([&] {
+            G.residual_layernorm_backward(bf, dx.get(), dw.get(), db.get(), dr.get(), dy.get(), x.get(), w.get(),
+                                          mean.get(), rstd.get(), rows, C);
+          }));
+    }
+    cuda::set_norm_backward(cuda::NormBackward::fused);
   }
   {  // GELU's derivative over the MLP's hidden activations
     const Buffer x(R * F, bf, 20), dy(R * F, bf, 21), dx(R * F, bf, 22);
@@ -104,10 +116,16 @@ int main() {
     G.copy_from_host(tg.data(), t.data(), size_t(R) * 4, gpu);
     const double L = h * double(R * Vp);
     // in place over the logits each run: the values become gradients, which are as good logits
-    row("classifier, fused: loss + dlogits in one call", 2 * L, median_ms([&] {
-          G.cross_entropy_fused(bf, DType::i32, loss.get(), logits.get(), logits.get(), tg.data(), 1.0 / double(R), R,
-                                Vp, V, -1);
-        }));
+    for (auto kind : {cuda::Classifier::streaming, cuda::Classifier::staged}) {
+      cuda::set_classifier(kind);
+      char what[96];
+      std::snprintf(what, sizeof what, "classifier, fused: loss + dlogits in one call, %s", cuda::name(kind));
+      row(what, 2 * L, median_ms([&] {
+            G.cross_entropy_fused(bf, DType::i32, loss.get(), logits.get(), logits.get(), tg.data(), 1.0 / double(R),
+                                  R, Vp, V, -1);
+          }));
+    }
+    cuda::set_classifier(cuda::Classifier::streaming);
     row("classifier, two calls: cross_entropy + its backward", 2 * L, median_ms([&] {
           G.cross_entropy(bf, DType::i32, loss.get(), lse.get(), logits.get(), tg.data(), R, Vp, V, -1);
           G.cross_entropy_backward(bf, DType::i32, logits.get(), dloss.get(), logits.get(), lse.get(), tg.data(), R, Vp,

@@ -5,7 +5,8 @@
 # training (T=1024, bf16) through `shardgrad train`, the PyTorch peer (bench/gpu/), and the
 # kernel sandboxes when built. Logs go to LOG_DIR (default ./gpu_check). The train part also runs
 # the last of BATCHES with GEMM tuning (SG_GEMM_TUNE=1; README, "GEMM tuning"); TUNED_BATCHES=""
-# skips that, TUNED_BATCHES="16 64" tunes both.
+# skips that, TUNED_BATCHES="16 64" tunes both; and with the kernel variants still to be decided
+# (VARIANTS; VARIANTS="" skips them).
 #   BUILD=build bash scripts/gpu_check.sh [build] [tests] [train] [torch] [kernels] [sanitize]
 # `build` configures BUILD (Release) and builds only what the other parts run (the CLI, the GPU
 # tests, the kernel benches): about 4 minutes on 16 cores, where a full build with every CPU test
@@ -55,15 +56,22 @@ with open(sys.argv[1], "wb") as f:
     f.write(struct.pack("<3i", 20240520, 1, n) + bytes(4 * 253))
     f.write(struct.pack(f"<{n}H", *(ranks[k] for k in random.choices(range(V), cum_weights=cum, k=n))))
 PY
-  # attention:batch[:tuned] runs; TUNED_BATCHES (default the last of BATCHES) also with GEMM tuning
+  # attention:batch[:variant] runs; TUNED_BATCHES (default the last of BATCHES) also with GEMM
+  # tuning; VARIANTS (default below) the last of BATCHES with other kernel variants
+  # (kernels/cuda/variants.h), each a comma-separated list of NAME=VALUE set for the run.
+  VARIANTS=${VARIANTS-"SG_NORM_BACKWARD=smem,SG_CLASSIFIER=staged SG_NORM_BACKWARD=smem_ahead,SG_CLASSIFIER=staged"}
   for run in $(for b in $BATCHES; do for a in ${ATTENTION:-cudnn flash}; do
                  [ "$a" = cudnn ] || [ "$b" = "$BATCH" ] && echo "$a:$b"; done; done
-               for b in ${TUNED_BATCHES-${BATCHES##* }}; do echo "cudnn:$b:tuned"; done); do
-    attn=${run%%:*} rest=${run#*:} batch=${rest%%:*} tuned=0
-    [ "$rest" != "$batch" ] && tuned=1
-    log="$LOG_DIR/gpt2_bf16_${attn}_b$batch$([ $tuned = 1 ] && echo _tuned).jsonl"
+               for b in ${TUNED_BATCHES-${BATCHES##* }}; do echo "cudnn:$b:SG_GEMM_TUNE=1"; done
+               for v in $VARIANTS; do echo "cudnn:${BATCHES##* }:$v"; done); do
+    attn=${run%%:*} rest=${run#*:} batch=${rest%%:*} variant=""
+    [ "$rest" != "$batch" ] && variant=${rest#*:}
+    # the log's name: _tuned for GEMM tuning, else the variant's values joined by _
+    suffix=$(case "$variant" in "") ;; SG_GEMM_TUNE=1) echo _tuned ;;
+             *) echo "$variant" | tr ',' '\n' | sed 's/.*=/_/' | tr -d '\n' ;; esac)
+    log="$LOG_DIR/gpt2_bf16_${attn}_b$batch$suffix.jsonl"
     # --profile-ops: one step's time by op-table entry (device ms between events around each call)
-    SG_GEMM_TUNE=$tuned timeout 300 "$BUILD/shardgrad" train --model gpt2 --data "$shard" --device cuda:0 --dtype bf16 --attention "$attn" \
+    env ${variant//,/ } timeout 300 "$BUILD/shardgrad" train --model gpt2 --data "$shard" --device cuda:0 --dtype bf16 --attention "$attn" \
       --batch-size "$batch" --seq-len 1024 --steps "$STEPS" --warmup-steps 2 --lr 6e-4 --eval-every 0 \
       --profile-ops "$PROFILE_STEP" --log-json "$log" > "${log%.jsonl}.txt" 2>&1
     sed -n '/^op profile/,/outside the op table/p' "${log%.jsonl}.txt"

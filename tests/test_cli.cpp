@@ -142,6 +142,14 @@ TEST_CASE("train refuses bad flags, missing files and existing checkpoints, nami
     if (r.code != 0) REQUIRE(r.output.find("rank 0 sees no CUDA device") != std::string::npos);
     else REQUIRE_FALSE(fs::exists(id));  // rank 0 removes the file once every rank has joined
   }
+#ifdef SG_WITH_CUDA
+  // A kernel variant named in the environment (kernels/cuda/variants.h) is read when the CUDA
+  // backend starts, GPU or not: an unknown name is refused naming the variable and what it takes.
+  refuses("SG_CLASSIFIER=bogus " + std::string(SG_BINARY) + " train --device cuda --steps 1 " + kSmall,
+          "SG_CLASSIFIER=bogus: not a variant; one of streaming, staged");
+  refuses("SG_NORM_BACKWARD=registers " + std::string(SG_BINARY) + " train --device cuda --steps 1 " + kSmall,
+          "SG_NORM_BACKWARD=registers: not a variant; one of fused, smem, smem_ahead, split");
+#endif
   {
     // without a GPU (CI) the NCCL backend is refused by name; with one this one-step run succeeds
     Run r = shardgrad("train --strategy ddp --backend nccl --device cuda --steps 1 " + kSmall);

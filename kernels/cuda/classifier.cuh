@@ -9,6 +9,7 @@
 // ignore_index gives loss 0 and increments *bad_targets (when given): the caller checks it.
 #pragma once
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/variants.h"
 
 namespace sg::cuda {
 
@@ -96,6 +97,22 @@ SG_DEVICE void row_dlogits(T* g, const T* x, float lse, int64_t t, float d, int6
   for (int64_t j = whole * kPer + threadIdx.x; j < Vp; j += blockDim.x) g[j] = from_f32<T>(grad(j, to_f32(x[j])));
 }
 
+// Row r's target t, given its log-sum-exp s over the row x: thread 0 stores lse[r] and loss[r]
+// (when given; the loss 0 for an ignored row or a target outside [0, V), which is counted in
+// *bad_targets). Returns t, or -1 when the row gets no gradient (ignored or out of range).
+template <class T, class I>
+SG_DEVICE int64_t row_loss(float* loss, float* lse, int* bad_targets, const T* x, const I* targets, int64_t r, float s,
+                           int64_t V, int64_t ignore_index) {
+  const int64_t t = int64_t(targets[r]);
+  const bool ignored = t == ignore_index, in_range = t >= 0 && t < V;
+  if (threadIdx.x == 0) {
+    if (!ignored && !in_range && bad_targets) atomicAdd(bad_targets, 1);
+    if (lse) lse[r] = s;
+    if (loss) loss[r] = ignored || !in_range ? 0.0f : s - to_f32(x[t]);
+  }
+  return ignored || !in_range ? -1 : t;
+}
+
 // One block of 512 threads per row, four blocks an SM (at most 32 registers a thread): measured on
 // an H200 at GPT-2's 16384 x 50304 bf16 logits (bench/RESULTS.md), this beat 1024-thread blocks
 // (fewer rows in flight) and a kernel holding the row in registers (one block an SM; git d36249f).
@@ -110,17 +127,41 @@ __global__ void __launch_bounds__(kClassifierThreads, 4) classifier_kernel(float
   const int64_t r = blockIdx.x;
   const T* x = logits + r * Vp;
   const float s = row_logsumexp(x, V, scratch);
-  const int64_t t = int64_t(targets[r]);
-  const bool ignored = t == ignore_index, in_range = t >= 0 && t < V;
-  if (threadIdx.x == 0) {
-    if (!ignored && !in_range && bad_targets) atomicAdd(bad_targets, 1);
-    if (lse) lse[r] = s;
-    if (loss) loss[r] = ignored || !in_range ? 0.0f : s - to_f32(x[t]);
-  }
+  const int64_t t = row_loss(loss, lse, bad_targets, x, targets, r, s, V, ignore_index);
   if constexpr (kBackward) {
     __syncthreads();  // x[t] is read above before the in-place write below
-    row_dlogits(dlogits + r * Vp, x, s, t, dloss, Vp, V, ignored || !in_range);
+    row_dlogits(dlogits + r * Vp, x, s, t, dloss, Vp, V, t < 0);
   }
+}
+
+// The fused pass with the row staged in shared memory (Classifier::staged): the row is read from
+// memory once, 16 bytes a thread at a time with four loads in flight, and both passes (the
+// log-sum-exp, then dlogits and the loss's target logit) read the copy. 1024 threads and at most
+// 110 KiB a row, so two blocks an SM: one can load while the other reduces or stores.
+constexpr int kStagedThreads = 1024;
+constexpr int64_t kStagedRowBytes = 110 * 1024;
+
+template <class T>
+bool classifier_stages(const void* logits, const void* dlogits, int64_t Vp) {
+  return Vp % Pack<T>::N == 0 && Vp * int64_t(sizeof(T)) <= kStagedRowBytes && aligned16(logits) && aligned16(dlogits);
+}
+
+template <class T, class I>
+__global__ void __launch_bounds__(kStagedThreads, 2)
+    classifier_staged_kernel(float* loss, float* lse, T* dlogits, const T* logits, const I* targets, float dloss,
+                             int64_t Vp, int64_t V, int64_t ignore_index, int* bad_targets) {
+  constexpr int kPer = Pack<T>::N;
+  SG_SHARED(float, scratch, 64);
+  SG_DYNAMIC_SHARED(T, row);  // Vp elements
+  const int64_t r = blockIdx.x;
+  const T* x = logits + r * Vp;
+  SG_UNROLL(4) for (int64_t k = threadIdx.x; k < Vp / kPer; k += blockDim.x) {
+    store_pack(row + k * kPer, load_pack(x + k * kPer));
+  }
+  __syncthreads();
+  const float s = row_logsumexp(row, V, scratch);
+  const int64_t t = row_loss(loss, lse, bad_targets, row, targets, r, s, V, ignore_index);
+  row_dlogits(dlogits + r * Vp, row, s, t, dloss, Vp, V, t < 0);  // the copy is never written
 }
 
 template <class T, class I>
@@ -170,14 +211,21 @@ inline void cross_entropy_backward(DType dtype, DType tgt_dtype, void* dlogits, 
 // Forward and backward in one read of the logits from memory (the fused classifier): loss, lse
 // (when given) and dlogits ('='), dlogits may be the logits buffer itself. dloss is the same for
 // every row and known before the forward (e.g. 1 / number of counted targets for a mean loss).
-// The block's second pass over its row reads what its first pass brought into L2.
+// kind: streaming (the block's second pass over its row reads what its first brought into L2) or
+// staged (the row copied into shared memory) where classifier_stages allows.
 inline void classifier_forward_backward(DType dtype, DType tgt_dtype, float* loss, float* lse, void* dlogits,
                                         const void* logits, const void* targets, float dloss, int64_t rows,
-                                        int64_t Vp, int64_t V, int64_t ignore_index, int* bad_targets, Stream stream) {
+                                        int64_t Vp, int64_t V, int64_t ignore_index, int* bad_targets, Stream stream,
+                                        Classifier kind = Classifier::streaming) {
   dispatch_storage(dtype, "classifier_forward_backward", [&](auto tag) {
     dispatch_index(tgt_dtype, "classifier_forward_backward", [&](auto itag) {
       using T = decltype(tag);
       using I = decltype(itag);
+      if (kind == Classifier::staged && classifier_stages<T>(logits, dlogits, Vp))
+        return launch(classifier_staged_kernel<T, I>, dim3(blocks_for(rows, 1)), dim3(kStagedThreads),
+                      size_t(Vp) * sizeof(T), stream, loss, lse, static_cast<T*>(dlogits),
+                      static_cast<const T*>(logits), static_cast<const I*>(targets), dloss, Vp, V, ignore_index,
+                      bad_targets);
       launch(classifier_kernel<T, I, true>, dim3(blocks_for(rows, 1)), dim3(kClassifierThreads), 0, stream, loss, lse,
              static_cast<T*>(dlogits), static_cast<const T*>(logits), static_cast<const I*>(targets), dloss, Vp, V,
              ignore_index, bad_targets);

@@ -9,6 +9,7 @@
 //             alignment allow, else by a second kernel), then the chunks in order (no atomics)
 #pragma once
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/variants.h"
 
 namespace sg::cuda {
 
@@ -122,16 +123,30 @@ SG_DEVICE void for_lane_units(int64_t units, int lane, F&& f) {
   }
 }
 
+// A lane's 16-byte packs of dr, read with the first pass's dy and x (kAhead) rather than in the
+// second pass, so all of a row's reads from memory are in flight at once.
+template <class T, int kUnits, bool kAhead>
+struct RowAhead {
+  Pack<T> a[kUnits];
+};
+template <class T, int kUnits>
+struct RowAhead<T, kUnits, false> {};
+
 // One row's input gradient, W elements at a time as in the forward (16-byte packs when every row
-// of dx, dr, dy, x and w starts 16-byte aligned). The second pass hands each unit's dy and xhat to
-// acc(k, dy, xhat) (the fused kernel's dw/db sums; nothing for the plain kernel).
-template <int W, int kUnits, class T, bool kRms, class Acc>
+// of dx, dr, dy, x and w starts 16-byte aligned). The second pass reads dy and x again (from L1 or
+// L2) and hands each unit's dy and xhat to acc(k, dy, xhat) (the fused kernels' dw/db sums;
+// nothing for the plain kernel). kAhead: dr read in the first pass (16-byte units, kUnits > 0).
+template <int W, int kUnits, bool kAhead, class T, bool kRms, class Acc>
 SG_DEVICE void norm_backward_dx_row(T* o, const T* a, const T* g, const T* xr, const T* w, float m, float s, int64_t C,
                                     int lane, Acc&& acc) {
+  static_assert(!kAhead || (kUnits > 0 && W == Pack<T>::N), "dr ahead needs 16-byte units, a fixed number a lane");
   const int64_t units = C / W;
+  RowAhead<T, kUnits, kAhead> ahead;
   float mean_g = 0.0f, mean_gx = 0.0f;
-  for_lane_units<kUnits>(units, lane, [&](int64_t u, int) {
+  for_lane_units<kUnits>(units, lane, [&](int64_t u, int k) {
     float gv[W], wv[W], xv[W];
+    if constexpr (kAhead)
+      if (a) ahead.a[k] = load_pack(a + u * W);
     load_w<W>(gv, g + u * W);
     load_w<W>(wv, w + u * W);
     load_w<W>(xv, xr + u * W);
@@ -154,7 +169,10 @@ SG_DEVICE void norm_backward_dx_row(T* o, const T* a, const T* g, const T* xr, c
     }
     if (a) {  // may be o: each lane reads its elements before writing them
       float av[W];
-      load_w<W>(av, a + u * W);
+      if constexpr (kAhead)
+        for (int e = 0; e < W; ++e) av[e] = to_f32(ahead.a[k].v[e]);
+      else
+        load_w<W>(av, a + u * W);
       for (int e = 0; e < W; ++e) d[e] += av[e];
     }
     store_w<W>(o + u * W, d);
@@ -172,8 +190,9 @@ __global__ void norm_backward_dx_kernel(T* dx, const T* dr, const T* dy, const T
   const float m = kRms ? 0.0f : mean[row], s = rstd[row];
   const T* a = dr ? dr + at : nullptr;
   const auto none = [](int, const auto&, const auto&) {};
-  if (packed) norm_backward_dx_row<Pack<T>::N, 0, T, kRms>(dx + at, a, dy + at, x + at, w, m, s, C, lane, none);
-  else norm_backward_dx_row<1, 0, T, kRms>(dx + at, a, dy + at, x + at, w, m, s, C, lane, none);
+  if (packed)
+    norm_backward_dx_row<Pack<T>::N, 0, false, T, kRms>(dx + at, a, dy + at, x + at, w, m, s, C, lane, none);
+  else norm_backward_dx_row<1, 0, false, T, kRms>(dx + at, a, dy + at, x + at, w, m, s, C, lane, none);
 }
 
 // The input gradient and the dw/db partials in one pass over dy and x, for 16-byte rows of at most
@@ -187,6 +206,14 @@ constexpr int kFusedCols = 32;  // columns per lane: C <= 1024
 
 constexpr bool norm_backward_fuses(int64_t C, bool packed) {
   return packed && C <= 32 * kFusedCols;
+}
+
+// The choice that runs for rows of C columns of T (packed: 16-byte rows): split where the
+// in-kernel sums cannot.
+template <class T>
+constexpr NormBackward norm_backward_runs(NormBackward kind, int64_t C, bool packed) {
+  if (!norm_backward_fuses(C, packed)) return NormBackward::split;
+  return kind;
 }
 
 template <class T, bool kRms>
@@ -209,7 +236,8 @@ __global__ void norm_backward_fused_kernel(T* dx, float* partial, const T* dr, c
   for (int64_t row = first + warp; row < end; row += kFusedWarps) {
     const int64_t at = row * C;
     const float m = kRms ? 0.0f : mean[row], s = rstd[row];
-    norm_backward_dx_row<W, kUnits, T, kRms>(dx + at, dr ? dr + at : nullptr, dy + at, x + at, w, m, s, C, lane, acc);
+    norm_backward_dx_row<W, kUnits, false, T, kRms>(dx + at, dr ? dr + at : nullptr, dy + at, x + at, w, m, s, C, lane,
+                                                     acc);
   }
   // The warps' sums in warp order: warp 0 stores, each later one adds, a barrier between turns.
   // A lane's W sums are adjacent, W floats from the next lane's: 16-byte accesses where W allows
@@ -241,6 +269,63 @@ __global__ void norm_backward_fused_kernel(T* dx, float* partial, const T* dr, c
   for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
     partial[chunk * C + c] = sums[c];
     partial[(chunks + chunk) * C + c] = sums[C + c];
+  }
+}
+
+// The fused kernel's work with each warp's column sums in shared memory instead of registers
+// (NormBackward::smem, smem_ahead): far fewer registers a thread, so more warps an SM, for
+// 64 C bytes of shared memory a block (48 KiB at C = 768). A warp adds its rows into its own slice
+// in row order and the slices are added in warp order: the fused kernel's sums, bit for bit. In a
+// slice the lane's W sums of one array lie as W / 4 float4s, each in a run of the warp's lanes
+// (slot (q, u) at (q units + u) 4), so each float4 access of a warp is conflict-free.
+constexpr int64_t norm_backward_smem_bytes(int64_t C) { return int64_t(kFusedWarps) * 2 * C * int64_t(sizeof(float)); }
+
+template <class T, bool kRms, bool kAhead>
+__global__ void __launch_bounds__(32 * kFusedWarps, kAhead ? 3 : 4) norm_backward_smem_kernel(T* dx, float* partial, const T* dr, const T* dy, const T* x, const T* w,
+                                          const float* mean, const float* rstd, int64_t rows, int64_t C) {
+  constexpr int W = Pack<T>::N, P = Pack<float>::N, kUnits = kFusedCols / W;
+  static_assert(W % P == 0, "a unit's sums are whole float4s");
+  SG_DYNAMIC_SHARED(float, sums);  // [kFusedWarps][dw | db][C], each [C] as above
+  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
+  const int64_t chunk = blockIdx.x, chunks = gridDim.x, units = C / W;
+  float* mine = sums + int64_t(warp) * 2 * C;
+  const auto slot = [&](int64_t u, int q) { return mine + (q * units + u) * P; };
+  for_lane_units<kUnits>(units, lane, [&](int64_t u, int) {  // a lane clears and later adds only its own slots
+    const Pack<float> zero{};
+    for (int q = 0; q < W / P; ++q) {
+      store_pack(slot(u, q), zero);
+      store_pack(slot(u, q) + C, zero);
+    }
+  });
+  const auto acc = [&](int k, const float(&gv)[W], const float(&xh)[W]) {
+    const int64_t u = lane + 32 * int64_t(k);
+    for (int q = 0; q < W / P; ++q) {
+      Pack<float> sw = load_pack(slot(u, q)), sb = load_pack(slot(u, q) + C);
+      for (int e = 0; e < P; ++e) {
+        sw.v[e] += gv[q * P + e] * xh[q * P + e];
+        sb.v[e] += gv[q * P + e];
+      }
+      store_pack(slot(u, q), sw);
+      store_pack(slot(u, q) + C, sb);
+    }
+  };
+  const int64_t first = chunk * kRowsPerChunk, end = first + kRowsPerChunk < rows ? first + kRowsPerChunk : rows;
+  for (int64_t row = first + warp; row < end; row += kFusedWarps) {
+    const int64_t at = row * C;
+    const float m = kRms ? 0.0f : mean[row], s = rstd[row];
+    norm_backward_dx_row<W, kUnits, kAhead, T, kRms>(dx + at, dr ? dr + at : nullptr, dy + at, x + at, w, m, s, C, lane,
+                                                    acc);
+  }
+  __syncthreads();
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+    const int64_t j = c % W, at = ((j / P) * units + c / W) * P + j % P;
+    float sw = sums[at], sb = sums[C + at];
+    for (int v = 1; v < kFusedWarps; ++v) {
+      sw += sums[v * 2 * C + at];
+      sb += sums[v * 2 * C + C + at];
+    }
+    partial[chunk * C + c] = sw;
+    partial[(chunks + chunk) * C + c] = sb;
   }
 }
 
@@ -305,21 +390,35 @@ void norm_forward(T* y, float* mean, float* rstd, T* residual_out, const T* x, c
          rstd, residual_out, x, residual, w, b, rows, C, float(eps), packed);
 }
 
-// fuse: sum dw/db in the input-gradient kernel where norm_backward_fuses allows (else a second kernel).
+// kind: where dw/db are summed (kernels/cuda/variants.h), as norm_backward_runs resolves it.
 template <class T, bool kRms>
 void norm_backward(T* dx, T* dw, T* db, const T* dr, const T* dy, const T* x, const T* w, const float* mean,
-                   const float* rstd, int64_t rows, int64_t C, float* workspace, Stream stream, bool fuse) {
+                   const float* rstd, int64_t rows, int64_t C, float* workspace, Stream stream, NormBackward kind) {
   const bool packed = C % Pack<T>::N == 0 && aligned16(dx) && aligned16(dy) && aligned16(x) && aligned16(w) &&
                       (!dr || aligned16(dr));
   const unsigned chunks = unsigned((rows + kRowsPerChunk - 1) / kRowsPerChunk);
-  if (fuse && norm_backward_fuses(C, packed)) {
-    launch(norm_backward_fused_kernel<T, kRms>, dim3(chunks), dim3(32 * kFusedWarps), 0, stream, dx, workspace, dr, dy,
-           x, w, mean, rstd, rows, C);
-  } else {
-    launch(norm_backward_dx_kernel<T, kRms>, dim3(blocks_for(rows, kNormWarps)), dim3(32 * kNormWarps), 0, stream, dx,
-           dr, dy, x, w, mean, rstd, rows, C, packed);
-    launch(norm_backward_partial_kernel<T, kRms>, dim3(blocks_for(C, 128), chunks), dim3(128), 0, stream, workspace,
-           dy, x, mean, rstd, rows, C);
+  kind = norm_backward_runs<T>(kind, C, packed);
+  const dim3 grid(chunks), block(32 * kFusedWarps);
+  const size_t smem = size_t(norm_backward_smem_bytes(C));
+  switch (kind) {
+    case NormBackward::fused:
+      launch(norm_backward_fused_kernel<T, kRms>, grid, block, 0, stream, dx, workspace, dr, dy, x, w, mean, rstd,
+             rows, C);
+      break;
+    case NormBackward::smem:
+      launch(norm_backward_smem_kernel<T, kRms, false>, grid, block, smem, stream, dx, workspace, dr, dy, x, w, mean,
+             rstd, rows, C);
+      break;
+    case NormBackward::smem_ahead:
+      launch(norm_backward_smem_kernel<T, kRms, true>, grid, block, smem, stream, dx, workspace, dr, dy, x, w, mean,
+             rstd, rows, C);
+      break;
+    case NormBackward::split:
+      launch(norm_backward_dx_kernel<T, kRms>, dim3(blocks_for(rows, kNormWarps)), dim3(32 * kNormWarps), 0, stream,
+             dx, dr, dy, x, w, mean, rstd, rows, C, packed);
+      launch(norm_backward_partial_kernel<T, kRms>, dim3(blocks_for(C, 128), chunks), dim3(128), 0, stream, workspace,
+             dy, x, mean, rstd, rows, C);
+      break;
   }
   launch(norm_backward_finish_kernel<T>, dim3(blocks_for(C, 32)), dim3(32 * kFinishLanes), 0, stream, dw, db,
          static_cast<const float*>(workspace), int64_t(chunks), C);
@@ -344,9 +443,10 @@ void residual_layernorm_forward(T* residual_out, T* y, float* mean, float* rstd,
 // The op-table backward: dx, dw, db all '='. workspace: norm_backward_workspace(rows, C) floats.
 template <class T>
 void layernorm_backward(T* dx, T* dw, T* db, const T* dy, const T* x, const T* w, const float* mean,
-                        const float* rstd, int64_t rows, int64_t C, float* workspace, Stream stream, bool fuse = true) {
+                        const float* rstd, int64_t rows, int64_t C, float* workspace, Stream stream,
+                        NormBackward kind = NormBackward::fused) {
   norm_backward<T, false>(dx, dw, db, static_cast<const T*>(nullptr), dy, x, w, mean, rstd, rows, C, workspace,
-                          stream, fuse);
+                          stream, kind);
 }
 
 // Backward of residual_layernorm_forward: dx = dr + the LayerNorm's input gradient ('='), the
@@ -355,8 +455,8 @@ void layernorm_backward(T* dx, T* dw, T* db, const T* dy, const T* x, const T* w
 template <class T>
 void residual_layernorm_backward(T* dx, T* dw, T* db, const T* dr, const T* dy, const T* r, const T* w,
                                  const float* mean, const float* rstd, int64_t rows, int64_t C, float* workspace,
-                                 Stream stream, bool fuse = true) {
-  norm_backward<T, false>(dx, dw, db, dr, dy, r, w, mean, rstd, rows, C, workspace, stream, fuse);
+                                 Stream stream, NormBackward kind = NormBackward::fused) {
+  norm_backward<T, false>(dx, dw, db, dr, dy, r, w, mean, rstd, rows, C, workspace, stream, kind);
 }
 
 template <class T>
@@ -368,9 +468,9 @@ void rmsnorm_forward(T* y, float* rstd, const T* x, const T* w, int64_t rows, in
 // dx, dw '='.
 template <class T>
 void rmsnorm_backward(T* dx, T* dw, const T* dy, const T* x, const T* w, const float* rstd, int64_t rows, int64_t C,
-                      float* workspace, Stream stream, bool fuse = true) {
+                      float* workspace, Stream stream, NormBackward kind = NormBackward::fused) {
   norm_backward<T, true>(dx, dw, static_cast<T*>(nullptr), static_cast<const T*>(nullptr), dy, x, w,
-                         static_cast<const float*>(nullptr), rstd, rows, C, workspace, stream, fuse);
+                         static_cast<const float*>(nullptr), rstd, rows, C, workspace, stream, kind);
 }
 
 }  // namespace sg::cuda

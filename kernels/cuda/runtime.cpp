@@ -1,10 +1,13 @@
 #include "kernels/cuda/runtime.h"
 
 #include <atomic>
+#include <cstdlib>
 #include <functional>
+#include <initializer_list>
 #include <map>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -253,15 +256,51 @@ void set_attention_backend(AttentionBackend b) {
 AttentionBackend attention_backend() { return g_attention; }
 
 namespace {
-std::atomic<bool> g_norm_backward_fused{true};
+std::atomic<NormBackward> g_norm_backward{NormBackward::fused};
+std::atomic<Classifier> g_classifier{Classifier::streaming};
 }  // namespace
 
-void set_norm_backward_fused(bool on) { g_norm_backward_fused = on; }
-bool norm_backward_fused() { return g_norm_backward_fused; }
+void set_norm_backward(NormBackward kind) { g_norm_backward = kind; }
+NormBackward norm_backward() { return g_norm_backward; }
+void set_classifier(Classifier kind) { g_classifier = kind; }
+Classifier classifier() { return g_classifier; }
+
+void allow_dynamic_shared(const void* kernel, size_t shmem) {
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, size_t> allowed;  // (kernel, device) -> bytes
+  int device = 0;
+  SG_CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(mu);
+  size_t& have = allowed[{kernel, device}];
+  if (have >= shmem) return;
+  SG_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shmem)));
+  have = shmem;
+}
+
+namespace {
+// The variant named by the environment variable var, if set, through set; refused naming the
+// variable and the names it takes.
+template <class E>
+void variant_from_env(const char* var, std::initializer_list<E> all, void (*set)(E)) {
+  const char* e = std::getenv(var);
+  if (!e || !*e) return;
+  std::string names;
+  for (E k : all) {
+    if (std::string(e) == name(k)) return set(k);
+    names += (names.empty() ? "" : ", ") + std::string(name(k));
+  }
+  throw Error(str(var, "=", e, ": not a variant; one of ", names, " (kernels/cuda/variants.h)"));
+}
+}  // namespace
 
 void ensure_registered() {
   static std::once_flag once;
   std::call_once(once, [] {
+    // A whole run's variants, for timing them end to end (scripts/gpu_check.sh).
+    variant_from_env("SG_NORM_BACKWARD",
+                     {NormBackward::fused, NormBackward::smem, NormBackward::smem_ahead, NormBackward::split},
+                     &set_norm_backward);
+    variant_from_env("SG_CLASSIFIER", {Classifier::streaming, Classifier::staged}, &set_classifier);
     register_allocator(DeviceType::cuda, device_allocator());
     if (device_count() > 0) register_pinned_allocator(new PinnedAllocator());
     static kernels::OpTable t;

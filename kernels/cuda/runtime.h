@@ -12,6 +12,7 @@
 
 #include "core/device.h"
 #include "core/error.h"
+#include "kernels/cuda/variants.h"
 #include "kernels/ops.h"
 
 #define SG_CUDA_CHECK(call)                                                                          \
@@ -101,11 +102,17 @@ enum class AttentionBackend : uint8_t { flash, cudnn };
 void set_attention_backend(AttentionBackend b);
 AttentionBackend attention_backend();
 
-// Whether the LayerNorm/RMSNorm backward sums dw/db inside its input-gradient kernel where C and
-// the rows' alignment allow (default on), or always in a second kernel that reads dy and x again.
-// Process-wide; for timing one against the other (bench/memory_gpu.cpp).
-void set_norm_backward_fused(bool on);
-bool norm_backward_fused();
+// Where the op table's LayerNorm/RMSNorm backward sums dw/db (kernels/cuda/variants.h; default
+// fused). Process-wide; for timing the choices against each other (bench/memory_gpu.cpp).
+void set_norm_backward(NormBackward kind);
+NormBackward norm_backward();
+// How the op table's fused classifier reads its rows (kernels/cuda/variants.h; default streaming).
+void set_classifier(Classifier kind);
+Classifier classifier();
+
+// Lets kernel take shmem bytes of dynamic shared memory (cudaFuncAttributeMaxDynamicSharedMemorySize,
+// needed above 48 KiB) on the current device; once per kernel, size and device. launch() calls it.
+void allow_dynamic_shared(const void* kernel, size_t shmem);
 
 #ifdef SG_CUDA_KERNELS
 // kernels/cuda/table.cu: every kernel entry of the CUDA op table (all but the host copies).

@@ -169,7 +169,7 @@ void residual_layernorm_backward(DType dtype, void* dx, void* dw, void* db, cons
     cuda::residual_layernorm_backward<T>(static_cast<T*>(dx), static_cast<T*>(dw), static_cast<T*>(db),
                                          static_cast<const T*>(dr), static_cast<const T*>(dy), static_cast<const T*>(x),
                                          static_cast<const T*>(w), stats(mean), stats(rstd), rows, C, work.as<float>(),
-                                         o.stream, norm_backward_fused());
+                                         o.stream, norm_backward());
   });
 }
 
@@ -197,7 +197,7 @@ void rmsnorm_backward(DType dtype, void* dx, void* dw, const void* dy, const voi
     using T = decltype(tag);
     cuda::rmsnorm_backward<T>(static_cast<T*>(dx), static_cast<T*>(dw), static_cast<const T*>(dy),
                               static_cast<const T*>(x), static_cast<const T*>(w), stats(rstd), rows, C,
-                              work.as<float>(), o.stream, norm_backward_fused());
+                              work.as<float>(), o.stream, norm_backward());
   });
 }
 
@@ -251,7 +251,7 @@ void cross_entropy_fused(DType dtype, DType tgt_dtype, void* loss, void* dlogits
   const On o = on(loss, "cross_entropy_fused");
   cuda::classifier_forward_backward(dtype, tgt_dtype, stats(loss), nullptr, dlogits, logits, targets, float(dloss),
                                     rows, Vp, V, ignore_index, check_targets(o.dev, rows, V, ignore_index).ptr(),
-                                    o.stream);
+                                    o.stream, cuda::classifier());
 }
 
 void dropout(DType dtype, void* out, const void* x, int64_t n, double p, uint64_t seed, uint64_t stream,

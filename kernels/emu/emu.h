@@ -97,7 +97,8 @@ class Barrier {
   const char* kind_ = "";
 };
 
-constexpr size_t kStaticShared = 48 * 1024;  // the default static shared-memory limit of a block
+constexpr size_t kStaticShared = 48 * 1024;       // the default static shared-memory limit of a block
+constexpr size_t kMaxDynamicShared = 227 * 1024;  // sm_90's dynamic limit (opted into above 48 KiB)
 
 // What the threads of one launch share.
 struct Grid {
@@ -167,6 +168,7 @@ inline void run_grid(dim3 grid, dim3 block, size_t shmem, const std::function<vo
   const unsigned threads = block.x * block.y * block.z;
   if (threads == 0 || threads > 1024) fail("a block needs 1 to 1024 threads");
   if (grid.y > 65535 || grid.z > 65535) fail("gridDim.y and gridDim.z are at most 65535");
+  if (shmem > kMaxDynamicShared) fail("dynamic shared memory over 227 KiB (sm_90's most for a block)");
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;  // (their product could wrap in 32 bits)
   Grid g(grid, block, shmem);
   auto thread_main = [&](int tid) {

@@ -276,7 +276,28 @@ TEMPLATE_TEST_CASE("emu fused classifier matches cross_entropy and its backward 
     check_close(lse2, lse_ref, 1e-5, 1e-5);
     check_close(inplace, dl_fused_ref, 0.1);
     CHECK(bad == 0);
+
+    // The same with the row staged in shared memory (rows of whole 16-byte pieces; the others
+    // stream), in place and into a separate buffer.
+    CHECK(cu::classifier_stages<T>(xs.data(), xs.data(), Vp) == (Vp % cu::Pack<T>::N == 0));
+    for (bool in_place : {true, false}) {
+      INFO("staged, in place " << in_place);
+      auto src = xs;
+      std::vector<T> out(rows * Vp);
+      T* dst = in_place ? src.data() : out.data();
+      std::vector<float> loss3(rows), lse3(rows);
+      cu::classifier_forward_backward(dtype_of<T>(), DType::i32, loss3.data(), lse3.data(), dst, src.data(),
+                                      t32.data(), d, rows, Vp, V, ignore, &bad, nullptr, cu::Classifier::staged);
+      check_close(loss3, loss_ref, 1e-5, 1e-5);
+      check_close(lse3, lse_ref, 1e-5, 1e-5);
+      check_close(in_place ? src : out, dl_fused_ref, 0.1);
+      if (!in_place) CHECK(to_float(src) == to_float(xs));  // the logits only read
+      CHECK(bad == 0);
+    }
   }
+  // GPT-2's padded vocabulary stages in bf16 (98 KiB a row), not in f32 (196 KiB: two blocks an SM
+  // would not fit)
+  CHECK(cu::classifier_stages<T>(nullptr, nullptr, 50304) == (sizeof(T) == 2));
 }
 
 TEST_CASE("emu classifier counts targets out of range instead of reading past the row", "[emu]") {
@@ -319,9 +340,10 @@ TEMPLATE_TEST_CASE("emu layernorm forward and backward match the CPU table", "[e
   // 70 rows: three row chunks, a partial block; 549: 18 chunks, more than the finish kernel's 16 warps;
   // C = 64 (and 100 for f32): the 16-byte paths, where the backward's input-gradient kernel also
   // sums dw/db (up to C = 1024: 4 or 8 units a lane); C = 37 (and 100 for bf16) the element paths
-  // and the separate dw/db kernel; C = 1032: 16-byte rows too wide for the fused backward.
+  // and the separate dw/db kernel; C = 1032: 16-byte rows too wide for the fused backward; C = 768:
+  // GPT-2's rows (48 KiB of shared memory for the smem kinds' sums, 64 KiB at 1024).
   for (auto [rows, C] : {std::pair<int64_t, int64_t>{3, 37}, {70, 100}, {549, 37}, {9, 64}, {70, 64}, {41, 1024},
-                         {41, 1032}}) {
+                         {41, 1032}, {45, 768}}) {
     INFO("rows " << rows << " C " << C);
     const bool packed = C % cu::Pack<T>::N == 0;
     CHECK(cu::norm_backward_fuses(C, packed) == (packed && C <= 1024));
@@ -344,13 +366,24 @@ TEMPLATE_TEST_CASE("emu layernorm forward and backward match the CPU table", "[e
     check_close(dx, dx_ref, 4.0);
     check_close(dw, dw_ref, 8.0);
     check_close(db, db_ref, 8.0);
-    // dw/db by the second kernel: the same input gradient, bit for bit (the same arithmetic)
-    std::vector<T> dx2(rows * C), dw2(C), db2(C);
-    cu::layernorm_backward(dx2.data(), dw2.data(), db2.data(), dys.data(), xs.data(), ws.data(), mean.data(),
-                           rstd.data(), rows, C, work.data(), nullptr, false);
-    CHECK(to_float(dx2) == to_float(dx));
-    check_close(dw2, dw_ref, 8.0);
-    check_close(db2, db_ref, 8.0);
+    // The other places dw/db are summed: the same input gradient, bit for bit (the same
+    // arithmetic); the shared-memory sums bit for bit too (each warp's rows in row order, the warps
+    // in warp order, as the registers' sums); the second kernel's in its own order.
+    for (auto kind : {cu::NormBackward::smem, cu::NormBackward::smem_ahead, cu::NormBackward::split}) {
+      const auto runs = cu::norm_backward_runs<T>(kind, C, packed);
+      INFO("asked " << cu::name(kind) << ", runs " << cu::name(runs));
+      CHECK(runs == (!packed || C > 1024 ? cu::NormBackward::split : kind));
+      std::vector<T> dx2(rows * C), dw2(C), db2(C);
+      cu::layernorm_backward(dx2.data(), dw2.data(), db2.data(), dys.data(), xs.data(), ws.data(), mean.data(),
+                             rstd.data(), rows, C, work.data(), nullptr, kind);
+      CHECK(to_float(dx2) == to_float(dx));
+      if (runs == kind && kind != cu::NormBackward::split) {
+        CHECK(to_float(dw2) == to_float(dw));
+        CHECK(to_float(db2) == to_float(db));
+      }
+      check_close(dw2, dw_ref, 8.0);
+      check_close(db2, db_ref, 8.0);
+    }
   }
 }
 
@@ -358,7 +391,10 @@ TEMPLATE_TEST_CASE("emu residual layernorm equals the add then the CPU layernorm
                    "[emu]", float, cu::bf16, cu::f16) {
   using T = TestType;
   const int64_t rows = 5, C = GENERATE(70, 64);  // 64: the forward's 16-byte path
-  INFO("C " << C);
+  // each place the backward sums dw/db (70: every one runs split)
+  const auto kind = GENERATE(cu::NormBackward::fused, cu::NormBackward::smem, cu::NormBackward::smem_ahead,
+                             cu::NormBackward::split);
+  INFO("C " << C << " backward " << cu::name(kind));
   const auto x = rounded<T>(randn(rows * C, 19)), res = rounded<T>(randn(rows * C, 20, 1.0f, 0.5f));
   const auto w = rounded<T>(randn(C, 21, 0.5f, 1.0f)), b = rounded<T>(randn(C, 22));
   const auto dy = rounded<T>(randn(rows * C, 23)), dres0 = rounded<T>(randn(rows * C, 24));
@@ -382,18 +418,18 @@ TEMPLATE_TEST_CASE("emu residual layernorm equals the add then the CPU layernorm
   // dr in place (dx aliases it), dr apart from dx, and no dr at all
   auto dres = to_storage<T>(dres0);
   cu::residual_layernorm_backward(dres.data(), dw.data(), db.data(), static_cast<const T*>(dres.data()), dys.data(),
-                                  r.data(), ws.data(), mean.data(), rstd.data(), rows, C, work.data(), nullptr);
+                                  r.data(), ws.data(), mean.data(), rstd.data(), rows, C, work.data(), nullptr, kind);
   check_close(dres, dx_ref, 4.0);
   check_close(dw, dw_ref, 8.0);
   check_close(db, db_ref, 8.0);
   const auto dr = to_storage<T>(dres0);
   std::vector<T> dx(rows * C);
   cu::residual_layernorm_backward(dx.data(), dw.data(), db.data(), dr.data(), dys.data(), r.data(), ws.data(),
-                                  mean.data(), rstd.data(), rows, C, work.data(), nullptr);
+                                  mean.data(), rstd.data(), rows, C, work.data(), nullptr, kind);
   check_close(dx, dx_ref, 4.0);
   check_close(dr, rounded<T>(dres0));  // read, not written
   cu::residual_layernorm_backward(dx.data(), dw.data(), db.data(), static_cast<const T*>(nullptr), dys.data(),
-                                  r.data(), ws.data(), mean.data(), rstd.data(), rows, C, work.data(), nullptr);
+                                  r.data(), ws.data(), mean.data(), rstd.data(), rows, C, work.data(), nullptr, kind);
   for (size_t i = 0; i < dx_ref.size(); ++i) dx_ref[i] -= dres0[i];
   check_close(dx, dx_ref, 4.0);
 }
@@ -401,7 +437,9 @@ TEMPLATE_TEST_CASE("emu residual layernorm equals the add then the CPU layernorm
 TEMPLATE_TEST_CASE("emu rmsnorm forward and backward match the CPU table", "[emu]", float, cu::bf16, cu::f16) {
   using T = TestType;
   const int64_t rows = 37, C = GENERATE(45, 48);  // 48: the forward's 16-byte path
-  INFO("C " << C);
+  const auto kind = GENERATE(cu::NormBackward::fused, cu::NormBackward::smem, cu::NormBackward::smem_ahead,
+                             cu::NormBackward::split);
+  INFO("C " << C << " backward " << cu::name(kind));
   const auto x = rounded<T>(randn(rows * C, 25, 2.0f)), dy = rounded<T>(randn(rows * C, 26));
   const auto w = rounded<T>(randn(C, 27, 0.5f, 1.0f));
   std::vector<float> y_ref(rows * C), rstd_ref(rows), dx_ref(rows * C), dw_ref(C);
@@ -413,7 +451,7 @@ TEMPLATE_TEST_CASE("emu rmsnorm forward and backward match the CPU table", "[emu
   std::vector<float> rstd(rows), work(static_cast<size_t>(cu::norm_backward_workspace(rows, C)));
   cu::rmsnorm_forward(y.data(), rstd.data(), xs.data(), ws.data(), rows, C, 1e-6, nullptr);
   cu::rmsnorm_backward(dx.data(), dw.data(), dys.data(), xs.data(), ws.data(), rstd.data(), rows, C, work.data(),
-                       nullptr);
+                       nullptr, kind);
   check_close(y, y_ref, 4.0);
   check_close(rstd, rstd_ref, 1e-5, 1e-5);
   check_close(dx, dx_ref, 4.0);

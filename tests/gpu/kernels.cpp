@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <optional>
 #include <thread>
+#include <tuple>
 
 #include "autograd/ops.h"
 #include "autograd/tape.h"
@@ -363,11 +364,19 @@ TEST_CASE("softmax and log-softmax, forward and backward, match the CPU", "[gpu]
     }
 }
 
-// C = 97: element by element; 64 and 768 (GPT-2 small): 16-byte packs and the fused dw/db backward;
-// 1280 (GPT-2 large): packs, with dw/db in a second kernel (norm_backward_fuses).
+// C = 97: element by element; 64 and 768 (GPT-2 small): 16-byte packs and the fused dw/db backward
+// (300 rows: 10 row chunks); 1024: the smem kinds' 64 KiB of shared memory (over the 48 KiB
+// default); 1280 (GPT-2 large): packs, with dw/db in a second kernel (norm_backward_fuses). Every
+// place the backward can sum dw/db (cuda::set_norm_backward).
 TEST_CASE("layernorm and rmsnorm, forward and backward, match the CPU", "[gpu][kernels]") {
-  for (auto [rows, C_] : {std::pair<int64_t, int64_t>{37, 97}, {37, 64}, {29, 768}, {9, 1280}}) {
-    INFO("rows " << rows << " C " << C_);
+  for (auto [rows, C_, kind] : {std::tuple{int64_t(37), int64_t(97), cuda::NormBackward::fused},
+                                {37, 64, cuda::NormBackward::fused}, {29, 768, cuda::NormBackward::fused},
+                                {300, 768, cuda::NormBackward::fused}, {300, 768, cuda::NormBackward::smem},
+                                {300, 768, cuda::NormBackward::smem_ahead}, {300, 768, cuda::NormBackward::split},
+                                {41, 1024, cuda::NormBackward::smem}, {41, 1024, cuda::NormBackward::smem_ahead},
+                                {9, 1280, cuda::NormBackward::fused}}) {
+    INFO("rows " << rows << " C " << C_ << " backward " << cuda::name(kind));
+    cuda::set_norm_backward(kind);
     const auto x = randn(size_t(rows * C_), 17, 1.5f, 0.5f), w = randn(size_t(C_), 18, 0.2f, 1.0f),
                b = randn(size_t(C_), 19), dy = randn(size_t(rows * C_), 20);
     for (DType dt : kFloat) {
@@ -429,6 +438,7 @@ TEST_CASE("layernorm and rmsnorm, forward and backward, match the CPU", "[gpu][k
       check_close(get(gdw), get(cdw), tol, 10 * tol);
     }
   }
+  cuda::set_norm_backward(cuda::NormBackward::fused);
 }
 
 TEST_CASE("embedding forward and '+=' backward match the CPU; a bad index throws", "[gpu][kernels]") {
@@ -538,14 +548,21 @@ static void check_classifier(int64_t rows, int64_t Vp, int64_t V) {
     C().cross_entropy_backward(DType::f32, DType::i64, cdx.data_ptr(), cd.data_ptr(), cx.data_ptr(), cs.data_ptr(),
                                ct.data_ptr(), rows, Vp, V, ignore);
     check_close(get(gdx), rounded(get(cdx), dt), tol, dt == DType::f32 ? 1e-6 : 5e-3);
-    // The fused classifier, in place over the logits, against the CPU's fused entry.
+    // The fused classifier, in place over the logits, against the CPU's fused entry: the row read
+    // twice (streaming) and staged in shared memory (where the row fits; else it streams).
     const double d = 0.0625;
-    G().cross_entropy_fused(dt, DType::i64, gl.data_ptr(), gx.data_ptr(), gx.data_ptr(), gt.data_ptr(), d, rows, Vp, V,
-                            ignore);
     C().cross_entropy_fused(DType::f32, DType::i64, cl.data_ptr(), cdx.data_ptr(), cx.data_ptr(), ct.data_ptr(), d,
                             rows, Vp, V, ignore);
-    check_close(get(gl), get(cl), 1e-5, 1e-5);
-    check_close(get(gx), rounded(get(cdx), dt), tol, dt == DType::f32 ? 1e-6 : 5e-3);
+    for (auto kind : {cuda::Classifier::streaming, cuda::Classifier::staged}) {
+      INFO("classifier " << cuda::name(kind));
+      cuda::set_classifier(kind);
+      Tensor gy = put(logits, dt, gpu);
+      G().cross_entropy_fused(dt, DType::i64, gl.data_ptr(), gy.data_ptr(), gy.data_ptr(), gt.data_ptr(), d, rows, Vp,
+                              V, ignore);
+      check_close(get(gl), get(cl), 1e-5, 1e-5);
+      check_close(get(gy), rounded(get(cdx), dt), tol, dt == DType::f32 ? 1e-6 : 5e-3);
+    }
+    cuda::set_classifier(cuda::Classifier::streaming);
   }
 }
 
@@ -563,10 +580,15 @@ TEST_CASE("cross_entropy over a padded vocabulary, forward and backward, matches
   G().cross_entropy(DType::f32, DType::i32, gl.data_ptr(), gs.data_ptr(), gx.data_ptr(), gb.data_ptr(), rows, Vp, V,
                     ignore);
   REQUIRE_THROWS_WITH(get(gl), Catch::Contains("cross_entropy (cuda): 1 of 21 targets out of range [0, 129)"));
-  G().cross_entropy_fused(DType::f32, DType::i32, gl.data_ptr(), gx.data_ptr(), gx.data_ptr(), gb.data_ptr(), 1.0, rows,
-                          Vp, V, ignore);
-  REQUIRE_THROWS_WITH(get(gl), Catch::Contains("cross_entropy (cuda): 1 of 21 targets out of range [0, 129)"));
-  REQUIRE_NOTHROW(get(gl));
+  for (auto kind : {cuda::Classifier::streaming, cuda::Classifier::staged}) {
+    INFO("classifier " << cuda::name(kind));
+    cuda::set_classifier(kind);
+    G().cross_entropy_fused(DType::f32, DType::i32, gl.data_ptr(), gx.data_ptr(), gx.data_ptr(), gb.data_ptr(), 1.0,
+                            rows, Vp, V, ignore);
+    REQUIRE_THROWS_WITH(get(gl), Catch::Contains("cross_entropy (cuda): 1 of 21 targets out of range [0, 129)"));
+    REQUIRE_NOTHROW(get(gl));
+  }
+  cuda::set_classifier(cuda::Classifier::streaming);
 }
 
 TEST_CASE("dropout and Philox fills give the CPU's numbers", "[gpu][kernels]") {
