@@ -6,7 +6,8 @@
 // backward (the backward entry re-runs the forward for f32 statistics on both paths, as training
 // does). FLOPs are the causal ones: forward 2 matmuls of 2*B*H*T*T*D, halved by the mask;
 // backward 2.5x the forward (5 matmuls to the forward's 2). The cuDNN output is validated
-// against the flash output (relative L2) before timing.
+// against the flash output (relative L2) before timing, and each backend's backward gradients are
+// compared bit for bit over 3 runs from the same inputs (whether the path is run-to-run repeatable).
 // GEMM: C = A B^T (a linear layer), M=N=K=8192 and GPT-2 small's three shapes at 8192 tokens;
 // then the two c_proj GEMMs with their bias and the block's residual add in cuBLASLt's epilogue
 // (GemmArgs::residual), against the GEMM with its bias and a separate add: whether the beta = 1
@@ -90,8 +91,21 @@ void bench_attention(int64_t H, int64_t D) {
         G.attention(a);
         G.attention_backward(a);
       });
-      std::printf("%4ld  %-7s %9.3f %9.1f %12.3f %12.1f", long(B), name, fwd, fwd_flops / fwd * 1e-9, fb,
-                  fb_flops / fb * 1e-9);
+      // The backward's gradients, bit for bit, over 3 runs from the same inputs: the hand-written
+      // kernels sum in a fixed order; whether cuDNN's engine does decides if it can be the default.
+      const auto grads = [&] {
+        G.attention(a);
+        G.attention_backward(a);
+        std::vector<float> g = to_host_f32(dq, n), gk = to_host_f32(dk, n), gv = to_host_f32(dv, n);
+        g.insert(g.end(), gk.begin(), gk.end());
+        g.insert(g.end(), gv.begin(), gv.end());
+        return g;
+      };
+      const std::vector<float> first = grads();
+      bool repeatable = true;
+      for (int run = 1; run < 3; ++run) repeatable = repeatable && grads() == first;
+      std::printf("%4ld  %-7s %9.3f %9.1f %12.3f %12.1f   bwd bits %s over 3 runs", long(B), name, fwd,
+                  fwd_flops / fwd * 1e-9, fb, fb_flops / fb * 1e-9, repeatable ? "equal" : "DIFFER");
       if (backend == cuda::AttentionBackend::cudnn) std::printf("   out vs flash: rel L2 %.1e", rel_l2(o, flash_out));
       std::printf("\n");
     }

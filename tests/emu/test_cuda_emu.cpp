@@ -370,7 +370,7 @@ TEMPLATE_TEST_CASE("emu layernorm forward and backward match the CPU table", "[e
     // arithmetic); the shared-memory sums bit for bit too (each warp's rows in row order, the warps
     // in warp order, as the registers' sums); the second kernel's in its own order.
     for (auto kind : {cu::NormBackward::smem, cu::NormBackward::smem_ahead, cu::NormBackward::split}) {
-      const auto runs = cu::norm_backward_runs<T>(kind, C, packed);
+      const auto runs = cu::norm_backward_runs(kind, C, packed);
       INFO("asked " << cu::name(kind) << ", runs " << cu::name(runs));
       CHECK(runs == (!packed || C > 1024 ? cu::NormBackward::split : kind));
       std::vector<T> dx2(rows * C), dw2(C), db2(C);
