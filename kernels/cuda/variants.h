@@ -1,19 +1,20 @@
-// Implementations of one op that stay side by side until a GPU measurement picks one (DESIGN.md:
-// the loser is then removed, its figures kept in bench/RESULTS.md). Plain C++: the CUDA runtime
-// side (runtime.h) and the kernels, real or emulated, both include it.
+// Implementations of one op that stay side by side until a GPU measurement picks one; the loser is
+// then removed and its figures kept in bench/RESULTS.md (README, "Kernel variants awaiting a GPU").
+// Plain C++: the CUDA runtime side (runtime.h) and the kernels, real or emulated, both include it.
 #pragma once
 #include <cstdint>
 
 namespace sg::cuda {
 
 // How the LayerNorm/RMSNorm backward sums dw/db (kernels/cuda/layernorm.cuh):
-//   fused      in its input-gradient kernel, each lane's column sums in registers (the default);
-//   smem       in its input-gradient kernel, each warp's column sums in shared memory, the row
-//              read again for the second pass (L1 or L2);
-//   smem_ahead  as smem, the lane's dy, x and dr held in registers between the two passes;
-//   split      by a second kernel that reads dy and x again.
-// The three in-kernel ones need 16-byte rows of at most 1024 columns (smem_ahead: 512 for f32);
-// elsewhere every choice runs split.
+//   fused       in its input-gradient kernel, each lane's column sums in registers (the default);
+//   smem        in its input-gradient kernel, each warp's column sums in shared memory, the row
+//               read again for the second pass (L1 or L2);
+//   smem_ahead  as smem, with dr read in the first pass beside dy and x (held in registers until
+//               the second pass adds it);
+//   split       by a second kernel that reads dy and x again.
+// The three in-kernel ones need 16-byte rows of at most 1024 columns; elsewhere every choice runs
+// split (norm_backward_runs).
 enum class NormBackward : uint8_t { fused, smem, smem_ahead, split };
 
 inline const char* name(NormBackward k) {
