@@ -47,6 +47,10 @@ std::unique_ptr<ckpt::Checkpoint> resume_checkpoint(const Args& a);
 bool first_launched_rank();
 // The model config a checkpoint records; `where` names it in errors.
 nn::GPTConfig config_from_metadata(const std::map<std::string, std::string>& m, const std::string& where);
+// Resume is strict, as PyTorch's load_state_dict: a tensor in the checkpoint that is neither one of
+// the model's parameters nor their optimizer state (.exp_avg, .exp_avg_sq, .master) is refused,
+// naming it, rather than ignored. (Missing tensors are refused where they are read.)
+void refuse_unknown_tensors(const ckpt::Checkpoint& ck, const nn::GPTConfig& c);
 
 // --simulate N (simulate.cpp).
 int simulate_main(const Args& a);

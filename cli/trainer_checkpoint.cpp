@@ -3,6 +3,7 @@
 // written and read back whatever the layout that saved them.
 #include <cstdio>
 #include <cstdlib>
+#include <set>
 
 #include "autograd/tape.h"
 #include "cli/trainer.h"
@@ -54,6 +55,23 @@ nn::GPTConfig config_from_metadata(const std::map<std::string, std::string>& m, 
   if (m.count("padded_vocab")) c.padded_vocab = get("padded_vocab");
   c.validate();
   return c;
+}
+
+void refuse_unknown_tensors(const ckpt::Checkpoint& ck, const nn::GPTConfig& c) {
+  std::set<std::string> known;
+  for (const std::string& n : nn::gpt_parameter_names(c))
+    for (const char* suffix : {"", ".exp_avg", ".exp_avg_sq", ".master"}) known.insert(n + suffix);
+  std::vector<std::string> unknown;
+  for (const std::string& n : ck.names())
+    if (!known.count(n)) unknown.push_back(n);
+  if (unknown.empty()) return;
+  std::string listed;
+  for (size_t i = 0; i < unknown.size() && i < 5; ++i) listed.append(i ? ", '" : "'").append(unknown[i]).append("'");
+  if (unknown.size() > 5) listed.append(str(" and ", unknown.size() - 5, " more"));
+  throw Error(str("train: checkpoint ", ck.path(), " holds ", unknown.size(), " tensor", unknown.size() > 1 ? "s" : "",
+                  " that a GPT-2 of ", c.n_layer, " layer", c.n_layer > 1 ? "s" : "",
+                  " and its optimizer state do not: ", listed,
+                  "; it was not written by this model, and resuming would drop them"));
 }
 
 bool first_launched_rank() {

@@ -275,6 +275,7 @@ void Trainer::build_model(const ckpt::Checkpoint* ck) {
   };
   if (ck) {
     cfg_ = config_from_metadata(ck->metadata(), ck->path());
+    refuse_unknown_tensors(*ck, cfg_);
     agree("the checkpoint " + ck->path());
   } else if (!a.str("init-from").empty()) {
     io::SafetensorsFile f = io::load_safetensors(a.str("init-from"));

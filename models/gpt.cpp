@@ -267,6 +267,18 @@ bool is_conv1d(const std::string& name) {
 }
 }  // namespace
 
+std::vector<std::string> gpt_parameter_names(const GPTConfig& c) {
+  std::vector<std::string> out = {"wte.weight", "wpe.weight"};
+  for (int64_t i = 0; i < c.n_layer; ++i)
+    for (const char* p : {"ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight",
+                          "attn.c_proj.bias", "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias",
+                          "mlp.c_proj.weight", "mlp.c_proj.bias"})
+      out.push_back(str("h.", i, ".", p));
+  out.push_back("ln_f.weight");
+  out.push_back("ln_f.bias");
+  return out;
+}
+
 io::NamedTensors hf_state_dict(const GPT& model) {
   SG_CHECK(model.config.tp == 1, "hf_state_dict: the model is split --tp ", model.config.tp, " ways (use a sharded checkpoint)");
   autograd::NoGradGuard ng;

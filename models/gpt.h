@@ -153,6 +153,10 @@ class GPT : public Module {
   std::shared_ptr<comm::ProcessGroup> tp_group;
 };
 
+// The global names of a GPT's parameters in registration order, from the config alone (no
+// tensors, nothing on any ledger): what a whole model holds whatever the layout that splits it.
+std::vector<std::string> gpt_parameter_names(const GPTConfig& c);
+
 // Hugging Face GPT-2 names and layouts: Conv1D weights are [in, out] there and [out, in] here;
 // wte has vocab_size rows there and vocab_rows here. Unsharded models only (tp == 1).
 io::NamedTensors hf_state_dict(const GPT& model);

@@ -11,9 +11,11 @@
 #include <sstream>
 #include <string>
 
+#include "autograd/ops.h"
 #include "io/gpt2_tokenizer.h"
 #include "io/token_shards.h"
 #include "parallel/checkpoint.h"
+#include "parallel/sharded_checkpoint.h"
 #include "tests/cli_support.h"
 
 namespace fs = std::filesystem;
@@ -183,6 +185,30 @@ TEST_CASE("train refuses bad flags, missing files and existing checkpoints, nami
   REQUIRE(fs::last_write_time(fs::path(save) / "step_00000001" / "index.json") == before);
   // a checkpoint of another shape is refused by name
   fails_with("train " + kSmall + " --steps 2 --n-layer 2 --resume " + save, "--n-layer 2 does not match the checkpoint");
+  // resume is strict: the same checkpoint rewritten with one tensor more (a valid index, its own
+  // bytes) is refused naming it; rewritten as it was, it resumes
+  auto rewrite = [&](const std::string& to, bool extra) {
+    auto ck = sg::ckpt::open_checkpoint(save);
+    std::vector<sg::ckpt::Piece> pieces;
+    for (const std::string& n : ck->names()) {
+      sg::Tensor t = ck->tensor(n);
+      for (auto& p : sg::ckpt::pieces_of(sg::ckpt::whole_view(n, t.shape()), t)) pieces.push_back(std::move(p));
+    }
+    if (extra) {
+      sg::Tensor a = sg::from_vector<float>({1, 2, 3, 4}, {4});
+      for (auto& p : sg::ckpt::pieces_of(sg::ckpt::whole_view("h.0.adapter.bias", a.shape()), a)) pieces.push_back(std::move(p));
+    }
+    sg::ckpt::write_rank_shard(to, 1, 0, pieces);
+    sg::ckpt::commit_sharded(to, 1, 1, ck->state(), ck->metadata());
+  };
+  const std::string same = (d.path / "same").string(), more = (d.path / "more").string();
+  rewrite(same, false);
+  rewrite(more, true);
+  Run resumed = shardgrad("train " + kSmall + " --steps 2 --resume " + same);
+  INFO(resumed.output);
+  REQUIRE(resumed.code == 0);
+  fails_with("train " + kSmall + " --steps 2 --resume " + more,
+             "holds 1 tensor that a GPT-2 of 1 layer and its optimizer state do not: 'h.0.adapter.bias'");
 }
 
 TEST_CASE("train --profile-ops N prints and logs step N's op-table calls by entry and leaves the losses alone", "[cli]") {

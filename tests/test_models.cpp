@@ -60,6 +60,14 @@ TEST_CASE("GPT parameters carry the Hugging Face GPT-2 names in registration ord
   REQUIRE(names.back().first == "ln_f.bias");
   REQUIRE(names.size() == 2 + 2 * 12 + 2);
   REQUIRE(m.num_parameters() == m.config.num_params());
+  // the names from the config alone (what a checkpoint's resume holds its tensors to) are the model's
+  for (int64_t layers : {1, 2, 3}) {
+    nn::GPTConfig c = small_config();
+    c.n_layer = layers;
+    std::vector<std::string> built;
+    for (auto& [n, p] : nn::GPT(c).named_parameters()) built.push_back(n);
+    REQUIRE(nn::gpt_parameter_names(c) == built);
+  }
 }
 
 TEST_CASE("GPT-2 124M preset has 124,475,904 parameters with the vocabulary padded to 50304", "[models]") {

@@ -19,18 +19,32 @@ struct NormList {
   TensorChunks chunks;
   const T* data[kMaxTensorsPerLaunch];
   float weight[kMaxTensorsPerLaunch];
+  bool packs[kMaxTensorsPerLaunch];  // the tensor is 16-byte aligned: 16-byte loads
 };
 
+// A thread reads Pack<T>::N elements (16 bytes) a load where the tensor is aligned for it, the
+// chunk's tail (and an unaligned tensor) one element at a time. Each thread sums its elements in
+// a fixed order and the block in a fixed tree: the same bits on every run.
 template <class T>
 __global__ void norm_partial_kernel(NormList<T> list, float* partial) {
   SG_SHARED(float, scratch, 32);
+  constexpr int N = Pack<T>::N;
   int64_t begin, end;
   const int t = block_chunk(list.chunks, begin, end);
+  const T* __restrict__ x = list.data[t];
+  const int64_t packs = list.packs[t] ? (end - begin) / N : 0;  // begin is a multiple of N (chunks of 4096)
   float acc = 0.0f;
-  SG_UNROLL(8)  // loads in flight together; the sum keeps its order (the same bits)
-  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
-    const float x = to_f32(list.data[t][i]);
-    acc += x * x;
+  SG_UNROLL(2)  // loads in flight together; the sum keeps its order
+  for (int64_t q = threadIdx.x; q < packs; q += blockDim.x) {
+    const Pack<T> v = load_pack<T>(x + begin + N * q);
+    for (int j = 0; j < N; ++j) {
+      const float f = to_f32(v.v[j]);
+      acc += f * f;
+    }
+  }
+  for (int64_t i = begin + N * packs + threadIdx.x; i < end; i += blockDim.x) {
+    const float f = to_f32(x[i]);
+    acc += f * f;
   }
   acc = block_reduce<false>(acc, scratch);
   if (threadIdx.x == 0) partial[blockIdx.x] = acc * list.weight[t];
@@ -60,6 +74,7 @@ void global_norm_squared(float* out, const std::vector<NormTensor>& tensors, flo
     for (size_t i = first; i < tensors.size() && i < first + kMaxTensorsPerLaunch; ++i) {
       list.data[list.chunks.count] = static_cast<const T*>(tensors[i].data);
       list.weight[list.chunks.count] = tensors[i].weight;
+      list.packs[list.chunks.count] = aligned16(tensors[i].data);
       list.chunks.add(tensors[i].n);
     }
     if (list.chunks.chunks() > 0)

@@ -721,16 +721,21 @@ TEMPLATE_TEST_CASE("emu global norm of many weighted tensors is the CPU sum of s
   std::vector<std::vector<T>> data;
   std::vector<cu::NormTensor> list;
   double want = 0;
+  // Tensor 5 starts one element into its buffer: not 16-byte aligned, read element by element
+  // (the others take 16-byte loads and their chunks' tails element by element).
   for (int t = 0; t < 27; ++t) {
     const auto x = rounded<T>(randn(size_t(t == 3 ? 10000 : 13 * t + 1), 500 + t));
+    const int64_t skip = t == 5 ? 1 : 0;
     const float weight = t % 4 == 1 ? 0.0f : t % 4 == 2 ? 0.5f : 1.0f;
     std::vector<float> partial(1);
-    cpu::reduce(kernels::Reduce::sum_squares, DType::f32, partial.data(), x.data(), 1, int64_t(x.size()), 1);
+    cpu::reduce(kernels::Reduce::sum_squares, DType::f32, partial.data(), x.data() + skip, 1, int64_t(x.size()) - skip, 1);
     want += weight * partial[0];
     data.push_back(to_storage<T>(x));
-    list.push_back({nullptr, int64_t(x.size()), weight});
+    list.push_back({nullptr, int64_t(x.size()) - skip, weight});
   }
-  for (size_t t = 0; t < data.size(); ++t) list[t].data = data[t].data();
+  for (size_t t = 0; t < data.size(); ++t) list[t].data = data[t].data() + (t == 5 ? 1 : 0);
+  REQUIRE(!cu::aligned16(list[5].data));
+  REQUIRE(cu::aligned16(list[3].data));
   std::vector<float> work(static_cast<size_t>(cu::global_norm_workspace(list)));
   float got = -1, again = -2;
   cu::global_norm_squared<T>(&got, list, work.data(), nullptr);
