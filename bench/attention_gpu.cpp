@@ -109,6 +109,22 @@ void bench_attention(int64_t H, int64_t D) {
       if (backend == cuda::AttentionBackend::cudnn) std::printf("   out vs flash: rel L2 %.1e", rel_l2(o, flash_out));
       std::printf("\n");
     }
+#ifdef SG_WITH_CUDNN
+    // cuDNN's backward leaving its dQ accumulator to the engine (cuDNN 9.6.0 and newer zero it
+    // themselves) instead of the memset the row above ran: what skipping the memset saves.
+    if (cuda::cudnn_zeroes_dq_accumulator()) {
+      const cuda::DqAccumulator before = cuda::dq_accumulator();
+      cuda::set_attention_backend(cuda::AttentionBackend::cudnn);
+      cuda::set_dq_accumulator(cuda::DqAccumulator::engine);
+      const double fb = median_ms([&] {
+        G.attention(a);
+        G.attention_backward(a);
+      });
+      std::printf("%4ld  %-7s %9s %9s %12.3f %12.1f   (cudnn, the dQ accumulator zeroed by the engine, no memset)\n",
+                  long(B), "cudnn-e", "", "", fb, fb_flops / fb * 1e-9);
+      cuda::set_dq_accumulator(before);
+    }
+#endif
     cuda::set_attention_backend(cuda::AttentionBackend::flash);
   }
 }

@@ -152,6 +152,10 @@ TEST_CASE("train refuses bad flags, missing files and existing checkpoints, nami
   refuses("SG_NORM_BACKWARD=registers " + std::string(SG_BINARY) + " train --device cuda --steps 1 " + kSmall,
           "SG_NORM_BACKWARD=registers: not a variant; one of fused, smem, smem_ahead, split");
 #endif
+#ifdef SG_WITH_CUDNN
+  refuses("SG_DQ_ACCUMULATOR=zero " + std::string(SG_BINARY) + " train --device cuda --steps 1 " + kSmall,
+          "SG_DQ_ACCUMULATOR=zero: not a variant; one of memset, engine, poisoned");
+#endif
   {
     // without a GPU (CI) the NCCL backend is refused by name; with one this one-step run succeeds
     Run r = shardgrad("train --strategy ddp --backend nccl --device cuda --steps 1 " + kSmall);

@@ -8,8 +8,9 @@
 //     -> O = P V  (P in the i/o type, bf16 or f16)
 // and the backward graph rebuilds P = exp(S * scale - Stats) from the saved Stats, then
 //   dV = P^T dO,  dP = dO V^T,  dS = P * (dP - rowsum(dO * O)) * scale,  dK = dS^T Q,  dQ = dS K
-// with dQ accumulated in an f32 buffer (the `dQ_accum` the engine expects, zeroed first) and
-// copied out by an identity pointwise op. Q, K, V, dQ, dK, dV take AttentionArgs' q layout and O,
+// with dQ accumulated in an f32 buffer (the `dQ_accum` the engine expects to start at zero: older
+// cuDNN needs a memset, 9.6.0 and newer zero it themselves; set_dq_accumulator) and copied out by
+// an identity pointwise op. Q, K, V, dQ, dK, dV take AttentionArgs' q layout and O,
 // dO its o layout (a packed [B,T,3,H,D] projection and a [B,T,H,D] output are strides here, no
 // copies); K (and V in backward) enter transposed, [B,H,D,T], as strided views of the same
 // buffers. dQ_accum is contiguous. Every tensor is 4-D; scalars are [1,1,1,1]
@@ -505,6 +506,22 @@ static void check_stats(const float* stats) {
            static_cast<const void*>(stats), " is not 16-byte aligned, as cuDNN's graph declares it");
 }
 
+namespace {
+std::atomic<int> g_dq_accumulator{int(DqAccumulator::memset)};
+}  // namespace
+
+bool cudnn_zeroes_dq_accumulator() { return cudnnGetVersion() >= 90600; }
+
+void set_dq_accumulator(DqAccumulator how) {
+  const size_t v = cudnnGetVersion();
+  SG_CHECK(how == DqAccumulator::memset || cudnn_zeroes_dq_accumulator(), "attention (cudnn): dQ accumulator '",
+           name(how), "' needs cuDNN 9.6.0 or newer to zero it; this is ", v / 10000, ".", v / 100 % 100, ".", v % 100,
+           " (use memset)");
+  g_dq_accumulator = int(how);
+}
+
+DqAccumulator dq_accumulator() { return DqAccumulator(g_dq_accumulator.load()); }
+
 void cudnn_attention_forward(const kernels::AttentionArgs& a, float* stats, Device d, cudaStream_t stream) {
   check_stats(stats);
   const Plan& p = plan_for(a, d, false);
@@ -519,9 +536,13 @@ void cudnn_attention_forward(const kernels::AttentionArgs& a, float* stats, Devi
 void cudnn_attention_backward(const kernels::AttentionArgs& a, const float* stats, Device d, cudaStream_t stream) {
   check_stats(stats);
   const Plan& p = plan_for(a, d, true);
-  // dQ is summed over key blocks into an f32 buffer the engine expects to start at zero.
+  // dQ is summed over key blocks into an f32 buffer that starts at zero: set so here (memset), or
+  // by the engine itself (cuDNN 9.6.0 and newer; a memset of B·H·T·D floats saved, 201 MB a layer
+  // for GPT-2 at batch 64).
   const Storage dq_accum(size_t(a.B * a.H * a.T * a.D) * sizeof(float), d, MemCategory::workspace);
-  SG_CUDA_CHECK(cudaMemsetAsync(dq_accum.data(), 0, dq_accum.nbytes(), stream));
+  const DqAccumulator how = dq_accumulator();
+  if (how != DqAccumulator::engine)
+    SG_CUDA_CHECK(cudaMemsetAsync(dq_accum.data(), how == DqAccumulator::memset ? 0 : 0xff, dq_accum.nbytes(), stream));
   float scale = float(a.scale), one = 1.0f, lowest = std::numeric_limits<float>::lowest();
   std::vector<int64_t> uids{kQ, kK, kV, kO, kDO, kStats, kDQ, kDK, kDV, kDQAccum, kScale, kOne};
   std::vector<void*> ptrs{const_cast<void*>(a.q), const_cast<void*>(a.k), const_cast<void*>(a.v),

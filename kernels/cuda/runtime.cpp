@@ -301,6 +301,10 @@ void ensure_registered() {
                      {NormBackward::fused, NormBackward::smem, NormBackward::smem_ahead, NormBackward::split},
                      &set_norm_backward);
     variant_from_env("SG_CLASSIFIER", {Classifier::streaming, Classifier::staged}, &set_classifier);
+#ifdef SG_WITH_CUDNN
+    variant_from_env("SG_DQ_ACCUMULATOR", {DqAccumulator::memset, DqAccumulator::engine, DqAccumulator::poisoned},
+                     &set_dq_accumulator);
+#endif
     register_allocator(DeviceType::cuda, device_allocator());
     if (device_count() > 0) register_pinned_allocator(new PinnedAllocator());
     static kernels::OpTable t;

@@ -158,6 +158,12 @@ void cudnn_attention_backward(const kernels::AttentionArgs& a, const float* stat
 bool cudnn_attention_takes_layout(const kernels::AttentionArgs& a, Device d, bool backward);
 // For tests: answer no for every strided layout, so that the contiguous copies run.
 void force_cudnn_contiguous_layouts(bool force);
+// How the backward's dQ accumulator starts (kernels/cuda/variants.h; default memset); also
+// SG_DQ_ACCUMULATOR=memset|engine|poisoned in the environment. engine and poisoned need a cuDNN
+// that zeroes the accumulator itself (9.6.0 or newer); elsewhere they are refused naming the version.
+void set_dq_accumulator(DqAccumulator how);
+DqAccumulator dq_accumulator();
+bool cudnn_zeroes_dq_accumulator();  // the loaded cuDNN is 9.6.0 or newer
 #endif
 
 }  // namespace sg::cuda

@@ -35,4 +35,18 @@ enum class Classifier : uint8_t { streaming, staged };
 
 inline const char* name(Classifier k) { return k == Classifier::staged ? "staged" : "streaming"; }
 
+// How cuDNN's attention backward gets its f32 dQ accumulator (B·H·T·D floats of workspace,
+// kernels/cuda/attention_cudnn.cpp):
+//   memset    zeroed by a cudaMemsetAsync before each backward (the default): what cuDNN before
+//             9.6.0 needs, and there the only choice, whatever the GPU measurement says;
+//   engine    handed over as the allocator gives it: from cuDNN 9.6.0 the engine zeroes it itself
+//             (cudnn-frontend memsets it only for older backends);
+//   poisoned  filled with NaN bytes first: for tests, whose backward is then right only if the
+//             engine zeroes the accumulator itself.
+enum class DqAccumulator : uint8_t { memset, engine, poisoned };
+
+inline const char* name(DqAccumulator k) {
+  return k == DqAccumulator::memset ? "memset" : k == DqAccumulator::engine ? "engine" : "poisoned";
+}
+
 }  // namespace sg::cuda

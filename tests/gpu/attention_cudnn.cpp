@@ -115,6 +115,31 @@ TEST_CASE("cuDNN and the flash kernels run f16 causal attention too", "[gpu][cud
   require_close(p.run(gpu), cpu);
 }
 
+TEST_CASE("cuDNN's backward is right whatever its dQ accumulator held: the engine zeroes it from 9.6.0", "[gpu][cudnn]") {
+  UseAttention use(cuda::AttentionBackend::cudnn);
+  const cuda::DqAccumulator by_default = cuda::dq_accumulator();
+  const Problem p(2, 3, 128, 64, DType::bf16);
+  const Result cpu = p.run(host);
+  if (!cuda::cudnn_zeroes_dq_accumulator()) {  // cuDNN before 9.6.0: the memset is needed
+    REQUIRE_THROWS_WITH(cuda::set_dq_accumulator(cuda::DqAccumulator::poisoned),
+                        Catch::Contains("needs cuDNN 9.6.0 or newer"));
+    require_close(p.run(gpu), cpu);
+    return;
+  }
+  struct Restore {
+    cuda::DqAccumulator how;
+    ~Restore() { cuda::set_dq_accumulator(how); }
+  } restore{by_default};
+  for (cuda::DqAccumulator how : {cuda::DqAccumulator::poisoned, cuda::DqAccumulator::engine, cuda::DqAccumulator::memset}) {
+    INFO("dQ accumulator " << cuda::name(how));
+    cuda::set_dq_accumulator(how);
+    // twice: the caching allocator may hand the second call the first one's block, its dQ sums in it
+    const Result first = p.run(gpu), second = p.run(gpu);
+    require_close(first, cpu);
+    require_close(second, cpu);
+  }
+}
+
 TEST_CASE("cuDNN attention refuses f32 and unsupported head dims by name", "[gpu][cudnn]") {
   UseAttention use(cuda::AttentionBackend::cudnn);
   REQUIRE_THROWS_WITH(Problem(1, 1, 16, 64, DType::f32).run(gpu),
