@@ -156,10 +156,16 @@ int main() {
       char what[96];
       std::snprintf(what, sizeof what, "embedding backward, %s tokens (%lld rows, run <= %lld)",
                     zipf ? "text-like" : "uniform", static_cast<long long>(distinct), static_cast<long long>(longest));
-      // dout read once; each touched row of the table read and written
-      row(what, h * double(N) + 2 * h * double(distinct * C), median_ms([&] {
-            G.embedding_backward(bf, DType::i32, dw.get(), dout.get(), ti.data(), R, C, V);
-          }));
+      // dout read once; each touched row of the table read and written; each way a run is summed
+      for (cuda::EmbeddingBackward kind : {cuda::EmbeddingBackward::columns, cuda::EmbeddingBackward::packs}) {
+        cuda::set_embedding_backward_kind(kind);
+        char label[128];
+        std::snprintf(label, sizeof label, "%s, %s", what, cuda::name(kind));
+        row(label, h * double(N) + 2 * h * double(distinct * C), median_ms([&] {
+              G.embedding_backward(bf, DType::i32, dw.get(), dout.get(), ti.data(), R, C, V);
+            }));
+      }
+      cuda::set_embedding_backward_kind(cuda::EmbeddingBackward::columns);
     }
   }
   {  // the optimizer over GPT-2 124M's parameters as one f32 tensor, its bf16 gradient and copy

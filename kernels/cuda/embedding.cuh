@@ -14,6 +14,7 @@
 #include <algorithm>
 
 #include "kernels/cuda/classifier.cuh"  // dispatch_index
+#include "kernels/cuda/variants.h"
 #ifdef __CUDACC__
 #include <cub/device/device_radix_sort.cuh>
 #endif
@@ -66,6 +67,46 @@ __global__ void embedding_backward_kernel(T* dweight, const T* dout, const uint3
     if (!in[kRunGroup - 1]) break;  // the run ended inside this group: no round trip to find it
   }
   *d = from_f32<T>(acc);
+}
+
+// As embedding_backward_kernel with a thread per Pack<T> of columns (16 bytes; C a multiple of the
+// pack, dweight and dout 16-byte aligned): thread p of block (k, y) sums columns
+// [N (y*blockDim.x + p), + N) of run k, kPackRunGroup positions' loads in flight at once, each
+// column in position order (the column kernel's sums, bit for bit).
+constexpr int kPackRunGroup = 8;  // 16: 182 registers a thread in bf16 (ptxas), 8: 102
+
+template <class T>
+__global__ void embedding_backward_packs_kernel(T* dweight, const T* dout, const uint32_t* rows, const int* pos,
+                                                int64_t n, int64_t C, uint32_t num_rows) {
+  const int64_t k = blockIdx.x;
+  const uint32_t r = rows[k];
+  if (r >= num_rows || (k > 0 && r == rows[k - 1])) return;
+  constexpr int N = Pack<T>::N;
+  const int64_t c = (int64_t(blockIdx.y) * blockDim.x + threadIdx.x) * N;
+  if (c >= C) return;
+  T* d = dweight + int64_t(r) * C + c;
+  const Pack<T> start = load_pack<T>(d);
+  float acc[N];
+  SG_UNROLL(N) for (int e = 0; e < N; ++e) acc[e] = to_f32(start.v[e]);
+  for (int64_t j = k; j < n && rows[j] == r; j += kPackRunGroup) {
+    bool in[kPackRunGroup];  // sorted: the run is contiguous, so a position past its end ends it
+    Pack<T> v[kPackRunGroup];
+    SG_UNROLL(kPackRunGroup) for (int u = 0; u < kPackRunGroup; ++u) in[u] = j + u < n && rows[j + u] == r;
+    SG_UNROLL(kPackRunGroup) for (int u = 0; u < kPackRunGroup; ++u)
+      if (in[u]) v[u] = load_pack<T>(dout + int64_t(pos[j + u]) * C + c);
+    SG_UNROLL(kPackRunGroup) for (int u = 0; u < kPackRunGroup; ++u)
+      if (in[u]) SG_UNROLL(N) for (int e = 0; e < N; ++e) acc[e] += to_f32(v[u].v[e]);  // position order
+    if (!in[kPackRunGroup - 1]) break;
+  }
+  Pack<T> out;
+  SG_UNROLL(N) for (int e = 0; e < N; ++e) out.v[e] = from_f32<T>(acc[e]);
+  store_pack(d, out);
+}
+
+// Whether the packs kernel takes these rows.
+template <class T>
+SG_HOST_DEVICE bool embedding_packs_fit(const void* dweight, const void* dout, int64_t C) {
+  return C % Pack<T>::N == 0 && aligned16(dweight) && aligned16(dout);
 }
 
 // The sort's input: keys[i] = idx[i] for a row of the table, num_rows (sorted last, skipped) for
@@ -143,9 +184,11 @@ inline void embedding_forward(DType dtype, DType idx_dtype, void* out, const voi
   });
 }
 
-// workspace: embedding_backward_workspace(n, num_rows) bytes, 256-byte aligned.
+// workspace: embedding_backward_workspace(n, num_rows) bytes, 256-byte aligned. kind: which run
+// kernel (kernels/cuda/variants.h); packs falls back to columns where its rows do not fit.
 inline void embedding_backward(DType dtype, DType idx_dtype, void* dweight, const void* dout, const void* idx,
-                               int64_t n, int64_t C, int64_t num_rows, void* workspace, Stream stream) {
+                               int64_t n, int64_t C, int64_t num_rows, void* workspace, Stream stream,
+                               EmbeddingBackward kind = EmbeddingBackward::columns) {
   SG_CHECK(n < (int64_t(1) << 31), "embedding_backward (cuda): ", n, " indices; at most 2^31 - 1 per call");
   SG_CHECK(num_rows >= 0 && num_rows <= int64_t(UINT32_MAX), "embedding_backward (cuda): a table of ", num_rows,
            " rows; at most 2^32 - 1 (the sort's keys are 32-bit)");
@@ -159,6 +202,14 @@ inline void embedding_backward(DType dtype, DType idx_dtype, void* dweight, cons
       auto *pos_in = reinterpret_cast<int*>(base + sp.pos_in), *pos_out = reinterpret_cast<int*>(base + sp.pos_out);
       sort_rows(rows, pos_out, static_cast<const I*>(idx), n, num_rows, keys_in, pos_in, base + sp.sort,
                 sp.sort_bytes, stream);
+      if (kind == EmbeddingBackward::packs && embedding_packs_fit<T>(dweight, dout, C)) {
+        const int64_t packs = C / Pack<T>::N;
+        const int threads = int(std::min<int64_t>(128, (packs + 31) / 32 * 32));
+        launch(embedding_backward_packs_kernel<T>, dim3(blocks_for(n, 1), blocks_for(packs, threads)), dim3(threads),
+               0, stream, static_cast<T*>(dweight), static_cast<const T*>(dout), static_cast<const uint32_t*>(rows),
+               static_cast<const int*>(pos_out), n, C, uint32_t(num_rows));
+        return;
+      }
       launch(embedding_backward_kernel<T>, dim3(blocks_for(n, 1), blocks_for(C, 128)), dim3(128), 0, stream,
              static_cast<T*>(dweight), static_cast<const T*>(dout), static_cast<const uint32_t*>(rows),
              static_cast<const int*>(pos_out), n, C, uint32_t(num_rows));

@@ -258,12 +258,15 @@ AttentionBackend attention_backend() { return g_attention; }
 namespace {
 std::atomic<NormBackward> g_norm_backward{NormBackward::fused};
 std::atomic<Classifier> g_classifier{Classifier::streaming};
+std::atomic<EmbeddingBackward> g_embedding_backward{EmbeddingBackward::columns};
 }  // namespace
 
 void set_norm_backward(NormBackward kind) { g_norm_backward = kind; }
 NormBackward norm_backward() { return g_norm_backward; }
 void set_classifier(Classifier kind) { g_classifier = kind; }
 Classifier classifier() { return g_classifier; }
+void set_embedding_backward_kind(EmbeddingBackward kind) { g_embedding_backward = kind; }
+EmbeddingBackward embedding_backward_kind() { return g_embedding_backward; }
 
 void allow_dynamic_shared(const void* kernel, size_t shmem) {
   static std::mutex mu;
@@ -301,6 +304,8 @@ void ensure_registered() {
                      {NormBackward::fused, NormBackward::smem, NormBackward::smem_ahead, NormBackward::split},
                      &set_norm_backward);
     variant_from_env("SG_CLASSIFIER", {Classifier::streaming, Classifier::staged}, &set_classifier);
+    variant_from_env("SG_EMBEDDING_BACKWARD", {EmbeddingBackward::columns, EmbeddingBackward::packs},
+                     &set_embedding_backward_kind);
 #ifdef SG_WITH_CUDNN
     variant_from_env("SG_DQ_ACCUMULATOR", {DqAccumulator::memset, DqAccumulator::engine, DqAccumulator::poisoned},
                      &set_dq_accumulator);

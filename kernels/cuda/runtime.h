@@ -109,6 +109,9 @@ NormBackward norm_backward();
 // How the op table's fused classifier reads its rows (kernels/cuda/variants.h; default streaming).
 void set_classifier(Classifier kind);
 Classifier classifier();
+// How the embedding backward sums a run of equal rows (kernels/cuda/variants.h; default columns).
+void set_embedding_backward_kind(EmbeddingBackward kind);
+EmbeddingBackward embedding_backward_kind();
 
 // Lets kernel take shmem bytes of dynamic shared memory (cudaFuncAttributeMaxDynamicSharedMemorySize,
 // needed above 48 KiB) on the current device; once per kernel, size and device. launch() calls it.

@@ -217,7 +217,8 @@ void embedding_backward(DType dtype, DType idx_dtype, void* dweight, const void*
   if (n * C == 0) return;
   const On o = on(dweight, "embedding_backward");
   const Scratch work(embedding_backward_workspace(n, num_rows), o.dev);
-  cuda::embedding_backward(dtype, idx_dtype, dweight, dout, idx, n, C, num_rows, work.as<void>(), o.stream);
+  cuda::embedding_backward(dtype, idx_dtype, dweight, dout, idx, n, C, num_rows, work.as<void>(), o.stream,
+                           cuda::embedding_backward_kind());
 }
 
 // Where the classifier kernels count targets outside [0, V) that are not ignore_index (their loss

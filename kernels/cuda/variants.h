@@ -35,6 +35,17 @@ enum class Classifier : uint8_t { streaming, staged };
 
 inline const char* name(Classifier k) { return k == Classifier::staged ? "staged" : "streaming"; }
 
+// How the embedding backward's block for a run of equal rows (kernels/cuda/embedding.cuh) reads
+// its dout rows, each column summed in position order either way (the same bits):
+//   columns  a thread per column, one element a load, 8 positions in flight (the default);
+//   packs    a thread per 16 bytes of columns, one 16-byte load a position, 8 positions in
+//            flight: a sixth of the blocks at GPT-2's C = 768 in bf16 (one of 96 threads a run,
+//            against six of 128), 102 registers a thread against 36. Rows of 16-byte
+//            multiples, 16-byte aligned; elsewhere columns.
+enum class EmbeddingBackward : uint8_t { columns, packs };
+
+inline const char* name(EmbeddingBackward k) { return k == EmbeddingBackward::packs ? "packs" : "columns"; }
+
 // How cuDNN's attention backward gets its f32 dQ accumulator (B·H·T·D floats of workspace,
 // kernels/cuda/attention_cudnn.cpp):
 //   memset    zeroed by a cudaMemsetAsync before each backward (the default): what cuDNN before

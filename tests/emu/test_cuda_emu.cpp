@@ -478,31 +478,51 @@ TEMPLATE_TEST_CASE("emu embedding gathers rows and its backward sums repeated ro
     cu::embedding_forward(dtype_of<T>(), DType::i64, out.data(), idx.data(), ws.data(), n, C, rows, &bad, nullptr);
     CHECK(bad == 0);
     check_close(out, out_ref, 0.0);  // a gather: exact
-    auto dw = to_storage<T>(dw0);
     std::vector<uint64_t> work((cu::embedding_backward_workspace(n, rows) + 7) / 8);
-    cu::embedding_backward(dtype_of<T>(), DType::i64, dw.data(), douts.data(), idx.data(), n, C, rows, work.data(),
-                           nullptr);
-    if constexpr (std::is_same_v<T, float>) {
-      REQUIRE(to_float(dw) == dw_ref);  // the CPU's order: bit-identical
-    } else {
-      check_close(dw, dw_ref, 8.0);
+    std::vector<T> first;
+    for (cu::EmbeddingBackward kind : {cu::EmbeddingBackward::columns, cu::EmbeddingBackward::packs}) {
+      INFO("variant " << cu::name(kind) << (cu::embedding_packs_fit<T>(dw0.data(), douts.data(), C) ? "" : " (columns)"));
+      auto dw = to_storage<T>(dw0);
+      cu::embedding_backward(dtype_of<T>(), DType::i64, dw.data(), douts.data(), idx.data(), n, C, rows, work.data(),
+                             nullptr, kind);
+      if constexpr (std::is_same_v<T, float>) {
+        REQUIRE(to_float(dw) == dw_ref);  // the CPU's order: bit-identical
+      } else {
+        check_close(dw, dw_ref, 8.0);
+      }
+      if (first.empty()) first = dw;
+      else REQUIRE(to_float(dw) == to_float(first));  // each column in position order either way
     }
   }
-  // int32 indices, 300 tokens over 17 rows (long runs after the sort), C over two column blocks.
-  const int64_t n2 = 300, C2 = 150, rows2 = 17;
+  // int32 indices, 300 tokens over 17 rows (long runs after the sort, past the packs kernel's group
+  // of 8), C over two column blocks: 150 (no whole packs: columns), 160 and 1088 (packs; 1088 in
+  // bf16 is 136 of them, two blocks of threads).
+  const int64_t n2 = 300, rows2 = 17;
   std::vector<int32_t> idx2(n2);
   for (int64_t i = 0; i < n2; ++i) idx2[size_t(i)] = int32_t((i * 7 + i / 13) % rows2);
-  const auto dout2 = rounded<T>(randn(n2 * C2, 31));
-  std::vector<float> dw2_ref = rounded<T>(randn(rows2 * C2, 32));
-  auto dw2 = to_storage<T>(dw2_ref);
-  cpu::embedding_backward(DType::f32, DType::i32, dw2_ref.data(), dout2.data(), idx2.data(), n2, C2, rows2);
-  std::vector<uint64_t> work((cu::embedding_backward_workspace(n2, rows2) + 7) / 8);
-  cu::embedding_backward(dtype_of<T>(), DType::i32, dw2.data(), to_storage<T>(dout2).data(), idx2.data(), n2, C2, rows2,
-                         work.data(), nullptr);
-  if constexpr (std::is_same_v<T, float>) {
-    REQUIRE(to_float(dw2) == dw2_ref);
-  } else {
-    check_close(dw2, dw2_ref, 8.0);
+  for (int64_t C2 : {int64_t(150), int64_t(160), int64_t(1088)}) {
+    INFO("C " << C2);
+    const auto dout2 = rounded<T>(randn(n2 * C2, 31));
+    const std::vector<float> dw2_start = rounded<T>(randn(rows2 * C2, 32));
+    std::vector<float> dw2_ref = dw2_start;
+    cpu::embedding_backward(DType::f32, DType::i32, dw2_ref.data(), dout2.data(), idx2.data(), n2, C2, rows2);
+    std::vector<uint64_t> work((cu::embedding_backward_workspace(n2, rows2) + 7) / 8);
+    const auto douts2 = to_storage<T>(dout2);
+    std::vector<T> first;
+    for (cu::EmbeddingBackward kind : {cu::EmbeddingBackward::columns, cu::EmbeddingBackward::packs}) {
+      INFO("variant " << cu::name(kind));
+      auto dw2 = to_storage<T>(dw2_start);
+      if (kind == cu::EmbeddingBackward::packs) REQUIRE(cu::embedding_packs_fit<T>(dw2.data(), douts2.data(), C2) == (C2 != 150));
+      cu::embedding_backward(dtype_of<T>(), DType::i32, dw2.data(), douts2.data(), idx2.data(), n2, C2, rows2,
+                             work.data(), nullptr, kind);
+      if constexpr (std::is_same_v<T, float>) {
+        REQUIRE(to_float(dw2) == dw2_ref);
+      } else {
+        check_close(dw2, dw2_ref, 8.0);
+      }
+      if (first.empty()) first = dw2;
+      else REQUIRE(to_float(dw2) == to_float(first));
+    }
   }
 }
 
@@ -534,21 +554,26 @@ TEMPLATE_TEST_CASE("emu embedding zero-fills and counts indices outside the tabl
   std::vector<float> ref(all.begin() + guard * C, all.begin() + (guard + rows) * C);
   cpu::embedding_backward(DType::f32, DType::i64, ref.data(), dout_good.data(), good.data(), int64_t(good.size()), C,
                           rows);
-  auto dw = to_storage<T>(all);
   std::vector<uint64_t> work((cu::embedding_backward_workspace(n, rows) + 7) / 8);
-  cu::embedding_backward(dtype_of<T>(), DType::i64, dw.data() + guard * C, to_storage<T>(dout).data(), idx.data(), n,
-                         C, rows, work.data(), nullptr);
-  const auto got = to_float(dw);
-  const auto rows_of = [&](const std::vector<float>& v, int64_t first, int64_t count) {
-    return std::vector<float>(v.begin() + first * C, v.begin() + (first + count) * C);
-  };
-  REQUIRE(rows_of(got, 0, guard) == rows_of(all, 0, guard));
-  REQUIRE(rows_of(got, guard + rows, guard) == rows_of(all, guard + rows, guard));
-  const std::vector<float> table(got.begin() + guard * C, got.end() - guard * C);
-  if constexpr (std::is_same_v<T, float>) {
-    REQUIRE(table == ref);  // the good indices' sums, in the CPU's order
-  } else {
-    check_close(table, ref, tol<T>(), tol<T>() * 8.0);
+  const auto douts = to_storage<T>(dout);
+  for (cu::EmbeddingBackward kind : {cu::EmbeddingBackward::columns, cu::EmbeddingBackward::packs}) {
+    INFO("variant " << cu::name(kind));
+    auto dw = to_storage<T>(all);
+    REQUIRE(cu::embedding_packs_fit<T>(dw.data() + guard * C, douts.data(), C));  // C = 24: whole packs
+    cu::embedding_backward(dtype_of<T>(), DType::i64, dw.data() + guard * C, douts.data(), idx.data(), n, C, rows,
+                           work.data(), nullptr, kind);
+    const auto got = to_float(dw);
+    const auto rows_of = [&](const std::vector<float>& v, int64_t first, int64_t count) {
+      return std::vector<float>(v.begin() + first * C, v.begin() + (first + count) * C);
+    };
+    REQUIRE(rows_of(got, 0, guard) == rows_of(all, 0, guard));
+    REQUIRE(rows_of(got, guard + rows, guard) == rows_of(all, guard + rows, guard));
+    const std::vector<float> table(got.begin() + guard * C, got.end() - guard * C);
+    if constexpr (std::is_same_v<T, float>) {
+      REQUIRE(table == ref);  // the good indices' sums, in the CPU's order
+    } else {
+      check_close(table, ref, tol<T>(), tol<T>() * 8.0);
+    }
   }
   // The radix sort's key width: every row and the skip key num_rows fit, nothing more.
   CHECK(cu::sort_key_bits(15) == 4);

@@ -43,11 +43,22 @@ void check_embedding(const std::vector<int64_t>& idx, int64_t C_, int64_t rows, 
     G().embedding(dt, DType::i64, gout.data_ptr(), gi.data_ptr(), gwt.data_ptr(), n, C_, rows);
     C().embedding(DType::f32, DType::i64, cout.data_ptr(), ci.data_ptr(), cwt.data_ptr(), n, C_, rows);
     check_close(get(gout), get(cout), 0, 0);
-    Tensor gdw = put(dw0, dt, gpu), cdw = put(rounded(dw0, dt), DType::f32, host);
     Tensor gdo = put(dout, dt, gpu), cdo = put(rounded(dout, dt), DType::f32, host);
-    G().embedding_backward(dt, DType::i64, gdw.data_ptr(), gdo.data_ptr(), gi.data_ptr(), n, C_, rows);
+    Tensor cdw = put(rounded(dw0, dt), DType::f32, host);
     C().embedding_backward(DType::f32, DType::i64, cdw.data_ptr(), cdo.data_ptr(), ci.data_ptr(), n, C_, rows);
-    check_close(get(gdw), get(cdw), rtol(dt), dt == DType::f32 ? 1e-5 : half_atol);
+    std::vector<float> first;
+    // each way the backward can sum a run (cuda::set_embedding_backward_kind): the same bits
+    for (cuda::EmbeddingBackward kind : {cuda::EmbeddingBackward::columns, cuda::EmbeddingBackward::packs}) {
+      INFO("variant " << cuda::name(kind));
+      cuda::set_embedding_backward_kind(kind);
+      Tensor gdw = put(dw0, dt, gpu);
+      G().embedding_backward(dt, DType::i64, gdw.data_ptr(), gdo.data_ptr(), gi.data_ptr(), n, C_, rows);
+      const std::vector<float> got = get(gdw);
+      check_close(got, get(cdw), rtol(dt), dt == DType::f32 ? 1e-5 : half_atol);
+      if (first.empty()) first = got;
+      else CHECK(got == first);
+    }
+    cuda::set_embedding_backward_kind(cuda::EmbeddingBackward::columns);
   }
 }
 
