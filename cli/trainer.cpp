@@ -279,13 +279,18 @@ double Trainer::train_step(int64_t step, double lr, double& grad_norm, bool& app
     }
     losses.push_back(autograd::detach(loss));
   }
-  for (const Tensor& l : losses) loss_sum += item(l) / (loss_scale * rank_scale);
+  // Read when the gradient norm has been queued as well, just before the step is accepted: the
+  // host then waits for the device once (in the norm), not also between backward and norm, where
+  // the GPU would sit idle while the host caught up and launched the norm's kernels.
+  const auto read_loss = [&] {
+    for (const Tensor& l : losses) loss_sum += item(l) / (loss_scale * rank_scale);
+    return dp_loss(loss_sum);
+  };
   if (ddp_) {
     parallel::watchdog::Waiting w("the gradient all-reduce");
     ddp_->finish_gradients();
   }
   if (cfg_.sequence_parallel && !fsdp_) parallel::tp::sync_sequence_parallel_grads(*model_, *groups_.tp);
-  loss_sum = dp_loss(loss_sum);
   if (fsdp_) {  // the units were reduce-scattered during backward, micro-batch by micro-batch
     {
       parallel::watchdog::Waiting w("the gradient reduce-scatter");
@@ -295,6 +300,7 @@ double Trainer::train_step(int64_t step, double lr, double& grad_norm, bool& app
                           : fsdp_->grad_norm();
     }
     grad_norm /= loss_scale;
+    loss_sum = read_loss();
     applied = accept_step(step, loss_sum, grad_norm);
     trace::Scope opt_scope("optimizer", "compute");
     if (applied) fsdp_->step(lr, optim::clip_coefficient(grad_norm, args_.f64("clip")) / loss_scale);
@@ -310,6 +316,7 @@ double Trainer::train_step(int64_t step, double lr, double& grad_norm, bool& app
       grad_norm = (tp_ > 1 ? std::sqrt(world_sum(zero_->grad_sum_squares(parallel::mesh_grad_weight(groups_.tp->rank(), true))))
                            : zero_->grad_norm()) / loss_scale;
     }
+    loss_sum = read_loss();
     applied = accept_step(step, loss_sum, grad_norm);
     if (applied) {
       parallel::watchdog::Waiting w("the parameter all-gather");
@@ -332,6 +339,7 @@ double Trainer::train_step(int64_t step, double lr, double& grad_norm, bool& app
     for (auto& [n, p] : master_) ps.push_back(p);
     grad_norm = optim::global_grad_norm(ps) / loss_scale;
   }
+  loss_sum = read_loss();
   applied = accept_step(step, loss_sum, grad_norm);
   if (applied) {
     trace::Scope ts("optimizer", "compute");
