@@ -8,6 +8,7 @@
 #include "autograd/tape.h"
 #include "cli/trainer.h"
 #include "parallel/checkpoint.h"
+#include "parallel/sharded_checkpoint.h"
 #include "parallel/tp/layers.h"
 
 namespace sg::cli {
@@ -58,12 +59,14 @@ nn::GPTConfig config_from_metadata(const std::map<std::string, std::string>& m, 
 }
 
 void refuse_unknown_tensors(const ckpt::Checkpoint& ck, const nn::GPTConfig& c) {
-  std::set<std::string> known;
-  for (const std::string& n : nn::gpt_parameter_names(c))
-    for (const char* suffix : {"", ".exp_avg", ".exp_avg_sq", ".master"}) known.insert(n + suffix);
+  const std::vector<std::string> names = nn::gpt_parameter_names(c);
+  const std::set<std::string> params(names.begin(), names.end());
   std::vector<std::string> unknown;
-  for (const std::string& n : ck.names())
-    if (!known.count(n)) unknown.push_back(n);
+  for (const std::string& n : ck.names()) {
+    // optimizer state is "<param>.<one word>" (ckpt::is_optimizer_state knows the words)
+    const bool known = params.count(n) || (ckpt::is_optimizer_state(n) && params.count(n.substr(0, n.rfind('.'))));
+    if (!known) unknown.push_back(n);
+  }
   if (unknown.empty()) return;
   std::string listed;
   for (size_t i = 0; i < unknown.size() && i < 5; ++i) listed.append(i ? ", '" : "'").append(unknown[i]).append("'");
