@@ -12,8 +12,9 @@
 // Every kernel turns S into P with one multiply-add and exp2 (the scale times log2(e), with the
 // running max or lse folded in; the forward keeps the max of the raw S, so it needs scale > 0; lse
 // itself stays natural), masks only the tiles that cross the causal diagonal or the end of the
-// sequence, and the causal forward and dq grids take their query blocks heaviest first across all
-// heads (the last rows see the most keys), so that the grid's tail is its lightest blocks.
+// sequence, and the causal grids take their blocks heaviest first across all heads (forward and
+// dq: the last query rows, which see the most keys; dk/dv: the first keys, which the most queries
+// see), so that the grid's tail is its lightest blocks.
 // Backward, two kernels and no atomics (deterministic), with P rebuilt from the saved lse:
 //   dk/dv: a block owns 64 keys, 16 per warp, K and V held as A fragments; per tile of 32 queries
 //          (16 at head dim 128, kTcBackwardTile)
@@ -42,17 +43,22 @@ constexpr int kTcBackwardTile = D == 128 ? 16 : 32;
 constexpr int kTcThreads = 128;  // kTcRows / 16 warps
 constexpr float kLog2e = 1.4426950408889634f;
 
-// The head (b * H + h) and first query row of a forward or dq block, on a grid of (query blocks,
-// B * H). Causal: blocks in launch order (x fastest) take every head's last query block, then
-// every head's one before it, and so on: the heaviest first across the whole grid.
-struct QueryBlock {
+// The head (b * H + h) and first row of a block on a grid of (row blocks, B * H): kTcRows query rows
+// (forward, dq) or keys (dk/dv). Causal: blocks in launch order (x fastest) take every head's
+// heaviest block, then every head's next heaviest, and so on, so that the grid's tail is its
+// lightest blocks (longest first: the last wave is short). A query block is heavier the later its
+// rows (it sees more keys), a key block the earlier (more queries see it). Not causal: (x, y).
+struct RowBlock {
   int64_t bh, row0;
 };
-SG_DEVICE QueryBlock query_block(bool causal) {
+SG_DEVICE RowBlock heaviest_first(bool causal, bool later_is_heavier) {
   if (!causal) return {int64_t(blockIdx.y), int64_t(blockIdx.x) * kTcRows};
   const int64_t heads = gridDim.y, order = int64_t(blockIdx.x) + int64_t(blockIdx.y) * gridDim.x;
-  return {order % heads, (int64_t(gridDim.x) - 1 - order / heads) * kTcRows};
+  const int64_t rank = order / heads;  // 0: the heaviest
+  return {order % heads, (later_is_heavier ? int64_t(gridDim.x) - 1 - rank : rank) * kTcRows};
 }
+SG_DEVICE RowBlock query_block(bool causal) { return heaviest_first(causal, true); }
+SG_DEVICE RowBlock key_block(bool causal) { return heaviest_first(causal, false); }
 
 // kCount rows of a [T, D] head (rows st elements apart) on their way into shared memory, held in
 // this thread's registers in between: fetch() issues every global load the thread owns before
@@ -158,7 +164,7 @@ __global__ void __launch_bounds__(kTcThreads) attention_forward_tc_kernel(E* out
   SG_SHARED(E, qs, kTcRows * ld);
   SG_SHARED(E, ks, kTcKeys * ld);
   SG_SHARED(E, vs, kTcKeys * ld);
-  const QueryBlock qb = query_block(causal);
+  const RowBlock qb = query_block(causal);
   const int64_t bh = qb.bh, qh = ql.head(bh), oh = ol.head(bh), row0 = qb.row0;
   const int warp = int(threadIdx.x) / 32, t = mma_thread_in_group();
   const int64_t rows[2] = {row0 + warp * 16 + mma_group(), row0 + warp * 16 + mma_group() + 8};
@@ -272,7 +278,8 @@ __global__ void __launch_bounds__(kTcThreads) attention_dkdv_tc_kernel(E* dk, E*
   SG_SHARED(E, dos, kQueries * ld);
   SG_SHARED(float, lse_s, kQueries);
   SG_SHARED(float, dvec_s, kQueries);
-  const int64_t bh = blockIdx.y, qh = ql.head(bh), oh = ol.head(bh), key0 = int64_t(blockIdx.x) * kTcRows;
+  const RowBlock kb = key_block(causal);
+  const int64_t bh = kb.bh, qh = ql.head(bh), oh = ol.head(bh), key0 = kb.row0;
   const float* lse_h = lse + bh * T_;
   const float* dvec_h = dvec + bh * T_;
   const int warp = int(threadIdx.x) / 32, t = mma_thread_in_group();
@@ -348,7 +355,7 @@ __global__ void __launch_bounds__(kTcThreads) attention_dq_tc_kernel(E* dq, cons
   SG_SHARED(E, rows_s, kTcRows * ld);  // this block's queries, then its output gradients
   SG_SHARED(E, ks, kKeys * ld);
   SG_SHARED(E, vs, kKeys * ld);
-  const QueryBlock qb = query_block(causal);
+  const RowBlock qb = query_block(causal);
   const int64_t bh = qb.bh, qh = ql.head(bh), oh = ol.head(bh), row0 = qb.row0;
   const int warp = int(threadIdx.x) / 32, t = mma_thread_in_group();
   const int64_t rows[2] = {row0 + warp * 16 + mma_group(), row0 + warp * 16 + mma_group() + 8};

@@ -253,3 +253,46 @@ TEST_CASE("emu tensor-core flash attention refuses f32 and a scale that is not p
   REQUIRE_THROWS_WITH(cu::attention_forward_tensor_cores(a, nullptr),
                       Catch::Contains("attention (tensor cores): scale -0.125 must be > 0"));
 }
+
+namespace {
+// Each block writes where query_block / key_block put it: (head, first row) at its launch position
+// (x + y gridDim.x, x fastest, the order in which the hardware hands blocks out).
+__global__ void block_order_kernel(int64_t* out, bool causal, bool keys) {
+  if (threadIdx.x != 0) return;
+  const cu::RowBlock b = keys ? cu::key_block(causal) : cu::query_block(causal);
+  const int64_t at = int64_t(blockIdx.x) + int64_t(blockIdx.y) * gridDim.x;
+  out[2 * at] = b.bh, out[2 * at + 1] = b.row0;
+}
+}  // namespace
+
+TEST_CASE("emu tensor-core attention grids take causal blocks heaviest first across heads, each block once",
+          "[emu]") {
+  const int64_t blocks = 5, heads = 3, T = blocks * cu::kTcRows;
+  for (const bool keys : {false, true})
+    for (const bool causal : {false, true}) {
+      INFO((keys ? "key blocks (dk/dv)" : "query blocks (forward, dq)") << (causal ? ", causal" : ""));
+      std::vector<int64_t> out(size_t(2 * blocks * heads), -1);
+      cu::launch(block_order_kernel, dim3(unsigned(blocks), unsigned(heads)), dim3(32), 0, nullptr, out.data(), causal,
+                 keys);
+      std::vector<int> seen(size_t(blocks * heads), 0);
+      // A block's work: the keys a query block sees, the queries that see a key block (causal).
+      const auto work = [&](int64_t row0) { return keys ? T - row0 : row0 + cu::kTcRows; };
+      for (int64_t i = 0; i < blocks * heads; ++i) {
+        const int64_t bh = out[size_t(2 * i)], row0 = out[size_t(2 * i + 1)];
+        REQUIRE(bh >= 0);
+        REQUIRE(bh < heads);
+        REQUIRE(row0 % cu::kTcRows == 0);
+        REQUIRE(row0 >= 0);
+        REQUIRE(row0 < T);
+        ++seen[size_t(bh * blocks + row0 / cu::kTcRows)];
+        if (!causal) {
+          CHECK(bh == i / blocks);  // (x, y) as launched
+          CHECK(row0 == i % blocks * cu::kTcRows);
+        } else if (i > 0) {
+          CHECK(work(row0) <= work(out[size_t(2 * i - 1)]));  // never heavier than the block before
+        }
+      }
+      CHECK(seen == std::vector<int>(size_t(blocks * heads), 1));
+      if (causal) CHECK(work(out[1]) == T);  // the first block is a heaviest one
+    }
+}
