@@ -3,11 +3,12 @@
 # NCCL at world size 1, the MPI backend with CUDA tensors on 2 ranks sharing cuda:0, the trainer
 # on cuda:0 against the CPU), then the single-GPU figures for bench/RESULTS.md: GPT-2 124M
 # training (T=1024, bf16) through `shardgrad train`, the PyTorch peer (bench/gpu/), and the
-# kernel sandboxes when built. Logs go to LOG_DIR (default ./gpu_check). The train part also runs
+# kernel sandboxes when built; `hf` holds `shardgrad export` to transformers' GPT2LMHeadModel (the
+# machine's image has transformers; no GPU needed). Logs go to LOG_DIR (default ./gpu_check). The train part also runs
 # the last of BATCHES with GEMM tuning (SG_GEMM_TUNE=1; README, "GEMM tuning"); TUNED_BATCHES=""
 # skips that, TUNED_BATCHES="16 64" tunes both; and with the kernel variants still to be decided
 # (VARIANTS; VARIANTS="" skips them).
-#   BUILD=build bash scripts/gpu_check.sh [build] [tests] [train] [torch] [kernels] [sanitize]
+#   BUILD=build bash scripts/gpu_check.sh [build] [tests] [train] [torch] [kernels] [hf] [sanitize]
 # `build` configures BUILD (Release) and builds only what the other parts run (the CLI, the GPU
 # tests, the kernel benches): about 4 minutes on 16 cores, where a full build with every CPU test
 # takes longer. It installs nothing (scripts/deps.sh does, where apt can reach its mirrors).
@@ -106,6 +107,39 @@ if want kernels; then
   for b in "$BUILD"/bench/sg_bench_*gpu*; do
     [ -x "$b" ] && timeout 300 "$b" 2>&1 | tee "$LOG_DIR/$(basename "$b").log" | tail -n 30
   done
+fi
+
+if want hf; then
+  # Needs transformers (the GPU machine's image has it; no GPU used). A byte-level tiny GPT trained
+  # 300 steps on this README, exported, read by GPT2LMHeadModel.from_pretrained(folder): its greedy
+  # continuation of a prompt must be shardgrad generate's, byte for byte (a transposed Conv1D weight,
+  # a wrong epsilon, GELU or tied head would change it).
+  echo "== export read by transformers: greedy continuations, shardgrad vs GPT2LMHeadModel"
+  hf_run="$LOG_DIR/hf_run" hf="$LOG_DIR/hf" prompt="The model " n=48
+  rm -rf "$hf_run" "$hf"
+  "$BUILD/shardgrad" train --data README.md --steps 300 --save "$hf_run" > "$LOG_DIR/hf_train.txt" 2>&1 &&
+    "$BUILD/shardgrad" export "$hf_run" --out "$hf/model.safetensors" &&
+    "$BUILD/shardgrad" generate --from "$hf/model.safetensors" --prompt "$prompt" --max-new-tokens $n --temperature 0 \
+      > "$hf/shardgrad.txt" &&
+    python3 - "$hf" "$prompt" $n <<'PY'
+import sys
+import torch
+import transformers
+from transformers import GPT2LMHeadModel
+folder, prompt, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+model = GPT2LMHeadModel.from_pretrained(folder).eval()
+ids = list(prompt.encode())  # the byte-level model's ids are the bytes
+with torch.no_grad():
+    for _ in range(n):
+        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+theirs = bytes(ids)
+ours = open(f"{folder}/shardgrad.txt", "rb").read().rstrip(b"\n")
+same = ours == theirs
+print(f"transformers {transformers.__version__}: {'same' if same else 'DIFFERENT'} greedy text: {theirs!r}")
+if not same:
+    print(f"shardgrad generate:                   {ours!r}")
+sys.exit(0 if same else 1)
+PY
 fi
 
 if want sanitize; then
