@@ -12,6 +12,7 @@
 # `build` configures BUILD (Release) and builds only what the other parts run (the CLI, the GPU
 # tests, the kernel benches): about 4 minutes on 16 cores, where a full build with every CPU test
 # takes longer. It installs nothing (scripts/deps.sh does, where apt can reach its mirrors).
+# scripts/gpu_pack.sh builds the same here instead and carries the binaries to the GPU machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
@@ -24,7 +25,8 @@ mkdir -p "$LOG_DIR"
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(tests train torch kernels)
 want() { [[ " ${parts[*]} " == *" $1 "* ]]; }
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$LOG_DIR/gpu.txt"
+[ "${parts[*]}" = build ] ||  # `build` alone needs no GPU (scripts/gpu_pack.sh builds here with it)
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$LOG_DIR/gpu.txt"
 
 if want build; then
   echo "== build ($BUILD)"
