@@ -8,6 +8,8 @@
 // backward 2.5x the forward (5 matmuls to the forward's 2). The cuDNN output is validated
 // against the flash output (relative L2) before timing, and each backend's backward gradients are
 // compared bit for bit over 3 runs from the same inputs (whether the path is run-to-run repeatable).
+// At head dim 64 also the flash backward's register variants (flash-q3, flash-3: FlashBackward in
+// kernels/cuda/variants.h) and cuDNN without its dQ memset (cudnn-e).
 // GEMM: C = A B^T (a linear layer), M=N=K=8192 and GPT-2 small's three shapes at 8192 tokens;
 // then the two c_proj GEMMs with their bias and the block's residual add in cuBLASLt's epilogue
 // (GemmArgs::residual), against the GEMM with its bias and a separate add: whether the beta = 1
@@ -108,6 +110,26 @@ void bench_attention(int64_t H, int64_t D) {
                   fwd_flops / fwd * 1e-9, fb, fb_flops / fb * 1e-9, repeatable ? "equal" : "DIFFER");
       if (backend == cuda::AttentionBackend::cudnn) std::printf("   out vs flash: rel L2 %.1e", rel_l2(o, flash_out));
       std::printf("\n");
+    }
+    // The flash backward built for 3 blocks an SM instead of 2 (variants.h, FlashBackward; head
+    // dim 64 only): dq alone, then dk/dv too. The same bits as the flash row (checked).
+    if (D == 64) {
+      cuda::set_attention_backend(cuda::AttentionBackend::flash);
+      G.attention(a);
+      G.attention_backward(a);
+      const std::vector<float> base = to_host_f32(dq, n);
+      for (const auto kind : {cuda::FlashBackward::dq_three, cuda::FlashBackward::three}) {
+        cuda::set_flash_backward_kind(kind);
+        const double fb = median_ms([&] {
+          G.attention(a);
+          G.attention_backward(a);
+        });
+        const bool same = to_host_f32(dq, n) == base;
+        std::printf("%4ld  %-7s %9s %9s %12.3f %12.1f   (flash, backward variant %s; dq bits %s)\n", long(B),
+                    kind == cuda::FlashBackward::three ? "flash-3" : "flash-q3", "", "", fb, fb_flops / fb * 1e-9,
+                    cuda::name(kind), same ? "equal" : "DIFFER");
+      }
+      cuda::set_flash_backward_kind(cuda::FlashBackward::free);
     }
 #ifdef SG_WITH_CUDNN
     // cuDNN's backward leaving its dQ accumulator to the engine (cuDNN 9.6.0 and newer zero it

@@ -153,6 +153,8 @@ TEST_CASE("train refuses bad flags, missing files and existing checkpoints, nami
           "SG_NORM_BACKWARD=registers: not a variant; one of fused, smem, smem_ahead, split");
   refuses("SG_EMBEDDING_BACKWARD=rows " + std::string(SG_BINARY) + " train --device cuda --steps 1 " + kSmall,
           "SG_EMBEDDING_BACKWARD=rows: not a variant; one of columns, packs");
+  refuses("SG_FLASH_BACKWARD=four " + std::string(SG_BINARY) + " train --device cuda --steps 1 " + kSmall,
+          "SG_FLASH_BACKWARD=four: not a variant; one of free, dq_three, three");
 #endif
 #ifdef SG_WITH_CUDNN
   refuses("SG_DQ_ACCUMULATOR=zero " + std::string(SG_BINARY) + " train --device cuda --steps 1 " + kSmall,

@@ -29,6 +29,7 @@
 #pragma once
 #include "kernels/cuda/attention.cuh"
 #include "kernels/cuda/mma.cuh"
+#include "kernels/cuda/variants.h"
 
 namespace sg::cuda {
 
@@ -266,8 +267,11 @@ struct RowValues {
   }
 };
 
-template <class E, int D>
-__global__ void __launch_bounds__(kTcThreads) attention_dkdv_tc_kernel(E* dk, E* dv, const E* q, const E* k,
+// kMinBlocks: the backward kernels' blocks resident per SM that ptxas fits their registers to
+// (__launch_bounds__' second argument; 0 leaves it to ptxas, which takes 176 for dq where 1 would
+// let it take 214). FlashBackward (variants.h) picks it, at head dim 64 only.
+template <class E, int D, int kMinBlocks = 0>
+__global__ void __launch_bounds__(kTcThreads, kMinBlocks) attention_dkdv_tc_kernel(E* dk, E* dv, const E* q, const E* k,
                                                                        const E* v, const E* dout, const float* lse,
                                                                        const float* dvec, HeadLayout ql,
                                                                        HeadLayout ol, int64_t T_, float scale,
@@ -345,8 +349,8 @@ __global__ void __launch_bounds__(kTcThreads) attention_dkdv_tc_kernel(E* dk, E*
     }
 }
 
-template <class E, int D>
-__global__ void __launch_bounds__(kTcThreads) attention_dq_tc_kernel(E* dq, const E* q, const E* k, const E* v,
+template <class E, int D, int kMinBlocks = 0>
+__global__ void __launch_bounds__(kTcThreads, kMinBlocks) attention_dq_tc_kernel(E* dq, const E* q, const E* k, const E* v,
                                                                      const E* dout, const float* lse,
                                                                      const float* dvec, HeadLayout ql,
                                                                      HeadLayout ol, int64_t T_, float scale,
@@ -412,8 +416,10 @@ __global__ void __launch_bounds__(kTcThreads) attention_dq_tc_kernel(E* dq, cons
 }
 
 // a.lse must be the forward's f32 lse; writes dq, dk, dv ('='). workspace:
-// attention_backward_workspace(a) f32 elements (Dv).
-inline void attention_backward_tensor_cores(const kernels::AttentionArgs& a, float* workspace, Stream stream) {
+// attention_backward_workspace(a) f32 elements (Dv). kind: the blocks per SM the two kernels are
+// built for at head dim 64 (variants.h; the same values either way).
+inline void attention_backward_tensor_cores(const kernels::AttentionArgs& a, float* workspace, Stream stream,
+                                            FlashBackward kind = FlashBackward::free) {
   dispatch_tensor_cores(a.dtype, a.D, "attention_backward (tensor cores)", [&](auto tag, auto dim) {
     using E = decltype(tag);
     constexpr int D = decltype(dim)::value;
@@ -424,9 +430,15 @@ inline void attention_backward_tensor_cores(const kernels::AttentionArgs& a, flo
     launch(attention_dot_kernel<E, D>, dim3(blocks_for(a.B * a.H * a.T, 256)), dim3(256), 0, stream, workspace,
            static_cast<const E*>(a.out), dout, ol, a.T, a.B * a.H * a.T);
     const dim3 grid(blocks_for(a.T, kTcRows), blocks_for(a.B * a.H, 1)), block(kTcThreads);
-    launch(attention_dkdv_tc_kernel<E, D>, grid, block, 0, stream, static_cast<E*>(a.dk), static_cast<E*>(a.dv), q,
-           k, v, dout, lse, static_cast<const float*>(workspace), ql, ol, a.T, float(a.scale), a.causal);
-    launch(attention_dq_tc_kernel<E, D>, grid, block, 0, stream, static_cast<E*>(a.dq), q, k, v, dout, lse,
+    auto dkdv = attention_dkdv_tc_kernel<E, D>;
+    auto dq = attention_dq_tc_kernel<E, D>;
+    if constexpr (D == 64) {
+      if (kind == FlashBackward::three) dkdv = attention_dkdv_tc_kernel<E, D, 3>;
+      if (kind != FlashBackward::free) dq = attention_dq_tc_kernel<E, D, 3>;
+    }
+    launch(dkdv, grid, block, 0, stream, static_cast<E*>(a.dk), static_cast<E*>(a.dv), q, k, v, dout, lse,
+           static_cast<const float*>(workspace), ql, ol, a.T, float(a.scale), a.causal);
+    launch(dq, grid, block, 0, stream, static_cast<E*>(a.dq), q, k, v, dout, lse,
            static_cast<const float*>(workspace), ql, ol, a.T, float(a.scale), a.causal);
   });
 }

@@ -259,6 +259,7 @@ namespace {
 std::atomic<NormBackward> g_norm_backward{NormBackward::fused};
 std::atomic<Classifier> g_classifier{Classifier::streaming};
 std::atomic<EmbeddingBackward> g_embedding_backward{EmbeddingBackward::columns};
+std::atomic<FlashBackward> g_flash_backward{FlashBackward::free};
 }  // namespace
 
 void set_norm_backward(NormBackward kind) { g_norm_backward = kind; }
@@ -267,6 +268,8 @@ void set_classifier(Classifier kind) { g_classifier = kind; }
 Classifier classifier() { return g_classifier; }
 void set_embedding_backward_kind(EmbeddingBackward kind) { g_embedding_backward = kind; }
 EmbeddingBackward embedding_backward_kind() { return g_embedding_backward; }
+void set_flash_backward_kind(FlashBackward kind) { g_flash_backward = kind; }
+FlashBackward flash_backward_kind() { return g_flash_backward; }
 
 void allow_dynamic_shared(const void* kernel, size_t shmem) {
   static std::mutex mu;
@@ -306,6 +309,8 @@ void ensure_registered() {
     variant_from_env("SG_CLASSIFIER", {Classifier::streaming, Classifier::staged}, &set_classifier);
     variant_from_env("SG_EMBEDDING_BACKWARD", {EmbeddingBackward::columns, EmbeddingBackward::packs},
                      &set_embedding_backward_kind);
+    variant_from_env("SG_FLASH_BACKWARD", {FlashBackward::free, FlashBackward::dq_three, FlashBackward::three},
+                     &set_flash_backward_kind);
 #ifdef SG_WITH_CUDNN
     variant_from_env("SG_DQ_ACCUMULATOR", {DqAccumulator::memset, DqAccumulator::engine, DqAccumulator::poisoned},
                      &set_dq_accumulator);

@@ -112,6 +112,10 @@ Classifier classifier();
 // How the embedding backward sums a run of equal rows (kernels/cuda/variants.h; default columns).
 void set_embedding_backward_kind(EmbeddingBackward kind);
 EmbeddingBackward embedding_backward_kind();
+// The blocks per SM the tensor-core attention backward is built for (kernels/cuda/variants.h;
+// default free).
+void set_flash_backward_kind(FlashBackward kind);
+FlashBackward flash_backward_kind();
 
 // Lets kernel take shmem bytes of dynamic shared memory (cudaFuncAttributeMaxDynamicSharedMemorySize,
 // needed above 48 KiB) on the current device; once per kernel, size and device. launch() calls it.

@@ -373,7 +373,7 @@ void attention_backward(const kernels::AttentionArgs& a) {
   const On o = on(a.dq, "attention_backward");
   const Scratch work(size_t(attention_backward_workspace(a)) * sizeof(float), o.dev);
   if (tensor_cores_take(a, o.dev))
-    return attention_backward_tensor_cores(a, work.as<float>(), o.stream);
+    return attention_backward_tensor_cores(a, work.as<float>(), o.stream, flash_backward_kind());
   cuda::attention_backward(a, work.as<float>(), o.stream);
 }
 

@@ -60,4 +60,17 @@ inline const char* name(DqAccumulator k) {
   return k == DqAccumulator::memset ? "memset" : k == DqAccumulator::engine ? "engine" : "poisoned";
 }
 
+// The registers of the tensor-core attention backward's two kernels at head dim 64
+// (kernels/cuda/attention_tc.cuh), through __launch_bounds__' blocks per SM (same values):
+//   free      as ptxas likes: dk/dv 250 registers a thread, dq 176, so 2 blocks of 128 threads an
+//             SM each (8 warps; the default);
+//   dq_three  dq fitted to 3 blocks an SM (168 registers, 12 bytes spilled), dk/dv free;
+//   three     both fitted to 3 (dk/dv spills 68 bytes).
+// Head dim 128 stays free (its dk/dv spills already at 255 registers).
+enum class FlashBackward : uint8_t { free, dq_three, three };
+
+inline const char* name(FlashBackward k) {
+  return k == FlashBackward::free ? "free" : k == FlashBackward::dq_three ? "dq_three" : "three";
+}
+
 }  // namespace sg::cuda
