@@ -240,11 +240,16 @@ std::vector<int64_t> Gpt2Tokenizer::encode(const std::string& text) const {
 std::vector<int64_t> Gpt2Tokenizer::encode_chunks(const std::string& text, size_t chunk_bytes,
                                                  const std::function<void(size_t)>& progress) const {
   std::vector<int64_t> out;
+  const auto visible = [](char c) { return c > ' ' && c < 0x7F; };  // printable ASCII, not a space
   for (size_t start = 0; start < text.size();) {
-    // the first cut at or past start + chunk_bytes where a '\n' is followed by a printable ASCII
-    // character: the '\n' ends its piece and nothing before it reaches past it
+    // The first cut at or past start + chunk_bytes after a '\n' with a visible character on each
+    // side: that '\n' is a piece of its own in the whole text (whitespace of one character that
+    // non-space follows) and at the end of a part alike. A '\n' that ends a longer run of
+    // whitespace is not: in "x\n\ny" the whole text's pieces are "\n" and "\n" (the pattern leaves
+    // a run's last character to what follows when that is not space), while a part ending in
+    // "x\n\n" has "\n\n", which GPT-2's vocabulary merges into one token (628, not 198 198).
     size_t cut = start + std::max<size_t>(chunk_bytes, 1);
-    while (cut < text.size() && !(text[cut - 1] == '\n' && text[cut] > ' ' && text[cut] < 0x7F)) {
+    while (cut < text.size() && !(text[cut - 1] == '\n' && cut >= 2 && visible(text[cut - 2]) && visible(text[cut]))) {
       const size_t nl = text.find('\n', cut);
       cut = nl == std::string::npos ? text.size() : nl + 1;
     }

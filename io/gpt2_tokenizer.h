@@ -31,9 +31,9 @@ class Gpt2Tokenizer {
   Gpt2Tokenizer(const std::string& vocab_json, const std::string& merges_txt, const std::string& source);
 
   std::vector<int64_t> encode(const std::string& text) const;
-  // encode() of a long text in parts of about chunk_bytes, cut only where a piece ends anyway (after
-  // a '\n' that a printable ASCII character follows), so the ids are encode(text)'s; progress(done
-  // bytes) is called after each part.
+  // encode() of a long text in parts of about chunk_bytes, cut only where the pieces are the same
+  // either way (after a '\n' between two printable ASCII characters other than space), so the ids
+  // are encode(text)'s; progress(done bytes) is called after each part.
   std::vector<int64_t> encode_chunks(const std::string& text, size_t chunk_bytes,
                                      const std::function<void(size_t)>& progress) const;
   // Throws naming an id outside the vocabulary.

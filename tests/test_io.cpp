@@ -602,6 +602,27 @@ TEST_CASE("GPT-2 tokenizer: a long text encoded in parts gives the ids of one en
   }
 }
 
+// A '\n' at the end of a longer whitespace run is its own piece when text follows ("x\n\ny": "\n",
+// "\n") but not at the end of a part ("x\n\n": "\n\n"), and GPT-2's vocabulary has a token for
+// "\n\n" (628): encode_chunks must not cut there. It did (found by tests/fuzz/gpt2_tokenizer.cpp;
+// `shardgrad tokenize` then wrote 628 where GPT-2 has 198 198 at a 1 MiB part's end after a blank line).
+TEST_CASE("GPT-2 tokenizer: parts are not cut after a newline that ends a run of whitespace", "[io][tokenizer]") {
+  // bytes_to_unicode: '\r' (13) is U+010D, '\n' (10) U+010A, ' ' (32) U+0120
+  const std::string vocab = R"({"x": 0, "y": 1, "\u010d": 2, "\u010a": 3, "\u010d\u010a": 4, "\u0120": 5,
+                                "\u0120\u010a": 6, "\u010a\u010a": 7})";
+  const Gpt2Tokenizer tok(vocab, "#version: 0.2\n\u010a \u010a\n\u010d \u010a\n\u0120 \u010a\n", "runs");
+  REQUIRE(tok.encode("x\n\n") == std::vector<int64_t>{0, 7});        // "\n\n" ends the text: one piece, merged
+  REQUIRE(tok.encode("x\n\ny") == std::vector<int64_t>{0, 3, 3, 1});  // "\n", "\n", then y
+  for (const std::string text : {"x\n\ny\n\nx\ny", "x\r\ny\r\nx\r\ny", "x \ny \nx\ny", "x\r\n\nyx\n\n\ny"}) {
+    INFO("text '" << text << "'");
+    const std::vector<int64_t> whole = tok.encode(text);
+    for (size_t chunk = 1; chunk <= text.size(); ++chunk) CHECK(tok.encode_chunks(text, chunk, [](size_t) {}) == whole);
+  }
+  size_t parts = 0;  // a '\n' between visible characters is still a place to cut
+  CHECK(tok.encode_chunks("x\ny\nx\ny", 1, [&](size_t) { ++parts; }) == std::vector<int64_t>{0, 3, 1, 3, 0, 3, 1});
+  CHECK(parts == 4);
+}
+
 TEST_CASE("GPT-2 tokenizer: bad files and ids are refused, naming the file and line", "[io][tokenizer]") {
   TempDir d;
   const std::string vocab = R"({"a": 0, "b": 1, "ab": 2})";
