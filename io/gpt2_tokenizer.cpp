@@ -242,16 +242,18 @@ std::vector<int64_t> Gpt2Tokenizer::encode_chunks(const std::string& text, size_
   std::vector<int64_t> out;
   const auto visible = [](char c) { return c > ' ' && c < 0x7F; };  // printable ASCII, not a space
   for (size_t start = 0; start < text.size();) {
-    // The first cut at or past start + chunk_bytes after a '\n' with a visible character on each
-    // side: that '\n' is a piece of its own in the whole text (whitespace of one character that
-    // non-space follows) and at the end of a part alike. A '\n' that ends a longer run of
-    // whitespace is not: in "x\n\ny" the whole text's pieces are "\n" and "\n" (the pattern leaves
-    // a run's last character to what follows when that is not space), while a part ending in
-    // "x\n\n" has "\n\n", which GPT-2's vocabulary merges into one token (628, not 198 198).
-    size_t cut = start + std::max<size_t>(chunk_bytes, 1);
-    while (cut < text.size() && !(text[cut - 1] == '\n' && cut >= 2 && visible(text[cut - 2]) && visible(text[cut]))) {
-      const size_t nl = text.find('\n', cut);
-      cut = nl == std::string::npos ? text.size() : nl + 1;
+    // The first cut at or past start + chunk_bytes just before a line end ('\n' or '\r') that a
+    // visible character precedes: every piece of the pattern but whitespace stops at whitespace,
+    // so the piece before the cut ends there whatever follows, and the whitespace run after it
+    // starts there and is split by what follows it, the same in the whole text and in the part.
+    // Not after a line end: the run's pieces depend on whether text follows. In "x\n\ny" they are
+    // "\n" and "\n" (the pattern leaves a run's last character to what follows when that is not
+    // space), while a part ending in "x\n\n" has "\n\n", which GPT-2's vocabulary merges into one
+    // token (628, not 198 198).
+    size_t cut = std::max(start + std::max<size_t>(chunk_bytes, 1), size_t(1));
+    while (cut < text.size() && !(visible(text[cut - 1]) && (text[cut] == '\n' || text[cut] == '\r'))) {
+      const size_t eol = text.find_first_of("\n\r", cut + 1);
+      cut = eol == std::string::npos ? text.size() : eol;
     }
     cut = std::min(cut, text.size());
     std::vector<int64_t> part = encode(text.substr(start, cut - start));

@@ -32,8 +32,8 @@ class Gpt2Tokenizer {
 
   std::vector<int64_t> encode(const std::string& text) const;
   // encode() of a long text in parts of about chunk_bytes, cut only where the pieces are the same
-  // either way (after a '\n' between two printable ASCII characters other than space), so the ids
-  // are encode(text)'s; progress(done bytes) is called after each part.
+  // either way (just before a '\n' or '\r' that a printable ASCII character other than space
+  // precedes), so the ids are encode(text)'s; progress(done bytes) is called after each part.
   std::vector<int64_t> encode_chunks(const std::string& text, size_t chunk_bytes,
                                      const std::function<void(size_t)>& progress) const;
   // Throws naming an id outside the vocabulary.

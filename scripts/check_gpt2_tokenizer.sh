@@ -11,8 +11,8 @@
 # missing. CTest runs it as tokenizer.gpt2_vocabulary. The texts: the two stress texts of
 # tests/golden/tokenizer_corpus (every Unicode category, contractions, "<|endoftext|>" whole and
 # cut), this repository's README, RESULTS and tokenizer source, the GPL-3 when the machine has it,
-# and the README 20 times over with a blank line after each line (1.5 MB: shardgrad tokenize encodes
-# it in 1 MiB parts).
+# and the README 20 times over with a blank line after each line, LF then CRLF (1.5 MB: shardgrad
+# tokenize encodes it in 1 MiB parts).
 # "<|endoftext|>" in a text is the end-of-text token (as Hugging Face's tokenizer treats it), so the
 # oracle encodes the parts between them and puts 50256 in between.
 set -euo pipefail
@@ -43,10 +43,12 @@ cp "$oracle/vocab.bpe" "$work/gpt2/merges.txt"
 
 texts=("$root"/tests/golden/tokenizer_corpus/*.txt "$root/README.md" "$root/bench/RESULTS.md" "$root/io/gpt2_tokenizer.cpp")
 [ -f /usr/share/common-licenses/GPL-3 ] && texts+=(/usr/share/common-licenses/GPL-3)
-# A text past shardgrad tokenize's 1 MiB parts, a blank line after every line: the parts' cuts must
-# not change the ids (a cut after "\n\n" once did: there the whole text's pieces are "\n" and "\n",
-# two ids 198, while a part ending in "\n\n" gets the one token 628).
-for _ in 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20; do sed G "$root/README.md"; done > "$work/paragraphs.txt"
+# A text past shardgrad tokenize's 1 MiB parts, a blank line after every line, the first half with
+# LF line ends, the second with CRLF: the parts' cuts must not change the ids (a cut after "\n\n"
+# once did: there the whole text's pieces are "\n" and "\n", two ids 198, while a part ending in
+# "\n\n" got the one token 628).
+for _ in 1 2 3 4 5 6 7 8 9 10; do sed G "$root/README.md"; done > "$work/paragraphs.txt"
+for _ in 1 2 3 4 5 6 7 8 9 10; do sed G "$root/README.md" | sed 's/$/\r/'; done >> "$work/paragraphs.txt"
 texts+=("$work/paragraphs.txt")
 shards=()
 for i in "${!texts[@]}"; do  # a shard a text, so that one difference does not shift the others
