@@ -250,7 +250,7 @@ std::vector<int64_t> Gpt2Tokenizer::encode_chunks(const std::string& text, size_
     // "\n" and "\n" (the pattern leaves a run's last character to what follows when that is not
     // space), while a part ending in "x\n\n" has "\n\n", which GPT-2's vocabulary merges into one
     // token (628, not 198 198).
-    size_t cut = std::max(start + std::max<size_t>(chunk_bytes, 1), size_t(1));
+    size_t cut = start + std::max<size_t>(chunk_bytes, 1);
     while (cut < text.size() && !(visible(text[cut - 1]) && (text[cut] == '\n' || text[cut] == '\r'))) {
       const size_t eol = text.find_first_of("\n\r", cut + 1);
       cut = eol == std::string::npos ? text.size() : eol;

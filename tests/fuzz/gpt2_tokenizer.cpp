@@ -8,7 +8,6 @@
 //         the text after them. The files may be refused (sg::Error), and so may the text (a symbol
 //         the vocabulary lacks); what is accepted must decode back to the text.
 // A broken property traps, so libFuzzer keeps the input.
-#include <cstring>
 #include <optional>
 
 #include "core/error.h"
@@ -43,9 +42,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     // such places). The ids above cannot always tell (pieces the test tokenizer does not merge
     // give the same ids).
     const std::vector<std::string> whole = sg::io::Gpt2Tokenizer::split(text);
+    const auto visible = [](char x) { return x > ' ' && x < 0x7F; };
     int places = 0;
     for (size_t c = 1; c < text.size() && places < 8; ++c) {
-      const auto visible = [](char x) { return x > ' ' && x < 0x7F; };
       if (!(visible(text[c - 1]) && (text[c] == '\n' || text[c] == '\r'))) continue;
       ++places;
       std::vector<std::string> parts = sg::io::Gpt2Tokenizer::split(text.substr(0, c));
