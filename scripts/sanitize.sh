@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The CPU test suite under AddressSanitizer + UndefinedBehaviorSanitizer, in ./build-asan.
+# The CPU test suite under AddressSanitizer + UndefinedBehaviorSanitizer, in ./build-asan, the CUDA
+# kernels under emulation included (their global memory is the tests' host buffers, so a kernel
+# that reads or writes past one is caught here, without a GPU).
 # Multi-rank tests are left out (Open MPI's own allocations make ASan's leak report noise), and so
 # is the 1000-step learning run (minutes under ASan; the same code runs in the other tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/deps.sh
 cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSG_SANITIZE=ON -DSG_CUDA=OFF > build-asan.log 2>&1 || { cat build-asan.log; exit 1; }
-cmake --build build-asan -j"$(nproc)" --target sg_tests shardgrad 2>&1 | tail -n 2
+cmake --build build-asan -j"$(nproc)" --target sg_tests sg_emu_tests shardgrad 2>&1 | tail -n 2
 cd build-asan
 ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 ctest --output-on-failure -j"$(nproc)" -E "^mpi\\.|mpirun|ranks|gpu\\.|learns to" --timeout 1800

@@ -185,8 +185,8 @@ inline void run_grid(dim3 grid, dim3 block, size_t shmem, const std::function<vo
           t.block_idx = dim3(x, y, z);
           t.shared_offset = 0;
           if (tid == 0) {  // NaN-poison shared memory: a read before any write shows up in the results
-            std::memset(g.static_shared.data(), 0xff, g.static_shared.size());
-            std::memset(g.dynamic_shared.data(), 0xff, g.dynamic_shared.size());
+            for (auto* mem : {&g.static_shared, &g.dynamic_shared})  // (memset of an empty one's null: UB)
+              if (!mem->empty()) std::memset(mem->data(), 0xff, mem->size());
           }
           g.block_barrier.wait("start of block");
           body();
