@@ -115,6 +115,7 @@ void bench_attention(int64_t H, int64_t D) {
     // dim 64 only): dq alone, then dk/dv too. The same bits as the flash row (checked).
     if (D == 64) {
       cuda::set_attention_backend(cuda::AttentionBackend::flash);
+      cuda::set_flash_backward_kind(cuda::FlashBackward::free);  // the bits to compare with, whatever SG_FLASH_BACKWARD says
       G.attention(a);
       G.attention_backward(a);
       const std::vector<float> base = to_host_f32(dq, n);
