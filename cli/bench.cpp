@@ -3,9 +3,9 @@
 // each as its own `mpirun ... shardgrad train --log-json` job, and collects per layout the median
 // step time and tokens/s after warm-up, peak ledger bytes per rank per category, bytes per
 // collective kind per step and the measured bubble, next to the planner's prediction. Layouts
-// train refuses are reported with its reason. Writes PREFIX.json and PREFIX.csv, and with
-// --report one HTML page (also from an earlier results file with --from). With --trace or
-// --report every layout runs traced, and the last step's memory samples (the ledger per category
+// train refuses are reported with its reason. Writes PREFIX.json, PREFIX.csv and one HTML page
+// (PREFIX.html unless --report names another file or none; also from an earlier results file with
+// --from). With --trace or a report every layout runs traced, and the last step's memory samples (the ledger per category
 // after each forward, backward, gather, release, launch) go into the results for the report's
 // memory-over-time charts.
 #include <unistd.h>
@@ -121,8 +121,8 @@ int bench_main(int argc, char** argv) {
   a.flag("timeout", "300", "seconds per layout");
   a.flag("peak-tflops", "0", "the peak TFLOP/s of one rank's device in the training dtype (e.g. 989 for H100/H200 bf16 "
          "dense): each layout's measured MFU = tokens/s x model FLOPs per token / (ranks x peak); 0 = not reported");
-  a.flag("out", "bench_results", "write PREFIX.json and PREFIX.csv");
-  a.flag("report", "", "write the HTML report here");
+  a.flag("out", "bench_results", "write PREFIX.json, PREFIX.csv and (unless --report says otherwise) PREFIX.html");
+  a.flag("report", "", "write the HTML report here (default: PREFIX.html of --out; none: no report)");
   a.flag("from", "", "make the report from this results file instead of running");
   a.flag("work-dir", "", "where each layout's logs go (default: a temporary directory, removed)");
   a.flag("trace", "", "a directory: each layout's Chrome trace (train --trace) goes to DIR/<layout>.json "
@@ -134,13 +134,17 @@ int bench_main(int argc, char** argv) {
     std::printf("%s", a.usage().c_str());
     return 0;
   }
+  // The HTML page comes with every run unless asked not to: PREFIX.html beside the JSON and CSV.
+  const std::string report_path = a.str("report") == "none" ? std::string()
+                                  : a.str("report").empty() ? a.str("out") + ".html"
+                                                            : a.str("report");
   // The outputs' folders first: a bad path fails here, not after every layout has run.
-  if (!a.str("report").empty()) io::make_parent_folder(a.str("report"), "bench: --report");
+  if (!report_path.empty()) io::make_parent_folder(report_path, "bench: --report");
   if (!a.str("from").empty()) {
-    SG_CHECK(!a.str("report").empty(), "bench: --from needs --report FILE.html");
+    SG_CHECK(!report_path.empty(), "bench: --from makes a report; --report none leaves nothing to do");
     const json from = read_json_file(a.str("from"), "from");
-    io::write_text_atomic(a.str("report"), "bench: --report", report::results_html(from));
-    std::printf("wrote %s\n", a.str("report").c_str());
+    io::write_text_atomic(report_path, "bench: --report", report::results_html(from));
+    std::printf("wrote %s\n", report_path.c_str());
     return 0;
   }
   io::make_parent_folder(a.str("out") + ".json", "bench: --out");
@@ -196,7 +200,7 @@ int bench_main(int argc, char** argv) {
   // The report's memory-over-time charts read each layout's trace: --report traces into the work
   // directory when no --trace directory is given.
   const fs::path trace_dir = !a.str("trace").empty() ? fs::path(a.str("trace"))
-                             : !a.str("report").empty() ? work / "traces" : fs::path();
+                             : !report_path.empty() ? work / "traces" : fs::path();
   if (!trace_dir.empty()) fs::create_directories(trace_dir);
   const std::string self = fs::read_symlink("/proc/self/exe").string();
 
@@ -311,9 +315,9 @@ int bench_main(int argc, char** argv) {
   io::write_text_atomic(prefix + ".json", "bench: --out", results.dump(1) + "\n");
   io::write_text_atomic(prefix + ".csv", "bench: --out", report::results_csv(results));
   std::printf("wrote %s.json and %s.csv\n", prefix.c_str(), prefix.c_str());
-  if (!a.str("report").empty()) {
-    io::write_text_atomic(a.str("report"), "bench: --report", report::results_html(results));
-    std::printf("wrote %s\n", a.str("report").c_str());
+  if (!report_path.empty()) {
+    io::write_text_atomic(report_path, "bench: --report", report::results_html(results));
+    std::printf("wrote %s\n", report_path.c_str());
   }
   // A layout that ran and failed (or timed out) fails the command, after the report is written;
   // one refused for this rank count or model is the matrix's business, not a failure.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Renders a `shardgrad bench --report` page in headless Chromium and saves a PNG, to see that the
+# Renders a `shardgrad bench` page (bench_results.html) in headless Chromium and saves a PNG, to see that the
 # report draws in a real browser. Installs the distribution's chromium when it is missing (not in
 # CI: only this script needs it).
 #   bash scripts/report_screenshot.sh report.html [report.png] [width] [height]

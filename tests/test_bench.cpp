@@ -396,3 +396,31 @@ TEST_CASE("bench --simulate charts GPT-2 medium's bytes per rank for every layou
   CHECK(html.find("simulated on the meta device") != std::string::npos);
   fs::remove_all(dir);
 }
+
+// The page comes with every run: PREFIX.html beside PREFIX.json unless --report names another file
+// or none; --from redraws it the same way.
+TEST_CASE("bench writes its HTML page beside the results by default, and none by request", "[cli]") {
+  const fs::path dir = fs::temp_directory_path() / ("sg_bench_page_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const auto bench = [&](const std::string& args) {
+    const std::string cmd = std::string(SG_BINARY) + " bench --simulate --layouts single,zero3 " + args + " > " +
+                            (dir / "out.txt").string() + " 2>&1";
+    const int status = std::system(cmd.c_str());
+    INFO(read_text(dir / "out.txt"));
+    REQUIRE(WIFEXITED(status));
+    return WEXITSTATUS(status);
+  };
+  REQUIRE(bench("--out " + (dir / "a").string()) == 0);
+  CHECK(fs::exists(dir / "a.json"));
+  CHECK(read_text(dir / "a.html").find("id='chart-memory'") != std::string::npos);
+  CHECK(read_text(dir / "out.txt").find("wrote " + (dir / "a.html").string()) != std::string::npos);
+  REQUIRE(bench("--out " + (dir / "b").string() + " --report none") == 0);
+  CHECK(fs::exists(dir / "b.json"));
+  CHECK_FALSE(fs::exists(dir / "b.html"));
+  CHECK(read_text(dir / "out.txt").find(".html") == std::string::npos);
+  REQUIRE(bench("--from " + (dir / "b.json").string() + " --out " + (dir / "c").string()) == 0);
+  CHECK(read_text(dir / "c.html").find("id='chart-memory'") != std::string::npos);
+  CHECK(bench("--from " + (dir / "b.json").string() + " --report none") != 0);
+  CHECK(read_text(dir / "out.txt").find("--report none leaves nothing to do") != std::string::npos);
+  fs::remove_all(dir);
+}
