@@ -467,6 +467,52 @@ TEST_CASE("the tensor-parallel example equals the unsharded MLP on 2 and 4 ranks
   }
 }
 
+TEST_CASE("the pipeline example gives one process's losses under gpipe, 1f1b and interleaved, each rank holding its stages", "[cli][mpi]") {
+  const std::string example = std::string(SG_EXAMPLES_DIR) + "/sg_example_pipeline_mlp";
+  const auto losses = [](const std::string& out) {
+    std::vector<std::string> v;
+    std::istringstream in(out);
+    for (std::string line; std::getline(in, line);)
+      if (line.rfind("step ", 0) == 0) v.push_back(line);
+    return v;
+  };
+  const auto activation_peak = [](const std::string& out, int rank, int p) {
+    const std::string head = "rank " + std::to_string(rank) + " of " + std::to_string(p) + " |";
+    const size_t at = out.find("activation peak ", out.find(head));
+    return std::stoll(out.substr(at + 16));
+  };
+  Run one = run_command(example);
+  INFO(one.output);
+  REQUIRE(one.code == 0);  // it checks that it learned (the loss down 20x)
+  const auto reference = losses(one.output);
+  REQUIRE(reference.size() == 9);
+  CHECK(one.output.find("rank 0 of 1 | 1f1b | stages 0 (layers 0-7) | params 26116 B (4 x 6529)") != std::string::npos);
+  std::map<std::string, Run> runs;
+  for (const char* kind : {"gpipe", "1f1b", "interleaved"}) {
+    Run& r = runs[kind] = run_command(sg::testing::mpirun_command(4) + example + " " + kind);
+    INFO(kind << "\n" << r.output);
+    REQUIRE(r.code == 0);
+    // micro-batch by micro-batch the same arithmetic: the same losses to the last digit printed
+    CHECK(losses(r.output) == reference);
+    // every rank holds its layers' weights only: 4 x (4·32+32 + 32·32+32) on the first, ... 4 x 6529 in all
+    for (const char* held : {"params 4864 B (4 x 1216)", "params 8448 B (4 x 2112)", "params 4356 B (4 x 1089)"})
+      CHECK(r.output.find(held) != std::string::npos);
+  }
+  // the schedules: (p-1)/m of busy time idle, halved by two stages per rank; 1f1b's last stage
+  // alternates from the start, and its first stage keeps 4 micro-batches in flight, not gpipe's 8
+  CHECK(runs["1f1b"].output.find("37.5% of busy time") != std::string::npos);
+  CHECK(runs["interleaved"].output.find("18.8% of busy time") != std::string::npos);
+  CHECK(runs["1f1b"].output.find("rank 3 of 4 | 1f1b | stages 3 (layers 6-7) | params 4356 B (4 x 1089)") != std::string::npos);
+  CHECK(runs["1f1b"].output.find("| F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7\n") != std::string::npos);
+  CHECK(runs["1f1b"].output.find("| F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7\n") != std::string::npos);
+  CHECK(runs["interleaved"].output.find("stages 0 (layers 0-0) 4 (layers 4-4)") != std::string::npos);
+  for (int r = 0; r < 4; ++r) CHECK(activation_peak(runs["1f1b"].output, r, 4) < activation_peak(runs["gpipe"].output, r, 4));
+  // a split that cannot be: refused on every rank, named once
+  Run three = run_command(sg::testing::mpirun_command(3) + example);
+  CHECK(three.code != 0);
+  CHECK(three.output.find("pipeline_mlp: 8 layers do not split into 3 stages") != std::string::npos);
+}
+
 TEST_CASE("generate samples from what train saved", "[cli]") {
   TempDir d;
   std::string save = (d.path / "run").string();
