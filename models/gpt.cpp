@@ -125,9 +125,7 @@ Tensor Block::forward(const Tensor& x, Recompute rc) const {
     Tensor m = mlp ? mlp->forward(normed) : tp_mlp->forward(normed);
     return autograd::TensorList{add(h, dropout > 0 ? sg::dropout(m, dropout, mlp_dropout_site(layer)) : m)};
   };
-  if (pre_forward) pre_forward();
-  Tensor y = rc == Recompute::full ? autograd::recompute(body, {x}, parameters())[0] : body({x})[0];
-  return post_forward ? post_forward(y) : y;
+  return hooked([&] { return rc == Recompute::full ? autograd::recompute(body, {x}, parameters())[0] : body({x})[0]; });
 }
 
 GPT::GPT(const GPTConfig& c, DType dtype, Device device, std::shared_ptr<comm::ProcessGroup> tp)
@@ -206,11 +204,11 @@ Tensor GPT::head(const Tensor& h_out) const {
 }
 
 Tensor GPT::forward(const Tensor& idx) const {
-  if (pre_forward) pre_forward();
-  Tensor x = embed(idx);
-  for (const auto& block : h) x = block->forward(x, recompute);
-  Tensor logits = head(x);
-  return post_forward ? post_forward(logits) : logits;
+  return hooked([&] {
+    Tensor x = embed(idx);
+    for (const auto& block : h) x = block->forward(x, recompute);
+    return head(x);
+  });
 }
 
 Tensor GPT::forward_cached(const Tensor& idx, KVCache& cache) const {

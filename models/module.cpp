@@ -34,6 +34,19 @@ int64_t Module::num_parameters() const {
   return n;
 }
 
+Tensor Module::hooked(const std::function<Tensor()>& forward) const {
+  if (pre_forward) pre_forward();
+  Tensor y = forward();
+  return post_forward ? post_forward(y) : y;
+}
+
+std::vector<std::pair<std::string, Module*>> Module::named_modules() {
+  std::vector<std::pair<std::string, Module*>> out{{"", this}};
+  for (const auto& [n, m] : children_)
+    for (auto& [below, sub] : m->named_modules()) out.emplace_back(below.empty() ? n : n + "." + below, sub);
+  return out;
+}
+
 void Module::zero_grad() {
   for (auto& [n, t] : named_parameters()) t.set_grad(Tensor());
 }

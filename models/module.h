@@ -32,6 +32,11 @@ class Module {
   // itself, or the output wrapped in an autograd node.
   std::function<void()> pre_forward;
   std::function<Tensor(const Tensor&)> post_forward;
+  // forward() between the hooks: pre_forward, then forward, then post_forward on its output. A
+  // module that FSDP shards as a unit runs its forward through this (Block and GPT do).
+  Tensor hooked(const std::function<Tensor()>& forward) const;
+  // This module ("") and every module below it with its name ("h.0", "h.0.attn"), depth first.
+  std::vector<std::pair<std::string, Module*>> named_modules();
 
  protected:
   // Allocates under the param ledger category; the name is this module's local name ("weight").

@@ -46,7 +46,27 @@ const char* fsdp_mode_name(FsdpMode m) {
 
 FullyShardedDataParallel::FullyShardedDataParallel(nn::GPT& model, std::shared_ptr<comm::ProcessGroup> group,
                                                    optim::AdamWConfig adam, FsdpOptions opt)
-    : model_(model), world_(std::move(group)), adam_(adam), opt_(opt), alive_(std::make_shared<bool>(true)) {
+    : FullyShardedDataParallel(model, &model, std::move(group), adam, opt) {
+  gpt_units();
+  shard_units();
+}
+
+FullyShardedDataParallel::FullyShardedDataParallel(nn::Module& model, const std::vector<nn::Module*>& units,
+                                                   std::shared_ptr<comm::ProcessGroup> group, optim::AdamWConfig adam,
+                                                   FsdpOptions opt)
+    : FullyShardedDataParallel(model, nullptr, std::move(group), adam, opt) {
+  SG_CHECK(!opt_.holds, "fsdp: a pipeline's stages are a GPT's (FsdpOptions::holds needs the GPT constructor)");
+  SG_CHECK(opt_.wrap_min_params == 0, "fsdp: wrap_min_params groups a GPT's blocks; here the units are the modules "
+           "given");
+  module_units(units);
+  shard_units();
+}
+
+FullyShardedDataParallel::FullyShardedDataParallel(nn::Module& module, nn::GPT* gpt,
+                                                   std::shared_ptr<comm::ProcessGroup> group, optim::AdamWConfig adam,
+                                                   FsdpOptions opt)
+    : module_(module), gpt_(gpt), world_(std::move(group)), adam_(adam), opt_(opt),
+      alive_(std::make_shared<bool>(true)) {
   const char* mode = fsdp_mode_name(opt_.mode);
   SG_CHECK(world_, "fsdp: no process group");
   SG_CHECK(!opt_.offload_params || opt_.offload_optimizer, "fsdp: offloading the parameters needs the optimizer "
@@ -96,11 +116,14 @@ FullyShardedDataParallel::FullyShardedDataParallel(nn::GPT& model, std::shared_p
   if (shard_ && shard_->size() == 1) shard_.reset();  // sharding over one rank: the full unit, persistent
   if (replicate_ && replicate_->size() == 1) replicate_.reset();
   if (!shard_) reshard_ = false;
-  const int Ns = shard_size(), r = shard_ ? shard_->rank() : 0;
+}
 
-  // Units: the root (wte, wpe, ln_f) first, then runs of consecutive blocks. Under a pipeline,
-  // only what this rank holds: "wte" and "root" (wpe, ln_f) when it holds them, then runs of its
-  // consecutive blocks.
+// Units: the root (wte, wpe, ln_f) first, then runs of consecutive blocks. Under a pipeline, only
+// what this rank holds: "wte" and "root" (wpe, ln_f) when it holds them, then runs of its
+// consecutive blocks.
+void FullyShardedDataParallel::gpt_units() {
+  nn::GPT& model = *gpt_;
+  const bool piped = bool(opt_.holds);
   const auto held = [&](const std::string& name) { return !piped || opt_.holds(name); };
   // Parameters keep the model's names ("wte.weight", "h.0.attn.c_attn.weight"): the global
   // tensors of the checkpoint state.
@@ -108,11 +131,11 @@ FullyShardedDataParallel::FullyShardedDataParallel(nn::GPT& model, std::shared_p
     for (auto& [n, p] : m.named_parameters())
       if (held(prefix + "." + n)) u.params.emplace_back(prefix + "." + n, p);
   };
-  const nn::Module& wte = model_.wte ? static_cast<const nn::Module&>(*model_.wte) : *model_.tp_wte;
+  const nn::Module& wte = model.wte ? static_cast<const nn::Module&>(*model.wte) : *model.tp_wte;
   auto add_root = [&](Unit u) {
     u.root = true;
     u.deferred = piped;
-    if (!piped) u.first = u.last = &model_;
+    if (!piped) u.first = u.last = &model;
     if (!u.params.empty()) units_.push_back(std::move(u));
   };
   Unit root;
@@ -125,38 +148,80 @@ FullyShardedDataParallel::FullyShardedDataParallel(nn::GPT& model, std::shared_p
   } else {
     add(root, "wte", wte);
   }
-  add(root, "wpe", *model_.wpe);
-  add(root, "ln_f", *model_.ln_f);
+  add(root, "wpe", *model.wpe);
+  add(root, "ln_f", *model.ln_f);
   add_root(std::move(root));
   // A run never spans another rank's blocks (a pipeline stage held elsewhere).
   const auto block_held = [&](size_t i) {
-    return i < model_.h.size() && held("h." + std::to_string(i) + "." + model_.h[i]->named_parameters().front().first);
+    return i < model.h.size() && held("h." + std::to_string(i) + "." + model.h[i]->named_parameters().front().first);
   };
   size_t begin = 0;
   int64_t run = 0;
-  for (size_t i = 0; i < model_.h.size(); ++i) {
+  for (size_t i = 0; i < model.h.size(); ++i) {
     if (!block_held(i)) {
       begin = i + 1;
       continue;
     }
-    run += model_.h[i]->num_parameters();
+    run += model.h[i]->num_parameters();
     if (opt_.wrap_min_params > 0 && run < opt_.wrap_min_params && block_held(i + 1)) continue;
     Unit u;
     u.name = "h." + std::to_string(begin) + (i > begin ? "-" + std::to_string(i) : "");
-    u.first = model_.h[begin].get();
-    u.last = model_.h[i].get();
+    u.first = model.h[begin].get();
+    u.last = model.h[i].get();
     u.first_block = int(begin), u.last_block = int(i);
-    for (size_t j = begin; j <= i; ++j) add(u, "h." + std::to_string(j), *model_.h[j]);
+    for (size_t j = begin; j <= i; ++j) add(u, "h." + std::to_string(j), *model.h[j]);
     units_.push_back(std::move(u));
     begin = i + 1;
     run = 0;
   }
   size_t covered = 0, mine = 0;
   for (auto& u : units_) covered += u.params.size();
-  for (auto& [n, p] : model_.named_parameters()) mine += held(n);
+  for (auto& [n, p] : model.named_parameters()) mine += held(n);
   SG_CHECK(!units_.empty() && covered == mine, "fsdp: the units cover ", covered, " of the ", mine,
            " parameters this rank holds");
+}
 
+// Units of any module: the root (every parameter outside the given modules, gathered around the
+// model's whole forward) first, then one unit per given module, in the order given (the order
+// their forwards run in, which prefetch follows).
+void FullyShardedDataParallel::module_units(const std::vector<nn::Module*>& modules) {
+  std::vector<std::pair<std::string, nn::Module*>> named;  // the given modules, by their names in the model
+  for (nn::Module* m : modules) {
+    SG_CHECK(m && m != &module_, "fsdp: a unit must be a module below the model");
+    std::string name;
+    for (auto& [n, sub] : module_.named_modules())
+      if (sub == m) name = n;
+    SG_CHECK(!name.empty(), "fsdp: a unit module (", m->type_name(), ") is not part of the model");
+    for (auto& [other, sub] : named)
+      SG_CHECK(name.rfind(other + ".", 0) != 0 && other.rfind(name + ".", 0) != 0 && name != other, "fsdp: units '",
+               other, "' and '", name, "' overlap (one holds the other's parameters)");
+    named.emplace_back(name, m);
+  }
+  const auto inside = [&](const std::string& param, const std::string& unit) { return param.rfind(unit + ".", 0) == 0; };
+  Unit root;
+  root.name = "root";
+  root.root = true;
+  root.first = root.last = &module_;
+  for (auto& [n, p] : module_.named_parameters())
+    if (std::none_of(named.begin(), named.end(), [&](const auto& u) { return inside(n, u.first); }))
+      root.params.emplace_back(n, p);
+  if (!root.params.empty()) units_.push_back(std::move(root));
+  for (auto& [name, m] : named) {
+    Unit u;
+    u.name = name;
+    u.first = u.last = m;
+    u.first_block = u.last_block = int(units_.size());
+    for (auto& [n, p] : m->named_parameters()) u.params.emplace_back(name + "." + n, p);
+    SG_CHECK(!u.params.empty(), "fsdp: unit '", name, "' has no parameters");
+    units_.push_back(std::move(u));
+  }
+  SG_CHECK(!units_.empty(), "fsdp: the model has no parameters");
+}
+
+// Moves every unit's parameters into one flat storage, keeps this rank's shard (and its gradient
+// and optimizer state) and installs the hooks.
+void FullyShardedDataParallel::shard_units() {
+  const int N = world_->size(), Ns = shard_size(), r = shard_ ? shard_->rank() : 0;
   dtype_ = units_[0].params[0].second.dtype();
   SG_CHECK(dtype_ == DType::f32 || half(dtype_), "fsdp: parameters are ", dtype_name(dtype_),
            " (expected f32, bf16 or f16)");
@@ -329,8 +394,9 @@ void FullyShardedDataParallel::prefetch(size_t k, bool backward) {
       if (j >= n) return;
       if (opt_.holds && !next_in_chunk(j - 1, j)) return;
     } else {
-      const size_t from = k == 0 ? n : k;  // backward order: root, n-1, n-2, ..., 1
-      if (from < step + 1) return;
+      // backward order: the root (when there is one, unit 0), then n-1, n-2, ... down to the first non-root unit
+      const size_t lowest = units_[0].root ? 1 : 0, from = k == 0 && units_[0].root ? n : k;
+      if (from < lowest + step) return;
       j = from - step;
       if (opt_.holds && !next_in_chunk(j, j + 1)) return;
     }
@@ -542,6 +608,11 @@ void FullyShardedDataParallel::release_all() {
   for (auto& u : units_) release(u);
 }
 
+ckpt::LocalView FullyShardedDataParallel::param_view(const std::string& name, const Shape& shape) const {
+  return gpt_ ? ckpt::gpt_param_view(name, shape, gpt_->config.vocab_size, tp_rank(), tp_size())
+              : ckpt::whole_view(name, shape);
+}
+
 // Calls fn(view, segment, shard tensor) for every state tensor of every segment of this rank:
 // the parameter, exp_avg, exp_avg_sq and (bf16/f16) master. once: tp-replicated parameters only
 // on tp rank 0, so that over all ranks every element appears once.
@@ -551,7 +622,7 @@ void FullyShardedDataParallel::for_state(Fn fn, bool once) const {
     for (const Segment& s : u.segments) {
       const auto& [name, p] = u.params[s.param];
       if (once && tp_rank() != 0 && tp::gpt_param_split(name).replicated()) continue;
-      const ckpt::LocalView v = ckpt::gpt_param_view(name, p.shape(), model_.config.vocab_size, tp_rank(), tp_size());
+      const ckpt::LocalView v = param_view(name, p.shape());
       fn(v, s, u.shard_param);
       fn(ckpt::renamed(v, name + ".exp_avg"), s, u.m);
       fn(ckpt::renamed(v, name + ".exp_avg_sq"), s, u.v);
@@ -610,8 +681,7 @@ std::map<std::string, Tensor> FullyShardedDataParallel::full_state_dict(bool wit
             if (s.param == i) copy_(narrow(local, 0, s.lo, s.len), narrow(shard, 0, s.at, s.len));
         if (world_->size() > 1) world_->reduce(local, 0, comm::ReduceOp::sum)->wait();
         if (world_->rank() != 0) continue;
-        const ckpt::LocalView v =
-            ckpt::renamed(ckpt::gpt_param_view(name, p.shape(), model_.config.vocab_size), name + suffix);
+        const ckpt::LocalView v = ckpt::renamed(param_view(name, p.shape()), name + suffix);
         auto whole = ckpt::assemble(ckpt::pieces_of(v, 0, host(local)));
         out[name + suffix] = whole.at(name + suffix);
       }

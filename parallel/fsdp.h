@@ -4,9 +4,10 @@
 // Units. A unit is a run of consecutive Blocks (one per Block, or — wrap_min_params — as many as
 // it takes to reach that many parameters), plus a root unit for wte, wpe and ln_f (the tied head
 // uses wte at the very end of forward and the embedding at the very end of backward, so the root
-// stays gathered through both). A unit's parameters point, at their offsets, into one flat
-// Storage of Ψu_p = S·Ns elements, S = ceil(Ψu/Ns), Ns the shard group's size (at most Ns-1 zero
-// padding elements per unit). While sharded, the storage is released between uses
+// stays gathered through both). For a model of one's own (the generic constructor) the units are
+// the modules given, and the root holds every parameter outside them. A unit's parameters point,
+// at their offsets, into one flat Storage of Ψu_p = S·Ns elements, S = ceil(Ψu/Ns), Ns the shard
+// group's size (at most Ns-1 zero padding elements per unit). While sharded, the storage is released between uses
 // (Storage::release): the only persistent copy of the parameters is this rank's shard, elements
 // [r·S, (r+1)·S) of the flat vector, r this rank's place in its shard group.
 //
@@ -117,6 +118,14 @@ class FullyShardedDataParallel {
   // The parameters' dtype (f32, bf16 or f16) is the compute dtype.
   FullyShardedDataParallel(nn::GPT& model, std::shared_ptr<comm::ProcessGroup> group, optim::AdamWConfig adam,
                            FsdpOptions opt = {});
+  // Any module (FSDP over a model of one's own; no tensor or pipeline parallelism): each of
+  // `units` — modules below `model`, none inside another, in the order their forwards run (the
+  // order prefetch follows) — becomes a unit of its parameters, and every other parameter of the
+  // model goes into a root unit, gathered for the model's forward and again from the start of its
+  // backward (no root unit when the units hold every parameter). The units' forwards and the model's must run through nn::Module::hooked, which
+  // calls the hooks FSDP installs. Unit names are the modules' names in the model ("layers.2").
+  FullyShardedDataParallel(nn::Module& model, const std::vector<nn::Module*>& units,
+                           std::shared_ptr<comm::ProcessGroup> group, optim::AdamWConfig adam, FsdpOptions opt = {});
   ~FullyShardedDataParallel();
   FullyShardedDataParallel(const FullyShardedDataParallel&) = delete;
   FullyShardedDataParallel& operator=(const FullyShardedDataParallel&) = delete;
@@ -232,10 +241,20 @@ class FullyShardedDataParallel {
   void reap(bool all);
   template <class Fn>
   void for_state(Fn fn, bool once = false) const;
-  int tp_rank() const { return model_.tp_group ? model_.tp_group->rank() : 0; }
-  int tp_size() const { return int(model_.config.tp); }
+  // The groups and options (both public constructors), then the units: a GPT's (root, block runs)
+  // or the given modules', then their flat storages, shards, state and hooks.
+  FullyShardedDataParallel(nn::Module& module, nn::GPT* gpt, std::shared_ptr<comm::ProcessGroup> group,
+                           optim::AdamWConfig adam, FsdpOptions opt);
+  void gpt_units();
+  void module_units(const std::vector<nn::Module*>& modules);
+  void shard_units();
+  // A parameter's place in its global tensor: a GPT's tp slice, else the whole tensor.
+  ckpt::LocalView param_view(const std::string& name, const Shape& shape) const;
+  int tp_rank() const { return gpt_ && gpt_->tp_group ? gpt_->tp_group->rank() : 0; }
+  int tp_size() const { return gpt_ ? int(gpt_->config.tp) : 1; }
 
-  nn::GPT& model_;
+  nn::Module& module_;
+  nn::GPT* gpt_ = nullptr;  // null: the units are modules given to the generic constructor
   std::shared_ptr<comm::ProcessGroup> world_, shard_, replicate_;
   optim::AdamWConfig adam_;
   FsdpOptions opt_;

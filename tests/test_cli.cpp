@@ -428,29 +428,56 @@ TEST_CASE("resume auto skips the newest checkpoint when a file it lists is gone,
   CHECK(lines == 1);
 }
 
-TEST_CASE("the ZeRO-2 example learns y = tanh(3x), gives one process's losses on 4 ranks, and holds ZeRO's bytes", "[cli][mpi]") {
-  const std::string example = std::string(SG_EXAMPLES_DIR) + "/sg_example_zero2_mlp";
+namespace {
+// The losses an example prints, one "step N | loss L" line each.
+std::vector<double> example_losses(const std::string& out) {
+  std::vector<double> v;
+  std::istringstream in(out);
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind("step ", 0) == 0) v.push_back(std::stod(line.substr(line.find("loss ") + 5)));
+  return v;
+}
+
+// Runs examples/<name>.cpp in one process and on 4 ranks: both exit 0 (each checks that it
+// learned: the loss down 20x) and print the same 7 losses (to 1e-3: the reductions add in another
+// order).
+std::pair<Run, Run> run_example_on_1_and_4(const std::string& name) {
+  const std::string example = std::string(SG_EXAMPLES_DIR) + "/sg_example_" + name;
   Run one = run_command(example), four = run_command(sg::testing::mpirun_command(4) + example);
   INFO(one.output << four.output);
-  REQUIRE(one.code == 0);  // it checks that it learned (the loss down 20x)
+  REQUIRE(one.code == 0);
   REQUIRE(four.code == 0);
-  const auto losses = [](const std::string& out) {
-    std::vector<double> v;
-    std::istringstream in(out);
-    for (std::string line; std::getline(in, line);)
-      if (line.rfind("step ", 0) == 0) v.push_back(std::stod(line.substr(line.find("loss ") + 5)));
-    return v;
-  };
-  const auto a = losses(one.output), b = losses(four.output);
+  const auto a = example_losses(one.output), b = example_losses(four.output);
   REQUIRE(a.size() == 7);
   REQUIRE(b.size() == a.size());
   for (size_t i = 0; i < a.size(); ++i) CHECK(b[i] == Approx(a[i]).epsilon(1e-3));
+  return {one, four};
+}
+}  // namespace
+
+TEST_CASE("the ZeRO-2 example learns y = tanh(3x), gives one process's losses on 4 ranks, and holds ZeRO's bytes", "[cli][mpi]") {
+  const auto [one, four] = run_example_on_1_and_4("zero2_mlp");
+  INFO(one.output << four.output);
   // Ψ = 193 parameters (1·64 + 64 + 64·1 + 1), padded to 196 on 4 ranks: 4Ψ, 4Ψp/N, 8Ψp/N
   CHECK(one.output.find("params 772 B (4Ψ = 772) | gradient shard 772 B (4Ψp/N = 772) | AdamW m, v 1544 B") !=
         std::string::npos);
   for (int r = 0; r < 4; ++r)
     CHECK(four.output.find("rank " + std::to_string(r) + " of 4 | params 772 B (4Ψ = 772) | gradient shard 196 B "
                            "(4Ψp/N = 196) | AdamW m, v 392 B (8Ψp/N = 392)") != std::string::npos);
+}
+
+TEST_CASE("the ZeRO-3 example shards a module of its own: one process's losses on 4 ranks, ZeRO-3's bytes held and sent", "[cli][mpi]") {
+  const auto [one, four] = run_example_on_1_and_4("zero3_mlp");
+  INFO(one.output << four.output);
+  // Ψ = 320 (in, the root) + 4 x 4160 (hidden) + 65 (head) = 17025; on 4 ranks the head pads to 68:
+  // Ψp = 17028. Shards 4Ψp/4 = 17028 B; the peak adds the root and one layer gathered, 4 x (320 + 4160);
+  // per step 2 x 3/4 x 4Ψp all-gathered and 3/4 x 4Ψp reduce-scattered.
+  for (int r = 0; r < 4; ++r)
+    CHECK(four.output.find("rank " + std::to_string(r) + " of 4 | 6 units, Ψ 17025, Ψp 17028 | params 17028 B (4Ψp/N = "
+                           "17028), peak 34948 B (+ root and one layer = 34948) | gradient shard 17028 B | AdamW m, v "
+                           "34056 B (8Ψp/N = 34056) | all-gathered 102168 B (2(N-1)/N·4Ψp = 102168), reduce-scattered "
+                           "51084 B ((N-1)/N·4Ψp = 51084)") != std::string::npos);
+  CHECK(one.output.find("params 68100 B (4Ψp/N = 68100), peak 68100 B") != std::string::npos);
 }
 
 TEST_CASE("the tensor-parallel example equals the unsharded MLP on 2 and 4 ranks, with two all-reduces of 2(p-1)/p of the activation", "[cli][mpi]") {
