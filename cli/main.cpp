@@ -27,6 +27,10 @@ int main(int argc, char** argv) {
     usage();
     return argc < 2 ? 2 : 0;
   }
+  // Whether a launcher (mpirun) started us, read before MPI_Init: as a singleton, Open MPI sets
+  // these variables in the process itself. Without one there is no other rank to take down, so an
+  // error needs no MPI_Abort (nor its banner).
+  const bool launched = std::getenv("OMPI_COMM_WORLD_SIZE") || std::getenv("PMIX_RANK") || std::getenv("PMI_RANK");
   try {
     if (!std::strcmp(argv[1], "train")) return sg::cli::train_main(argc - 2, argv + 2);
     if (!std::strcmp(argv[1], "generate")) return sg::cli::generate_main(argc - 2, argv + 2);
@@ -42,7 +46,7 @@ int main(int argc, char** argv) {
     int up = 0, down = 0;
     MPI_Initialized(&up);
     MPI_Finalized(&down);
-    if (up && !down) {
+    if (up && !down && launched) {
       // Under mpirun: name this rank, then take the whole job down so no rank is left waiting
       // in a collective for us.
       int rank = 0;

@@ -95,6 +95,14 @@ TEST_CASE("train refuses bad flags, missing files and existing checkpoints, nami
   fails_with("train --strategy ddp --backend nccl", "--backend nccl carries CUDA tensors: pass --device cuda");
   fails_with("train --backend nccl", "--backend nccl is for multi-rank strategies");
   fails_with("train --strategy ddp --rendezvous tcp://x", "--rendezvous must be mpi or file:PATH");
+  // an error found after MPI started, in a process no launcher started: one line, no MPI_Abort banner
+  {
+    Run r = shardgrad("train --tp 2 --steps 1");
+    INFO(r.output);
+    CHECK(r.code == 1);
+    CHECK(r.output == "shardgrad train: error: train: --tp 2 x --pp 1 = 2 ranks per model replica does not divide the 1 "
+                      "ranks launched\n");
+  }
   // a flag of another strategy or layout is refused, not ignored
   fails_with("train --prefetch both", "--prefetch is for the fsdp family (zero3, fsdp, fsdp-grad-op, hsdp, no-shard); "
              "this run is --strategy single");
