@@ -75,7 +75,14 @@ int64_t Tensor::size(int64_t d) const {
 
 void* Tensor::data_ptr() const {
   SG_NEED_IMPL;
-  return static_cast<char*>(impl_->storage->data()) + impl_->layout.offset * int64_t(dtype_size(impl_->dtype));
+  void* base = impl_->storage->data();
+  // A released storage (Storage::release: FSDP's parameters between their unit's uses) holds no
+  // bytes; reading it would be a null dereference in some kernel, so say what it is instead.
+  if (!base && impl_->storage->nbytes() == 0 && !impl_->storage->device().is_meta() && numel() > 0)
+    throw Error(str("a ", dtype_name(impl_->dtype), " tensor of shape ", shape_str(shape()),
+                    " is read while its storage is released (an FSDP unit's parameters outside its forward and "
+                    "backward? The unit's forward must run through nn::Module::hooked; gather_all() brings them back)"));
+  return static_cast<char*>(base) + impl_->layout.offset * int64_t(dtype_size(impl_->dtype));
 }
 
 void Tensor::check_access(size_t elem) const {

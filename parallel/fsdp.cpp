@@ -188,9 +188,9 @@ void FullyShardedDataParallel::module_units(const std::vector<nn::Module*>& modu
   std::vector<std::pair<std::string, nn::Module*>> named;  // the given modules, by their names in the model
   for (nn::Module* m : modules) {
     SG_CHECK(m && m != &module_, "fsdp: a unit must be a module below the model");
-    std::string name;
+    std::string name;  // its first name, depth first (a module registered twice has two)
     for (auto& [n, sub] : module_.named_modules())
-      if (sub == m) name = n;
+      if (sub == m && name.empty()) name = n;
     SG_CHECK(!name.empty(), "fsdp: a unit module (", m->type_name(), ") is not part of the model");
     for (auto& [other, sub] : named)
       SG_CHECK(name.rfind(other + ".", 0) != 0 && other.rfind(name + ".", 0) != 0 && name != other, "fsdp: units '",
@@ -216,6 +216,22 @@ void FullyShardedDataParallel::module_units(const std::vector<nn::Module*>& modu
     units_.push_back(std::move(u));
   }
   SG_CHECK(!units_.empty(), "fsdp: the model has no parameters");
+  // A tensor moves into one unit's flat storage. One registered twice (tied weights) is kept under
+  // its first name inside a unit (as PyTorch's named_parameters() does); two units cannot share it.
+  std::map<const TensorImpl*, std::pair<std::string, size_t>> seen;  // tensor -> its name, its unit
+  for (size_t k = 0; k < units_.size(); ++k) {
+    auto& params = units_[k].params;
+    for (size_t i = 0; i < params.size();) {
+      const auto [it, fresh] = seen.emplace(params[i].second.impl(), std::make_pair(params[i].first, k));
+      if (fresh) {
+        ++i;
+        continue;
+      }
+      SG_CHECK(it->second.second == k, "fsdp: parameter '", params[i].first, "' is also '", it->second.first,
+               "' (shared) in another unit: give the modules that share it one unit");
+      params.erase(params.begin() + std::ptrdiff_t(i));
+    }
+  }
 }
 
 // Moves every unit's parameters into one flat storage, keeps this rank's shard (and its gradient

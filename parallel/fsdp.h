@@ -7,9 +7,9 @@
 // stays gathered through both). For a model of one's own (the generic constructor) the units are
 // the modules given, and the root holds every parameter outside them. A unit's parameters point,
 // at their offsets, into one flat Storage of Ψu_p = S·Ns elements, S = ceil(Ψu/Ns), Ns the shard
-// group's size (at most Ns-1 zero padding elements per unit). While sharded, the storage is released between uses
-// (Storage::release): the only persistent copy of the parameters is this rank's shard, elements
-// [r·S, (r+1)·S) of the flat vector, r this rank's place in its shard group.
+// group's size (at most Ns-1 zero padding elements per unit). While sharded, the storage is
+// released between uses (Storage::release): the only persistent copy of the parameters is this
+// rank's shard, elements [r·S, (r+1)·S) of the flat vector, r this rank's place in its shard group.
 //
 // Modes (Ns ranks share a unit's shards; Nr = N/Ns replicas all-reduce the shard gradients):
 //   full_shard     Ns = N. Gather before forward, release after it (reshard_after_forward), gather
@@ -46,7 +46,9 @@
 // gathered parameters at once (a unit about to run is always gathered).
 //
 // While this object lives the model's sharded parameters hold no bytes outside forward/backward:
-// read them with gather_all()/release_all() or full_state_dict().
+// read them with gather_all()/release_all() or full_state_dict(). It leaves them as they are when
+// it goes: gather_all() first keeps the whole parameters in the model (reading a released one is
+// an error naming it).
 //
 // Tensor parallelism (dp × tp, the group given is the dp group): the units hold this rank's tp
 // slices (a Block's ParallelAttention/ParallelMLP, the VocabParallelEmbedding's rows); every
@@ -122,8 +124,9 @@ class FullyShardedDataParallel {
   // `units` — modules below `model`, none inside another, in the order their forwards run (the
   // order prefetch follows) — becomes a unit of its parameters, and every other parameter of the
   // model goes into a root unit, gathered for the model's forward and again from the start of its
-  // backward (no root unit when the units hold every parameter). The units' forwards and the model's must run through nn::Module::hooked, which
-  // calls the hooks FSDP installs. Unit names are the modules' names in the model ("layers.2").
+  // backward (no root unit when the units hold every parameter). The units' forwards and the
+  // model's must run through nn::Module::hooked, which calls the hooks FSDP installs. Unit names
+  // are the modules' names in the model ("layers.2"). A parameter shared by two units is refused.
   FullyShardedDataParallel(nn::Module& model, const std::vector<nn::Module*>& units,
                            std::shared_ptr<comm::ProcessGroup> group, optim::AdamWConfig adam, FsdpOptions opt = {});
   ~FullyShardedDataParallel();

@@ -206,7 +206,40 @@ TEST_CASE("FSDP over a module refuses a unit outside the model, units inside one
   grouped.wrap_min_params = 100;
   REQUIRE_THROWS_WITH(FullyShardedDataParallel(net, net.hidden_and_head(), w, adam, grouped),
                       Catch::Contains("wrap_min_params groups a GPT's blocks"));
-  // nothing was sharded by the refusals: the parameters still hold their values
+  // one Linear registered twice (tied weights): kept once under its first name inside a unit,
+  // refused across two units
+  struct Wrapper : nn::Module {
+    explicit Wrapper(std::shared_ptr<nn::Linear> l) { register_module("inner", std::move(l)); }
+  };
+  struct Tied : nn::Module {
+    std::shared_ptr<nn::Linear> lin = register_module("first", std::make_shared<nn::Linear>(2, 2, true));
+    std::shared_ptr<Wrapper> wrapper = register_module("second", std::make_shared<Wrapper>(lin));
+  };
+  {
+    Tied tied;
+    REQUIRE(tied.named_parameters().size() == 4);  // first.weight, first.bias, second.inner.weight, second.inner.bias
+    REQUIRE_THROWS_WITH(FullyShardedDataParallel(tied, {tied.lin.get(), tied.wrapper.get()}, w, adam),
+                        Catch::Contains("parameter 'second.inner.weight' is also 'first.weight' (shared) in another unit"));
+  }
+  {
+    Tied tied;
+    FullyShardedDataParallel root_only(tied, {}, w, adam);  // every parameter in the root: each tensor once
+    REQUIRE(root_only.num_units() == 1);
+    REQUIRE(root_only.unit_numel(0) == 2 * 2 + 2);
+    root_only.gather_all();
+  }
+  // a unit whose forward skips hooked() would read released parameters: refused, saying so
+  {
+    FullyShardedDataParallel fsdp(net, net.hidden_and_head(), w, adam);
+    const Tensor x = rand({2, 3}, /*seed=*/3, 0, -1.0, 1.0);
+    REQUIRE_THROWS_WITH(net.hooked([&] { return net.layers->layers[0]->forward(net.in->forward(x)); }),
+                        Catch::Contains("is read while its storage is released") &&
+                            Catch::Contains("must run through nn::Module::hooked"));
+    REQUIRE(std::isfinite(item(sum(net.forward(x)))));  // through the hooks it runs
+    REQUIRE_THROWS_WITH(item(sum(net.head->weight)), Catch::Contains("gather_all() brings them back"));
+    fsdp.gather_all();  // the whole parameters, kept after FSDP is gone
+  }
+  // nothing was sharded by the refusals, and gather_all() left the parameters whole: they hold values
   REQUIRE(net.head->weight.numel() == kW);
   REQUIRE(std::isfinite(item(sum(net.head->weight))));
 }
