@@ -9,7 +9,8 @@
 // against the flash output (relative L2) before timing, and each backend's backward gradients are
 // compared bit for bit over 3 runs from the same inputs (whether the path is run-to-run repeatable).
 // At head dim 64 also the flash backward's register variants (flash-q3, flash-3: FlashBackward in
-// kernels/cuda/variants.h) and cuDNN without its dQ memset (cudnn-e).
+// kernels/cuda/variants.h), the forward with 64-key tiles (flash-k64: FlashForward) and cuDNN
+// without its dQ memset (cudnn-e).
 // GEMM: C = A B^T (a linear layer), M=N=K=8192 and GPT-2 small's three shapes at 8192 tokens;
 // then the two c_proj GEMMs with their bias and the block's residual add in cuBLASLt's epilogue
 // (GemmArgs::residual), against the GEMM with its bias and a separate add: whether the beta = 1
@@ -85,6 +86,7 @@ void bench_attention(int64_t H, int64_t D) {
       }
 #endif
       cuda::set_attention_backend(backend);
+      cuda::set_flash_forward_kind(cuda::FlashForward::keys32);  // the flash row's, whatever SG_FLASH_FORWARD says
       G.attention(a);
       const std::vector<float> o = to_host_f32(out, n);
       if (flash_out.empty()) flash_out = o;
@@ -131,6 +133,19 @@ void bench_attention(int64_t H, int64_t D) {
                     cuda::name(kind), same ? "equal" : "DIFFER");
       }
       cuda::set_flash_backward_kind(cuda::FlashBackward::free);
+      // The forward with 64-key tiles (FlashForward::keys64): its output against the flash row's
+      // (the online softmax groups the keys differently, so the two agree to rounding).
+      cuda::set_flash_forward_kind(cuda::FlashForward::keys64);
+      G.attention(a);
+      const double diff = rel_l2(to_host_f32(out, n), flash_out);
+      const double fwd = median_ms([&] { G.attention(a); });
+      const double fb = median_ms([&] {
+        G.attention(a);
+        G.attention_backward(a);
+      });
+      std::printf("%4ld  %-7s %9.3f %9.1f %12.3f %12.1f   (flash, forward variant keys64; out vs flash: rel L2 %.1e)\n",
+                  long(B), "flash-k64", fwd, fwd_flops / fwd * 1e-9, fb, fb_flops / fb * 1e-9, diff);
+      cuda::set_flash_forward_kind(cuda::FlashForward::keys32);
     }
 #ifdef SG_WITH_CUDNN
     // cuDNN's backward leaving its dQ accumulator to the engine (cuDNN 9.6.0 and newer zero it

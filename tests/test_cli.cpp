@@ -163,6 +163,8 @@ TEST_CASE("train refuses bad flags, missing files and existing checkpoints, nami
           "SG_EMBEDDING_BACKWARD=rows: not a variant; one of columns, packs");
   refuses("SG_FLASH_BACKWARD=four " + std::string(SG_BINARY) + " train --device cuda --steps 1 " + kSmall,
           "SG_FLASH_BACKWARD=four: not a variant; one of free, dq_three, three");
+  refuses("SG_FLASH_FORWARD=keys16 " + std::string(SG_BINARY) + " train --device cuda --steps 1 " + kSmall,
+          "SG_FLASH_FORWARD=keys16: not a variant; one of keys32, keys64");
 #endif
 #ifdef SG_WITH_CUDNN
   refuses("SG_DQ_ACCUMULATOR=zero " + std::string(SG_BINARY) + " train --device cuda --steps 1 " + kSmall,

@@ -157,14 +157,14 @@ void dispatch_tensor_cores(DType dtype, int64_t D, const char* tc_op, Body&& bod
   else with_dim(f16{});
 }
 
-template <class E, int D>
+template <class E, int D, int kKeys = kTcKeys>
 __global__ void __launch_bounds__(kTcThreads) attention_forward_tc_kernel(E* out, float* lse, const E* q, const E* k,
                                                                           const E* v, HeadLayout ql, HeadLayout ol,
                                                                           int64_t T_, float scale, bool causal) {
   constexpr int ld = D + 8;  // padding staggers rows across shared-memory banks; keeps pairs 4-byte aligned
   SG_SHARED(E, qs, kTcRows * ld);
-  SG_SHARED(E, ks, kTcKeys * ld);
-  SG_SHARED(E, vs, kTcKeys * ld);
+  SG_SHARED(E, ks, kKeys * ld);
+  SG_SHARED(E, vs, kKeys * ld);
   const RowBlock qb = query_block(causal);
   const int64_t bh = qb.bh, qh = ql.head(bh), oh = ol.head(bh), row0 = qb.row0;
   const int warp = int(threadIdx.x) / 32, t = mma_thread_in_group();
@@ -177,27 +177,27 @@ __global__ void __launch_bounds__(kTcThreads) attention_forward_tc_kernel(E* out
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // m: the row max of the raw S (scale > 0)
   FragC o[D / 8];
   const int64_t last = causal ? (row0 + kTcRows < T_ ? row0 + kTcRows : T_) : T_;
-  TileCopy<E, D, kTcKeys> kc, vc;
+  TileCopy<E, D, kKeys> kc, vc;
   kc.fetch(k + qh, ql.st, 0, T_);
   vc.fetch(v + qh, ql.st, 0, T_);
-  for (int64_t j0 = 0; j0 < last; j0 += kTcKeys) {
+  for (int64_t j0 = 0; j0 < last; j0 += kKeys) {
     __syncthreads();  // the previous tile is no longer read
     kc.put(ks, ld);
     vc.put(vs, ld);
     __syncthreads();
-    if (j0 + kTcKeys < last) {  // the next tile's loads, in flight while this one is computed on
-      kc.fetch(k + qh, ql.st, j0 + kTcKeys, T_);
-      vc.fetch(v + qh, ql.st, j0 + kTcKeys, T_);
+    if (j0 + kKeys < last) {  // the next tile's loads, in flight while this one is computed on
+      kc.fetch(k + qh, ql.st, j0 + kKeys, T_);
+      vc.fetch(v + qh, ql.st, j0 + kKeys, T_);
     }
 
-    FragC s[kTcKeys / 8];
+    FragC s[kKeys / 8];
     mma_tile_t<E, D>(s, qf, ks, ld);
 
     // Key 0 is in the first tile and visible to every row, so m is finite after it. Only a tile
     // with a key past the block's first row (causal) or past the end needs the mask.
-    const bool edge = (causal && j0 + kTcKeys - 1 > row0) || j0 + kTcKeys > T_;
+    const bool edge = (causal && j0 + kKeys - 1 > row0) || j0 + kKeys > T_;
     float m_new[2] = {m[0], m[1]};
-    for (int n = 0; n < kTcKeys / 8; ++n)
+    for (int n = 0; n < kKeys / 8; ++n)
       for (int i = 0; i < 4; ++i) {
         if (edge) {
           const int64_t col = j0 + 8 * n + 2 * t + (i & 1);
@@ -214,14 +214,14 @@ __global__ void __launch_bounds__(kTcThreads) attention_forward_tc_kernel(E* out
       m_scaled[h] = m[h] * scale2;
       l[h] *= correction[h];  // l is this lane's share of the row sum until the end
     }
-    for (int n = 0; n < kTcKeys / 8; ++n)
+    for (int n = 0; n < kKeys / 8; ++n)
       for (int i = 0; i < 4; ++i) {
         s[n].x[i] = exp2f(fmaf(s[n].x[i], scale2, -m_scaled[i / 2]));
         l[i / 2] += s[n].x[i];
       }
     for (int dn = 0; dn < D / 8; ++dn)
       for (int i = 0; i < 4; ++i) o[dn].x[i] *= correction[i / 2];
-    for (int kk = 0; kk < kTcKeys / 16; ++kk) {
+    for (int kk = 0; kk < kKeys / 16; ++kk) {
       const FragA<E> p = a_from_accumulators<E>(s[2 * kk], s[2 * kk + 1]);
       mma_rows<E, D>(o, p, vs + 16 * kk * ld, ld);
     }
@@ -241,12 +241,16 @@ __global__ void __launch_bounds__(kTcThreads) attention_forward_tc_kernel(E* out
 
 // a.lse must be f32; writes out and lse ('='). bf16 or f16: tensor cores take no f32 operands here;
 // scale > 0 (the running max is kept over the unscaled scores).
-inline void attention_forward_tensor_cores(const kernels::AttentionArgs& a, Stream stream) {
+inline void attention_forward_tensor_cores(const kernels::AttentionArgs& a, Stream stream,
+                                           FlashForward kind = FlashForward::keys32) {
   SG_CHECK(a.scale > 0, "attention (tensor cores): scale ", a.scale, " must be > 0");
   dispatch_tensor_cores(a.dtype, a.D, "attention (tensor cores)", [&](auto tag, auto dim) {
     using E = decltype(tag);
     constexpr int D = decltype(dim)::value;
-    launch(attention_forward_tc_kernel<E, D>, dim3(blocks_for(a.T, kTcRows), blocks_for(a.B * a.H, 1)), dim3(kTcThreads),
+    auto kernel = attention_forward_tc_kernel<E, D>;
+    if constexpr (D == 64)  // head dim 128 at 64 keys would pass the 48 KiB of static shared memory
+      if (kind == FlashForward::keys64) kernel = attention_forward_tc_kernel<E, D, 64>;
+    launch(kernel, dim3(blocks_for(a.T, kTcRows), blocks_for(a.B * a.H, 1)), dim3(kTcThreads),
            0, stream, static_cast<E*>(a.out), static_cast<float*>(a.lse), static_cast<const E*>(a.q),
            static_cast<const E*>(a.k), static_cast<const E*>(a.v), q_heads(a), o_heads(a), a.T, float(a.scale),
            a.causal);

@@ -260,6 +260,7 @@ std::atomic<NormBackward> g_norm_backward{NormBackward::fused};
 std::atomic<Classifier> g_classifier{Classifier::streaming};
 std::atomic<EmbeddingBackward> g_embedding_backward{EmbeddingBackward::columns};
 std::atomic<FlashBackward> g_flash_backward{FlashBackward::free};
+std::atomic<FlashForward> g_flash_forward{FlashForward::keys32};
 }  // namespace
 
 void set_norm_backward(NormBackward kind) { g_norm_backward = kind; }
@@ -270,6 +271,8 @@ void set_embedding_backward_kind(EmbeddingBackward kind) { g_embedding_backward 
 EmbeddingBackward embedding_backward_kind() { return g_embedding_backward; }
 void set_flash_backward_kind(FlashBackward kind) { g_flash_backward = kind; }
 FlashBackward flash_backward_kind() { return g_flash_backward; }
+void set_flash_forward_kind(FlashForward kind) { g_flash_forward = kind; }
+FlashForward flash_forward_kind() { return g_flash_forward; }
 
 void allow_dynamic_shared(const void* kernel, size_t shmem) {
   static std::mutex mu;
@@ -311,6 +314,7 @@ void ensure_registered() {
                      &set_embedding_backward_kind);
     variant_from_env("SG_FLASH_BACKWARD", {FlashBackward::free, FlashBackward::dq_three, FlashBackward::three},
                      &set_flash_backward_kind);
+    variant_from_env("SG_FLASH_FORWARD", {FlashForward::keys32, FlashForward::keys64}, &set_flash_forward_kind);
 #ifdef SG_WITH_CUDNN
     variant_from_env("SG_DQ_ACCUMULATOR", {DqAccumulator::memset, DqAccumulator::engine, DqAccumulator::poisoned},
                      &set_dq_accumulator);

@@ -116,6 +116,9 @@ EmbeddingBackward embedding_backward_kind();
 // default free).
 void set_flash_backward_kind(FlashBackward kind);
 FlashBackward flash_backward_kind();
+// Keys per tile of the tensor-core attention forward (kernels/cuda/variants.h; default keys32).
+void set_flash_forward_kind(FlashForward kind);
+FlashForward flash_forward_kind();
 
 // Lets kernel take shmem bytes of dynamic shared memory (cudaFuncAttributeMaxDynamicSharedMemorySize,
 // needed above 48 KiB) on the current device; once per kernel, size and device. launch() calls it.

@@ -301,7 +301,7 @@ bool tensor_cores_take(const kernels::AttentionArgs& a, Device d) {
 }
 
 void attention_forward_any(const kernels::AttentionArgs& f, Device d, cudaStream_t stream) {
-  if (tensor_cores_take(f, d)) return attention_forward_tensor_cores(f, stream);
+  if (tensor_cores_take(f, d)) return attention_forward_tensor_cores(f, stream, flash_forward_kind());
   attention_forward(f, stream);
 }
 

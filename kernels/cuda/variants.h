@@ -73,4 +73,16 @@ inline const char* name(FlashBackward k) {
   return k == FlashBackward::free ? "free" : k == FlashBackward::dq_three ? "dq_three" : "three";
 }
 
+// Keys per shared-memory tile of the tensor-core attention forward at head dim 64
+// (kernels/cuda/attention_tc.cuh; head dim 128 stays at 32, whose 64 would pass the 48 KiB of
+// static shared memory):
+//   keys32  32 keys a tile (the default): per warp 16 x 32 scores, 32 mma between the block's syncs;
+//   keys64  64 keys a tile, as FlashAttention-2 takes more at this head dim: half the syncs, tile
+//           loads and rescales of the running output per key, twice the score registers.
+// Rows see the same keys in another grouping, so the online softmax rounds differently: the
+// results agree to rounding, not to the bit.
+enum class FlashForward : uint8_t { keys32, keys64 };
+
+inline const char* name(FlashForward k) { return k == FlashForward::keys64 ? "keys64" : "keys32"; }
+
 }  // namespace sg::cuda

@@ -159,19 +159,23 @@ TEST_CASE("emu flash attention refuses a head dim it has no kernel for", "[emu]"
 }
 
 // The tensor-core forward (kernels/cuda/attention_tc.cuh): bf16 and f16, head dims 64 and 128,
-// lengths that end inside a 32-key tile and inside a 64-row block, causal and not. T = 150 gives
-// three query blocks (taken last first), each with key tiles wholly below the diagonal (no mask),
-// across it, and past the end.
+// lengths that end inside a key tile (32 or 64 keys: FlashForward) and inside a 64-row block,
+// causal and not. T = 150 gives three query blocks (taken last first), each with key tiles wholly
+// below the diagonal (no mask), across it, and past the end. The outputs start as NaN each time.
 TEMPLATE_TEST_CASE("emu tensor-core flash attention forward (mma m16n8k16) matches the CPU table", "[emu]", cu::bf16,
                    cu::f16) {
   using E = TestType;
   for (auto [Tn, D, causal] : {std::tuple<int64_t, int64_t, bool>{37, 64, true}, {70, 64, true}, {37, 128, true},
-                               {70, 128, true}, {45, 64, false}, {150, 64, true}}) {
-    INFO("T " << Tn << " D " << D << " causal " << causal);
+                               {70, 128, true}, {45, 64, false}, {150, 64, true}, {150, 64, false}}) {
     AttentionCase<E> c(Tn, D, causal, 90);
-    cu::attention_forward_tensor_cores(c.g, nullptr);
-    check_close(c.out, c.out_ref, tc_scale<E>(2.0));  // P V takes P rounded to E, as FlashAttention-2 does
-    check_close(c.lse, c.lse_ref, 1e-5, 1e-5);
+    for (const auto kind : {cu::FlashForward::keys32, cu::FlashForward::keys64}) {
+      INFO("T " << Tn << " D " << D << " causal " << causal << " variant " << cu::name(kind));
+      std::fill(c.out.begin(), c.out.end(), cu::from_f32<E>(std::numeric_limits<float>::quiet_NaN()));
+      std::fill(c.lse.begin(), c.lse.end(), std::numeric_limits<float>::quiet_NaN());
+      cu::attention_forward_tensor_cores(c.g, nullptr, kind);
+      check_close(c.out, c.out_ref, tc_scale<E>(2.0));  // P V takes P rounded to E, as FlashAttention-2 does
+      check_close(c.lse, c.lse_ref, 1e-5, 1e-5);
+    }
   }
 }
 
