@@ -1,7 +1,8 @@
 // FSDP over a module of one's own (the generic constructor): the given submodules become units,
 // every other parameter a root unit. Under mpirun, every mode gives the single-process losses and
 // weights, the ledger and the counters follow ZeRO-3's formulas unit by unit, prefetch gathers
-// nothing twice (also without a root unit), and bad unit lists are refused by name.
+// nothing twice (also without a root unit), the checkpoint state is the single process's under the
+// model's names and resumes bitwise, and bad unit lists are refused by name.
 #include "tests/catch.h"
 #include <cmath>
 
@@ -12,6 +13,7 @@
 #include "optim/optim.h"
 #include "parallel/comm/mpi_backend.h"
 #include "parallel/fsdp.h"
+#include "parallel/shard_state.h"
 #include "tests/mpi/mpi_support.h"
 
 using namespace sg;
@@ -59,9 +61,18 @@ struct Result {
   std::vector<std::string> names;
 };
 
-// 6 steps of y = tanh(x w) by MSE, clipped; with a group each rank takes its rows and FSDP shards
-// (units: the given modules; with_in: "in" as well, so no root unit).
-Result train(std::shared_ptr<comm::ProcessGroup> group, FsdpOptions o = {}, bool with_in = false) {
+// Checkpoint state around a run: load it before the first step, or hand back this rank's pieces
+// after the last; steps [first, first + steps) of the 6.
+struct Span {
+  int first = 0, steps = 6;
+  const ckpt::PieceSource* resume = nullptr;
+  std::vector<ckpt::Piece>* pieces = nullptr;
+  std::map<std::string, Tensor>* single_state = nullptr;  // no group: parameters and AdamW state after the last step
+};
+
+// y = tanh(x w) by MSE, clipped; with a group each rank takes its rows and FSDP shards (units: the
+// given modules; with_in: "in" as well, so no root unit).
+Result train(std::shared_ptr<comm::ProcessGroup> group, FsdpOptions o = {}, bool with_in = false, Span span = {}) {
   Net net;
   optim::AdamWConfig adam;
   adam.weight_decay = 0.1;
@@ -72,9 +83,10 @@ Result train(std::shared_ptr<comm::ProcessGroup> group, FsdpOptions o = {}, bool
   if (with_in) units.insert(units.begin(), net.in.get());
   if (group) fsdp = std::make_unique<parallel::FullyShardedDataParallel>(net, units, group, adam, o);
   else single = std::make_unique<optim::AdamW>(net.named_parameters(), adam);
+  if (span.resume) fsdp->load_state(*span.resume, span.first);
   const Tensor w = from_vector<float>({1.0f, -1.5f, 0.5f}, {3, 1});
   Result res;
-  for (int step = 0; step < 6; ++step) {
+  for (int step = span.first; step < span.first + span.steps; ++step) {
     const Tensor x = rand({kB, 3}, /*seed=*/3, uint64_t(step), -1.0, 1.0), y = tanh(matmul(x, w));
     const Tensor xr = narrow(x, 0, rank * (kB / n), kB / n), yr = narrow(y, 0, rank * (kB / n), kB / n);
     if (group) group->reset_counters();
@@ -99,6 +111,11 @@ Result train(std::shared_ptr<comm::ProcessGroup> group, FsdpOptions o = {}, bool
       net.zero_grad();
     }
     res.losses.push_back(l);
+  }
+  if (fsdp && span.pieces) *span.pieces = fsdp->state_pieces();
+  if (single && span.single_state) {
+    for (auto& [name, p] : net.named_parameters()) (*span.single_state)[name] = clone(p);
+    for (auto& [name, t] : single->state()) (*span.single_state)[name] = clone(t);
   }
   if (fsdp) {
     for (int u = 0; u < fsdp->num_units(); ++u) {
@@ -188,6 +205,45 @@ TEST_CASE("FSDP over a module: ZeRO-3's bytes unit by unit, and prefetch gathers
     // the layers gathered at once stay within limit_all_gathers (2): at most two units beside the root
     const int64_t layer = 4 * r.padded[1];
     REQUIRE(p.mem.pk(MemCategory::param) <= 4 * psi_p / n + 4 * r.padded[0] + 2 * layer);
+  }
+}
+
+TEST_CASE("FSDP over a module: its state pieces are the single process's state; resuming from them continues the run bitwise", "[fsdp]") {
+  auto w = testing::world();
+  std::map<std::string, Tensor> single3;
+  Span three;
+  three.steps = 3;
+  three.single_state = &single3;
+  train(nullptr, {}, false, three);  // fills single3
+  const Result reference6 = train(nullptr);
+  FsdpOptions prefetch;
+  prefetch.forward_prefetch = prefetch.backward_prefetch = true;
+  for (const auto& [name, o] : std::vector<std::pair<std::string, FsdpOptions>>{{"full_shard", {}}, {"prefetch", prefetch}}) {
+    INFO(name << " on " << w->size() << " ranks");
+    const Result whole = train(w, o);
+    std::vector<ckpt::Piece> pieces;
+    Span first = three;
+    first.single_state = nullptr;
+    first.pieces = &pieces;
+    train(w, o, false, first);
+    // every element of the parameters, m and v exactly once over the ranks, under the model's names
+    const std::map<std::string, Tensor> saved = ckpt::assemble(testing::all_pieces(*w, pieces));
+    REQUIRE(saved.size() == single3.size());
+    for (const auto& [tensor, t] : single3) {
+      INFO(tensor);
+      REQUIRE(saved.count(tensor) == 1);
+      REQUIRE(testing::max_rel_diff(saved.at(tensor), t) <= 1e-5);
+    }
+    // a fresh model resumed from the pieces: the uninterrupted run's last 3 losses, bit for bit
+    const ckpt::MemorySource source(saved);
+    Span rest;
+    rest.first = 3, rest.steps = 3, rest.resume = &source;
+    testing::require_resumed_losses(train(w, o, false, rest).losses, whole.losses, 3);
+    // and from the single process's state: its last 3 losses, to rounding
+    const ckpt::MemorySource from_single(single3);
+    rest.resume = &from_single;
+    testing::require_same_losses(train(w, o, false, rest).losses,
+                                 std::vector<double>(reference6.losses.begin() + 3, reference6.losses.end()));
   }
 }
 
