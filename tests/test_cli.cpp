@@ -465,6 +465,18 @@ std::pair<Run, Run> run_example_on_1_and_4(const std::string& name) {
 }
 }  // namespace
 
+TEST_CASE("the DDP example gives one process's losses on 4 ranks, all-reducing its buckets from backward once a step", "[cli][mpi]") {
+  const auto [one, four] = run_example_on_1_and_4("ddp_mlp");
+  INFO(one.output << four.output);
+  // Ψ = (4·48 + 48) + 2 x (48·48 + 48) + (48 + 1) = 4993; 8 KiB buckets: fc3 with fc2, fc1, fc0. Of
+  // the 2 micro-batches only the second's backward all-reduces (no_sync), each bucket from its
+  // hooks; the bytes 2(N-1)/N of 4Ψ.
+  for (int r = 0; r < 4; ++r)
+    CHECK(four.output.find("rank " + std::to_string(r) + " of 4 | Ψ 4993 in 3 buckets | all-reduces a step of 2 "
+                           "micro-batches 3, 3 issued during backward | bytes 29958 (2(N-1)/N·4Ψ = 29958)") !=
+          std::string::npos);
+}
+
 TEST_CASE("the ZeRO-2 example learns y = tanh(3x), gives one process's losses on 4 ranks, and holds ZeRO's bytes", "[cli][mpi]") {
   const auto [one, four] = run_example_on_1_and_4("zero2_mlp");
   INFO(one.output << four.output);
