@@ -3,7 +3,7 @@
 // are shown with the process group's counters:
 //   - buckets: the gradients are packed into buckets (here 8 KiB, so the MLP spans several), each
 //     all-reduced from the grad-ready hooks as soon as backward has produced all of it, while the
-//     rest of backward runs: most all-reduces are issued before finish_gradients() is called;
+//     rest of backward runs: every bucket's all-reduce is issued before finish_gradients() is called;
 //   - no_sync: with 2 micro-batches per step, the first backward only accumulates locally
 //     (set_sync(false)) and the second communicates: the bytes of one step, 2(N-1)/N·4Ψ in all,
 //     whatever the number of micro-batches.

@@ -5,7 +5,8 @@
 // strides a.q_layout(), out and dout at a.o_layout() (HeadLayout), the head dim contiguous; lse and
 // the Dv workspace contiguous [B, H, T] f32.
 // Forward (FlashAttention-2): a block of 4 warps owns 64 query rows, 16 per warp; per tile of 32
-// keys each warp computes S = scale Q K^T (16 x 32) in registers, masks it, updates its running row
+// keys (64 under FlashForward::keys64, head dim 64) each warp computes S = scale Q K^T (16 x 32) in
+// registers, masks it, updates its running row
 // max m and sum l (the four lanes of a quad share a row), turns S into P = exp(S - m) and feeds P
 // as A fragments of E straight from the accumulators into O += P V. Rows are normalised once at
 // the end: O / l, lse = m + log l. P is rounded to E for P V; l sums the unrounded P.
@@ -34,7 +35,7 @@
 namespace sg::cuda {
 
 constexpr int kTcRows = 64;  // query rows per block: 16 per warp, 4 warps
-constexpr int kTcKeys = 32;  // keys per shared-memory tile (forward)
+constexpr int kTcKeys = 32;  // keys per shared-memory tile (forward; the default of its kKeys)
 // Keys (dq) or queries (dk/dv) per shared-memory tile of the backward kernels. Head dim 128 takes
 // 16: at 32 its register state (K and V or Q and dO as fragments, two 16 x D accumulators, two
 // S-sized tiles and the next tile's loads) passes 255 registers and ptxas spills (444 bytes in
