@@ -22,8 +22,13 @@ namespace sg::cli {
 namespace {
 
 pid_t child = -1;
+volatile sig_atomic_t forwarded = 0;  // the last signal passed on to the job
 
+// SIGINT and SIGTERM: mpirun ends the job (SIGTERM to the ranks, SIGKILL a second later); SIGUSR1:
+// mpirun passes it on and the ranks stop after their step, saving it (train, kStoppedOnSignal).
+// Either way the job is not restarted: someone asked it to stop.
 void forward_signal(int sig) {
+  forwarded = sig;
   if (child > 0) ::kill(child, sig);
 }
 
@@ -136,6 +141,7 @@ int launch_main(int argc, char** argv) {
   sa.sa_handler = forward_signal;
   ::sigaction(SIGINT, &sa, nullptr);
   ::sigaction(SIGTERM, &sa, nullptr);
+  ::sigaction(SIGUSR1, &sa, nullptr);
   int code = 0;
   for (int64_t attempt = 0;; ++attempt) {
     std::vector<std::string> cmd = mpirun;
@@ -151,6 +157,13 @@ int launch_main(int argc, char** argv) {
       if (attempt) std::printf("shardgrad launch: the job completed after %lld restart%s\n", (long long)attempt,
                                attempt == 1 ? "" : "s");
       return 0;
+    }
+    if (code == kStoppedOnSignal || forwarded) {
+      std::printf("shardgrad launch: the job stopped on %s (exit status %d)%s; not restarted\n",
+                  forwarded == SIGINT ? "SIGINT" : forwarded == SIGTERM ? "SIGTERM" : forwarded ? "SIGUSR1" : "a signal to its ranks", code,
+                  code == kStoppedOnSignal ? str(" after saving its checkpoint in ", save.empty() ? "--save" : save).c_str()
+                                           : "");
+      return code;
     }
     if (attempt == max_restarts) break;
     std::printf("shardgrad launch: the job failed with exit status %d; restart %lld of %lld from the newest "

@@ -6,8 +6,10 @@
 // and run AdamW on this rank's shard only (parallel/zero.h); zero3 shards the parameters too,
 // gathering one unit (a block, or the root: embeddings and ln_f) at a time (parallel/fsdp.h).
 #include <omp.h>
+#include <signal.h>
 
 #include <chrono>
+#include <csignal>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -19,6 +21,7 @@
 #include "autograd/tape.h"
 #include "bench/report/step_metrics.h"
 #include "bench/report/timeline_svg.h"
+#include "cli/commands.h"
 #include "cli/trainer.h"
 #include "core/trace.h"
 #include "io/file.h"
@@ -98,6 +101,37 @@ void print_op_profile(const std::map<std::string, kernels::OpTime>& ops, double 
               step_ms > 0 ? 100.0 * (step_ms - cost(all)) / step_ms : 0.0);
 }
 
+// A stop asked for by a signal (with --save): the first SIGUSR1 or SIGTERM is recorded and the run
+// stops after the step it is in, saving it; a second one ends the process at once, as the signal
+// would have without us. SA_RESTART: reads, writes and MPI's waits go on undisturbed.
+volatile std::sig_atomic_t stop_signal = 0;
+
+extern "C" void on_stop_signal(int sig) {
+  if (stop_signal) {
+    ::signal(sig, SIG_DFL);
+    ::raise(sig);
+    return;
+  }
+  stop_signal = sig;
+}
+
+struct StopSignals {
+  struct sigaction old_usr1 {}, old_term {};
+  StopSignals() {
+    stop_signal = 0;
+    struct sigaction sa {};
+    sa.sa_handler = on_stop_signal;
+    sa.sa_flags = SA_RESTART;
+    ::sigemptyset(&sa.sa_mask);
+    ::sigaction(SIGUSR1, &sa, &old_usr1);
+    ::sigaction(SIGTERM, &sa, &old_term);
+  }
+  ~StopSignals() {
+    ::sigaction(SIGUSR1, &old_usr1, nullptr);
+    ::sigaction(SIGTERM, &old_term, nullptr);
+  }
+};
+
 json op_profile_json(const std::map<std::string, kernels::OpTime>& ops) {
   json out = json::object();
   for (const auto& [name, o] : ops)
@@ -155,6 +189,10 @@ int Trainer::run() {
                   launched, strategy_.c_str(), launched);
   }
   std::fflush(stdout);
+  // From the first step on; before it a signal has its default effect (nothing to save yet).
+  std::optional<StopSignals> stop_signals;
+  if (!args_.str("save").empty() && !sim_) stop_signals.emplace();
+  int stopped_on = 0;
   const int64_t eval_every = args_.i64("eval-every");
   for (int64_t step = start_step_; step < steps_; ++step) {
     const double lr = sched_.at(step);
@@ -217,6 +255,20 @@ int Trainer::run() {
       parallel::watchdog::Waiting w("the checkpoint save");
       save(step + 1);  // collective: every rank writes its own pieces
     }
+    // An early stop: --stop-at's step, or a signal (every rank learns of it here, after the same step).
+    if (!last && (step + 1 == stop_at_ || (stop_signals && (stopped_on = agreed_stop_signal())))) {
+      if (!saves_after(step + 1) && stopped_on) {
+        parallel::watchdog::Waiting w("the checkpoint save");
+        save(step + 1);
+      }
+      if (lead())
+        std::printf("stopped at step %lld of %lld (%s); %s\n", (long long)step + 1, (long long)steps_,
+                    !stopped_on ? "--stop-at" : stopped_on == SIGUSR1 ? "SIGUSR1" : "SIGTERM",
+                    args_.str("save").empty() ? "no --save: nothing to resume from"
+                                              : str("go on with --save ", args_.str("save"), " --resume auto").c_str());
+      std::fflush(stdout);
+      break;
+    }
   }
   if (const std::string path = args_.str("trace"); !path.empty()) {  // every rank's part, merged by rank 0
     trace::finish(path, rank_, world_size_, [&] {
@@ -225,7 +277,7 @@ int Trainer::run() {
     });
     if (lead()) std::printf("trace: written to %s (open it in https://ui.perfetto.dev or chrome://tracing)\n", path.c_str());
   }
-  return 0;
+  return stopped_on ? kStoppedOnSignal : 0;
 }
 
 double Trainer::train_step(int64_t step, double lr, double& grad_norm, bool& applied) {
@@ -457,6 +509,14 @@ double Trainer::world_sum(double x) {
   Tensor t = from_vector<double>({x}, {1});
   metrics_->all_reduce(t, comm::ReduceOp::sum)->wait();
   return item(t);
+}
+
+int Trainer::agreed_stop_signal() {
+  const int mine = int(stop_signal);
+  if (!metrics_ || world_size_ == 1) return mine;
+  Tensor t = from_vector<int32_t>({mine}, {1});  // SIGTERM (15) outranks SIGUSR1 (10) when both came
+  metrics_->all_reduce(t, comm::ReduceOp::max)->wait();
+  return int(item(t));
 }
 
 double Trainer::dp_loss(double share) {

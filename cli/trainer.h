@@ -91,6 +91,9 @@ class Trainer {
   // Sum over the data-parallel ranks of each one's share of the global batch's mean loss.
   double dp_loss(double share);
   double world_sum(double x);  // over every rank (metrics group)
+  // With --save, SIGUSR1 and SIGTERM ask the run to stop: the signal this rank or any other has
+  // received (0: none), agreed over the ranks after every step so that all stop at the same one.
+  int agreed_stop_signal();
   nlohmann::json evaluate();
   void write_timeline();
   std::string layout_label() const;  // "zero3 x 4", "tp 2 x pp 2 (4 ranks)", ...
@@ -114,7 +117,7 @@ class Trainer {
   // at the last step.
   bool saves_after(int64_t n) const {
     const int64_t every = args_.i64("save-every");
-    return !args_.str("save").empty() && (n == steps_ || (every > 0 && n % every == 0));
+    return !args_.str("save").empty() && (n == steps_ || n == stop_at_ || (every > 0 && n % every == 0));
   }
   // Where --offload puts its state: the host, or under --simulate a meta device of the rank's own
   // standing for it (a ledger apart from the rank's compute device's, and no memory).
@@ -183,7 +186,7 @@ class Trainer {
   std::unique_ptr<optim::AdamW> opt_;
   optim::LrSchedule sched_;
   optim::LossScaler scaler_;
-  int64_t B_ = 0, T_ = 0, micro_ = 0, steps_ = 0, start_step_ = 0;
+  int64_t B_ = 0, T_ = 0, micro_ = 0, steps_ = 0, start_step_ = 0, stop_at_ = 0;  // stop_at_: --stop-at, 0 = none
   uint64_t seed_ = 0;
   std::string save_dir_;
   parallel::Fault fault_;

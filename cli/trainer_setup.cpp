@@ -215,6 +215,9 @@ void Trainer::choose_device_and_batch() {
            dp_size_ > 1 ? str("the per-rank batch ", B_ / dp_size_, " (--batch-size ", B_, " over ", dp_size_, " ranks)")
                            : str("--batch-size ", B_));
   steps_ = a.str("steps") != "auto" ? positive(a, "steps") : synthetic ? kSyntheticSteps : kFileSteps;
+  stop_at_ = a.i64("stop-at");
+  SG_CHECK(stop_at_ >= 0 && stop_at_ <= steps_, "train: --stop-at must be a step from 1 to --steps (", steps_,
+           ") or 0, got ", stop_at_);
   // A fault that could never fire would let a resilience test pass without testing anything.
   SG_CHECK(!fault_.active() || fault_.rank < world_size_, "train: --inject-fault rank=", fault_.rank, ": the job has ",
            world_size_, world_size_ == 1 ? " rank" : " ranks");
@@ -438,6 +441,8 @@ void Trainer::restore(const ckpt::Checkpoint* ck) {
                   flags.empty() ? "" : (", with the run's" + flags).c_str());
       if (!a.str("init-from").empty())
         std::printf("--init-from %s is not read: the run goes on from its checkpoint\n", a.str("init-from").c_str());
+      SG_CHECK(!stop_at_ || stop_at_ > start_step_, "train: --stop-at ", stop_at_, " is not after the checkpoint's step ",
+               start_step_, ": nothing to train (give a later step, or leave --stop-at out)");
       if (start_step_ == steps_)
         std::printf("the checkpoint is at the run's last step (--steps %lld): nothing to train; give a larger --steps "
                     "to go on\n", (long long)steps_);

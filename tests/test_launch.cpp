@@ -101,3 +101,119 @@ TEST_CASE("a rank dying inside a checkpoint save leaves the previous checkpoint 
     REQUIRE(sg::ckpt::open_checkpoint(run.string())->state()["step"] == 2);
   }
 }
+
+namespace {
+
+// Starts `cmd` in the background, waits until its --log-json `log` has `lines` steps, sends `sig`
+// to it (to_rank: to one of its children, the ranks of an mpirun) and waits for it to end. The
+// output ends with "exit status N". A process still running 60 s after the signal is killed and
+// reported, so that a signal ignored fails the test rather than hanging it.
+Run signal_after_steps(const std::string& cmd, const fs::path& log, int lines, const std::string& sig, bool to_rank = false) {
+  const std::string target = to_rank ? "$(cat /proc/$pid/task/*/children | tr ' ' '\\n' | grep . | tail -n 1)" : "$pid";
+  const std::string script =
+      cmd + " & pid=$!\n"
+      "for i in $(seq 1 1200); do [ -f '" + log.string() + "' ] && [ $(wc -l < '" + log.string() + "') -ge " +
+      std::to_string(lines) + " ] && break; sleep 0.05; done\n"
+      "kill -" + sig + " " + target + "\n"
+      "for i in $(seq 1 1200); do kill -0 $pid 2>/dev/null || break; sleep 0.05; done\n"
+      "kill -0 $pid 2>/dev/null && { echo 'still running 60 s after the signal'; kill -9 $pid; }\n"
+      "wait $pid; echo \"exit status $?\"\n";
+  const fs::path file = fs::temp_directory_path() / ("sg_signal_" + std::to_string(::getpid()) + ".sh");
+  std::ofstream(file) << script;
+  Run r = run_command("bash '" + file.string() + "'");
+  fs::remove(file);
+  return r;
+}
+
+int exit_status(const Run& r) {
+  const size_t at = r.output.rfind("exit status ");
+  return at == std::string::npos ? -1 : std::stoi(r.output.substr(at + 12));
+}
+
+// The losses of two logs agree bit for bit, step by step.
+void same_losses(const std::vector<nlohmann::json>& a, const std::vector<nlohmann::json>& b) {
+  REQUIRE(a.size() == b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    INFO("step " << i + 1);
+    REQUIRE(a[i]["step"] == b[i]["step"]);
+    REQUIRE(a[i]["loss"].get<double>() == b[i]["loss"].get<double>());
+  }
+}
+
+}  // namespace
+
+TEST_CASE("--stop-at trains a long schedule in slices with the losses of one run", "[cli][launch]") {
+  TempDir d;
+  const std::string train = std::string(SG_BINARY) + " train " + kSmall + " --steps 12 --log-json ";
+  const std::string run = " --save " + (d.path / "run").string();
+  Run r = run_command(train + (d.path / "whole.jsonl").string() + " --save " + (d.path / "whole").string());
+  REQUIRE(r.code == 0);
+  r = run_command(train + (d.path / "sliced.jsonl").string() + run + " --stop-at 5");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  REQUIRE(r.output.find("stopped at step 5 of 12 (--stop-at); go on with --save") != std::string::npos);
+  REQUIRE(r.output.find("eval ") == std::string::npos);  // not the end of the run: no final evaluation
+  REQUIRE(sg::ckpt::open_checkpoint("auto:" + (d.path / "run").string())->state()["step"] == 5);
+  for (const char* slice : {" --stop-at 9", ""}) {
+    r = run_command(train + (d.path / "sliced.jsonl").string() + run + " --resume auto" + slice);
+    REQUIRE(r.code == 0);
+  }
+  REQUIRE(r.output.find("eval ") != std::string::npos);
+  same_losses(read_log(d.path / "whole.jsonl"), read_log(d.path / "sliced.jsonl"));  // 12 steps, each once
+  // The schedule is --steps' throughout: a slice is not a shorter run.
+  REQUIRE(read_log(d.path / "sliced.jsonl")[5]["lr"] == read_log(d.path / "whole.jsonl")[5]["lr"]);
+  r = run_command(train + (d.path / "x.jsonl").string() + " --stop-at 13");
+  REQUIRE(r.code != 0);
+  REQUIRE(r.output.find("--stop-at must be a step from 1 to --steps (12) or 0, got 13") != std::string::npos);
+  r = run_command(train + (d.path / "x.jsonl").string() + run + " --resume auto --stop-at 4");
+  REQUIRE(r.code != 0);
+  REQUIRE(r.output.find("--stop-at 4 is not after the checkpoint's step 12") != std::string::npos);
+}
+
+TEST_CASE("SIGTERM or SIGUSR1 stops train after its step, saved, every rank at the same step", "[cli][mpi][launch]") {
+  TempDir d;
+  const std::string flags = " train " + kSmall + " --steps 100000 --save-every 1000";
+  SECTION("one process, SIGTERM: the step it reached is saved and resumes as if uninterrupted") {
+    const fs::path log = d.path / "a.jsonl", run = d.path / "a";
+    Run r = signal_after_steps(std::string(SG_BINARY) + flags + " --save " + run.string() + " --log-json " + log.string(),
+                               log, 3, "TERM");
+    INFO(r.output);
+    REQUIRE(exit_status(r) == 75);
+    const auto steps = read_log(log);
+    const int64_t at = steps.back()["step"].get<int64_t>();
+    REQUIRE(at >= 3);
+    REQUIRE(r.output.find("stopped at step " + std::to_string(at) + " of 100000 (SIGTERM)") != std::string::npos);
+    REQUIRE(sg::ckpt::open_checkpoint("auto:" + run.string())->state()["step"] == at);
+    // Two more steps from there match a run that was never stopped.
+    const std::string more = " --stop-at " + std::to_string(at + 2);
+    REQUIRE(run_command(std::string(SG_BINARY) + flags + " --save " + run.string() + " --resume auto --log-json " +
+                        log.string() + more).code == 0);
+    REQUIRE(run_command(std::string(SG_BINARY) + flags + " --save " + (d.path / "b").string() + " --log-json " +
+                        (d.path / "b.jsonl").string() + more).code == 0);
+    same_losses(read_log(d.path / "b.jsonl"), read_log(log));
+  }
+  SECTION("two ranks, SIGUSR1 to one of them: both stop after the same step and the checkpoint is whole") {
+    const fs::path log = d.path / "c.jsonl", run = d.path / "c";
+    Run r = signal_after_steps(mpirun(2) + flags + " --strategy zero2 --save " + run.string() + " --log-json " + log.string(),
+                               log, 3, "USR1", true);
+    INFO(r.output);
+    REQUIRE(exit_status(r) == 75);
+    const int64_t at = read_log(log).back()["step"].get<int64_t>();
+    REQUIRE(r.output.find("stopped at step " + std::to_string(at) + " of 100000 (SIGUSR1)") != std::string::npos);
+    auto c = sg::ckpt::open_checkpoint("auto:" + run.string());
+    REQUIRE(c->state()["step"] == at);
+    for (const auto& name : c->names()) (void)c->tensor(name);  // both ranks' pieces, every checksum
+  }
+  SECTION("launch passes SIGUSR1 on to the job and does not restart what stopped on request") {
+    const fs::path log = d.path / "e.jsonl", run = d.path / "e";
+    Run r = signal_after_steps(launch() + " -n 2 --max-restarts 3 --" + flags + " --strategy ddp --save " + run.string() +
+                                   " --log-json " + log.string(),
+                               log, 3, "USR1");
+    INFO(r.output);
+    REQUIRE(exit_status(r) == 75);
+    REQUIRE(r.output.find("the job stopped on SIGUSR1 (exit status 75) after saving its checkpoint in " + run.string() +
+                          "; not restarted") != std::string::npos);
+    REQUIRE(r.output.find("restart 1") == std::string::npos);
+    REQUIRE(sg::ckpt::open_checkpoint("auto:" + run.string())->state()["step"] == read_log(log).back()["step"]);
+  }
+}
