@@ -2,7 +2,6 @@
 // device, data, model, optimizer and (with --resume) the checkpoint's state, in that order.
 #include <omp.h>
 
-#include <Eigen/Core>
 #include <algorithm>
 #include <cstdio>
 #include <set>
@@ -92,8 +91,10 @@ void Trainer::configure() {
   const int64_t threads = a.i64("threads");
   SG_CHECK(threads >= 0, "train: --threads must be >= 0");
   const int nt = threads ? int(threads) : default_threads();
+  // Eigen's GEMM follows the calling thread's OpenMP setting when Eigen::setNbThreads was never
+  // called. Setting it would fix one count for every thread: --strategy dp's replica threads
+  // would each run 2-thread GEMMs on 2 cores, whose busy-waits made a step 70x slower.
   omp_set_num_threads(nt);
-  Eigen::setNbThreads(nt);
 
   strategy_ = a.str("strategy");
   SG_CHECK(strategy_ == "single" || strategy_ == "dp" || strategy_ == "ddp" || zero_stage() > 0, "train: --strategy '",
