@@ -82,6 +82,13 @@ void declare_flags(Args& a) {
          "without MPI: each process started on its own with RANK, WORLD_SIZE, LOCAL_RANK in the environment)");
   a.flag("comm-timeout", "300", "seconds without progress before the watchdog aborts the job, naming the stuck rank");
   a.flag("inject-fault", "", "testing: rank=R,step=S,kind=exit|throw|abort|kill|hang|nan[,during=save]");
+  a.flag("initial-loss-scale", "65536", "fp16: the loss scale to start from (dynamic: an overflowing step is skipped "
+         "and the scale backs off; it grows after --loss-scale-window clean steps)");
+  a.flag("loss-scale-window", "2000", "fp16: clean steps before the loss scale grows");
+  a.flag("loss-scale-growth", "2", "fp16: the factor the loss scale grows by");
+  a.flag("loss-scale-backoff", "0.5", "fp16: the factor an overflow multiplies the loss scale by");
+  a.flag("min-loss-scale", "1", "fp16: the loss scale never backs off below this");
+  a.flag("loss-scale", "0", "fp16: a fixed loss scale instead (overflowing steps are still skipped; 0 = dynamic)");
   a.flag("on-nonfinite", "stop", "a NaN/Inf loss or gradient: stop (naming the step and the tensor) or skip the step (counted)");
   a.toggle("find-unused-parameters", "ddp: allow parameters that get no gradient (their gradient counts as zero)");
   a.flag("simulate", "0", "dry run of N ranks as threads of this one process on the meta device (shapes and bytes, no "

@@ -206,6 +206,7 @@ int Trainer::run() {
     bool applied = true;
     std::optional<kernels::OpProfiler> profiler;
     if (step + 1 == args_.i64("profile-ops")) profiler.emplace(device_);
+    const double scale = scaler_.scale;  // fp16: the loss scale this step runs at
     const double loss = train_step(step, lr, norm, applied);
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     const bool profiled = profiler.has_value();
@@ -222,13 +223,15 @@ int Trainer::run() {
                                             pipe_ ? &pipe_->last_timeline() : nullptr, pipe_ ? groups_.pp->rank() : -1)["ranks"];
     const std::string peak = peak_range(ranks);
     if (lead())
-      std::printf("step %5lld/%lld | loss %.4f | lr %.2e | norm %.3f | %7.1f ms | %8.0f tok/s | peak%s %s%s\n",
+      std::printf("step %5lld/%lld | loss %.4f | lr %.2e | norm %.3f | %7.1f ms | %8.0f tok/s | peak%s %s%s%s\n",
                 (long long)step + 1, (long long)steps_, loss, lr, norm, ms, tps, ranks.size() > 1 ? "/rank" : "",
-                peak.c_str(), applied ? "" : dtype_ == DType::f16 ? " | skipped (overflow)" : " | skipped (non-finite)");
+                peak.c_str(), dtype_ == DType::f16 ? str(" | scale ", scale).c_str() : "",
+                applied ? "" : dtype_ == DType::f16 ? " | skipped (overflow)" : " | skipped (non-finite)");
     if (profiled && lead()) print_op_profile(op_times, ms, step + 1, device_);
     std::fflush(stdout);
     json rec = {{"step", step + 1}, {"loss", loss}, {"lr", lr}, {"grad_norm", norm}, {"step_ms", ms},
                 {"tokens_per_s", tps}, {"mem", ledger_json(device_)}, {"skipped", !applied}};
+    if (dtype_ == DType::f16) rec["loss_scale"] = scale;
     if (profiled) rec["op_profile"] = op_profile_json(op_times);
     if (args_.str("offload") != "none") rec["mem_host"] = ledger_json(Device::cpu(0));  // the offloaded state
     if (fsdp_) rec["fsdp"] = {{"gathers_ahead", fsdp_->gathers_ahead()}};  // since the start: --prefetch at work

@@ -71,6 +71,7 @@ class Trainer {
   // setup, in order (trainer_setup.cpp); each stage refuses bad flags by name before any work.
   void setup();
   void configure();               // threads, strategy and the flags that apply to it, backend, rendezvous
+  void configure_loss_scaling();  // fp16: --initial-loss-scale, --loss-scale-window, ... into scaler_
   void join_world();              // the ranks' world: MPI, NCCL over MPI or a file, or --simulate's threads
   void choose_device_and_batch(); // device, dtype, batch and micro-batch, steps
   void open_data();

@@ -24,7 +24,9 @@ namespace {
 const char* const kRunFlags[] = {"data",  "shuffle",      "seq-len",      "dropout", "batch-size", "steps",
                                  "lr",    "lr-schedule",  "warmup-steps", "min-lr",  "beta1",      "beta2",
                                  "eps",   "weight-decay", "clip",         "seed",    "dtype",      "eval-every",
-                                 "eval-batches", "eval-problems", "on-nonfinite"};
+                                 "eval-batches", "eval-problems", "on-nonfinite", "initial-loss-scale",
+                                 "loss-scale-window", "loss-scale-growth", "loss-scale-backoff", "min-loss-scale",
+                                 "loss-scale"};
 
 // What a checkpoint records of the model (config_from_metadata reads it back).
 std::map<std::string, std::string> config_metadata(const nn::GPTConfig& c, const std::string& data) {

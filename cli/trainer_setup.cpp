@@ -3,6 +3,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <set>
 
@@ -84,6 +85,33 @@ void Trainer::setup() {
   build_optimizer();
   restore(ck.get());
   start_trace();
+}
+
+// fp16's loss scaling, as PyTorch's GradScaler (Megatron's flag names). Given with another dtype
+// the flags are refused (inherited from an fp16 checkpoint resumed in bf16 they are left unused).
+void Trainer::configure_loss_scaling() {
+  const Args& a = args_;
+  for (const char* f : {"initial-loss-scale", "loss-scale-window", "loss-scale-growth", "loss-scale-backoff",
+                        "min-loss-scale", "loss-scale"}) {
+    const auto& inh = a.inherited();
+    SG_CHECK(dtype_ == DType::f16 || !a.given(f) || std::find(inh.begin(), inh.end(), f) != inh.end(), "train: --", f,
+             " applies to --dtype fp16 only (", a.str("dtype"), " trains without loss scaling)");
+  }
+  const double fixed = a.f64("loss-scale"), init = a.f64("initial-loss-scale"), min = a.f64("min-loss-scale");
+  const double growth = a.f64("loss-scale-growth"), backoff = a.f64("loss-scale-backoff");
+  SG_CHECK(fixed == 0 || (std::isfinite(fixed) && fixed > 0), "train: --loss-scale must be > 0 (or 0: dynamic), got ", fixed);
+  SG_CHECK(std::isfinite(init) && init > 0, "train: --initial-loss-scale must be > 0, got ", init);
+  SG_CHECK(std::isfinite(min) && min > 0 && min <= init, "train: --min-loss-scale must be > 0 and at most ",
+           "--initial-loss-scale (", init, "), got ", min);
+  SG_CHECK(std::isfinite(growth) && growth >= 1, "train: --loss-scale-growth must be >= 1, got ", growth);
+  SG_CHECK(backoff > 0 && backoff <= 1, "train: --loss-scale-backoff must be in (0, 1], got ", backoff);
+  SG_CHECK(!fixed || !a.given("initial-loss-scale"), "train: --loss-scale ", fixed, " is a fixed scale; ",
+           "--initial-loss-scale starts a dynamic one (give one of them)");
+  scaler_.scale = fixed ? fixed : init;
+  scaler_.growth_interval = positive(a, "loss-scale-window");
+  scaler_.growth_factor = fixed ? 1.0 : growth;
+  scaler_.backoff_factor = fixed ? 1.0 : backoff;
+  scaler_.min_scale = fixed ? fixed : min;
 }
 
 void Trainer::configure() {
@@ -204,6 +232,7 @@ void Trainer::choose_device_and_batch() {
     device_ = dp_devices_[0];
   }
   dtype_ = model_dtype(a);
+  configure_loss_scaling();
   kernels::select_attention(a.str("attention"), device_);
   seed_ = uint64_t(a.i64("seed"));
   const bool synthetic = synthetic_data(a);
@@ -430,7 +459,7 @@ void Trainer::restore(const ckpt::Checkpoint* ck) {
     SG_CHECK(start_step_ <= steps_, "train: the checkpoint is at step ", start_step_, " but --steps is ", steps_);
     train_->set_position(s.at("train_position").get<int64_t>());
     dropout_generator().next_stream = s.at("dropout_stream").get<uint64_t>();
-    scaler_.scale = s.value("loss_scale", scaler_.scale);
+    if (!a.f64("loss-scale")) scaler_.scale = s.value("loss_scale", scaler_.scale);  // a fixed scale stays fixed
     scaler_.clean_steps = s.value("loss_scale_clean_steps", int64_t(0));
     scaler_.skipped_steps = s.value("skipped_steps", int64_t(0));
     nonfinite_skipped_ = s.value("nonfinite_skipped", int64_t(0));

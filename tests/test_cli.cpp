@@ -1239,6 +1239,71 @@ TEST_CASE("fp16 data parallelism skips no step that one process does not: an ave
   }
 }
 
+TEST_CASE("fp16's loss scale follows its flags step by step, resumes where it was, and can be held fixed", "[cli]") {
+  TempDir d;
+  const std::string args = "train " + kSmall + " --dtype fp16 --steps 14 --log-json ";
+  const std::string dynamic = " --initial-loss-scale 16777216 --loss-scale-backoff 0.25 --loss-scale-window 3 "
+                              "--loss-scale-growth 4 --min-loss-scale 16";
+  Run r = shardgrad(args + (d.path / "a.jsonl").string() + dynamic + " --save " + (d.path / "a").string());
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  // The scaler's rule replayed over the log: back off by 4 on an overflow (not below 16), grow by 4
+  // after 3 clean steps in a row.
+  const auto a = read_log(d.path / "a.jsonl");
+  REQUIRE(a.size() == 14);
+  double scale = 16777216;
+  int clean = 0, backoffs = 0, growths = 0;
+  for (const auto& rec : a) {
+    INFO("step " << rec["step"]);
+    REQUIRE(rec["loss_scale"].get<double>() == scale);
+    if (rec["skipped"].get<bool>()) {
+      scale = std::max(16.0, scale * 0.25), clean = 0, ++backoffs;
+    } else if (++clean == 3) {
+      scale *= 4, clean = 0, ++growths;
+    }
+  }
+  REQUIRE(backoffs >= 2);  // the run met both rules, so both flags were read
+  REQUIRE(growths >= 2);
+  REQUIRE(r.output.find("| scale 1.67772e+07 | skipped (overflow)") != std::string::npos);
+  // Stopped after step 7 (three clean steps at 65536) and resumed: step 8 grows the scale as in the
+  // whole run, with the checkpoint's scale, clean count and the run's scaler flags.
+  REQUIRE(shardgrad(args + (d.path / "b.jsonl").string() + dynamic + " --save " + (d.path / "b").string() +
+                    " --stop-at 7").code == 0);
+  Run resumed = shardgrad(args + (d.path / "b.jsonl").string() + " --save " + (d.path / "b").string() + " --resume auto");
+  INFO(resumed.output);
+  REQUIRE(resumed.code == 0);
+  const auto b = read_log(d.path / "b.jsonl");
+  REQUIRE(b.size() == a.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    INFO("step " << i + 1);
+    REQUIRE(b[i]["loss_scale"] == a[i]["loss_scale"]);
+    REQUIRE(b[i]["loss"] == a[i]["loss"]);
+  }
+  // The floor: nothing below --min-loss-scale, even when every step overflows.
+  REQUIRE(shardgrad(args + (d.path / "m.jsonl").string() + " --initial-loss-scale 16777216 --min-loss-scale 4194304")
+              .code == 0);
+  for (const auto& rec : read_log(d.path / "m.jsonl")) REQUIRE(rec["loss_scale"].get<double>() >= 4194304);
+  REQUIRE(read_log(d.path / "m.jsonl").back()["loss_scale"].get<double>() == 4194304);
+  // A fixed scale: never moves; an overflowing one skips every step.
+  for (const char* fixed : {"1024", "16777216"}) {
+    INFO(fixed);
+    REQUIRE(shardgrad(args + (d.path / "f.jsonl").string() + " --loss-scale " + fixed).code == 0);
+    for (const auto& rec : read_log(d.path / "f.jsonl")) {
+      REQUIRE(rec["loss_scale"].get<double>() == std::stod(fixed));
+      REQUIRE(rec["skipped"].get<bool>() == (std::string(fixed) != "1024"));
+    }
+  }
+  const std::string bad = std::string(SG_BINARY) + " train " + kSmall + " --steps 1 ";
+  refuses(bad + "--initial-loss-scale 8", "--initial-loss-scale applies to --dtype fp16 only (fp32 trains without");
+  refuses(bad + "--dtype bf16 --loss-scale 8", "--loss-scale applies to --dtype fp16 only (bf16");
+  refuses(bad + "--dtype fp16 --loss-scale-backoff 1.5", "--loss-scale-backoff must be in (0, 1], got 1.5");
+  refuses(bad + "--dtype fp16 --loss-scale-growth 0.5", "--loss-scale-growth must be >= 1, got 0.5");
+  refuses(bad + "--dtype fp16 --min-loss-scale 131072", "--min-loss-scale must be > 0 and at most --initial-loss-scale");
+  refuses(bad + "--dtype fp16 --loss-scale-window 0", "--loss-scale-window");
+  refuses(bad + "--dtype fp16 --loss-scale 8 --initial-loss-scale 16", "give one of them");
+  refuses(bad + "--dtype fp16 --loss-scale -2", "--loss-scale must be > 0 (or 0: dynamic), got -2");
+}
+
 TEST_CASE("non-finite steps: --on-nonfinite stop names the step and the tensor, skip leaves the step out and counts it", "[cli][mpi]") {
   TempDir d;
   const std::string args = " train " + kSmall + " --dropout 0 --steps 4 --strategy ddp --inject-fault rank=1,step=2,kind=nan";
