@@ -82,6 +82,9 @@ void declare_flags(Args& a) {
          "without MPI: each process started on its own with RANK, WORLD_SIZE, LOCAL_RANK in the environment)");
   a.flag("comm-timeout", "300", "seconds without progress before the watchdog aborts the job, naming the stuck rank");
   a.flag("inject-fault", "", "testing: rank=R,step=S,kind=exit|throw|abort|kill|hang|nan[,during=save]");
+  a.flag("peak-tflops", "auto", "one device's peak TFLOP/s in the training dtype, for the MFU on the progress line "
+         "(tokens/s x model FLOPs per token / (devices x peak); auto: a known GPU's dense bf16/fp16 peak, e.g. 989 "
+         "for an H100 or H200, else none; 0: none)");
   a.flag("initial-loss-scale", "65536", "fp16: the loss scale to start from (dynamic: an overflowing step is skipped "
          "and the scale backs off; it grows after --loss-scale-window clean steps)");
   a.flag("loss-scale-window", "2000", "fp16: clean steps before the loss scale grows");

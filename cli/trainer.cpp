@@ -194,6 +194,7 @@ int Trainer::run() {
   if (!args_.str("save").empty() && !sim_) stop_signals.emplace();
   int stopped_on = 0;
   const int64_t eval_every = args_.i64("eval-every");
+  const double peak_fl = peak_flops(), flops_per_token = cfg_.flops_per_token(T_);  // 0: no MFU
   for (int64_t step = start_step_; step < steps_; ++step) {
     const double lr = sched_.at(step);
     Ledger::global().reset_peaks(device_);
@@ -216,6 +217,7 @@ int Trainer::run() {
       profiler.reset();
     }
     const double tps = double(B_ * T_) / (ms / 1000.0);
+    const double mfu = peak_fl > 0 ? tps * flops_per_token / peak_fl : 0;
     trace::memory(device_);
     // Every rank's ledger (collective): the line shows the range of the ranks' peaks, which differ
     // under pipelines and uneven shards.
@@ -223,8 +225,9 @@ int Trainer::run() {
                                             pipe_ ? &pipe_->last_timeline() : nullptr, pipe_ ? groups_.pp->rank() : -1)["ranks"];
     const std::string peak = peak_range(ranks);
     if (lead())
-      std::printf("step %5lld/%lld | loss %.4f | lr %.2e | norm %.3f | %7.1f ms | %8.0f tok/s | peak%s %s%s%s\n",
-                (long long)step + 1, (long long)steps_, loss, lr, norm, ms, tps, ranks.size() > 1 ? "/rank" : "",
+      std::printf("step %5lld/%lld | loss %.4f | lr %.2e | norm %.3f | %7.1f ms | %8.0f tok/s%s | peak%s %s%s%s\n",
+                (long long)step + 1, (long long)steps_, loss, lr, norm, ms, tps,
+                peak_fl > 0 ? str(" | MFU ", std::round(1000 * mfu) / 10, "%").c_str() : "", ranks.size() > 1 ? "/rank" : "",
                 peak.c_str(), dtype_ == DType::f16 ? str(" | scale ", scale).c_str() : "",
                 applied ? "" : dtype_ == DType::f16 ? " | skipped (overflow)" : " | skipped (non-finite)");
     if (profiled && lead()) print_op_profile(op_times, ms, step + 1, device_);
@@ -232,6 +235,7 @@ int Trainer::run() {
     json rec = {{"step", step + 1}, {"loss", loss}, {"lr", lr}, {"grad_norm", norm}, {"step_ms", ms},
                 {"tokens_per_s", tps}, {"mem", ledger_json(device_)}, {"skipped", !applied}};
     if (dtype_ == DType::f16) rec["loss_scale"] = scale;
+    if (peak_fl > 0) rec["mfu"] = mfu;
     if (profiled) rec["op_profile"] = op_profile_json(op_times);
     if (args_.str("offload") != "none") rec["mem_host"] = ledger_json(Device::cpu(0));  // the offloaded state
     if (fsdp_) rec["fsdp"] = {{"gathers_ahead", fsdp_->gathers_ahead()}};  // since the start: --prefetch at work

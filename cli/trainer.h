@@ -72,6 +72,7 @@ class Trainer {
   void setup();
   void configure();               // threads, strategy and the flags that apply to it, backend, rendezvous
   void configure_loss_scaling();  // fp16: --initial-loss-scale, --loss-scale-window, ... into scaler_
+  double peak_flops() const;      // --peak-tflops for all the devices the run trains on, in FLOP/s (0: no MFU)
   void join_world();              // the ranks' world: MPI, NCCL over MPI or a file, or --simulate's threads
   void choose_device_and_batch(); // device, dtype, batch and micro-batch, steps
   void open_data();

@@ -114,6 +114,19 @@ void Trainer::configure_loss_scaling() {
   scaler_.min_scale = fixed ? fixed : min;
 }
 
+double Trainer::peak_flops() const {
+  const std::string v = args_.str("peak-tflops");
+  double tflops = 0;
+  if (v == "auto") {
+    tflops = is_half(dtype_) ? kernels::half_peak_tflops(device_) : 0;
+  } else {
+    tflops = args_.f64("peak-tflops");
+    SG_CHECK(std::isfinite(tflops) && tflops >= 0, "train: --peak-tflops must be auto or >= 0, got ", v);
+  }
+  const size_t devices = strategy_ == "dp" ? dp_devices_.size() : size_t(world_size_);
+  return tflops * 1e12 * double(devices);
+}
+
 void Trainer::configure() {
   const Args& a = args_;
   const int64_t threads = a.i64("threads");
@@ -233,6 +246,7 @@ void Trainer::choose_device_and_batch() {
   }
   dtype_ = model_dtype(a);
   configure_loss_scaling();
+  (void)peak_flops();  // a bad --peak-tflops is refused before any work
   kernels::select_attention(a.str("attention"), device_);
   seed_ = uint64_t(a.i64("seed"));
   const bool synthetic = synthetic_data(a);

@@ -46,6 +46,23 @@ void select_attention(const std::string& name, Device d) {
 #endif
 }
 
+double half_peak_tflops_of(const std::string& name) {
+  const auto has = [&](const char* part) { return name.find(part) != std::string::npos; };
+  if (has("H100") || has("H200")) {  // GH200 too; the NVL parts are left out (not in the table)
+    if (has("NVL")) return 0;
+    return has("PCIe") ? 756 : 989;
+  }
+  return has("A100") ? 312 : 0;
+}
+
+double half_peak_tflops(Device d) {
+#ifdef SG_WITH_CUDA
+  if (d.is_cuda()) return half_peak_tflops_of(cuda::device_name(d));
+#endif
+  (void)d;
+  return 0;
+}
+
 void check_adamw_batch(const AdamWArgs* args, int64_t count, const char* device) {
   for (int64_t i = 0; i < count; ++i) {
     const AdamWArgs& a = args[i];

@@ -216,6 +216,11 @@ const OpTable& table(Device d);
 // fused attention on the CUDA device d). Refuses cudnn, saying why, for a CPU device or a build
 // without CUDA kernels or cuDNN.
 void select_attention(const std::string& name, Device d);
+// A GPU's dense bf16/fp16 tensor-core peak in TFLOP/s, from the name CUDA reports for it (H100 and
+// H200 SXM, GH200: 989; H100 PCIe: 756; A100: 312); 0 for a name not in the table.
+double half_peak_tflops_of(const std::string& gpu_name);
+// The same for device d: 0 on a CPU, without CUDA, or for a GPU not in the table.
+double half_peak_tflops(Device d);
 
 // Throws, naming the device, when a GEMM's epilogue (bias, gelu, pre_gelu, dgelu_pre, bias_grad,
 // row_sums_a) breaks GemmArgs' rules.

@@ -48,6 +48,10 @@ int64_t GPTConfig::num_params() const {
   return vocab_rows() * C + block_size * C + n_layer * per_block + 2 * C;
 }
 
+double GPTConfig::flops_per_token(int64_t T) const {
+  return 6.0 * double(num_params() - block_size * n_embd) + 12.0 * double(n_layer) * double(T) * double(n_embd);
+}
+
 int64_t GPTConfig::non_embedding_params() const { return num_params() - (vocab_rows() + block_size) * n_embd; }
 
 GPTConfig gpt_preset(const std::string& name) {

@@ -44,6 +44,9 @@ struct GPTConfig {
   // Ψ: parameter count (with the padded vocabulary rows, which is what is allocated).
   int64_t num_params() const;
   int64_t non_embedding_params() const;  // num_params() without wte and wpe (Kaplan et al.'s N)
+  // A training step's model FLOPs per token at sequence length T: 6·(Ψ − wpe) + 12·L·T·C (PaLM's
+  // MFU convention, as bench/RESULTS.md and the planner count: no recompute, no padding waste).
+  double flops_per_token(int64_t T) const;
 };
 
 // tiny (tests), gpt2 (124M), gpt2-medium, gpt2-large, gpt2-xl. Throws for an unknown name.

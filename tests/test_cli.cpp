@@ -16,6 +16,7 @@
 #include "io/token_shards.h"
 #include "parallel/checkpoint.h"
 #include "parallel/sharded_checkpoint.h"
+#include "kernels/ops.h"
 #include "tests/cli_support.h"
 
 namespace fs = std::filesystem;
@@ -1237,6 +1238,43 @@ TEST_CASE("fp16 data parallelism skips no step that one process does not: an ave
     for (const auto& rec : b) CHECK_FALSE(rec["skipped"].get<bool>());
     same_losses_and_norms(a, b, 2e-3);
   }
+}
+
+TEST_CASE("the progress line's MFU: tokens/s times the model FLOPs per token over the devices' peak", "[cli][mpi]") {
+  // A known GPU's dense half-precision peak comes from its name (auto); CPUs and unknown parts
+  // have none unless --peak-tflops gives it.
+  CHECK(sg::kernels::half_peak_tflops_of("NVIDIA H200") == 989);
+  CHECK(sg::kernels::half_peak_tflops_of("NVIDIA H100 80GB HBM3") == 989);
+  CHECK(sg::kernels::half_peak_tflops_of("NVIDIA GH200 480GB") == 989);
+  CHECK(sg::kernels::half_peak_tflops_of("NVIDIA H100 PCIe") == 756);
+  CHECK(sg::kernels::half_peak_tflops_of("NVIDIA A100-SXM4-80GB") == 312);
+  CHECK(sg::kernels::half_peak_tflops_of("NVIDIA H100 NVL") == 0);
+  CHECK(sg::kernels::half_peak_tflops_of("NVIDIA L4") == 0);
+  CHECK(sg::kernels::half_peak_tflops(sg::Device::cpu()) == 0);
+  TempDir d;
+  // kSmall: 1 layer, width 32, T = 32 rows of wpe, the synthetic task's 13 tokens padded to 64 rows.
+  const double C = 32, T = 32, L = 1, Vp = 64;
+  const double params = Vp * C + T * C + L * (12 * C * C + 13 * C) + 2 * C;
+  const double flops_per_token = 6 * (params - T * C) + 12 * L * T * C;
+  const std::string args = " train " + kSmall + " --block-size 32 --steps 3 --log-json ";
+  for (int ranks : {1, 2}) {
+    INFO(ranks << " ranks");
+    const fs::path log = log_path(d, "m", ranks);
+    Run r = run_command((ranks == 1 ? std::string(SG_BINARY) : mpirun(2) + " ") + args + log.string() +
+                        " --peak-tflops 0.05" + (ranks > 1 ? " --strategy ddp" : ""));
+    INFO(r.output);
+    REQUIRE(r.code == 0);
+    REQUIRE(r.output.find("% | peak") != std::string::npos);
+    for (const auto& rec : read_log(log))
+      REQUIRE(rec["mfu"].get<double>() ==
+              Approx(rec["tokens_per_s"].get<double>() * flops_per_token / (ranks * 0.05e12)).epsilon(1e-12));
+  }
+  Run plain = shardgrad(args + (d.path / "p.jsonl").string());
+  REQUIRE(plain.code == 0);
+  REQUIRE(plain.output.find("MFU") == std::string::npos);  // a CPU's peak is not guessed
+  REQUIRE_FALSE(read_log(d.path / "p.jsonl")[0].contains("mfu"));
+  refuses(std::string(SG_BINARY) + args + (d.path / "x.jsonl").string() + " --peak-tflops -1",
+          "--peak-tflops must be auto or >= 0, got -1");
 }
 
 TEST_CASE("fp16's loss scale follows its flags step by step, resumes where it was, and can be held fixed", "[cli]") {

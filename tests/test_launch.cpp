@@ -142,7 +142,7 @@ void same_losses(const std::vector<nlohmann::json>& a, const std::vector<nlohman
 
 }  // namespace
 
-TEST_CASE("--stop-at trains a long schedule in slices with the losses of one run", "[cli][launch]") {
+TEST_CASE("train --stop-at trains a long schedule in slices with the losses of one run", "[cli][launch]") {
   TempDir d;
   const std::string train = std::string(SG_BINARY) + " train " + kSmall + " --steps 12 --log-json ";
   const std::string run = " --save " + (d.path / "run").string();

@@ -26,6 +26,12 @@ int device_count() {
   return n;
 }
 
+std::string device_name(Device d) {
+  cudaDeviceProp prop{};
+  SG_CUDA_CHECK(cudaGetDeviceProperties(&prop, d.index));
+  return prop.name;
+}
+
 namespace {
 
 // What a BlockCache wants from a raw allocation that wrote *p and returned err: *p, or nullptr when

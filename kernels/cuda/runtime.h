@@ -26,6 +26,7 @@
 namespace sg::cuda {
 
 int device_count();  // 0 when there is no driver or no device (never throws)
+std::string device_name(Device d);  // "NVIDIA H200", as cudaGetDeviceProperties names it
 
 // One T per device (a stream, a library handle), made by create() on first use; thread-safe. Each
 // call site has its own table (create's type is part of the instantiation). Kept for the process.
