@@ -31,9 +31,11 @@ void declare_flags(Args& a) {
   a.flag("steps", "auto", "optimizer steps (auto: 1500 on the synthetic task, 1000 on file data)");
   a.flag("lr", "auto", "peak learning rate (auto: by model size, non-embedding parameters: 1e-2 below 1M, 1e-3 "
          "below 20M, then GPT-3's 6e-4 / 3e-4 / 2.5e-4 / 2e-4 for GPT-2's four sizes; 5e-3 on the synthetic task)");
-  a.flag("lr-schedule", "cosine", "constant | cosine");
+  a.flag("lr-schedule", "cosine", "constant | cosine | linear (to --min-lr at the last step) | wsd (warmup, stable, "
+         "then a linear decay to --min-lr over the last --decay-steps)");
+  a.flag("decay-steps", "0", "wsd: the steps its decay takes, at the end of the run (0: a fifth of the steps after warmup)");
   a.flag("warmup-steps", "20", "linear warmup steps");
-  a.flag("min-lr", "0", "final learning rate of the cosine schedule");
+  a.flag("min-lr", "0", "final learning rate of the cosine, linear and wsd schedules");
   a.flag("beta1", "0.9", "AdamW beta1");
   a.flag("beta2", "0.95", "AdamW beta2");
   a.flag("eps", "1e-8", "AdamW epsilon");

@@ -22,7 +22,7 @@ namespace {
 // not give them, so `train --resume DIR --steps N` goes on with the run's own data, batch,
 // schedule, optimizer and seed. A flag on the command line still wins (other data, a longer run).
 const char* const kRunFlags[] = {"data",  "shuffle",      "seq-len",      "dropout", "batch-size", "steps",
-                                 "lr",    "lr-schedule",  "warmup-steps", "min-lr",  "beta1",      "beta2",
+                                 "lr",    "lr-schedule",  "decay-steps", "warmup-steps", "min-lr",  "beta1",      "beta2",
                                  "eps",   "weight-decay", "clip",         "seed",    "dtype",      "eval-every",
                                  "eval-batches", "eval-problems", "on-nonfinite", "initial-loss-scale",
                                  "loss-scale-window", "loss-scale-growth", "loss-scale-backoff", "min-loss-scale",

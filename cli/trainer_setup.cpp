@@ -461,6 +461,7 @@ void Trainer::build_optimizer() {
   sched_.min_lr = a.f64("min-lr");
   sched_.warmup_steps = a.i64("warmup-steps");
   sched_.total_steps = steps_;
+  sched_.decay_steps = a.i64("decay-steps");
   sched_.validate();
   dropout_generator() = DropoutGenerator::seeded(seed_ ^ 0xd50b5eedull);
 }

@@ -153,8 +153,11 @@ double clip_coefficient(double norm, double max_norm) {
 }
 
 void LrSchedule::validate() const {
-  SG_CHECK(kind == "constant" || kind == "cosine", "--lr-schedule: unknown schedule '", kind,
-           "' (expected constant or cosine)");
+  SG_CHECK(kind == "constant" || kind == "cosine" || kind == "linear" || kind == "wsd", "--lr-schedule: unknown schedule '",
+           kind, "' (expected constant, cosine, linear or wsd)");
+  SG_CHECK(decay_steps >= 0 && decay_steps <= std::max<int64_t>(0, total_steps - warmup_steps), "--decay-steps must be in ",
+           "[0, steps - warmup steps] = [0, ", std::max<int64_t>(0, total_steps - warmup_steps), "], got ", decay_steps);
+  SG_CHECK(!decay_steps || kind == "wsd", "--decay-steps sets the wsd schedule's decay, not ", kind, "'s");
   SG_CHECK(lr > 0, "--lr must be > 0, got ", lr);
   SG_CHECK(min_lr >= 0 && min_lr <= lr, "--min-lr must be in [0, lr], got ", min_lr);
   SG_CHECK(warmup_steps >= 0, "--warmup-steps must be >= 0, got ", warmup_steps);
@@ -163,9 +166,13 @@ void LrSchedule::validate() const {
 double LrSchedule::at(int64_t step) const {
   if (step < warmup_steps) return lr * double(step + 1) / double(warmup_steps);
   if (kind == "constant") return lr;
-  const int64_t span = std::max<int64_t>(1, total_steps - warmup_steps);
-  double ratio = std::min(1.0, double(step - warmup_steps) / double(span));
-  return min_lr + 0.5 * (1.0 + std::cos(M_PI * ratio)) * (lr - min_lr);
+  // The decay: from its first step (ratio 0, lr) to total_steps (ratio 1, min_lr).
+  const int64_t start = kind == "wsd" ? std::max(warmup_steps, total_steps - wsd_decay_steps()) : warmup_steps;
+  if (step < start) return lr;  // wsd's stable phase
+  const int64_t span = std::max<int64_t>(1, total_steps - start);
+  const double ratio = std::min(1.0, double(step - start) / double(span));
+  if (kind == "cosine") return min_lr + 0.5 * (1.0 + std::cos(M_PI * ratio)) * (lr - min_lr);
+  return lr - ratio * (lr - min_lr);  // linear, wsd
 }
 
 double default_peak_lr(int64_t n) {

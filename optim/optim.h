@@ -2,6 +2,7 @@
 // learning-rate schedules and global-norm clipping. An optimizer holds its parameters by name so
 // its state can be saved and loaded under Hugging Face-style names.
 #pragma once
+#include <algorithm>
 #include <string>
 #include <utility>
 #include <vector>
@@ -102,12 +103,16 @@ double clip_coefficient(double norm, double max_norm);
 double default_peak_lr(int64_t non_embedding_params);
 
 struct LrSchedule {
-  std::string kind = "constant";  // constant | cosine
+  std::string kind = "constant";  // constant | cosine | linear | wsd
   double lr = 3e-4, min_lr = 0.0;
   int64_t warmup_steps = 0, total_steps = 1;
-  // Learning rate for step (0-based): linear warmup over warmup_steps to lr, then constant, or a
-  // cosine from lr down to min_lr at total_steps.
+  int64_t decay_steps = 0;  // wsd: the last decay_steps steps decay (0: a fifth of the steps after warmup)
+  // Learning rate for step (0-based): linear warmup over warmup_steps to lr, then constant; a
+  // cosine or a straight line from lr down to min_lr at total_steps; or wsd (warmup-stable-decay,
+  // as MiniCPM and Megatron's WSD): lr until the last decay_steps steps, then a straight line to
+  // min_lr at total_steps.
   double at(int64_t step) const;
+  int64_t wsd_decay_steps() const { return decay_steps ? decay_steps : std::max<int64_t>(1, (total_steps - warmup_steps) / 5); }
   void validate() const;
 };
 

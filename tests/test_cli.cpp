@@ -1277,6 +1277,26 @@ TEST_CASE("the progress line's MFU: tokens/s times the model FLOPs per token ove
           "--peak-tflops must be auto or >= 0, got -1");
 }
 
+TEST_CASE("train's wsd and linear schedules: the log's learning rates, through a resume", "[cli]") {
+  TempDir d;
+  const std::string args = "train " + kSmall + " --steps 12 --warmup-steps 2 --lr 1e-3 --min-lr 1e-4 --log-json ";
+  // wsd: warmup 2 steps, stable, the last 4 steps (and step 12's end) a line from 1e-3 to 1e-4.
+  REQUIRE(shardgrad(args + (d.path / "w.jsonl").string() + " --lr-schedule wsd --decay-steps 4 --save " +
+                    (d.path / "w").string() + " --stop-at 6").code == 0);
+  REQUIRE(shardgrad(args + (d.path / "w.jsonl").string() + " --save " + (d.path / "w").string() + " --resume auto").code == 0);
+  const std::vector<double> wsd = {5e-4, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 7.75e-4, 5.5e-4, 3.25e-4};
+  const auto w = read_log(d.path / "w.jsonl");
+  REQUIRE(w.size() == wsd.size());
+  for (size_t i = 0; i < wsd.size(); ++i) CHECK(w[i]["lr"].get<double>() == Approx(wsd[i]).epsilon(1e-12));
+  REQUIRE(shardgrad(args + (d.path / "l.jsonl").string() + " --lr-schedule linear").code == 0);
+  const auto l = read_log(d.path / "l.jsonl");  // from 1e-3 at step 3 down by 9e-4 / 10 a step
+  for (size_t i = 2; i < l.size(); ++i) CHECK(l[i]["lr"].get<double>() == Approx(1e-3 - 9e-5 * double(i - 2)).epsilon(1e-12));
+  refuses(std::string(SG_BINARY) + " " + args + (d.path / "x.jsonl").string() + " --decay-steps 4",
+          "--decay-steps sets the wsd schedule's decay, not cosine's");
+  refuses(std::string(SG_BINARY) + " " + args + (d.path / "x.jsonl").string() + " --lr-schedule wsd --decay-steps 11",
+          "--decay-steps must be in [0, steps - warmup steps] = [0, 10], got 11");
+}
+
 TEST_CASE("fp16's loss scale follows its flags step by step, resumes where it was, and can be held fixed", "[cli]") {
   TempDir d;
   const std::string args = "train " + kSmall + " --dtype fp16 --steps 14 --log-json ";

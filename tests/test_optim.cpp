@@ -151,7 +151,7 @@ TEST_CASE("SGD with momentum: PyTorch's buffer update", "[optim]") {
   REQUIRE(item(p) == Approx(0.71));
 }
 
-TEST_CASE("learning-rate schedules: warmup, cosine to min_lr, constant", "[optim]") {
+TEST_CASE("learning-rate schedules: warmup, cosine or linear to min_lr, wsd, constant", "[optim]") {
   optim::LrSchedule s;
   s.kind = "cosine";
   s.lr = 1.0;
@@ -165,8 +165,30 @@ TEST_CASE("learning-rate schedules: warmup, cosine to min_lr, constant", "[optim
   REQUIRE(s.at(110) == Approx(0.1));
   s.kind = "constant";
   REQUIRE(s.at(100) == Approx(1.0));
-  s.kind = "linear";
-  REQUIRE_THROWS_WITH(s.validate(), Catch::Contains("unknown schedule 'linear'"));
+  s.kind = "linear";  // a straight line from 1.0 at step 10 to 0.1 at step 110
+  REQUIRE(s.at(9) == Approx(1.0));
+  REQUIRE(s.at(10) == Approx(1.0));
+  REQUIRE(s.at(60) == Approx(0.55));
+  REQUIRE(s.at(85) == Approx(0.325));
+  REQUIRE(s.at(110) == Approx(0.1));
+  s.kind = "wsd";  // stable at 1.0 until the last fifth of the 100 steps after warmup, then linear
+  REQUIRE(s.wsd_decay_steps() == 20);
+  REQUIRE(s.at(5) == Approx(0.6));
+  REQUIRE(s.at(89) == Approx(1.0));
+  REQUIRE(s.at(90) == Approx(1.0));
+  REQUIRE(s.at(100) == Approx(0.55));
+  REQUIRE(s.at(110) == Approx(0.1));
+  s.decay_steps = 50;
+  REQUIRE(s.at(59) == Approx(1.0));
+  REQUIRE(s.at(85) == Approx(0.55));
+  s.validate();
+  s.decay_steps = 101;
+  REQUIRE_THROWS_WITH(s.validate(), Catch::Contains("--decay-steps must be in [0, steps - warmup steps] = [0, 100], got 101"));
+  s.decay_steps = 10;
+  s.kind = "cosine";
+  REQUIRE_THROWS_WITH(s.validate(), Catch::Contains("--decay-steps sets the wsd schedule's decay, not cosine's"));
+  s.kind = "step";
+  REQUIRE_THROWS_WITH(s.validate(), Catch::Contains("unknown schedule 'step' (expected constant, cosine, linear or wsd)"));
 }
 
 TEST_CASE("global-norm clipping: the norm over all grads and torch's coefficient", "[optim]") {
