@@ -159,10 +159,12 @@ int launch_main(int argc, char** argv) {
       return 0;
     }
     if (code == kStoppedOnSignal || forwarded) {
-      std::printf("shardgrad launch: the job stopped on %s (exit status %d)%s; not restarted\n",
-                  forwarded == SIGINT ? "SIGINT" : forwarded == SIGTERM ? "SIGTERM" : forwarded ? "SIGUSR1" : "a signal to its ranks", code,
-                  code == kStoppedOnSignal ? str(" after saving its checkpoint in ", save.empty() ? "--save" : save).c_str()
-                                           : "");
+      const char* why = forwarded == SIGINT    ? "SIGINT"
+                        : forwarded == SIGTERM ? "SIGTERM"
+                        : forwarded            ? "SIGUSR1"
+                                               : "a signal to its ranks";
+      const std::string saved = code == kStoppedOnSignal ? str(" after saving its checkpoint in ", save) : "";
+      std::printf("shardgrad launch: the job stopped on %s (exit status %d)%s; not restarted\n", why, code, saved.c_str());
       return code;
     }
     if (attempt == max_restarts) break;

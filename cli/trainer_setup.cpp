@@ -91,12 +91,14 @@ void Trainer::setup() {
 // the flags are refused (inherited from an fp16 checkpoint resumed in bf16 they are left unused).
 void Trainer::configure_loss_scaling() {
   const Args& a = args_;
-  for (const char* f : {"initial-loss-scale", "loss-scale-window", "loss-scale-growth", "loss-scale-backoff",
-                        "min-loss-scale", "loss-scale"}) {
+  const auto typed = [&](const char* f) {  // on this command line, not inherited from a checkpoint
     const auto& inh = a.inherited();
-    SG_CHECK(dtype_ == DType::f16 || !a.given(f) || std::find(inh.begin(), inh.end(), f) != inh.end(), "train: --", f,
-             " applies to --dtype fp16 only (", a.str("dtype"), " trains without loss scaling)");
-  }
+    return a.given(f) && std::find(inh.begin(), inh.end(), f) == inh.end();
+  };
+  for (const char* f : {"initial-loss-scale", "loss-scale-window", "loss-scale-growth", "loss-scale-backoff",
+                        "min-loss-scale", "loss-scale"})
+    SG_CHECK(dtype_ == DType::f16 || !typed(f), "train: --", f, " applies to --dtype fp16 only (", a.str("dtype"),
+             " trains without loss scaling)");
   const double fixed = a.f64("loss-scale"), init = a.f64("initial-loss-scale"), min = a.f64("min-loss-scale");
   const double growth = a.f64("loss-scale-growth"), backoff = a.f64("loss-scale-backoff");
   SG_CHECK(fixed == 0 || (std::isfinite(fixed) && fixed > 0), "train: --loss-scale must be > 0 (or 0: dynamic), got ", fixed);
@@ -105,7 +107,7 @@ void Trainer::configure_loss_scaling() {
            "--initial-loss-scale (", init, "), got ", min);
   SG_CHECK(std::isfinite(growth) && growth >= 1, "train: --loss-scale-growth must be >= 1, got ", growth);
   SG_CHECK(backoff > 0 && backoff <= 1, "train: --loss-scale-backoff must be in (0, 1], got ", backoff);
-  SG_CHECK(!fixed || !a.given("initial-loss-scale"), "train: --loss-scale ", fixed, " is a fixed scale; ",
+  SG_CHECK(!fixed || !typed("initial-loss-scale"), "train: --loss-scale ", fixed, " is a fixed scale; ",
            "--initial-loss-scale starts a dynamic one (give one of them)");
   scaler_.scale = fixed ? fixed : init;
   scaler_.growth_interval = positive(a, "loss-scale-window");
@@ -478,6 +480,8 @@ void Trainer::restore(const ckpt::Checkpoint* ck) {
     scaler_.clean_steps = s.value("loss_scale_clean_steps", int64_t(0));
     scaler_.skipped_steps = s.value("skipped_steps", int64_t(0));
     nonfinite_skipped_ = s.value("nonfinite_skipped", int64_t(0));
+    SG_CHECK(!stop_at_ || stop_at_ > start_step_, "train: --stop-at ", stop_at_, " is not after the checkpoint's step ",
+             start_step_, ": nothing to train (give a later step, or leave --stop-at out)");
     load_optimizer(*ck, s.at("optimizer_step").get<int64_t>());
     if (lead()) {
       std::string flags;
@@ -486,8 +490,6 @@ void Trainer::restore(const ckpt::Checkpoint* ck) {
                   flags.empty() ? "" : (", with the run's" + flags).c_str());
       if (!a.str("init-from").empty())
         std::printf("--init-from %s is not read: the run goes on from its checkpoint\n", a.str("init-from").c_str());
-      SG_CHECK(!stop_at_ || stop_at_ > start_step_, "train: --stop-at ", stop_at_, " is not after the checkpoint's step ",
-               start_step_, ": nothing to train (give a later step, or leave --stop-at out)");
       if (start_step_ == steps_)
         std::printf("the checkpoint is at the run's last step (--steps %lld): nothing to train; give a larger --steps "
                     "to go on\n", (long long)steps_);
