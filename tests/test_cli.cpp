@@ -90,7 +90,7 @@ TEST_CASE("train refuses bad flags, missing files and existing checkpoints, nami
   fails_with("train --steps 1 --comm-timeout 0", "--comm-timeout must be > 0");  // one process checks it too
   fails_with("train --resume " + (d.path / "nothing").string(), "does not exist");
   fails_with("train --model gpt5", "unknown preset 'gpt5'");
-  fails_with("train --lr-schedule linear", "unknown schedule 'linear'");
+  fails_with("train --lr-schedule step", "unknown schedule 'step' (expected constant, cosine, linear or wsd)");
   fails_with("frobnicate", "unknown command 'frobnicate'");
   fails_with("train --strategy ddp --backend gloo", "--backend must be mpi or nccl, got 'gloo'");
   fails_with("train --strategy ddp --backend nccl", "--backend nccl carries CUDA tensors: pass --device cuda");
