@@ -32,6 +32,16 @@ const std::string kSmall = "--n-layer 1 --n-embd 32 --n-head 2 --seq-len 32 --ba
 std::string mpirun(int np) { return sg::testing::mpirun_shardgrad(np); }
 std::string launch() { return std::string("OMP_NUM_THREADS=1 ") + SG_BINARY + " launch --mpirun " + SG_MPIEXEC; }
 
+// The losses of two logs agree bit for bit, step by step.
+void same_losses(const std::vector<nlohmann::json>& a, const std::vector<nlohmann::json>& b) {
+  REQUIRE(a.size() == b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    INFO("step " << i + 1);
+    REQUIRE(a[i]["step"] == b[i]["step"]);
+    REQUIRE(a[i]["loss"].get<double>() == b[i]["loss"].get<double>());
+  }
+}
+
 }  // namespace
 
 TEST_CASE("launch restarts a job whose rank exited and the losses continue as if uninterrupted", "[cli][mpi][launch]") {
@@ -53,11 +63,7 @@ TEST_CASE("launch restarts a job whose rank exited and the losses continue as if
   auto a = read_log(d.path / "a.jsonl"), b = read_log(d.path / "b.jsonl");
   REQUIRE(a.size() == 6);
   REQUIRE(b.size() == 6);  // steps 1-2 from the first run, 3-6 from the restart: none twice
-  for (size_t i = 0; i < 6; ++i) {
-    INFO("step " << i + 1);
-    REQUIRE(b[i]["step"] == a[i]["step"]);
-    REQUIRE(b[i]["loss"].get<double>() == a[i]["loss"].get<double>());  // bit-exact
-  }
+  same_losses(a, b);
 }
 
 TEST_CASE("launch refuses restarts without --save and gives up after --max-restarts", "[cli][launch]") {
@@ -128,16 +134,6 @@ Run signal_after_steps(const std::string& cmd, const fs::path& log, int lines, c
 int exit_status(const Run& r) {
   const size_t at = r.output.rfind("exit status ");
   return at == std::string::npos ? -1 : std::stoi(r.output.substr(at + 12));
-}
-
-// The losses of two logs agree bit for bit, step by step.
-void same_losses(const std::vector<nlohmann::json>& a, const std::vector<nlohmann::json>& b) {
-  REQUIRE(a.size() == b.size());
-  for (size_t i = 0; i < a.size(); ++i) {
-    INFO("step " << i + 1);
-    REQUIRE(a[i]["step"] == b[i]["step"]);
-    REQUIRE(a[i]["loss"].get<double>() == b[i]["loss"].get<double>());
-  }
 }
 
 }  // namespace
