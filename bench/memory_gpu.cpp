@@ -116,7 +116,7 @@ int main() {
     G.copy_from_host(tg.data(), t.data(), size_t(R) * 4, gpu);
     const double L = h * double(R * Vp);
     // in place over the logits each run: the values become gradients, which are as good logits
-    for (auto kind : {cuda::Classifier::streaming, cuda::Classifier::staged}) {
+    for (auto kind : cuda::kClassifiers) {
       cuda::set_classifier(kind);
       char what[96];
       std::snprintf(what, sizeof what, "classifier, fused: loss + dlogits in one call, %s", cuda::name(kind));

@@ -62,7 +62,7 @@ PY
   # attention:batch[:variant] runs; TUNED_BATCHES (default the last of BATCHES) also with GEMM
   # tuning; VARIANTS (default below) the last of BATCHES with other kernel variants
   # (kernels/cuda/variants.h), each a comma-separated list of NAME=VALUE set for the run.
-  VARIANTS=${VARIANTS-"SG_NORM_BACKWARD=smem,SG_CLASSIFIER=staged SG_NORM_BACKWARD=smem_ahead,SG_CLASSIFIER=staged SG_DQ_ACCUMULATOR=engine,SG_EMBEDDING_BACKWARD=packs"}
+  VARIANTS=${VARIANTS-"SG_NORM_BACKWARD=smem,SG_CLASSIFIER=staged SG_NORM_BACKWARD=smem_ahead,SG_CLASSIFIER=staged SG_CLASSIFIER=reversed SG_DQ_ACCUMULATOR=engine,SG_EMBEDDING_BACKWARD=packs"}
   for run in $(for b in $BATCHES; do for a in ${ATTENTION:-cudnn flash}; do
                  [ "$a" = cudnn ] || [ "$b" = "$BATCH" ] && echo "$a:$b"; done; done
                for b in ${TUNED_BATCHES-${BATCHES##* }}; do echo "cudnn:$b:SG_GEMM_TUNE=1"; done

@@ -157,7 +157,7 @@ TEST_CASE("train refuses bad flags, missing files and existing checkpoints, nami
   // A kernel variant named in the environment (kernels/cuda/variants.h) is read when the CUDA
   // backend starts, GPU or not: an unknown name is refused naming the variable and what it takes.
   refuses("SG_CLASSIFIER=bogus " + std::string(SG_BINARY) + " train --device cuda --steps 1 " + kSmall,
-          "SG_CLASSIFIER=bogus: not a variant; one of streaming, staged");
+          "SG_CLASSIFIER=bogus: not a variant; one of streaming, staged, reversed");
   refuses("SG_NORM_BACKWARD=registers " + std::string(SG_BINARY) + " train --device cuda --steps 1 " + kSmall,
           "SG_NORM_BACKWARD=registers: not a variant; one of fused, smem, smem_ahead, split");
   refuses("SG_EMBEDDING_BACKWARD=rows " + std::string(SG_BINARY) + " train --device cuda --steps 1 " + kSmall,

@@ -80,19 +80,24 @@ SG_DEVICE float row_logsumexp(const T* x, int64_t V, float* scratch) {
 }
 
 // dlogits of one row from its lse; dlogits may alias x (each element, or 16-byte piece, is read
-// before it is written by the same thread).
-template <class T>
+// before it is written by the same thread). kReversed: the 16-byte pieces from the row's end, as
+// last uses (Classifier::reversed).
+template <class T, bool kReversed = false>
 SG_DEVICE void row_dlogits(T* g, const T* x, float lse, int64_t t, float d, int64_t Vp, int64_t V, bool ignored) {
   const auto grad = [&](int64_t j, float v) {
     return !ignored && j < V ? (classifier_exp<T>(v - lse) - (j == t ? 1.0f : 0.0f)) * d : 0.0f;
   };
   constexpr int kPer = int(16 / sizeof(T));
   const int64_t whole = aligned16(x) && aligned16(g) ? Vp / kPer : 0;
-  SG_UNROLL(4) for (int64_t k = threadIdx.x; k < whole; k += blockDim.x) {
-    const Pack<T> in = load_pack(x + k * kPer);
+  SG_UNROLL(4) for (int64_t i = threadIdx.x; i < whole; i += blockDim.x) {
+    const int64_t k = kReversed ? whole - 1 - i : i;
+    const Pack<T> in = kReversed ? load_pack_last_use(x + k * kPer) : load_pack(x + k * kPer);
     Pack<T> out;
     for (int e = 0; e < kPer; ++e) out.v[e] = from_f32<T>(grad(k * kPer + e, to_f32(in.v[e])));
-    store_pack(g + k * kPer, out);
+    if constexpr (kReversed)
+      store_pack_last_use(g + k * kPer, out);
+    else
+      store_pack(g + k * kPer, out);
   }
   for (int64_t j = whole * kPer + threadIdx.x; j < Vp; j += blockDim.x) g[j] = from_f32<T>(grad(j, to_f32(x[j])));
 }
@@ -119,8 +124,8 @@ SG_DEVICE int64_t row_loss(float* loss, float* lse, int* bad_targets, const T* x
 constexpr int kClassifierThreads = 512;
 
 // Forward, and with kBackward also dlogits with the same dloss for every row (in place over the
-// logits if dlogits == logits).
-template <class T, class I, bool kBackward>
+// logits if dlogits == logits); kReversed: the second pass from the row's end (Classifier::reversed).
+template <class T, class I, bool kBackward, bool kReversed = false>
 __global__ void __launch_bounds__(kClassifierThreads, 4) classifier_kernel(float* loss, float* lse, T* dlogits, const T* logits, const I* targets, float dloss,
                                   int64_t Vp, int64_t V, int64_t ignore_index, int* bad_targets) {
   SG_SHARED(float, scratch, 64);
@@ -130,7 +135,7 @@ __global__ void __launch_bounds__(kClassifierThreads, 4) classifier_kernel(float
   const int64_t t = row_loss(loss, lse, bad_targets, x, targets, r, s, V, ignore_index);
   if constexpr (kBackward) {
     __syncthreads();  // x[t] is read above before the in-place write below
-    row_dlogits(dlogits + r * Vp, x, s, t, dloss, Vp, V, t < 0);
+    row_dlogits<T, kReversed>(dlogits + r * Vp, x, s, t, dloss, Vp, V, t < 0);
   }
 }
 
@@ -211,8 +216,9 @@ inline void cross_entropy_backward(DType dtype, DType tgt_dtype, void* dlogits, 
 // Forward and backward in one read of the logits from memory (the fused classifier): loss, lse
 // (when given) and dlogits ('='), dlogits may be the logits buffer itself. dloss is the same for
 // every row and known before the forward (e.g. 1 / number of counted targets for a mean loss).
-// kind: streaming (the block's second pass over its row reads what its first brought into L2) or
-// staged (the row copied into shared memory) where classifier_stages allows.
+// kind: streaming (the block's second pass over its row reads what its first brought into L2),
+// reversed (that second pass from the row's end) or staged (the row copied into shared memory)
+// where classifier_stages allows.
 inline void classifier_forward_backward(DType dtype, DType tgt_dtype, float* loss, float* lse, void* dlogits,
                                         const void* logits, const void* targets, float dloss, int64_t rows,
                                         int64_t Vp, int64_t V, int64_t ignore_index, int* bad_targets, Stream stream,
@@ -226,9 +232,9 @@ inline void classifier_forward_backward(DType dtype, DType tgt_dtype, float* los
                       size_t(Vp) * sizeof(T), stream, loss, lse, static_cast<T*>(dlogits),
                       static_cast<const T*>(logits), static_cast<const I*>(targets), dloss, Vp, V, ignore_index,
                       bad_targets);
-      launch(classifier_kernel<T, I, true>, dim3(blocks_for(rows, 1)), dim3(kClassifierThreads), 0, stream, loss, lse,
-             static_cast<T*>(dlogits), static_cast<const T*>(logits), static_cast<const I*>(targets), dloss, Vp, V,
-             ignore_index, bad_targets);
+      launch(kind == Classifier::reversed ? classifier_kernel<T, I, true, true> : classifier_kernel<T, I, true>,
+             dim3(blocks_for(rows, 1)), dim3(kClassifierThreads), 0, stream, loss, lse, static_cast<T*>(dlogits),
+             static_cast<const T*>(logits), static_cast<const I*>(targets), dloss, Vp, V, ignore_index, bad_targets);
     });
   });
 }

@@ -125,6 +125,31 @@ SG_DEVICE void store_pack(T* p, const Pack<T, Count>& x) {
   }
 }
 
+// A 16-byte load and store marked evict-first in L1 and L2 (ld/st.global.cs): the last use of the
+// bytes, which should not push out bytes still to be read. Plain accesses under the emulation.
+template <class T>
+SG_DEVICE Pack<T> load_pack_last_use(const T* p) {
+#ifdef __CUDACC__
+  static_assert(sizeof(Pack<T>) == sizeof(int4));
+  const int4 bits = __ldcs(reinterpret_cast<const int4*>(p));
+  Pack<T> x;
+  memcpy(&x, &bits, sizeof x);
+  return x;
+#else
+  return load_pack(p);
+#endif
+}
+template <class T>
+SG_DEVICE void store_pack_last_use(T* p, const Pack<T>& x) {
+#ifdef __CUDACC__
+  int4 bits;
+  memcpy(&bits, &x, sizeof bits);
+  __stcs(reinterpret_cast<int4*>(p), bits);
+#else
+  store_pack(p, x);
+#endif
+}
+
 SG_DEVICE float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
   return v;

@@ -315,7 +315,8 @@ void ensure_registered() {
     variant_from_env("SG_NORM_BACKWARD",
                      {NormBackward::fused, NormBackward::smem, NormBackward::smem_ahead, NormBackward::split},
                      &set_norm_backward);
-    variant_from_env("SG_CLASSIFIER", {Classifier::streaming, Classifier::staged}, &set_classifier);
+    variant_from_env("SG_CLASSIFIER", {Classifier::streaming, Classifier::staged, Classifier::reversed},
+                     &set_classifier);
     variant_from_env("SG_EMBEDDING_BACKWARD", {EmbeddingBackward::columns, EmbeddingBackward::packs},
                      &set_embedding_backward_kind);
     variant_from_env("SG_FLASH_BACKWARD", {FlashBackward::free, FlashBackward::dq_three, FlashBackward::three},

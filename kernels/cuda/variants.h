@@ -30,10 +30,20 @@ inline const char* name(NormBackward k) {
 // How the fused classifier (loss and dlogits in one call, kernels/cuda/classifier.cuh) reads a row:
 //   streaming  twice from memory, the second pass partly from L2 (the default);
 //   staged     once, into shared memory, both passes reading it there: rows of at most 110 KiB
-//              (GPT-2's 50304 bf16 logits are 98 KiB), 16-byte aligned; elsewhere streaming.
-enum class Classifier : uint8_t { streaming, staged };
+//              (GPT-2's 50304 bf16 logits are 98 KiB), 16-byte aligned; elsewhere streaming;
+//   reversed   as streaming, the second pass walking the row from its end: the pieces the first
+//              pass read last, the likeliest to be still in L2, are read again first, and those
+//              last reads and the stores are marked evict-first (ld/st.global.cs). At GPT-2's
+//              shapes the rows in flight (4 blocks an SM x 132 SMs x 98 KiB, 52 MiB) outgrow the
+//              50 MiB L2, so a second pass in the first one's order meets the evicted start first.
+// streaming and reversed do the same arithmetic (the same bits); staged's 1024 threads sum the
+// row in another order.
+enum class Classifier : uint8_t { streaming, staged, reversed };
+inline constexpr Classifier kClassifiers[] = {Classifier::streaming, Classifier::staged, Classifier::reversed};
 
-inline const char* name(Classifier k) { return k == Classifier::staged ? "staged" : "streaming"; }
+inline const char* name(Classifier k) {
+  return k == Classifier::staged ? "staged" : k == Classifier::reversed ? "reversed" : "streaming";
+}
 
 // How the embedding backward's block for a run of equal rows (kernels/cuda/embedding.cuh) reads
 // its dout rows, each column summed in position order either way (the same bits):

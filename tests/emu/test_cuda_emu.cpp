@@ -268,31 +268,28 @@ TEMPLATE_TEST_CASE("emu fused classifier matches cross_entropy and its backward 
     cpu::cross_entropy_fused(DType::f32, DType::i64, loss_fused_ref.data(), dl_fused_ref.data(), logits.data(),
                              targets.data(), d, rows, Vp, V, ignore);
     CHECK(loss_fused_ref == loss_ref);
-    auto inplace = xs;
-    std::vector<float> loss2(rows), lse2(rows);
-    cu::classifier_forward_backward(dtype_of<T>(), DType::i32, loss2.data(), lse2.data(), inplace.data(), inplace.data(),
-                                    t32.data(), d, rows, Vp, V, ignore, &bad, nullptr);
-    check_close(loss2, loss_ref, 1e-5, 1e-5);
-    check_close(lse2, lse_ref, 1e-5, 1e-5);
-    check_close(inplace, dl_fused_ref, 0.1);
-    CHECK(bad == 0);
-
-    // The same with the row staged in shared memory (rows of whole 16-byte pieces; the others
-    // stream), in place and into a separate buffer.
+    // Each way of reading the row (cuda::Classifier), in place and into a separate buffer; the
+    // row staged in shared memory where it is whole 16-byte pieces (the others stream).
     CHECK(cu::classifier_stages<T>(xs.data(), xs.data(), Vp) == (Vp % cu::Pack<T>::N == 0));
-    for (bool in_place : {true, false}) {
-      INFO("staged, in place " << in_place);
-      auto src = xs;
-      std::vector<T> out(rows * Vp);
-      T* dst = in_place ? src.data() : out.data();
-      std::vector<float> loss3(rows), lse3(rows);
-      cu::classifier_forward_backward(dtype_of<T>(), DType::i32, loss3.data(), lse3.data(), dst, src.data(),
-                                      t32.data(), d, rows, Vp, V, ignore, &bad, nullptr, cu::Classifier::staged);
-      check_close(loss3, loss_ref, 1e-5, 1e-5);
-      check_close(lse3, lse_ref, 1e-5, 1e-5);
-      check_close(in_place ? src : out, dl_fused_ref, 0.1);
-      if (!in_place) CHECK(to_float(src) == to_float(xs));  // the logits only read
-      CHECK(bad == 0);
+    std::vector<T> streamed;  // the streaming kernel's dlogits: reversed gives the same bits
+    for (auto kind : cu::kClassifiers) {
+      for (bool in_place : {true, false}) {
+        INFO(cu::name(kind) << ", in place " << in_place);
+        auto src = xs;
+        std::vector<T> out(rows * Vp);
+        T* dst = in_place ? src.data() : out.data();
+        std::vector<float> loss2(rows), lse2(rows);
+        cu::classifier_forward_backward(dtype_of<T>(), DType::i32, loss2.data(), lse2.data(), dst, src.data(),
+                                        t32.data(), d, rows, Vp, V, ignore, &bad, nullptr, kind);
+        check_close(loss2, loss_ref, 1e-5, 1e-5);
+        check_close(lse2, lse_ref, 1e-5, 1e-5);
+        const auto& got = in_place ? src : out;
+        check_close(got, dl_fused_ref, 0.1);
+        if (!in_place) CHECK(to_float(src) == to_float(xs));  // the logits only read
+        if (kind == cu::Classifier::streaming) streamed = got;
+        if (kind == cu::Classifier::reversed) CHECK(to_float(got) == to_float(streamed));
+        CHECK(bad == 0);
+      }
     }
   }
   // GPT-2's padded vocabulary stages in bf16 (98 KiB a row), not in f32 (196 KiB: two blocks an SM

@@ -565,7 +565,7 @@ static void check_classifier(int64_t rows, int64_t Vp, int64_t V) {
     const double d = 0.0625;
     C().cross_entropy_fused(DType::f32, DType::i64, cl.data_ptr(), cdx.data_ptr(), cx.data_ptr(), ct.data_ptr(), d,
                             rows, Vp, V, ignore);
-    for (auto kind : {cuda::Classifier::streaming, cuda::Classifier::staged}) {
+    for (auto kind : cuda::kClassifiers) {
       INFO("classifier " << cuda::name(kind));
       cuda::set_classifier(kind);
       Tensor gy = put(logits, dt, gpu);
@@ -592,7 +592,7 @@ TEST_CASE("cross_entropy over a padded vocabulary, forward and backward, matches
   G().cross_entropy(DType::f32, DType::i32, gl.data_ptr(), gs.data_ptr(), gx.data_ptr(), gb.data_ptr(), rows, Vp, V,
                     ignore);
   REQUIRE_THROWS_WITH(get(gl), Catch::Contains("cross_entropy (cuda): 1 of 21 targets out of range [0, 129)"));
-  for (auto kind : {cuda::Classifier::streaming, cuda::Classifier::staged}) {
+  for (auto kind : cuda::kClassifiers) {
     INFO("classifier " << cuda::name(kind));
     cuda::set_classifier(kind);
     G().cross_entropy_fused(DType::f32, DType::i32, gl.data_ptr(), gx.data_ptr(), gx.data_ptr(), gb.data_ptr(), 1.0,
