@@ -55,7 +55,7 @@ int main(int argc, char** argv) {
       std::fflush(stderr);
       MPI_Abort(MPI_COMM_WORLD, 1);
     }
-    // Without MPI (a launcher such as torchrun, train --rendezvous file:) the launcher's RANK names it.
+    // Without MPI (a launcher such as torchrun, train --rendezvous file: or tcp:) the launcher's RANK names it.
     if (const char* rank = std::getenv("RANK"); rank && *rank)
       std::fprintf(stderr, "shardgrad %s: rank %s: error: %s\n", argv[1], rank, e.what());
     else

@@ -80,8 +80,10 @@ void declare_flags(Args& a) {
   a.flag("devices", "cpu:0,cpu:1", "dp: the devices to replicate over; the first one holds the model");
   a.flag("bucket-mb", "25", "ddp: gradient bucket size in MiB; zero1/zero2: one stripe's reduce-scatter input in MiB");
   a.flag("backend", "mpi", "collectives of multi-rank runs: mpi (CPU tensors, CUDA through host staging) | nccl (GPUs)");
-  a.flag("rendezvous", "mpi", "how ranks find each other: mpi (launched by mpirun) | file:PATH (--backend nccl "
-         "without MPI: each process started on its own with RANK, WORLD_SIZE, LOCAL_RANK in the environment)");
+  a.flag("rendezvous", "mpi", "how ranks find each other: mpi (launched by mpirun) | file:PATH | tcp:HOST:PORT "
+         "(--backend nccl without MPI, each process started on its own with RANK, WORLD_SIZE, LOCAL_RANK in the "
+         "environment: rank 0 hands NCCL's id to the others through PATH, on a file system they all see, or on "
+         "PORT of its host HOST)");
   a.flag("comm-timeout", "300", "seconds without progress before the watchdog aborts the job, naming the stuck rank");
   a.flag("inject-fault", "", "testing: rank=R,step=S,kind=exit|throw|abort|kill|hang|nan[,during=save]");
   a.flag("peak-tflops", "auto", "one device's peak TFLOP/s in the training dtype, for the MFU on the progress line "
@@ -118,7 +120,7 @@ int train_main(int argc, char** argv) {
     Trainer t(a, std::move(resumed));
     rc = t.run();
   } catch (...) {
-    // Without MPI (--rendezvous file:) nothing aborts the process on the way out: a watchdog
+    // Without MPI (--rendezvous file: or tcp:) nothing aborts the process on the way out: a watchdog
     // thread still running at exit would terminate it instead of letting main report the error.
     parallel::watchdog::disarm();
     throw;

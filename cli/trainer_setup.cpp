@@ -167,19 +167,15 @@ void Trainer::configure() {
            a.str("backend"), "'");
   SG_CHECK(a.str("backend") == "mpi" || distributed(), "train: --backend nccl is for multi-rank strategies "
            "(--strategy ddp, zero*, fsdp*, --tp, --pp)");
-  const std::string rdv = a.str("rendezvous");
-  const bool file_rdv = rdv.rfind("file:", 0) == 0;
-  SG_CHECK(rdv == "mpi" || file_rdv, "train: --rendezvous must be mpi or file:PATH, got '", rdv, "'");
-  SG_CHECK(!file_rdv || a.str("backend") == "nccl", "train: --rendezvous ", rdv, " needs --backend nccl: the file "
-           "carries NCCL's unique id, and without mpirun NCCL is what connects the ranks (under mpirun use the "
-           "default --rendezvous mpi)");
-  SG_CHECK(!file_rdv || rdv.size() > 5, "train: --rendezvous file: needs a path (file:PATH)");
+  const comm::Rendezvous rdv = comm::parse_rendezvous(a.str("rendezvous"));
+  SG_CHECK(rdv.kind == comm::Rendezvous::Kind::mpi || a.str("backend") == "nccl", "train: --rendezvous ", rdv.spec,
+           " needs --backend nccl: it carries NCCL's unique id, and without mpirun NCCL is what connects the ranks "
+           "(under mpirun use the default --rendezvous mpi)");
 }
 
 void Trainer::join_world() {
   const Args& a = args_;
-  const std::string rdv = a.str("rendezvous");
-  const bool file_rdv = rdv.rfind("file:", 0) == 0;
+  const comm::Rendezvous rdv = comm::parse_rendezvous(a.str("rendezvous"));
   SG_CHECK(a.f64("comm-timeout") > 0, "train: --comm-timeout must be > 0");  // in one process too: a flag is checked
   if (distributed()) {
     const bool nccl = a.str("backend") == "nccl";
@@ -190,25 +186,25 @@ void Trainer::join_world() {
       metrics_ = world_->split(0, sim_->rank());
       rank_ = sim_->rank();
       world_size_ = sim_->size();
-    } else if (file_rdv) {
+    } else if (rdv.kind != comm::Rendezvous::Kind::mpi) {
       // A launcher without MPI (torchrun-like) started each process on its own. The job's rank and
-      // size are RANK/WORLD_SIZE, and the NCCL world from the file carries everything, the CPU-side
-      // metrics too (staged through the device). MPI is never initialised: a singleton MPI_Init
-      // would make each process a world of its own.
-      const comm::LaunchEnv env = comm::launch_env();
+      // size are RANK/WORLD_SIZE, and the NCCL world from the file or rank 0's port carries
+      // everything, the CPU-side metrics too (staged through the device). MPI is never
+      // initialised: a singleton MPI_Init would make each process a world of its own.
+      const comm::LaunchEnv env = comm::launch_env(rdv);
       rank_ = env.rank;
       world_size_ = env.world_size;
       SG_CHECK(comm::nccl_available(), "train: --backend nccl: rank ", rank_,
                " sees no CUDA device (or this shardgrad was built without NCCL)");
       if (a.str("device") == "cuda") {
-        SG_CHECK(env.local_rank >= 0, "train: --device cuda under --rendezvous file: needs LOCAL_RANK in the "
+        SG_CHECK(env.local_rank >= 0, "train: --device cuda under --rendezvous ", rdv.spec, " needs LOCAL_RANK in the "
                  "environment (or pass --device cuda:N)");
         device_spec_ = "cuda:" + std::to_string(env.local_rank);
       }
       parallel::watchdog::arm(a.f64("comm-timeout"), rank_);  // a rank that never joins must not hang the rest
       {
-        parallel::watchdog::Waiting w("the file rendezvous");
-        world_ = comm::nccl_world_from_file(rdv.substr(5), parse_device(device_spec_).index, a.f64("comm-timeout"));
+        parallel::watchdog::Waiting w("the rendezvous " + rdv.spec);
+        world_ = comm::nccl_world_from_rendezvous(rdv, parse_device(device_spec_).index, a.f64("comm-timeout"));
       }
       metrics_ = world_->split(0, rank_);  // losses and barriers: kept out of the gradient counters
     } else {

@@ -95,7 +95,8 @@ TEST_CASE("train refuses bad flags, missing files and existing checkpoints, nami
   fails_with("train --strategy ddp --backend gloo", "--backend must be mpi or nccl, got 'gloo'");
   fails_with("train --strategy ddp --backend nccl", "--backend nccl carries CUDA tensors: pass --device cuda");
   fails_with("train --backend nccl", "--backend nccl is for multi-rank strategies");
-  fails_with("train --strategy ddp --rendezvous tcp://x", "--rendezvous must be mpi or file:PATH");
+  fails_with("train --strategy ddp --rendezvous tcp://x", "--rendezvous tcp://x: expected tcp:HOST:PORT");
+  fails_with("train --strategy ddp --rendezvous nccl", "--rendezvous must be mpi, file:PATH or tcp:HOST:PORT, got 'nccl'");
   // an error found after MPI started, in a process no launcher started: one line, no MPI_Abort banner
   {
     Run r = shardgrad("train --tp 2 --steps 1");
@@ -136,6 +137,7 @@ TEST_CASE("train refuses bad flags, missing files and existing checkpoints, nami
     // WORLD_SIZE come from the launcher and are refused by name when missing or wrong.
     const std::string id = (d.path / "id").string();
     fails_with("train --strategy ddp --rendezvous file:" + id, "--rendezvous file:" + id + " needs --backend nccl");
+    fails_with("train --strategy ddp --rendezvous tcp:localhost:29500", "--rendezvous tcp:localhost:29500 needs --backend nccl");
     fails_with("train --strategy ddp --backend nccl --device cuda --rendezvous file:", "needs a path (file:PATH)");
     const std::string file_train =
         std::string(SG_BINARY) + " train --strategy ddp --backend nccl --device cuda --rendezvous file:" + id;
@@ -144,6 +146,9 @@ TEST_CASE("train refuses bad flags, missing files and existing checkpoints, nami
     refuses(no_env + "RANK=0 " + file_train, "--rendezvous file: needs WORLD_SIZE in the environment");
     refuses(no_env + "RANK=2 WORLD_SIZE=2 " + file_train, "rank 2: error: --rendezvous file: RANK 2 is not below WORLD_SIZE 2");
     refuses(no_env + "RANK=one WORLD_SIZE=2 " + file_train, "RANK='one' is not a non-negative integer");
+    const std::string tcp_train =
+        std::string(SG_BINARY) + " train --strategy ddp --backend nccl --device cuda --rendezvous tcp:localhost:29500";
+    refuses(no_env + "WORLD_SIZE=2 " + tcp_train, "--rendezvous tcp: needs RANK in the environment");
     // without a GPU (CI) this is refused by name; with one, world size 1 trains a step without MPI
     // (head dim 64: what the CUDA attention takes)
     Run r = run_command(no_env + "RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 " + file_train +

@@ -5,38 +5,6 @@
 
 #include "core/error.h"
 
-// ---- the launcher's environment (any build) ----
-
-namespace sg::comm {
-
-namespace {
-// The variable as a non-negative integer; -1 when it is not set.
-int env_int(const char* name) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return -1;
-  char* end = nullptr;
-  long x = std::strtol(v, &end, 10);
-  SG_CHECK(*end == 0 && x >= 0 && x <= (1L << 30), "--rendezvous file: ", name, "='", v,
-           "' is not a non-negative integer");
-  return int(x);
-}
-}  // namespace
-
-LaunchEnv launch_env() {
-  LaunchEnv e;
-  e.rank = env_int("RANK");
-  e.world_size = env_int("WORLD_SIZE");
-  e.local_rank = env_int("LOCAL_RANK");
-  for (auto [name, v] : {std::pair{"RANK", e.rank}, std::pair{"WORLD_SIZE", e.world_size}})
-    SG_CHECK(v >= 0, "--rendezvous file: needs ", name, " in the environment (set by the launcher: torchrun, "
-             "or by hand for each process)");
-  SG_CHECK(e.world_size >= 1, "--rendezvous file: WORLD_SIZE must be >= 1, got 0");
-  SG_CHECK(e.rank < e.world_size, "--rendezvous file: RANK ", e.rank, " is not below WORLD_SIZE ", e.world_size);
-  return e;
-}
-
-}  // namespace sg::comm
-
 #ifdef SG_WITH_NCCL
 #include <cuda_runtime.h>
 #include <nccl.h>
@@ -474,10 +442,11 @@ std::shared_ptr<ProcessGroup> nccl_world(ProcessGroup& bootstrap, int device) {
   return init_with_id(id, bootstrap.rank(), bootstrap.size(), device);
 }
 
-std::shared_ptr<ProcessGroup> nccl_world_from_file(const std::string& path, int device, double timeout_s) {
-  const LaunchEnv env = launch_env();
+namespace {
+// Rank 0's id through the file (rendezvous.h); on the others, read once it is there.
+ncclUniqueId id_from_file(const std::string& path, int rank, double timeout_s) {
   ncclUniqueId id;
-  if (env.rank == 0) {
+  if (rank == 0) {
     SG_CHECK(!std::filesystem::exists(path), "--rendezvous file:", path, " already exists: a file left by an earlier "
              "job would hand the other ranks a dead id; remove it or give this job a fresh path");
     SG_NCCL_CHECK(ncclGetUniqueId(&id));
@@ -489,19 +458,42 @@ std::shared_ptr<ProcessGroup> nccl_world_from_file(const std::string& path, int 
       SG_CHECK(f.good(), "--rendezvous file:", path, ": cannot write ", tmp);
     }
     std::filesystem::rename(tmp, path);  // others never see a partial id
-  } else {
-    auto t0 = std::chrono::steady_clock::now();
-    for (;;) {
-      std::ifstream f(path, std::ios::binary);
-      if (f.good() && f.read(reinterpret_cast<char*>(&id), sizeof id) && f.gcount() == sizeof id) break;
-      SG_CHECK(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < timeout_s,
-               "--rendezvous file:", path, ": rank ", env.rank, " waited ", timeout_s, " s for the id from rank 0");
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
+    return id;
   }
+  auto t0 = std::chrono::steady_clock::now();
+  for (;;) {
+    std::ifstream f(path, std::ios::binary);
+    if (f.good() && f.read(reinterpret_cast<char*>(&id), sizeof id) && f.gcount() == sizeof id) return id;
+    SG_CHECK(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < timeout_s,
+             "--rendezvous file:", path, ": rank ", rank, " waited ", timeout_s, " s for the id from rank 0");
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
+// Rank 0's id served over TCP to the ranks that connect (rendezvous.h's tcp_share).
+ncclUniqueId id_over_tcp(const Rendezvous& how, const LaunchEnv& env, double timeout_s) {
+  ncclUniqueId id;
+  std::vector<uint8_t> bytes;
+  if (env.rank == 0) {
+    SG_NCCL_CHECK(ncclGetUniqueId(&id));
+    bytes.resize(sizeof id);
+    std::memcpy(bytes.data(), &id, sizeof id);
+  }
+  bytes = tcp_share(how.host, how.port, env.rank, env.world_size, bytes, sizeof id, timeout_s);
+  std::memcpy(&id, bytes.data(), sizeof id);
+  return id;
+}
+}  // namespace
+
+std::shared_ptr<ProcessGroup> nccl_world_from_rendezvous(const Rendezvous& how, int device, double timeout_s) {
+  SG_CHECK(how.kind != Rendezvous::Kind::mpi, "nccl_world_from_rendezvous: --rendezvous mpi bootstraps over MPI "
+           "(nccl_world)");
+  const LaunchEnv env = launch_env(how);
+  const ncclUniqueId id = how.kind == Rendezvous::Kind::file ? id_from_file(how.path, env.rank, timeout_s)
+                                                             : id_over_tcp(how, env, timeout_s);
   auto world = init_with_id(id, env.rank, env.world_size, device);
   // ncclCommInitRank returns once every rank has joined, so every rank has read the id.
-  if (env.rank == 0) std::filesystem::remove(path);
+  if (env.rank == 0 && how.kind == Rendezvous::Kind::file) std::filesystem::remove(how.path);
   return world;
 }
 
@@ -516,7 +508,7 @@ namespace sg::comm {
 std::shared_ptr<ProcessGroup> nccl_world(ProcessGroup&, int) {
   throw Error("nccl: this shardgrad was built without CUDA/NCCL (configure on a machine with the CUDA toolkit)");
 }
-std::shared_ptr<ProcessGroup> nccl_world_from_file(const std::string&, int, double) {
+std::shared_ptr<ProcessGroup> nccl_world_from_rendezvous(const Rendezvous&, int, double) {
   throw Error("--rendezvous: this shardgrad was built without CUDA/NCCL");
 }
 bool nccl_available() { return false; }

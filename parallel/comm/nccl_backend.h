@@ -13,32 +13,29 @@
 // counters count the tensor as usual, wherever it lives.
 //
 // Bootstrap: rank 0's ncclUniqueId reaches the others over an existing ProcessGroup (MPI), or
-// through a file for launchers without MPI (`--rendezvous file:PATH` with RANK and WORLD_SIZE in
-// the environment). Subgroups come from ncclCommSplit. One rank per GPU: NCCL refuses two ranks
+// for launchers without MPI through a file or a TCP connection to rank 0 (`--rendezvous
+// file:PATH | tcp:HOST:PORT` with RANK and WORLD_SIZE in the environment). Subgroups come from ncclCommSplit. One rank per GPU: NCCL refuses two ranks
 // on one device (use the MPI backend, which stages through the host, for that).
 #pragma once
 #include <memory>
 #include <string>
 
 #include "parallel/comm/process_group.h"
+#include "parallel/comm/rendezvous.h"
 
 namespace sg::comm {
 
 // Every rank of `bootstrap` calls this; rank r uses cuda:device.
 std::shared_ptr<ProcessGroup> nccl_world(ProcessGroup& bootstrap, int device);
 
-// Where a launcher without MPI (torchrun and the like) puts this process: RANK and WORLD_SIZE,
-// and LOCAL_RANK (this process's place on its node; -1 when the variable is not set). A missing
-// or malformed RANK/WORLD_SIZE, or RANK >= WORLD_SIZE, is refused naming the variable.
-struct LaunchEnv {
-  int rank = 0, world_size = 1, local_rank = -1;
-};
-LaunchEnv launch_env();
-// Every process of the job calls this, placed by launch_env(); this one uses cuda:device. Rank 0
-// writes the unique id to `path` atomically (a temporary name, then rename), the others wait for
-// it (up to timeout_s); once every rank has joined, rank 0 removes the file. Rank 0 refuses a
-// path that already exists: a file left by an earlier job would hand the others a dead id.
-std::shared_ptr<ProcessGroup> nccl_world_from_file(const std::string& path, int device, double timeout_s = 300);
+// Every process of a job launched without MPI calls this, placed by launch_env(how) (RANK,
+// WORLD_SIZE); this one uses cuda:device. Rank 0's unique id reaches the others through `how`
+// (rendezvous.h), waiting up to timeout_s:
+//   file:PATH  rank 0 writes it to PATH atomically (a temporary name, then rename), the others
+//              poll for it; once every rank has joined, rank 0 removes the file. Rank 0 refuses a
+//              path that already exists: a file left by an earlier job would hand the others a dead id.
+//   tcp:H:P    rank 0 serves it on port P to the ranks that connect to H:P (tcp_share).
+std::shared_ptr<ProcessGroup> nccl_world_from_rendezvous(const Rendezvous& how, int device, double timeout_s = 300);
 // Whether this build has NCCL and the machine a CUDA device.
 bool nccl_available();
 

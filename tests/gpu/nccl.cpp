@@ -1,6 +1,6 @@
 // The NCCL backend at world size 1 on a real GPU: every collective runs and gives the local
 // result, on CUDA tensors and on CPU tensors staged through the device; the world also comes from
-// a file rendezvous. Exits 77 (CTest: skipped) on a machine without a CUDA device or without NCCL.
+// a file and a tcp rendezvous. Exits 77 (CTest: skipped) on a machine without a CUDA device or without NCCL.
 #define CATCH_CONFIG_RUNNER
 #include "tests/catch.h"
 #include <stdlib.h>
@@ -95,14 +95,15 @@ TEST_CASE("CPU tensors ride through the device: every collective gives the local
                         Catch::Contains("is neither on the CPU nor on this group's device cuda:0"));
 }
 
-TEST_CASE("the file rendezvous at world size 1: RANK/WORLD_SIZE from the environment, the file removed", "[gpu][nccl]") {
+TEST_CASE("the file and tcp rendezvous at world size 1: RANK/WORLD_SIZE from the environment, the file removed", "[gpu][nccl]") {
   const std::filesystem::path id = std::filesystem::temp_directory_path() / ("sg_nccl_id_" + std::to_string(::getpid()));
   std::filesystem::remove(id);
   ::setenv("RANK", "0", 1);
   ::setenv("WORLD_SIZE", "1", 1);
   ::setenv("LOCAL_RANK", "0", 1);
-  {
-    auto g = comm::nccl_world_from_file(id.string(), 0, 30);
+  for (const std::string& spec : {"file:" + id.string(), std::string("tcp:localhost:29531")}) {
+    INFO(spec);
+    auto g = comm::nccl_world_from_rendezvous(comm::parse_rendezvous(spec), 0, 30);
     REQUIRE(g->backend_name() == "nccl");
     REQUIRE(g->rank() == 0);
     REQUIRE(g->size() == 1);
@@ -118,11 +119,13 @@ TEST_CASE("the file rendezvous at world size 1: RANK/WORLD_SIZE from the environ
     metrics->barrier()->wait();
   }
   // a file left by an earlier job is refused, not trusted
+  const comm::Rendezvous file = comm::parse_rendezvous("file:" + id.string());
   std::ofstream(id) << "stale";
-  REQUIRE_THROWS_WITH(comm::nccl_world_from_file(id.string(), 0, 30), Catch::Contains("already exists"));
+  REQUIRE_THROWS_WITH(comm::nccl_world_from_rendezvous(file, 0, 30), Catch::Contains("already exists"));
   std::filesystem::remove(id);
   ::unsetenv("WORLD_SIZE");
-  REQUIRE_THROWS_WITH(comm::nccl_world_from_file(id.string(), 0, 30), Catch::Contains("needs WORLD_SIZE in the environment"));
+  REQUIRE_THROWS_WITH(comm::nccl_world_from_rendezvous(file, 0, 30),
+                      Catch::Contains("--rendezvous file: needs WORLD_SIZE in the environment"));
   ::unsetenv("RANK");
   ::unsetenv("LOCAL_RANK");
 }
