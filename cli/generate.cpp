@@ -2,7 +2,6 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <functional>
@@ -12,7 +11,7 @@
 #include "autograd/tape.h"
 #include "cli/args.h"
 #include "cli/commands.h"
-#include "core/philox.h"
+#include "cli/sampling.h"
 #include "io/dataset.h"
 #include "io/gpt2_tokenizer.h"
 #include "models/gpt.h"
@@ -151,26 +150,7 @@ int generate_main(int argc, char** argv) {
     }
     std::vector<float> last = to_vector<float>(narrow(logits, 1, logits.size(1) - 1, 1));  // to the host, in f32
     last.resize(size_t(sample_vocab));  // the padded columns (and ids past the tokenizer's) are never sampled
-    int64_t next = 0;
-    if (temperature == 0) {
-      next = std::max_element(last.begin(), last.end()) - last.begin();
-    } else {
-      std::vector<int64_t> order(last.size());
-      for (size_t i = 0; i < order.size(); ++i) order[i] = int64_t(i);
-      std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return last[size_t(x)] > last[size_t(y)]; });
-      if (top_k > 0 && top_k < int64_t(order.size())) order.resize(size_t(top_k));
-      double mx = last[size_t(order[0])], z = 0;
-      std::vector<double> p;
-      for (int64_t i : order) z += p.emplace_back(std::exp((last[size_t(i)] - mx) / temperature));
-      double u = double(Philox::uniform(seed, 0x6e6e, uint64_t(s))) * z;
-      next = order.back();
-      for (size_t i = 0; i < order.size(); ++i) {
-        if ((u -= p[i]) <= 0) {
-          next = order[i];
-          break;
-        }
-      }
-    }
+    const int64_t next = draw_token(last, temperature, top_k, seed, uint64_t(s));
     ids.push_back(next);
     if (next == stop) break;
     out.push_back(next);

@@ -56,6 +56,10 @@ void declare_flags(Args& a) {
   a.flag("eval-every", "250", "evaluate every N steps (0 = only at the end)");
   a.flag("eval-batches", "4", "validation batches per evaluation");
   a.flag("eval-problems", "200", "synthetic task: problems for the accuracy figure");
+  a.flag("sample-tokens", "0", "at each evaluation, rank 0 prints N tokens sampled (temperature 1, as llm.c) after "
+         "the held-out split's first 16; the same on every run with the same seed (0 = none)");
+  a.flag("tokenizer", "", "GPT-2 token shards: a folder with GPT-2's vocab.json and merges.txt, to show "
+         "--sample-tokens' samples as text");
   a.flag("log-json", "", "write one JSON object per step to this file");
   a.flag("threads", "0", "CPU threads per rank (0 = OMP_NUM_THREADS if set, else the cores divided among the node's ranks)");
   a.flag("strategy", "single", "single | dp (one process, --devices) | ddp | zero1 | zero2 | zero3 | fsdp (= zero3) | fsdp-grad-op | hsdp | no-shard (all but single/dp: launch with mpirun -np N)");

@@ -22,6 +22,7 @@
 #include "bench/report/step_metrics.h"
 #include "bench/report/timeline_svg.h"
 #include "cli/commands.h"
+#include "cli/sampling.h"
 #include "cli/trainer.h"
 #include "core/trace.h"
 #include "io/file.h"
@@ -55,6 +56,19 @@ json ledger_json(Device d) {
 }
 
 namespace {
+
+// text on one line, as a C string literal would write it: \n, \t, \", \\ and \xNN for other control bytes.
+std::string escaped(const std::string& text) {
+  std::string out;
+  for (unsigned char c : text) {
+    if (c == '\n') out += "\\n";
+    else if (c == '\t') out += "\\t";
+    else if (c == '"' || c == '\\') out += {'\\', char(c)};
+    else if (c < 0x20 || c == 0x7f) out += str("\\x", "0123456789abcdef"[c >> 4], "0123456789abcdef"[c & 15]);
+    else out += char(c);
+  }
+  return out;
+}
 
 // The lowest and highest of the ranks' peak ledger bytes ("2.9-4.0 MiB"; one figure when equal).
 std::string peak_range(const json& ranks) {
@@ -243,19 +257,23 @@ int Trainer::run() {
     const bool last = step + 1 == steps_;
     if (last && pipe_ && !args_.str("timeline").empty()) write_timeline();
     if (((eval_every && (step + 1) % eval_every == 0) || last) && evaluates_here()) {
-      json ev = evaluate();
+      json ev = evaluate(step + 1);
       if (lead()) {
         std::printf("eval  step %lld | val loss %.4f", (long long)step + 1, ev["val_loss"].get<double>());
         if (ev.contains("accuracy")) std::printf(" | task accuracy %.1f%%", 100.0 * ev["accuracy"].get<double>());
         std::printf("\n");
         if (last && ev.contains("examples"))
           for (const auto& line : ev["examples"]) std::printf("  %s\n", line.get<std::string>().c_str());
+        if (ev.contains("sample"))
+          std::printf("sample step %lld | %lld tokens after \"%s\":\n%s\n---\n", (long long)step + 1,
+                      (long long)sample_tokens_, escaped(ev["sample_prompt"].get<std::string>()).c_str(),
+                      ev["sample"].get<std::string>().c_str());
         std::fflush(stdout);
       }
       rec["eval"] = ev;
     }
     if (log) {
-      *log << rec.dump() << "\n";
+      *log << rec.dump(-1, ' ', false, json::error_handler_t::replace) << "\n";  // a sample's bytes may not be UTF-8
       log->flush();
     }
     if (saves_after(step + 1)) {
@@ -564,7 +582,13 @@ void Trainer::write_timeline() {
               args_.str("timeline").c_str());
 }
 
-json Trainer::evaluate() {
+Tensor Trainer::eval_logits(const Tensor& idx) {
+  Tensor logits = pipe_ ? pipe_->forward(to(idx, device_)) : model_->forward(to(idx, device_));
+  if (tp_ > 1) logits = parallel::all_gather_along(logits, -1, *groups_.tp);
+  return to(logits, Device::cpu());
+}
+
+json Trainer::evaluate(int64_t step) {
   autograd::NoGradGuard ng;
   DropoutOff eval_mode;  // the model as it is, without dropout
   trace::Scope ts("evaluate", "compute");
@@ -584,17 +608,32 @@ json Trainer::evaluate() {
   auto* task = dynamic_cast<const io::SyntheticDataset*>(val_.get());
   if (task && !cfg_.sequence_parallel) {
     // Under tp and pp every rank of the replica runs the same prompts in lockstep and sees the whole
-    // vocabulary: the pipeline's last stage sends its logits to every stage, the slices of the
-    // logits are gathered over tp.
-    auto logits_fn = [this](const Tensor& idx) {
-      Tensor logits = pipe_ ? pipe_->forward(to(idx, device_)) : model_->forward(to(idx, device_));
-      if (tp_ > 1) logits = parallel::all_gather_along(logits, -1, *groups_.tp);
-      return to(logits, Device::cpu());
-    };
+    // vocabulary (eval_logits).
+    auto logits_fn = [this](const Tensor& idx) { return eval_logits(idx); };
     out["accuracy"] = io::synthetic_accuracy(task->task(), logits_fn, args_.i64("eval-problems"), cfg_.block_size, seed_ + 1);
     out["examples"] = io::synthetic_examples(task->task(), logits_fn, 4, cfg_.block_size, seed_ + 2);
   }
+  if (sample_tokens_ > 0) out.update(sample(step));
   return out;
+}
+
+json Trainer::sample(int64_t step) {
+  const int64_t n_prompt = std::min<int64_t>({16, std::max<int64_t>(1, cfg_.block_size / 2), B_ * T_});
+  val_->set_position(0);
+  const std::vector<int64_t> prompt = to_vector<int64_t>(to(val_->next(1, n_prompt).inputs, DType::i64));
+  std::vector<int64_t> ids = prompt, drawn;
+  for (int64_t s = 0; s < sample_tokens_; ++s) {
+    // the last block_size ids, afresh each time (no KV cache under every layout)
+    const int64_t start = std::max<int64_t>(0, int64_t(ids.size()) - cfg_.block_size);
+    std::vector<int64_t> window(ids.begin() + start, ids.end());
+    const int64_t n = int64_t(window.size());
+    Tensor logits = eval_logits(from_vector(std::move(window), {1, n}));
+    std::vector<float> last = to_vector<float>(to(narrow(logits, 1, n - 1, 1), DType::f32));
+    last.resize(size_t(sample_vocab_));  // the padded columns, and ids past the data's, are never drawn
+    ids.push_back(draw_token(last, 1.0, 0, seed_ + 3, (uint64_t(step) << 20) + uint64_t(s)));
+    drawn.push_back(ids.back());
+  }
+  return {{"sample_prompt", sample_decode_(prompt)}, {"sample", sample_decode_(drawn)}, {"sample_ids", drawn}};
 }
 
 std::string Trainer::layout_label() const {

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -77,6 +78,7 @@ class Trainer {
   void choose_device_and_batch(); // device, dtype, batch and micro-batch, steps
   void open_data();
   void build_model(const ckpt::Checkpoint* ck);  // config, mesh groups, weights, pipeline
+  void configure_samples();       // --sample-tokens, --tokenizer: what the samples decode with
   void build_optimizer();         // masters, AdamW / ZeRO / FSDP, DDP or dp, the schedule
   void restore(const ckpt::Checkpoint* ck);      // the resumed step's state; --save's directory
   void start_trace();
@@ -96,7 +98,13 @@ class Trainer {
   // With --save, SIGUSR1 and SIGTERM ask the run to stop: the signal this rank or any other has
   // received (0: none), agreed over the ranks after every step so that all stop at the same one.
   int agreed_stop_signal();
-  nlohmann::json evaluate();
+  nlohmann::json evaluate(int64_t step);
+  // The whole vocabulary's logits of idx [B, n] on the host, every rank of a model replica calling
+  // it in lockstep: the pipeline's last stage sends them to every stage, tp's slices are gathered.
+  Tensor eval_logits(const Tensor& idx);
+  // --sample-tokens tokens drawn after the held-out split's first ones: {"sample_prompt",
+  // "sample", "sample_ids"}, the same on every rank of the replica (same logits, same draws).
+  nlohmann::json sample(int64_t step);
   void write_timeline();
   std::string layout_label() const;  // "zero3 x 4", "tp 2 x pp 2 (4 ranks)", ...
 
@@ -182,6 +190,8 @@ class Trainer {
   DType dtype_ = DType::f32;
   io::DataOptions data_opt_;
   std::unique_ptr<io::Dataset> train_, val_;
+  int64_t sample_tokens_ = 0, sample_vocab_ = 0;  // --sample-tokens; ids that may be drawn
+  std::function<std::string(const std::vector<int64_t>&)> sample_decode_;  // the data's, or --tokenizer's
   nn::GPTConfig cfg_;
   std::unique_ptr<nn::GPT> model_;
   io::NamedTensors master_;  // what the optimizer updates: the params (f32) or f32 copies (bf16/f16)

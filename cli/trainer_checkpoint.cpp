@@ -26,7 +26,7 @@ const char* const kRunFlags[] = {"data",  "shuffle",      "seq-len",      "dropo
                                  "eps",   "weight-decay", "clip",         "seed",    "dtype",      "eval-every",
                                  "eval-batches", "eval-problems", "on-nonfinite", "initial-loss-scale",
                                  "loss-scale-window", "loss-scale-growth", "loss-scale-backoff", "min-loss-scale",
-                                 "loss-scale"};
+                                 "loss-scale",   "sample-tokens", "tokenizer"};
 
 // What a checkpoint records of the model (config_from_metadata reads it back).
 std::map<std::string, std::string> config_metadata(const nn::GPTConfig& c, const std::string& data) {
@@ -189,7 +189,10 @@ void Trainer::save(int64_t next_step) {
   s["argv"] = args_.argv_copy;
   json flags = json::object();
   for (const char* f : kRunFlags)
-    if (args_.given(f)) flags[f] = std::string(f) == "data" ? saved_data_spec() : args_.str(f);
+    if (args_.given(f))
+      flags[f] = std::string(f) == "data"        ? saved_data_spec()
+                 : std::string(f) == "tokenizer" ? std::filesystem::absolute(args_.str(f)).lexically_normal().string()
+                                                 : args_.str(f);
   s["train_flags"] = flags;
   s["layout"] = {{"strategy", strategy_}, {"world", world_size_}, {"dp", dp_size_}, {"tp", tp_}, {"pp", pp_}};
   const std::vector<ckpt::Piece> mine = state_pieces();

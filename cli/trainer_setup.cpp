@@ -10,6 +10,7 @@
 #include "autograd/ops.h"
 #include "cli/trainer.h"
 #include "core/trace.h"
+#include "io/gpt2_tokenizer.h"
 #include "io/synthetic.h"
 #include "kernels/ops.h"
 #include "parallel/checkpoint.h"
@@ -82,6 +83,7 @@ void Trainer::setup() {
   // --resume auto: the newest complete checkpoint of the --save directory, or none yet.
   const std::unique_ptr<ckpt::Checkpoint> ck = std::move(resumed_);
   build_model(ck.get());
+  configure_samples();
   build_optimizer();
   restore(ck.get());
   start_trace();
@@ -294,6 +296,43 @@ void Trainer::open_data() {
     if (std::find(from_ck.begin(), from_ck.end(), "data") == from_ck.end()) throw;
     throw Error(str(e.what(), " (--data ", data_opt_.spec, " is the checkpoint's; give --data to read it elsewhere)"));
   }
+}
+
+// What --sample-tokens' samples are drawn among and decoded with: the data's own tokens (text
+// bytes, the synthetic task), or GPT-2's tokenizer for token shards.
+void Trainer::configure_samples() {
+  const Args& a = args_;
+  sample_tokens_ = a.i64("sample-tokens");
+  SG_CHECK(sample_tokens_ >= 0 && sample_tokens_ < (int64_t(1) << 20), "train: --sample-tokens must be in 0..",
+           (1 << 20) - 1, ", got ", sample_tokens_);
+  const std::string tokenizer = a.str("tokenizer");
+  SG_CHECK(tokenizer.empty() || sample_tokens_ > 0, "train: --tokenizer shows --sample-tokens' samples as text; give "
+           "--sample-tokens N too");
+  if (sample_tokens_ == 0) return;
+  SG_CHECK(!cfg_.sequence_parallel, "train: --sample-tokens is not available with --sequence-parallel (a prompt of "
+           "any length cannot be split over --tp)");
+  const std::string& data = data_opt_.spec;
+  SG_CHECK(data.rfind("random", 0) != 0, "train: --sample-tokens: random tokens (--data ", data,
+           ") have no text to show");
+  if (!tokenizer.empty()) {
+    SG_CHECK(io::is_shard_spec(data), "train: --tokenizer is for GPT-2 token shards; --data ", data,
+             " brings its own tokens");
+    auto bpe = std::make_shared<io::Gpt2Tokenizer>(io::Gpt2Tokenizer::load(tokenizer));
+    SG_CHECK(bpe->vocab_size() <= cfg_.vocab_size, "train: --tokenizer ", bpe->source(), " has ", bpe->vocab_size(),
+             " tokens, more than the model's vocabulary of ", cfg_.vocab_size);
+    sample_vocab_ = bpe->vocab_size();
+    sample_decode_ = [bpe](const std::vector<int64_t>& ids) { return bpe->decode(ids); };
+    return;
+  }
+  try {
+    (void)val_->decode({0});
+  } catch (const Error& e) {
+    if (!io::is_shard_spec(data)) throw;
+    throw Error(str("train: --sample-tokens: the token shards ", data, " carry no tokenizer; pass --tokenizer DIR "
+                    "(a folder with GPT-2's vocab.json and merges.txt)"));
+  }
+  sample_vocab_ = std::min(val_->vocab_size(), cfg_.vocab_size);
+  sample_decode_ = [this](const std::vector<int64_t>& ids) { return val_->decode(ids); };
 }
 
 void Trainer::build_model(const ckpt::Checkpoint* ck) {

@@ -688,6 +688,24 @@ TEST_CASE("tokenize writes GPT-2 tokens that train reads and generate decodes wi
           "is outside the vocabulary of 100");
   refuses(std::string(SG_BINARY) + " train --data " + (d.path / "b1.txt").string() + tiny + "--vocab-size 100 --steps 1",
           "a model of 100 tokens cannot read its 256");
+  // train's samples need the tokenizer to be text; with it, ids among its 612
+  refuses(std::string(SG_BINARY) + " train --data " + data + tiny + "--vocab-size 612 --steps 1 --sample-tokens 4",
+          "the token shards " + data + " carry no tokenizer; pass --tokenizer DIR");
+  Run sampled = shardgrad("train --data " + data + tiny + "--vocab-size 612 --steps 1 --sample-tokens 4 --tokenizer " +
+                          bpe + " --log-json " + (d.path / "s.jsonl").string());
+  INFO(sampled.output);
+  REQUIRE(sampled.code == 0);
+  const auto ev = read_log(d.path / "s.jsonl").back()["eval"];
+  const auto ids = ev["sample_ids"].get<std::vector<int64_t>>();
+  REQUIRE(ids.size() == 4);
+  for (int64_t id : ids) CHECK((id >= 0 && id < 612));
+  CHECK(sampled.output.find(":\n" + tok.decode(ids) + "\n---\n") != std::string::npos);  // as text (not always UTF-8)
+  // the prompt: the first 16 tokens of the held-out split, the shard's last ones
+  const size_t at = sampled.output.find("val split of ");
+  REQUIRE(at != std::string::npos);
+  const size_t n_val = std::stoul(sampled.output.substr(at + 13));
+  const std::vector<int64_t> first(tokens.end() - long(n_val), tokens.end() - long(n_val) + 16);
+  CHECK(ev["sample_prompt"].get<std::string>() == tok.decode(first));  // ASCII text: the log holds it as it is
   Run g = shardgrad("generate --from " + run + " --tokenizer " + bpe + " --prompt 'The model' --max-new-tokens 6 --temperature 0");
   INFO(g.output);
   REQUIRE(g.code == 0);
@@ -1598,4 +1616,68 @@ TEST_CASE("plan --micro-batches sets the layout's micro-batch size, so the plan 
   refuses(std::string(SG_BINARY) + " plan --pp 4 --micro-batches 7", "--micro-batches 7 does not divide the rank's 32 rows");
   refuses(std::string(SG_BINARY) + " plan --pp 4 --micro-batches 8 --micro-batch-size 2",
           "means micro-batches of 4 rows, but --micro-batch-size is 2");
+}
+
+TEST_CASE("train --sample-tokens prints at each evaluation the same sampled text under every layout", "[cli][mpi]") {
+  TempDir d;
+  const std::string text = (d.path / "text.txt").string();
+  {
+    std::ofstream f(text);
+    for (int i = 0; i < 120; ++i) f << "The pieces of a model learn " << i % 7 << " things at a time.\n";
+  }
+  const std::string args = " train --data " + text + " --n-layer 2 --n-head 2 --n-embd 32 --seq-len 16 --batch-size 4 "
+                           "--micro-batch-size 2 --threads 1 --steps 6 --eval-every 3 --eval-batches 1 --sample-tokens 12 "
+                           "--log-json ";
+  // each evaluation's sample from the log: its 12 ids (bytes here), and the output shows them as text
+  const auto samples = [&](const fs::path& log, const std::string& output) {
+    std::vector<std::vector<int64_t>> out;
+    for (const auto& rec : read_log(log)) {
+      if (!rec.contains("eval")) continue;
+      const auto& ev = rec["eval"];
+      const auto ids = ev["sample_ids"].get<std::vector<int64_t>>();
+      const std::string prompt = ev["sample_prompt"].get<std::string>();
+      INFO("step " << rec["step"] << " prompt '" << prompt << "'");
+      CHECK(ids.size() == 12);
+      CHECK(prompt.size() == 16);  // the held-out split's first 16 bytes (tiny's block size is 64)
+      std::string shown;
+      for (int64_t id : ids) {
+        CHECK((id >= 0 && id < 256));
+        shown += char(id);
+      }
+      CHECK(output.find("sample step " + std::to_string(rec["step"].get<int>()) + " | 12 tokens after \"") !=
+            std::string::npos);
+      CHECK(output.find("\":\n" + shown + "\n---\n") != std::string::npos);
+      out.push_back(ids);
+    }
+    return out;
+  };
+  Run one = shardgrad(args + (d.path / "one.jsonl").string());
+  INFO(one.output);
+  REQUIRE(one.code == 0);
+  const auto want = samples(d.path / "one.jsonl", one.output);
+  REQUIRE(want.size() == 2);  // steps 3 and 6
+  CHECK(want[0] != want[1]);  // other weights, other draws
+  Run again = shardgrad(args + (d.path / "again.jsonl").string());
+  REQUIRE(again.code == 0);
+  CHECK(samples(d.path / "again.jsonl", again.output) == want);  // seeded: the same text each run
+  // every rank of a replica draws the same tokens from the same logits: tp, pp and zero3 show the
+  // single process's samples (their logits agree to rounding)
+  for (const std::string layout : {"--tp 2", "--pp 2", "--strategy zero3"}) {
+    INFO(layout);
+    const fs::path log = log_path(d, "l", layout.substr(2, 2));
+    Run two = run_command(mpirun(2) + args + log.string() + " " + layout);
+    INFO(two.output);
+    REQUIRE(two.code == 0);
+    CHECK(samples(log, two.output) == want);
+  }
+  const std::string bin = std::string(SG_BINARY);
+  refuses(bin + " train --data random:64 --steps 1 --sample-tokens 4", "--sample-tokens: random tokens (--data random:64) have no text to show");
+  refuses(bin + " train --steps 1 --sample-tokens -1", "--sample-tokens must be in 0..1048575, got -1");
+  refuses(bin + " train --data " + text + " --seq-len 16 --batch-size 4 --steps 1 --tokenizer " + d.path.string(),
+          "--tokenizer shows --sample-tokens' samples as text; give --sample-tokens N too");
+  refuses(bin + " train --data " + text + " --seq-len 16 --batch-size 4 --steps 1 --sample-tokens 4 --tokenizer " +
+              d.path.string(),
+          "--tokenizer is for GPT-2 token shards; --data " + text + " brings its own tokens");
+  refuses(mpirun(2) + args + (d.path / "sp.jsonl").string() + " --tp 2 --sequence-parallel",
+          "--sample-tokens is not available with --sequence-parallel");
 }
