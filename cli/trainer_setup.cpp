@@ -312,8 +312,8 @@ void Trainer::configure_samples() {
   SG_CHECK(!cfg_.sequence_parallel, "train: --sample-tokens is not available with --sequence-parallel (a prompt of "
            "any length cannot be split over --tp)");
   const std::string& data = data_opt_.spec;
-  SG_CHECK(data.rfind("random", 0) != 0, "train: --sample-tokens: random tokens (--data ", data,
-           ") have no text to show");
+  SG_CHECK(!io::is_generated_spec(data) || data.rfind("synthetic", 0) == 0, "train: --sample-tokens: random tokens "
+           "(--data ", data, ") have no text to show");
   if (!tokenizer.empty()) {
     SG_CHECK(io::is_shard_spec(data), "train: --tokenizer is for GPT-2 token shards; --data ", data,
              " brings its own tokens");
@@ -326,7 +326,7 @@ void Trainer::configure_samples() {
   }
   try {
     (void)val_->decode({0});
-  } catch (const Error& e) {
+  } catch (const Error&) {
     if (!io::is_shard_spec(data)) throw;
     throw Error(str("train: --sample-tokens: the token shards ", data, " carry no tokenizer; pass --tokenizer DIR "
                     "(a folder with GPT-2's vocab.json and merges.txt)"));
