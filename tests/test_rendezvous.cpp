@@ -68,7 +68,7 @@ const std::vector<uint8_t> kId = [] {
 
 }  // namespace
 
-TEST_CASE("--rendezvous takes mpi, file:PATH and tcp:HOST:PORT and refuses the rest by name", "[comm]") {
+TEST_CASE("train's rendezvous flag takes mpi, file:PATH and tcp:HOST:PORT and refuses the rest by name", "[comm]") {
   CHECK(comm::parse_rendezvous("mpi").kind == Rendezvous::Kind::mpi);
   const Rendezvous f = comm::parse_rendezvous("file:/shared/job/id");
   CHECK(f.kind == Rendezvous::Kind::file);
