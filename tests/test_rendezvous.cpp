@@ -22,13 +22,20 @@ using comm::Rendezvous;
 
 namespace {
 
+// An IPv4 address: host (INADDR_LOOPBACK, INADDR_ANY) and port.
+sockaddr_in ipv4(uint32_t host, int port) {
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(host);
+  a.sin_port = htons(uint16_t(port));
+  return a;
+}
+
 // A port nobody listens on now: the kernel's choice for port 0 (the test then uses it at once).
 int free_port() {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   REQUIRE(fd >= 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  sockaddr_in a = ipv4(INADDR_LOOPBACK, 0);
   REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
   socklen_t len = sizeof a;
   REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0);
@@ -123,10 +130,7 @@ TEST_CASE("tcp rendezvous: a stray connection is ignored, a rank that never come
     if (r == 1) {  // not a rank: a probe that connects, writes something else and hangs up
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
       const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-      sockaddr_in a{};
-      a.sin_family = AF_INET;
-      a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-      a.sin_port = htons(uint16_t(port));
+      sockaddr_in a = ipv4(INADDR_LOOPBACK, port);
       REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
       const char junk[] = "GET / HTTP/1.0\r\n\r\n";
       REQUIRE(::send(fd, junk, sizeof junk, 0) > 0);
@@ -184,10 +188,7 @@ TEST_CASE("tcp rendezvous: ranks of another world size, a rank twice, a port in 
   {
     const int port = free_port();
     const int fd = ::socket(AF_INET, SOCK_STREAM, 0);  // someone else's server on the port
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_ANY);
-    a.sin_port = htons(uint16_t(port));
+    sockaddr_in a = ipv4(INADDR_ANY, port);
     REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
     REQUIRE(::listen(fd, 4) == 0);
     CHECK_THROWS_WITH(comm::tcp_share("127.0.0.1", port, 0, 2, kId, kId.size(), 5),
