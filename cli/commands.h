@@ -9,6 +9,7 @@ int plan_main(int argc, char** argv);
 int launch_main(int argc, char** argv);
 int bench_main(int argc, char** argv);
 int tokenize_main(int argc, char** argv);
+int eval_main(int argc, char** argv);
 
 // train's exit status when SIGUSR1 or SIGTERM stopped it early after saving the step it had reached
 // (sysexits' EX_TEMPFAIL: the run can be resumed). launch does not restart such a job.

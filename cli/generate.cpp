@@ -11,12 +11,11 @@
 #include "autograd/tape.h"
 #include "cli/args.h"
 #include "cli/commands.h"
+#include "cli/model_from.h"
 #include "cli/sampling.h"
 #include "io/dataset.h"
 #include "io/gpt2_tokenizer.h"
 #include "models/gpt.h"
-#include "parallel/checkpoint.h"
-#include "parallel/sharded_checkpoint.h"
 
 namespace sg::cli {
 
@@ -37,7 +36,6 @@ int generate_main(int argc, char** argv) {
     std::printf("%s", a.usage().c_str());
     return 0;
   }
-  SG_CHECK(!a.str("from").empty(), "generate: --from is required");
   const int64_t max_new = a.i64("max-new-tokens"), top_k = a.i64("top-k");
   const double temperature = a.f64("temperature");
   SG_CHECK(max_new >= 0, "generate: --max-new-tokens must be >= 0");
@@ -47,30 +45,11 @@ int generate_main(int argc, char** argv) {
   SG_CHECK(!device.is_meta(), "generate: --device ", device.str(), " holds no values to sample from");
   const DType dtype = model_dtype(a);
 
-  std::string from = a.str("from");
-  const bool newest = from.rfind("auto:", 0) == 0;  // the newest complete checkpoint of a run directory
-  SG_CHECK(newest || std::filesystem::exists(from), "generate: --from ", from,
-           ": no such checkpoint directory (run or step) or .safetensors file");
-  std::string file = from;
-  io::SafetensorsFile weights;
-  if (newest || std::filesystem::is_directory(from)) {  // a checkpoint of any layout: its model, consolidated
-    std::unique_ptr<ckpt::Checkpoint> c = ckpt::open_checkpoint(from);
-    file = c->path();
-    weights.path = file;
-    for (auto& [n, t] : ckpt::hf_model_tensors(*c)) {
-      weights.order.push_back(n);
-      weights.tensors[n] = t;
-    }
-    weights.metadata = c->metadata();
-  } else {
-    weights = io::load_safetensors(file);
-  }
-  if (auto h = weights.metadata.find("n_head"); h != weights.metadata.end() && a.given("n-head"))
-    SG_CHECK(std::to_string(a.i64("n-head")) == h->second, "generate: --n-head ", a.i64("n-head"), " does not match ",
-             file, ", which records ", h->second, " heads (--n-head is for files that do not record it)");
-  nn::GPTConfig cfg = nn::config_from_hf(weights, a.i64("n-head"));
-  nn::GPT model(cfg, dtype, device);
-  nn::load_hf_state(model, weights);  // copied from the host into the device's parameters
+  const ModelFrom m = model_from(a, dtype, device);
+  const nn::GPTConfig& cfg = m.cfg;
+  const nn::GPT& model = *m.model;
+  const io::SafetensorsFile& weights = m.weights;
+  const std::string& file = m.file;
 
   // Text <-> ids: GPT-2's tokenizer, or the tokens of the data the model was trained on.
   std::function<std::vector<int64_t>(const std::string&)> encode;

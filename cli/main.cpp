@@ -1,4 +1,4 @@
-// shardgrad: train, generate, plan, bench, export, launch, tokenize.
+// shardgrad: train, generate, eval, plan, bench, export, launch, tokenize.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -14,11 +14,13 @@ static void usage() {
       "commands:\n"
       "  train      train a GPT-2-family model (default: tiny model on the built-in synthetic task, CPU)\n"
       "  generate   sample text from a trained model\n"
+      "  eval       score a trained model on a multiple-choice eval file (HellaSwag, llm.c's format)\n"
       "  plan       predict a layout's memory per GPU, traffic, bubble, step time and MFU; --search ranks layouts\n"
       "  bench      run a matrix of parallel layouts here and report them (JSON, CSV, HTML)\n"
       "  export     write a checkpoint's weights as one Hugging Face GPT-2 .safetensors file\n"
       "  launch     run train under mpirun; restart it from its latest checkpoint when it fails\n"
-      "  tokenize   turn text files into an llm.c token shard with GPT-2's tokenizer, for train --data\n\n"
+      "  tokenize   turn text files into an llm.c token shard with GPT-2's tokenizer, for train --data\n"
+      "             (--format hellaswag: HellaSwag's jsonl into an eval file, for eval and train --hellaswag)\n\n"
       "run 'shardgrad <command> --help' for the flags of a command.\n");
 }
 
@@ -34,6 +36,7 @@ int main(int argc, char** argv) {
   try {
     if (!std::strcmp(argv[1], "train")) return sg::cli::train_main(argc - 2, argv + 2);
     if (!std::strcmp(argv[1], "generate")) return sg::cli::generate_main(argc - 2, argv + 2);
+    if (!std::strcmp(argv[1], "eval")) return sg::cli::eval_main(argc - 2, argv + 2);
     if (!std::strcmp(argv[1], "export")) return sg::cli::export_main(argc - 2, argv + 2);
     if (!std::strcmp(argv[1], "plan")) return sg::cli::plan_main(argc - 2, argv + 2);
     if (!std::strcmp(argv[1], "launch")) return sg::cli::launch_main(argc - 2, argv + 2);

@@ -61,7 +61,7 @@ int simulate_main(const Args& given) {
       throw Error("train: --simulate runs every rank in this one process; start it without mpirun");
   // What needs values, files or a real device has nothing to do on the meta device.
   for (const char* flag : {"device", "devices", "resume", "save", "trace", "timeline", "profile-ops", "inject-fault",
-                           "backend", "rendezvous", "sample-tokens", "tokenizer"})
+                           "backend", "rendezvous", "sample-tokens", "tokenizer", "hellaswag"})
     SG_CHECK(!a.given(flag), "train: --", flag, " is not available with --simulate (a dry run on the meta device: ",
              "shapes and bytes, no values)");
   const std::string strategy = a.str("strategy");

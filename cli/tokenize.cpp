@@ -1,6 +1,7 @@
 // shardgrad tokenize: text files -> one llm.c token shard of GPT-2 tokens, which `train --data`
 // reads (a single shard: its last tenth is the held-out split). Each file is one document and, as
-// llm.c's preprocessing does, starts with <|endoftext|>.
+// llm.c's preprocessing does, starts with <|endoftext|>. --format hellaswag: HellaSwag's jsonl ->
+// llm.c's multiple-choice eval file, which `train --hellaswag` scores.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -11,15 +12,19 @@
 #include "core/error.h"
 #include "io/file.h"
 #include "io/gpt2_tokenizer.h"
+#include "io/multiple_choice.h"
 #include "io/token_shards.h"
 
 namespace sg::cli {
 
 int tokenize_main(int argc, char** argv) {
-  Args a("tokenize", "Turn text files into an llm.c token shard (GPT-2's tokenizer) for train --data.");
+  Args a("tokenize", "Turn text files into an llm.c token shard (GPT-2's tokenizer) for train --data, or HellaSwag "
+                     "into an eval file for train --hellaswag.");
   a.positional_list("text", "text files or quoted globs ('corpus/*.txt', its files in name order); each file is one document");
   a.flag("tokenizer", "", "folder holding GPT-2's vocab.json and merges.txt (as a Hugging Face GPT-2 folder does)");
-  a.flag("out", "", "the .bin token shard to write (must not exist)");
+  a.flag("out", "", "the .bin file to write (must not exist)");
+  a.flag("format", "text", "text: the files' text as one token shard | hellaswag: HellaSwag's jsonl (rowanz/hellaswag's "
+         "hellaswag_val.jsonl) as an llm.c multiple-choice eval file, for train --hellaswag");
   if (!a.parse(argc, argv)) {
     std::printf("%s", a.usage().c_str());
     return 0;
@@ -35,6 +40,17 @@ int tokenize_main(int argc, char** argv) {
   for (const std::string& t : a.list("text"))
     for (std::string& f : io::expand_glob(t)) files.push_back(std::move(f));
   io::make_parent_folder(out, "tokenize: --out");
+  const std::string format = a.str("format");
+  SG_CHECK(format == "text" || format == "hellaswag", "tokenize: --format must be text or hellaswag, got ", format);
+  if (format == "hellaswag") {
+    SG_CHECK(files.size() == 1, "tokenize: --format hellaswag reads one jsonl file, got ", files.size());
+    const auto examples = io::hellaswag_from_jsonl(files[0], [&](const std::string& s) { return tok.encode(s); });
+    SG_CHECK(!examples.empty(), "tokenize: ", files[0], " holds no examples");
+    io::write_choice_file(out, examples);
+    std::printf("wrote %s: %zu examples from %s; evaluate with train --hellaswag %s\n", out.c_str(), examples.size(),
+                files[0].c_str(), out.c_str());
+    return 0;
+  }
 
   const auto t0 = std::chrono::steady_clock::now();
   std::vector<uint16_t> tokens;

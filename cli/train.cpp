@@ -60,6 +60,9 @@ void declare_flags(Args& a) {
          "the held-out split's first 16; the same on every run with the same seed (0 = none)");
   a.flag("tokenizer", "", "GPT-2 token shards: a folder with GPT-2's vocab.json and merges.txt, to show "
          "--sample-tokens' samples as text");
+  a.flag("hellaswag", "", "at each evaluation, the accuracy on an llm.c multiple-choice eval file (hellaswag_val.bin "
+         "from llm.c's dev/data/hellaswag.py, or `shardgrad tokenize --hellaswag`): the ending of lowest mean loss");
+  a.flag("hellaswag-examples", "0", "--hellaswag: the file's first N examples (0 = all)");
   a.flag("log-json", "", "write one JSON object per step to this file");
   a.flag("threads", "0", "CPU threads per rank (0 = OMP_NUM_THREADS if set, else the cores divided among the node's ranks)");
   a.flag("strategy", "single", "single | dp (one process, --devices) | ddp | zero1 | zero2 | zero3 | fsdp (= zero3) | fsdp-grad-op | hsdp | no-shard (all but single/dp: launch with mpirun -np N)");

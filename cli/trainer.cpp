@@ -261,6 +261,9 @@ int Trainer::run() {
       if (lead()) {
         std::printf("eval  step %lld | val loss %.4f", (long long)step + 1, ev["val_loss"].get<double>());
         if (ev.contains("accuracy")) std::printf(" | task accuracy %.1f%%", 100.0 * ev["accuracy"].get<double>());
+        if (ev.contains("hellaswag"))
+          std::printf(" | hellaswag %.4f (%lld/%lld)", ev["hellaswag"]["accuracy"].get<double>(),
+                      (long long)ev["hellaswag"]["correct"].get<int64_t>(), (long long)ev["hellaswag"]["examples"].get<int64_t>());
         std::printf("\n");
         if (last && ev.contains("examples"))
           for (const auto& line : ev["examples"]) std::printf("  %s\n", line.get<std::string>().c_str());
@@ -582,10 +585,13 @@ void Trainer::write_timeline() {
               args_.str("timeline").c_str());
 }
 
-Tensor Trainer::eval_logits(const Tensor& idx) {
-  Tensor logits = pipe_ ? pipe_->forward(to(idx, device_)) : model_->forward(to(idx, device_));
+Tensor Trainer::eval_logits(const Tensor& idx, bool on_host) {
+  const int64_t n = idx.size(1), pad = cfg_.sequence_parallel ? (tp_ - n % tp_) % tp_ : 0;
+  const Tensor x = to(pad ? cat({idx, zeros({idx.size(0), pad}, idx.dtype())}, 1) : idx, device_);
+  Tensor logits = pipe_ ? pipe_->forward(x) : model_->forward(x);
   if (tp_ > 1) logits = parallel::all_gather_along(logits, -1, *groups_.tp);
-  return to(logits, Device::cpu());
+  if (pad) logits = narrow(logits, 1, 0, n);
+  return on_host ? to(logits, Device::cpu()) : logits;
 }
 
 json Trainer::evaluate(int64_t step) {
@@ -604,9 +610,8 @@ json Trainer::evaluate(int64_t step) {
     else total += item(model_->loss(idx, tgt));
   }
   out["val_loss"] = total / double(nb);
-  // Under sequence parallelism prompts of any length cannot be split over tp: loss only.
   auto* task = dynamic_cast<const io::SyntheticDataset*>(val_.get());
-  if (task && !cfg_.sequence_parallel) {
+  if (task) {
     // Under tp and pp every rank of the replica runs the same prompts in lockstep and sees the whole
     // vocabulary (eval_logits).
     auto logits_fn = [this](const Tensor& idx) { return eval_logits(idx); };
@@ -614,7 +619,27 @@ json Trainer::evaluate(int64_t step) {
     out["examples"] = io::synthetic_examples(task->task(), logits_fn, 4, cfg_.block_size, seed_ + 2);
   }
   if (sample_tokens_ > 0) out.update(sample(step));
+  if (!choices_.empty()) out["hellaswag"] = hellaswag();
   return out;
+}
+
+json Trainer::hellaswag() {
+  const auto start = std::chrono::steady_clock::now();
+  auto shown = start;
+  const auto progress = [&](int64_t done, int64_t total) {  // a line every 10 s of a long evaluation
+    const auto now = std::chrono::steady_clock::now();
+    if (!lead() || done == total || now - shown < std::chrono::seconds(10)) return;
+    shown = now;
+    std::printf("  hellaswag: %lld of %lld examples (%.0f s)\n", (long long)done, (long long)total,
+                std::chrono::duration<double>(now - start).count());
+    std::fflush(stdout);
+  };
+  // As many examples a forward as a training forward's rows hold (llm.c packs B / 4 of 4 endings).
+  const io::ChoiceScore s = io::score_choices(
+      choices_, [this](const Tensor& idx) { return eval_logits(idx, false); }, cfg_.vocab_size, cfg_.block_size,
+      cfg_.sequence_parallel ? tp_ : 1, std::max<int64_t>(1, micro_ / 4), progress);
+  return {{"accuracy", s.accuracy_norm()}, {"accuracy_sum", s.accuracy_sum()}, {"correct", s.correct_norm},
+          {"examples", s.examples}, {"seconds", std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()}};
 }
 
 json Trainer::sample(int64_t step) {
@@ -623,8 +648,10 @@ json Trainer::sample(int64_t step) {
   const std::vector<int64_t> prompt = to_vector<int64_t>(to(val_->next(1, n_prompt).inputs, DType::i64));
   std::vector<int64_t> ids = prompt, drawn;
   for (int64_t s = 0; s < sample_tokens_; ++s) {
-    // the last block_size ids, afresh each time (no KV cache under every layout)
-    const int64_t start = std::max<int64_t>(0, int64_t(ids.size()) - cfg_.block_size);
+    // the last block_size ids, afresh each time (no KV cache under every layout); under sequence
+    // parallelism as many as still pad to a multiple of tp within block_size
+    const int64_t span = cfg_.block_size - (cfg_.sequence_parallel ? cfg_.block_size % tp_ : 0);
+    const int64_t start = std::max<int64_t>(0, int64_t(ids.size()) - span);
     std::vector<int64_t> window(ids.begin() + start, ids.end());
     const int64_t n = int64_t(window.size());
     Tensor logits = eval_logits(from_vector(std::move(window), {1, n}));

@@ -17,6 +17,7 @@
 
 #include "cli/args.h"
 #include "io/dataset.h"
+#include "io/multiple_choice.h"
 #include "models/gpt.h"
 #include "optim/loss_scaler.h"
 #include "optim/nonfinite.h"
@@ -79,6 +80,7 @@ class Trainer {
   void open_data();
   void build_model(const ckpt::Checkpoint* ck);  // config, mesh groups, weights, pipeline
   void configure_samples();       // --sample-tokens, --tokenizer: what the samples decode with
+  void configure_hellaswag();     // --hellaswag's examples, read and checked against the vocabulary
   void build_optimizer();         // masters, AdamW / ZeRO / FSDP, DDP or dp, the schedule
   void restore(const ckpt::Checkpoint* ck);      // the resumed step's state; --save's directory
   void start_trace();
@@ -99,9 +101,14 @@ class Trainer {
   // received (0: none), agreed over the ranks after every step so that all stop at the same one.
   int agreed_stop_signal();
   nlohmann::json evaluate(int64_t step);
-  // The whole vocabulary's logits of idx [B, n] on the host, every rank of a model replica calling
-  // it in lockstep: the pipeline's last stage sends them to every stage, tp's slices are gathered.
-  Tensor eval_logits(const Tensor& idx);
+  // The whole vocabulary's logits of idx [B, n] on the host (or the device), every rank of a model
+  // replica calling it in lockstep: the pipeline's last stage sends them to every stage, tp's slices
+  // are gathered. Under sequence parallelism idx is padded at its end to a multiple of tp first
+  // (causal attention: no position before the padding sees it), so any length runs.
+  Tensor eval_logits(const Tensor& idx, bool on_host = true);
+  // --hellaswag: {"accuracy" (lowest mean loss, llm.c's and acc_norm), "accuracy_sum" (lowest
+  // summed loss), "correct", "examples"}, the same on every rank of the replica.
+  nlohmann::json hellaswag();
   // --sample-tokens tokens drawn after the held-out split's first ones: {"sample_prompt",
   // "sample", "sample_ids"}, the same on every rank of the replica (same logits, same draws).
   nlohmann::json sample(int64_t step);
@@ -192,6 +199,7 @@ class Trainer {
   std::unique_ptr<io::Dataset> train_, val_;
   int64_t sample_tokens_ = 0, sample_vocab_ = 0;  // --sample-tokens; ids that may be drawn
   std::function<std::string(const std::vector<int64_t>&)> sample_decode_;  // the data's, or --tokenizer's
+  std::vector<io::ChoiceExample> choices_;  // --hellaswag's examples
   nn::GPTConfig cfg_;
   std::unique_ptr<nn::GPT> model_;
   io::NamedTensors master_;  // what the optimizer updates: the params (f32) or f32 copies (bf16/f16)

@@ -26,7 +26,8 @@ const char* const kRunFlags[] = {"data",  "shuffle",      "seq-len",      "dropo
                                  "eps",   "weight-decay", "clip",         "seed",    "dtype",      "eval-every",
                                  "eval-batches", "eval-problems", "on-nonfinite", "initial-loss-scale",
                                  "loss-scale-window", "loss-scale-growth", "loss-scale-backoff", "min-loss-scale",
-                                 "loss-scale",   "sample-tokens", "tokenizer"};
+                                 "loss-scale",   "sample-tokens", "tokenizer",
+                                 "hellaswag", "hellaswag-examples"};
 
 // What a checkpoint records of the model (config_from_metadata reads it back).
 std::map<std::string, std::string> config_metadata(const nn::GPTConfig& c, const std::string& data) {

@@ -84,6 +84,7 @@ void Trainer::setup() {
   const std::unique_ptr<ckpt::Checkpoint> ck = std::move(resumed_);
   build_model(ck.get());
   configure_samples();
+  configure_hellaswag();
   build_optimizer();
   restore(ck.get());
   start_trace();
@@ -309,8 +310,6 @@ void Trainer::configure_samples() {
   SG_CHECK(tokenizer.empty() || sample_tokens_ > 0, "train: --tokenizer shows --sample-tokens' samples as text; give "
            "--sample-tokens N too");
   if (sample_tokens_ == 0) return;
-  SG_CHECK(!cfg_.sequence_parallel, "train: --sample-tokens is not available with --sequence-parallel (a prompt of "
-           "any length cannot be split over --tp)");
   const std::string& data = data_opt_.spec;
   SG_CHECK(!io::is_generated_spec(data) || data.rfind("synthetic", 0) == 0, "train: --sample-tokens: random tokens "
            "(--data ", data, ") have no text to show");
@@ -333,6 +332,19 @@ void Trainer::configure_samples() {
   }
   sample_vocab_ = std::min(val_->vocab_size(), cfg_.vocab_size);
   sample_decode_ = [this](const std::vector<int64_t>& ids) { return val_->decode(ids); };
+}
+
+void Trainer::configure_hellaswag() {
+  const std::string file = args_.str("hellaswag");
+  const int64_t limit = args_.i64("hellaswag-examples");
+  SG_CHECK(limit >= 0, "train: --hellaswag-examples must be >= 0 (0 = all), got ", limit);
+  SG_CHECK(!file.empty() || !args_.given("hellaswag-examples"), "train: --hellaswag-examples limits --hellaswag's "
+           "examples; give --hellaswag FILE too");
+  if (file.empty()) return;
+  choices_ = io::read_choice_file(file, limit);
+  SG_CHECK(!choices_.empty(), "train: --hellaswag ", file, " holds no examples");
+  io::check_choice_tokens(choices_, cfg_.vocab_size, str("train: --hellaswag ", file),
+                          str(" (the model's; --data ", data_opt_.spec, " trains on other tokens than the file's?)"));
 }
 
 void Trainer::build_model(const ckpt::Checkpoint* ck) {

@@ -13,6 +13,7 @@
 
 #include "autograd/ops.h"
 #include "io/gpt2_tokenizer.h"
+#include "io/multiple_choice.h"
 #include "io/token_shards.h"
 #include "parallel/checkpoint.h"
 #include "parallel/sharded_checkpoint.h"
@@ -1121,17 +1122,16 @@ TEST_CASE("3-D layouts (dp x tp x pp, ddp, zero1/2, zero3, hsdp or no-shard acro
       for (const auto& rk : b[2]["ranks"]) REQUIRE(rk.value("busy_s", 0.0) > 0);
     }
     // the final evaluation runs under tp and pp too (every rank of the first replica; the last
-    // stage's logits sent to every stage, their vocabulary slices gathered) and sees the same
-    // model: the same validation loss, and (without sequence parallelism) the same greedy answers
+    // stage's logits sent to every stage, their vocabulary slices gathered; under sequence
+    // parallelism the prompts padded to a multiple of tp) and sees the same model: the same
+    // validation loss and the same greedy answers
     const nlohmann::json& ev = b.back()["eval"];
     const nlohmann::json& ref = a.back()["eval"];
     REQUIRE(std::abs(ev["val_loss"].get<double>() - ref["val_loss"].get<double>()) <= 1e-5 * ref["val_loss"].get<double>());
     REQUIRE(std::abs(number_after(r.output, "val loss ") - number_after(one.output, "val loss ")) <= 2e-4);
-    if (layouts[k].second.find("sequence-parallel") == std::string::npos) {
-      REQUIRE(r.output.find("task accuracy") != std::string::npos);
-      REQUIRE(ev["accuracy"] == ref["accuracy"]);
-      REQUIRE(ev["examples"] == ref["examples"]);
-    }
+    REQUIRE(r.output.find("task accuracy") != std::string::npos);
+    REQUIRE(ev["accuracy"] == ref["accuracy"]);
+    REQUIRE(ev["examples"] == ref["examples"]);
   }
   // zero3 under the pipeline: rank 0 holds the same stages (wte, wpe, h.0, h.2) as under ddp, half
   // of them over dp 2, up to one padding element in each of its 4 units
@@ -1661,10 +1661,12 @@ TEST_CASE("train --sample-tokens prints at each evaluation the same sampled text
   REQUIRE(again.code == 0);
   CHECK(samples(d.path / "again.jsonl", again.output) == want);  // seeded: the same text each run
   // every rank of a replica draws the same tokens from the same logits: tp, pp and zero3 show the
-  // single process's samples (their logits agree to rounding)
-  for (const std::string layout : {"--tp 2", "--pp 2", "--strategy zero3"}) {
+  // single process's samples (their logits agree to rounding); under sequence parallelism the
+  // prompt is padded to a multiple of tp (16 + 1 tokens: odd lengths on the way)
+  int k = 0;
+  for (const std::string layout : {"--tp 2", "--pp 2", "--strategy zero3", "--tp 2 --sequence-parallel"}) {
     INFO(layout);
-    const fs::path log = log_path(d, "l", layout.substr(2, 2));
+    const fs::path log = log_path(d, "l", k++);
     Run two = run_command(mpirun(2) + args + log.string() + " " + layout);
     INFO(two.output);
     REQUIRE(two.code == 0);
@@ -1678,6 +1680,105 @@ TEST_CASE("train --sample-tokens prints at each evaluation the same sampled text
   refuses(bin + " train --data " + text + " --seq-len 16 --batch-size 4 --steps 1 --sample-tokens 4 --tokenizer " +
               d.path.string(),
           "--tokenizer is for GPT-2 token shards; --data " + text + " brings its own tokens");
-  refuses(mpirun(2) + args + (d.path / "sp.jsonl").string() + " --tp 2 --sequence-parallel",
-          "--sample-tokens is not available with --sequence-parallel");
+}
+
+TEST_CASE("train --hellaswag scores an eval file at each evaluation, the same under every layout and as eval scores the saved model", "[cli][mpi]") {
+  TempDir d;
+  // the golden file: 16 examples of tokens below 61, some contexts longer than block 16 allows
+  const std::string file = std::string(SG_SOURCE_DIR) + "/tests/golden/hellaswag_tiny.bin";
+  const std::string args = " train --data random:61 --n-layer 2 --n-head 4 --n-embd 32 --block-size 16 --seq-len 16 "
+                           "--batch-size 8 --threads 1 --steps 4 --warmup-steps 1 --eval-every 2 --eval-batches 1 "
+                           "--hellaswag " + file + " --log-json ";
+  const auto scores = [](const fs::path& log) {
+    std::vector<nlohmann::json> out;
+    for (const auto& rec : read_log(log))
+      if (rec.contains("eval")) out.push_back(rec["eval"]["hellaswag"]);
+    return out;
+  };
+  Run one = shardgrad(args + (d.path / "one.jsonl").string() + " --save " + (d.path / "run").string());
+  INFO(one.output);
+  REQUIRE(one.code == 0);
+  const auto want = scores(d.path / "one.jsonl");
+  REQUIRE(want.size() == 2);  // steps 2 and 4
+  for (const auto& h : want) {
+    CHECK(h["examples"] == 16);
+    CHECK(h["accuracy"].get<double>() == h["correct"].get<double>() / 16);
+  }
+  CHECK(one.output.find(" | hellaswag 0.") != std::string::npos);
+  CHECK(one.output.find("/16)") != std::string::npos);
+  // eval of the saved model scores what train's last evaluation scored
+  Run ev = shardgrad("eval --from " + (d.path / "run").string() + " --hellaswag " + file + " --batch-size 8 --log-json " +
+                     (d.path / "eval.jsonl").string());
+  INFO(ev.output);
+  REQUIRE(ev.code == 0);
+  const auto lines = read_log(d.path / "eval.jsonl");
+  REQUIRE(lines.size() == 17);  // 16 examples, then the totals
+  CHECK(lines.back()["correct"] == want.back()["correct"]);
+  CHECK(lines.back()["accuracy_sum"] == want.back()["accuracy_sum"]);
+  CHECK(lines[5]["mean_loss"].size() == 4);
+  CHECK(ev.output.find("hellaswag " + file + ": 16 examples | acc_norm ") != std::string::npos);
+  // every rank of a replica scores the same examples with the whole model: tp (its vocabulary
+  // slices gathered), sequence parallelism (rows padded to a multiple of tp), pp, zero3
+  int k = 0;
+  for (const std::string layout : {"--tp 2", "--tp 2 --sequence-parallel", "--pp 2", "--strategy zero3"}) {
+    INFO(layout);
+    const fs::path log = log_path(d, "h", k++);
+    Run two = run_command(mpirun(2) + args + log.string() + " " + layout);
+    INFO(two.output);
+    REQUIRE(two.code == 0);
+    const auto got = scores(log);
+    REQUIRE(got.size() == 2);
+    for (size_t i = 0; i < 2; ++i) {
+      CHECK(got[i]["correct"] == want[i]["correct"]);
+      CHECK(got[i]["accuracy_sum"] == want[i]["accuracy_sum"]);
+    }
+  }
+  // --hellaswag-examples: the first N
+  Run few = shardgrad(args + (d.path / "few.jsonl").string() + " --hellaswag-examples 5 --steps 2");
+  REQUIRE(few.code == 0);
+  CHECK(scores(d.path / "few.jsonl").back()["examples"] == 5);
+
+  const std::string bin = std::string(SG_BINARY);
+  refuses(bin + " train --steps 1 --hellaswag " + file, "--hellaswag " + file + ": example 0 has token");
+  refuses(bin + " train --steps 1 --hellaswag-examples 3", "--hellaswag-examples limits --hellaswag's examples");
+  refuses(bin + " train --steps 1 --hellaswag " + (d.path / "none.bin").string(), (d.path / "none.bin").string());
+  refuses(bin + " train --simulate 2 --hellaswag " + file, "--hellaswag is not available with --simulate");
+  refuses(bin + " eval --from " + (d.path / "run").string(), "eval: --hellaswag is required");
+  refuses(bin + " eval --hellaswag " + file, "eval: --from is required");
+  refuses(bin + " eval --from " + (d.path / "run").string() + " --hellaswag " + file + " --batch-size 0",
+          "--batch-size must be >= 1");
+}
+
+TEST_CASE("tokenize --format hellaswag turns HellaSwag's jsonl into the eval file train --hellaswag reads", "[cli]") {
+  TempDir d;
+  const std::string bpe = std::string(SG_SOURCE_DIR) + "/tests/golden/bpe";
+  const fs::path jsonl = d.path / "hellaswag_val.jsonl", out = d.path / "hs.bin";
+  {
+    std::ofstream f(jsonl);
+    f << R"({"ind": 24, "ctx": "A man is sitting on a roof. he", "endings": ["is using wrap to wrap a pair of skis.", )"
+      << R"("is ripping level tiles off.", "is holding a rubik's cube.", "starts pulling up roofing on a roof."], "label": 3})" << "\n"
+      << R"({"ind": 92, "ctx": "Hello, world", "endings": ["!", " again", "\u00e9t\u00e9"], "label": 0})" << "\n";
+  }
+  Run r = shardgrad("tokenize --format hellaswag " + jsonl.string() + " --tokenizer " + bpe + " --out " + out.string());
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK(r.output.find("wrote " + out.string() + ": 2 examples") != std::string::npos);
+  const auto ex = sg::io::read_choice_file(out.string());
+  REQUIRE(ex.size() == 2);
+  const sg::io::Gpt2Tokenizer tok = sg::io::Gpt2Tokenizer::load(bpe);
+  const auto ids = [&](const std::string& s) {
+    const auto v = tok.encode(s);
+    return std::vector<int32_t>(v.begin(), v.end());
+  };
+  CHECK(ex[0].label == 3);
+  CHECK(ex[0].context == ids("A man is sitting on a roof. he"));
+  CHECK(ex[0].endings[3] == ids(" starts pulling up roofing on a roof."));
+  CHECK(ex[1].endings[1] == ids("  again"));
+  CHECK(ex[1].endings[2] == ids(" \xc3\xa9t\xc3\xa9"));
+  refuses(std::string(SG_BINARY) + " tokenize --format hellaswag " + jsonl.string() + " " + jsonl.string() +
+              " --tokenizer " + bpe + " --out " + (d.path / "two.bin").string(),
+          "--format hellaswag reads one jsonl file, got 2");
+  refuses(std::string(SG_BINARY) + " tokenize --format csv " + jsonl.string() + " --tokenizer " + bpe + " --out " +
+              (d.path / "x.bin").string(),
+          "--format must be text or hellaswag, got csv");
 }

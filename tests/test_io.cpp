@@ -19,9 +19,11 @@
 #include "autograd/ops.h"
 #include "io/dataset.h"
 #include "io/gpt2_tokenizer.h"
+#include "io/multiple_choice.h"
 #include "io/safetensors.h"
 #include "io/synthetic.h"
 #include "io/token_shards.h"
+#include "models/gpt.h"
 
 using namespace sg;
 using namespace sg::io;
@@ -683,4 +685,152 @@ TEST_CASE("random data: seeded uniform ids of GPT-2's vocabulary, each row's tar
   CHECK_THROWS_WITH(small->encode("hi"), Catch::Contains("random tokens have no text"));
   o.spec = "random:1";
   CHECK_THROWS_WITH(io::open_dataset(o), Catch::Contains("random:V takes the vocabulary size"));
+}
+
+// ---- multiple-choice eval files (HellaSwag) ----
+
+namespace {
+ChoiceExample choice(int64_t label, std::vector<int32_t> ctx, std::vector<std::vector<int32_t>> ends) {
+  ChoiceExample e;
+  e.label = label;
+  e.context = std::move(ctx);
+  e.endings = std::move(ends);
+  return e;
+}
+}  // namespace
+
+TEST_CASE("eval files: written and read back, a prefix read alone, bad files refused naming the example", "[io]") {
+  TempDir d;
+  const std::vector<ChoiceExample> ex = {choice(1, {5, 6, 7}, {{1}, {2, 3}, {4, 4, 4}, {9}}),
+                                         choice(0, {65534}, {{0, 1}, {2}}),
+                                         choice(2, {8, 8}, {{3}, {3}, {3, 3, 3, 3, 3}})};
+  const std::string f = d / "ok.bin";
+  write_choice_file(f, ex);
+  const std::string bytes = read_bytes(f);
+  // the header, then example 0: marker, bytes (6 words, its context's 3, 4 endings' 1 + 2 + 3 + 1 and 4 lengths = 19 words)
+  int32_t h[4];
+  std::memcpy(h, bytes.data(), sizeof(h));
+  CHECK((h[0] == 20240522 && h[1] == 1 && h[2] == 3));
+  uint16_t w[3];
+  std::memcpy(w, bytes.data() + 1024, sizeof(w));
+  CHECK((w[0] == 65535 && w[1] == 2 * 20 && w[2] == 0));
+  CHECK(h[3] == 2 * 20);  // the longest
+  const auto back = read_choice_file(f);
+  REQUIRE(back.size() == 3);
+  for (size_t i = 0; i < 3; ++i) {
+    CHECK(back[i].label == ex[i].label);
+    CHECK(back[i].context == ex[i].context);
+    CHECK(back[i].endings == ex[i].endings);
+  }
+  CHECK(read_choice_file(f, 2).size() == 2);
+  CHECK(read_choice_file(f, 9).size() == 3);
+
+  auto bad = [&](const std::string& name, std::string b, const std::string& msg) {
+    const std::string p = d / name;
+    write_bytes(p, b);
+    REQUIRE_THROWS_WITH(read_choice_file(p), Catch::Contains(p) && Catch::Contains(msg));
+  };
+  auto put16 = [](std::string b, size_t at, uint16_t v) {
+    std::memcpy(b.data() + at, &v, 2);
+    return b;
+  };
+  bad("short.bin", bytes.substr(0, 100), "shorter than the 1024-byte header");
+  bad("magic.bin", std::string(4, 'x') + bytes.substr(4), "not an llm.c multiple-choice eval file");
+  bad("cut.bin", bytes.substr(0, bytes.size() - 2), "example 2 (byte ");
+  bad("cut2.bin", bytes.substr(0, bytes.size() - 2), "the file ends inside it");
+  bad("odd.bin", bytes + "x", "not a whole number of 16-bit words");
+  bad("marker.bin", put16(bytes, 1024, 7), "example 0 (byte 1024): starts with 7, not the example marker 65535");
+  bad("index.bin", put16(bytes, 1024 + 40 + 4, 5), "example 1 (byte 1064): its index says 5");
+  bad("label.bin", put16(bytes, 1024 + 6, 4), "example 0 (byte 1024): label 4 with 4 endings");
+  bad("size.bin", put16(bytes, 1024 + 2, 38), "says it is 38 bytes but its fields take 40");
+  bad("empty.bin", put16(bytes, 1024 + 10, 0), "an empty context");
+  bad("extra.bin", bytes + std::string(4, '\0'), "4 bytes after the last of its 3 examples");
+  // what the format cannot hold is refused when written
+  REQUIRE_THROWS_WITH(write_choice_file(d / "x.bin", {choice(0, {65535}, {{1}})}),
+                      Catch::Contains("example 0: context token 65535 is outside 0..65534"));
+  REQUIRE_THROWS_WITH(write_choice_file(d / "x.bin", {choice(0, {1}, {{1}}), choice(3, {1}, {{1}, {2}})}),
+                      Catch::Contains("example 1: label 3 with 2 endings"));
+  CHECK(!fs::exists(d / "x.bin"));
+}
+
+TEST_CASE("eval rows: each ending after its context, targets only on the ending, long contexts cropped", "[io]") {
+  const std::vector<ChoiceExample> ex = {choice(0, {10, 11, 12}, {{20}, {21, 22}}), choice(1, {1, 2, 3, 4, 5, 6}, {{7, 8, 9}, {7}})};
+  const ChoiceRows r = choice_rows(ex, 0, 1, 16, 1);
+  // rows [10 11 12 20] and [10 11 12 21 22] without their last token; padded to 4 positions
+  CHECK(to_vector<int64_t>(r.inputs) == std::vector<int64_t>{10, 11, 12, 0, 10, 11, 12, 21});
+  CHECK(to_vector<int64_t>(r.targets) == std::vector<int64_t>{-1, -1, 20, -1, -1, -1, 21, 22});
+  CHECK(r.ending_tokens == std::vector<int64_t>{1, 2});
+  const ChoiceRows m = choice_rows(ex, 0, 1, 16, 3);  // sequence parallelism over 3: 4 positions become 6
+  CHECK(m.inputs.size(1) == 6);
+  // block 5: the second example's rows keep 5 + 1 - 3 = 3 context tokens (the last ones)
+  const ChoiceRows c = choice_rows(ex, 1, 1, 5, 1);
+  CHECK(to_vector<int64_t>(c.inputs) == std::vector<int64_t>{4, 5, 6, 7, 8, 4, 5, 6, 0, 0});
+  CHECK(to_vector<int64_t>(c.targets) == std::vector<int64_t>{-1, -1, 7, 8, 9, -1, -1, 7, -1, -1});
+  // both examples in one batch: 4 rows
+  CHECK(choice_rows(ex, 0, 2, 16, 1).inputs.size(0) == 4);
+  REQUIRE_THROWS_WITH(choice_rows(ex, 1, 1, 2, 1), Catch::Contains("eval example 1: an ending of 3 tokens does not fit"));
+}
+
+TEST_CASE("eval scoring matches PyTorch on the golden tiny GPT: each ending's mean loss, both answers, cropped contexts", "[io][golden]") {
+  const std::string dir = std::string(SG_SOURCE_DIR) + "/tests/golden/";
+  const nlohmann::json want = nlohmann::json::parse(read_bytes(dir + "hellaswag_tiny.json"));
+  const std::vector<ChoiceExample> ex = read_choice_file(dir + "hellaswag_tiny.bin");  // written by the Python script
+  REQUIRE(ex.size() == want["examples"].size());
+  for (size_t i = 0; i < ex.size(); ++i) {
+    const auto& w = want["examples"][i];
+    CHECK(ex[i].label == w["label"].get<int64_t>());
+    CHECK(ex[i].context == w["context"].get<std::vector<int32_t>>());
+    CHECK(ex[i].endings == w["endings"].get<std::vector<std::vector<int32_t>>>());
+  }
+  io::SafetensorsFile g = load_safetensors(dir + "gpt_tiny.safetensors");
+  for (const char* pre : {"input.", "expected.", "grad.", "adamw.", "after_adamw."})
+    for (auto it = g.tensors.begin(); it != g.tensors.end();) it = it->first.rfind(pre, 0) == 0 ? g.tensors.erase(it) : std::next(it);
+  nn::GPTConfig cfg = nn::config_from_hf(g, 4);
+  nn::GPT model(cfg);
+  nn::load_hf_state(model, g);
+  // 3 examples a forward (a batch holds rows of several lengths), and one at a time: the same
+  for (int64_t per : {3, 1}) {
+    INFO("examples per forward " << per);
+    int64_t batches = 0;
+    const ChoiceScore s = score_choices(ex, [&](const Tensor& idx) { return model.forward(idx); }, cfg.vocab_size,
+                                        cfg.block_size, 1, per, [&](int64_t, int64_t) { ++batches; });
+    CHECK(batches == (int64_t(ex.size()) + per - 1) / per);
+    CHECK(s.examples == int64_t(ex.size()));
+    CHECK(s.correct_norm == want["correct"].get<int64_t>());
+    CHECK(s.correct_sum == want["correct_sum"].get<int64_t>());
+    for (size_t i = 0; i < ex.size(); ++i) {
+      const auto& w = want["examples"][i];
+      INFO("example " << i);
+      CHECK(s.chosen[i] == w["chosen"].get<int64_t>());
+      CHECK(s.chosen_sum[i] == w["chosen_sum"].get<int64_t>());
+      const auto ml = w["mean_loss"].get<std::vector<double>>();
+      REQUIRE(s.mean_loss[i].size() == ml.size());
+      for (size_t k = 0; k < ml.size(); ++k) CHECK(std::abs(s.mean_loss[i][k] - ml[k]) <= 1e-5 * ml[k]);
+    }
+  }
+}
+
+TEST_CASE("HellaSwag jsonl: the context as it is, each ending after a space, bad lines named", "[io]") {
+  TempDir d;
+  const std::string f = d / "h.jsonl";
+  write_bytes(f, "{\"ctx\": \"ab\", \"endings\": [\"c\", \"dd\"], \"label\": 1, \"ind\": 4}\n\n"
+                 "{\"ctx\": \"x\", \"endings\": [\"y\", \"z\", \"w\"], \"label\": 0}\n");
+  // a byte encoder: each byte its id
+  const auto bytes = [](const std::string& s) { return std::vector<int64_t>(s.begin(), s.end()); };
+  const auto ex = hellaswag_from_jsonl(f, bytes);
+  REQUIRE(ex.size() == 2);
+  CHECK(ex[0].label == 1);
+  CHECK(ex[0].context == std::vector<int32_t>{'a', 'b'});
+  CHECK(ex[0].endings == std::vector<std::vector<int32_t>>{{' ', 'c'}, {' ', 'd', 'd'}});
+  CHECK(ex[1].endings.size() == 3);
+  auto bad = [&](const std::string& text, const std::string& msg) {
+    write_bytes(f, text);
+    REQUIRE_THROWS_WITH(hellaswag_from_jsonl(f, bytes), Catch::Contains(f) && Catch::Contains(msg));
+  };
+  bad("{\"ctx\": \"a\", \"endings\": [\"b\"], \"label\": 0}\n{\"ctx\": \"a\", \"endings\": [\"b\"]}\n",
+      "line 2: no integer \"label\" (the test split has none: use hellaswag_val.jsonl)");
+  bad("{\"ctx\": \"a\", \"endings\": [\"b\"], \"label\": 1}\n", "line 1: label 1 with 1 endings");
+  bad("{\"ctx\": \"a\", \"endings\": [], \"label\": 0}\n", "line 1: no \"endings\" list");
+  bad("not json\n", "line 1: not JSON");
+  bad("{\"ctx\": \"\", \"endings\": [\"b\"], \"label\": 0}\n", "line 1: an empty context");
 }
