@@ -1,7 +1,7 @@
 // The trainer on a real GPU, run as a user runs it (the shardgrad executable): the tiny GPT's
 // losses on cuda:0 against the CPU's in f32; bf16 and fp16 (loss scaling) close to them; and the
 // multi-rank paths that fit on one GPU — ddp and zero3 over MPI with the ranks sharing cuda:0
-// (host staging), ddp over NCCL at one rank; generate on cuda:0 against the CPU. Exits 77 (CTest: skipped) without a CUDA device.
+// (host staging), ddp over NCCL at one rank; generate and eval (HellaSwag) on cuda:0 against the CPU. Exits 77 (CTest: skipped) without a CUDA device.
 #define CATCH_CONFIG_RUNNER
 #include "tests/catch.h"
 #include <cmath>
@@ -88,6 +88,43 @@ TEST_CASE("generate samples on cuda:0 as on the CPU (f32, greedy) and runs in bf
   REQUIRE(bf16.code == 0);
   CHECK(gpu.output == cpu.output);
   CHECK(bf16.output.rfind("123+456=", 0) == 0);
+}
+
+TEST_CASE("eval and train --hellaswag score on cuda:0 as on the CPU (f32), and run in bf16", "[gpu][eval]") {
+  ScratchDir dir("gpu_eval");
+  const std::string save = (dir.path / "run").string(), file = std::string(SG_SOURCE_DIR) + "/tests/golden/hellaswag_tiny.bin";
+  const std::string train = single + " train --data random:61 --n-layer 2 --n-head 4 --n-embd 32 --block-size 16 "
+                            "--seq-len 16 --batch-size 8 --threads 2 --steps 4 --eval-every 0 --hellaswag '" + file + "'";
+  const CommandResult t = run_shell(train + " --save '" + save + "'"), tg = run_shell(train + " --device cuda:0");
+  INFO(t.output << tg.output);
+  REQUIRE(t.code == 0);
+  REQUIRE(tg.code == 0);
+  // the training run's last evaluation: the same answers on the GPU (same data, losses close)
+  const auto score = [](const std::string& out) {
+    const size_t at = out.rfind(" | hellaswag ");
+    return at == std::string::npos ? std::string("none") : out.substr(at, out.find('\n', at) - at);
+  };
+  CHECK(score(tg.output) == score(t.output));
+  const auto eval = [&](const std::string& flags, const char* tag) {
+    const auto log = dir.path / (std::string(tag) + ".jsonl");
+    const CommandResult r = run_shell(single + " eval --from '" + save + "' --hellaswag '" + file + "' --log-json '" +
+                                      log.string() + "' " + flags);
+    INFO(r.output);
+    REQUIRE(r.code == 0);
+    return read_json_lines(log);
+  };
+  const auto cpu = eval("", "cpu"), gpu = eval("--device cuda:0", "gpu"), bf16 = eval("--device cuda:0 --dtype bf16", "bf16");
+  REQUIRE(cpu.size() == 17);
+  REQUIRE(gpu.size() == 17);
+  double worst = 0;
+  for (size_t i = 0; i < 16; ++i) {
+    CHECK(gpu[i]["chosen"] == cpu[i]["chosen"]);
+    const auto a = gpu[i]["mean_loss"].get<std::vector<double>>(), b = cpu[i]["mean_loss"].get<std::vector<double>>();
+    for (size_t k = 0; k < a.size(); ++k) worst = std::max(worst, std::fabs(a[k] - b[k]) / b[k]);
+  }
+  std::printf("eval on cuda:0 (f32): largest relative difference of an ending's mean loss from the CPU's: %.3g\n", worst);
+  CHECK(worst < 1e-4);
+  CHECK(bf16.back()["examples"] == 16);
 }
 
 int main(int argc, char** argv) {
