@@ -61,7 +61,7 @@ void declare_flags(Args& a) {
   a.flag("tokenizer", "", "GPT-2 token shards: a folder with GPT-2's vocab.json and merges.txt, to show "
          "--sample-tokens' samples as text");
   a.flag("hellaswag", "", "at each evaluation, the accuracy on an llm.c multiple-choice eval file (hellaswag_val.bin "
-         "from llm.c's dev/data/hellaswag.py, or `shardgrad tokenize --hellaswag`): the ending of lowest mean loss");
+         "from llm.c's dev/data/hellaswag.py, or `shardgrad tokenize --format hellaswag`): the ending of lowest mean loss");
   a.flag("hellaswag-examples", "0", "--hellaswag: the file's first N examples (0 = all)");
   a.flag("log-json", "", "write one JSON object per step to this file");
   a.flag("threads", "0", "CPU threads per rank (0 = OMP_NUM_THREADS if set, else the cores divided among the node's ranks)");

@@ -174,6 +174,7 @@ ChoiceScore score_choices(const std::vector<ChoiceExample>& examples, const Choi
   ChoiceScore s;
   CrossEntropyOptions o;
   o.vocab = vocab;
+  o.sum = true;  // divided by the ending's length here: a mean would count the targets on the device, a wait a row
   const size_t per = size_t(std::max<int64_t>(1, batch_examples));
   for (size_t first = 0; first < examples.size(); first += per) {
     const size_t count = std::min(per, examples.size() - first);
@@ -185,7 +186,8 @@ ChoiceScore score_choices(const std::vector<ChoiceExample>& examples, const Choi
     std::vector<Tensor> per_row;
     for (int64_t r = 0; r < logits.size(0); ++r)
       per_row.push_back(reshape(cross_entropy(narrow(logits, 0, r, 1), narrow(tgt, 0, r, 1), o), {1}));
-    const std::vector<double> loss = to_vector<double>(to(to(cat(per_row, 0), Device::cpu()), DType::f64));
+    std::vector<double> loss = to_vector<double>(to(to(cat(per_row, 0), Device::cpu()), DType::f64));
+    for (size_t k = 0; k < loss.size(); ++k) loss[k] /= double(rows.ending_tokens[k]);
     size_t r = 0;
     for (size_t i = first; i < first + count; ++i) {
       const ChoiceExample& e = examples[i];
