@@ -202,9 +202,9 @@ void FullyShardedDataParallel::module_units(const std::vector<nn::Module*>& modu
   root.name = "root";
   root.root = true;
   root.first = root.last = &module_;
-  for (auto& [n, p] : module_.named_parameters())
-    if (std::none_of(named.begin(), named.end(), [&](const auto& u) { return inside(n, u.first); }))
-      root.params.emplace_back(n, p);
+  for (auto& np : module_.named_parameters())  // not a structured binding: clang 14 (the fuzz build) cannot capture one
+    if (std::none_of(named.begin(), named.end(), [&](const auto& u) { return inside(np.first, u.first); }))
+      root.params.push_back(np);
   if (!root.params.empty()) units_.push_back(std::move(root));
   for (auto& [name, m] : named) {
     Unit u;
