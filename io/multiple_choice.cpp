@@ -75,7 +75,7 @@ std::vector<ChoiceExample> read_choice_file(const std::string& path, int64_t lim
 
   const int64_t n = limit > 0 ? std::min<int64_t>(limit, header[2]) : header[2];
   std::vector<ChoiceExample> out;
-  out.reserve(size_t(n));
+  out.reserve(size_t(std::min<int64_t>(n, int64_t(w.size()) / 9)));  // an example takes 9 words at least: not the header's word
   size_t at = 0;  // the word being read
   for (int64_t i = 0; i < n; ++i) {
     const size_t begin = at;

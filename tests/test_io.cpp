@@ -745,6 +745,12 @@ TEST_CASE("eval files: written and read back, a prefix read alone, bad files ref
   bad("size.bin", put16(bytes, 1024 + 2, 38), "says it is 38 bytes but its fields take 40");
   bad("empty.bin", put16(bytes, 1024 + 10, 0), "an empty context");
   bad("extra.bin", bytes + std::string(4, '\0'), "4 bytes after the last of its 3 examples");
+  {  // a count the file cannot hold: refused at the end of the data, nothing reserved for the count
+    std::string b = bytes;
+    const int32_t many = INT32_MAX;
+    std::memcpy(b.data() + 8, &many, 4);
+    bad("count.bin", b, "example 3 (byte 1124): the file ends inside it (the header promises 2147483647 examples)");
+  }
   // what the format cannot hold is refused when written
   REQUIRE_THROWS_WITH(write_choice_file(d / "x.bin", {choice(0, {65535}, {{1}})}),
                       Catch::Contains("example 0: context token 65535 is outside 0..65534"));
