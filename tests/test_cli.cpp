@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -1618,6 +1619,25 @@ TEST_CASE("plan --micro-batches sets the layout's micro-batch size, so the plan 
           "means micro-batches of 4 rows, but --micro-batch-size is 2");
 }
 
+namespace {
+// The layouts whose evaluation forwards differ from one process's: tp (vocabulary slices gathered),
+// tp with sequence parallelism (inputs padded to a multiple of tp), pp (the last stage's logits
+// sent to every stage) and zero3 (a collective forward). Runs `args` + a log of its own under each
+// on 2 ranks and hands the log and the run to `check`.
+void on_two_ranks(const TempDir& d, const std::string& args, const char* prefix,
+                  const std::function<void(const fs::path&, const Run&)>& check) {
+  int k = 0;
+  for (const std::string layout : {"--tp 2", "--tp 2 --sequence-parallel", "--pp 2", "--strategy zero3"}) {
+    INFO(layout);
+    const fs::path log = log_path(d, prefix, k++);
+    Run two = run_command(mpirun(2) + args + log.string() + " " + layout);
+    INFO(two.output);
+    REQUIRE(two.code == 0);
+    check(log, two);
+  }
+}
+}  // namespace
+
 TEST_CASE("train --sample-tokens prints at each evaluation the same sampled text under every layout", "[cli][mpi]") {
   TempDir d;
   const std::string text = (d.path / "text.txt").string();
@@ -1663,15 +1683,7 @@ TEST_CASE("train --sample-tokens prints at each evaluation the same sampled text
   // every rank of a replica draws the same tokens from the same logits: tp, pp and zero3 show the
   // single process's samples (their logits agree to rounding); under sequence parallelism the
   // prompt is padded to a multiple of tp (16 + 1 tokens: odd lengths on the way)
-  int k = 0;
-  for (const std::string layout : {"--tp 2", "--pp 2", "--strategy zero3", "--tp 2 --sequence-parallel"}) {
-    INFO(layout);
-    const fs::path log = log_path(d, "l", k++);
-    Run two = run_command(mpirun(2) + args + log.string() + " " + layout);
-    INFO(two.output);
-    REQUIRE(two.code == 0);
-    CHECK(samples(log, two.output) == want);
-  }
+  on_two_ranks(d, args, "l", [&](const fs::path& log, const Run& two) { CHECK(samples(log, two.output) == want); });
   const std::string bin = std::string(SG_BINARY);
   refuses(bin + " train --data random:64 --steps 1 --sample-tokens 4", "--sample-tokens: random tokens (--data random:64) have no text to show");
   refuses(bin + " train --steps 1 --sample-tokens -1", "--sample-tokens must be in 0..1048575, got -1");
@@ -1719,20 +1731,14 @@ TEST_CASE("train --hellaswag scores an eval file at each evaluation, the same un
   CHECK(ev.output.find("hellaswag " + file + ": 16 examples | acc_norm ") != std::string::npos);
   // every rank of a replica scores the same examples with the whole model: tp (its vocabulary
   // slices gathered), sequence parallelism (rows padded to a multiple of tp), pp, zero3
-  int k = 0;
-  for (const std::string layout : {"--tp 2", "--tp 2 --sequence-parallel", "--pp 2", "--strategy zero3"}) {
-    INFO(layout);
-    const fs::path log = log_path(d, "h", k++);
-    Run two = run_command(mpirun(2) + args + log.string() + " " + layout);
-    INFO(two.output);
-    REQUIRE(two.code == 0);
+  on_two_ranks(d, args, "h", [&](const fs::path& log, const Run&) {
     const auto got = scores(log);
     REQUIRE(got.size() == 2);
     for (size_t i = 0; i < 2; ++i) {
       CHECK(got[i]["correct"] == want[i]["correct"]);
       CHECK(got[i]["accuracy_sum"] == want[i]["accuracy_sum"]);
     }
-  }
+  });
   // --hellaswag-examples: the first N
   Run few = shardgrad(args + (d.path / "few.jsonl").string() + " --hellaswag-examples 5 --steps 2");
   REQUIRE(few.code == 0);
