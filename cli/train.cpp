@@ -54,7 +54,7 @@ void declare_flags(Args& a) {
   a.flag("resume", "", "continue from a run directory or step directory, or auto: the newest complete checkpoint of "
          "--save (none yet: start at step 0)");
   a.flag("eval-every", "250", "evaluate every N steps (0 = only at the end)");
-  a.flag("eval-batches", "4", "validation batches per evaluation");
+  a.flag("eval-batches", "4", "validation batches per evaluation (split over the data-parallel ranks)");
   a.flag("eval-problems", "200", "synthetic task: problems for the accuracy figure");
   a.flag("sample-tokens", "0", "at each evaluation, rank 0 prints N tokens sampled (temperature 1, as llm.c) after "
          "the held-out split's first 16; the same on every run with the same seed (0 = none)");

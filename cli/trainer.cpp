@@ -256,7 +256,7 @@ int Trainer::run() {
     rec["ranks"] = ranks;
     const bool last = step + 1 == steps_;
     if (last && pipe_ && !args_.str("timeline").empty()) write_timeline();
-    if (((eval_every && (step + 1) % eval_every == 0) || last) && evaluates_here()) {
+    if ((eval_every && (step + 1) % eval_every == 0) || last) {
       json ev = evaluate(step + 1);
       if (lead()) {
         std::printf("eval  step %lld | val loss %.4f", (long long)step + 1, ev["val_loss"].get<double>());
@@ -547,11 +547,19 @@ int Trainer::agreed_stop_signal() {
   return int(item(t));
 }
 
-double Trainer::dp_loss(double share) {
-  if (dp_size_ == 1) return share;
-  Tensor l = from_vector<double>({share}, {1});
+std::vector<double> Trainer::dp_sums(std::vector<double> shares) {
+  if (dp_size_ == 1) return shares;
+  const int64_t n = int64_t(shares.size());
+  Tensor l = from_vector<double>(std::move(shares), {n});
   dp_metrics_->all_reduce(l, comm::ReduceOp::sum)->wait();
-  return item(l);
+  return to_vector<double>(l);
+}
+
+Trainer::EvalShare Trainer::eval_share(int64_t n) const {
+  EvalShare s;
+  for (int64_t i = dp_rank_; i < n; i += dp_size_) s.items.push_back(i);
+  s.most = (n + dp_size_ - 1) / dp_size_;
+  return s;
 }
 
 // Gathers every rank's recorded (start, end) times of the last step and draws them (rank 0).
@@ -594,52 +602,89 @@ Tensor Trainer::eval_logits(const Tensor& idx, bool on_host) {
   return on_host ? to(logits, Device::cpu()) : logits;
 }
 
+namespace {
+std::vector<int64_t> counts(const std::vector<double>& sums, size_t from) {  // counts carried in a sum of doubles
+  std::vector<int64_t> out;
+  for (size_t i = from; i < sums.size(); ++i) out.push_back(std::llround(sums[i]));
+  return out;
+}
+}  // namespace
+
 json Trainer::evaluate(int64_t step) {
   autograd::NoGradGuard ng;
   DropoutOff eval_mode;  // the model as it is, without dropout
   trace::Scope ts("evaluate", "compute");
   json out;
-  val_->set_position(0);  // the same held-out batches at every evaluation
-  double total = 0;
+  // The same held-out batches at every evaluation, this rank's share of them (every rank reads
+  // them all: the data's position moves by whole batches).
   const int64_t nb = args_.i64("eval-batches");
-  for (int64_t i = 0; i < nb; ++i) {
-    io::Batch b = val_->next(B_, T_);
+  const EvalShare share = eval_share(nb);
+  std::vector<io::Batch> all;
+  val_->set_position(0);
+  for (int64_t i = 0; i < nb; ++i) all.push_back(val_->next(B_, T_));
+  const auto batch_loss = [&](const io::Batch& b) {
     const Tensor idx = to(b.inputs, device_), tgt = to(b.targets, device_);
     // The pipeline's loss is a sum (times scale), as in training: the mean over the counted targets.
-    if (pipe_) total += item(pipe_->forward(idx, tgt, 1.0 / double(std::max<int64_t>(1, count_targets(b.targets, -1)))));
-    else total += item(model_->loss(idx, tgt));
-  }
-  out["val_loss"] = total / double(nb);
+    if (pipe_) return item(pipe_->forward(idx, tgt, 1.0 / double(std::max<int64_t>(1, count_targets(b.targets, -1)))));
+    return item(model_->loss(idx, tgt));
+  };
+  std::vector<double> sums(size_t(1 + dp_size_), 0.0);  // the losses, then each rank's batch count
+  for (int64_t i : share.items) sums[0] += batch_loss(all[size_t(i)]);
+  sums[size_t(1 + dp_rank_)] = double(share.items.size());
+  // (a rank with a shorter share runs forwards that count nothing: see eval_share)
+  if (fsdp_)
+    for (int64_t k = int64_t(share.items.size()); k < share.most; ++k) (void)batch_loss(all[0]);
+  sums = dp_sums(std::move(sums));
+  out["val_loss"] = sums[0] / double(nb);
+  out["val_batches_per_rank"] = counts(sums, 1);
   auto* task = dynamic_cast<const io::SyntheticDataset*>(val_.get());
-  if (task) {
+  if (task && runs_prompts()) {
     // Under tp and pp every rank of the replica runs the same prompts in lockstep and sees the whole
     // vocabulary (eval_logits).
     auto logits_fn = [this](const Tensor& idx) { return eval_logits(idx); };
     out["accuracy"] = io::synthetic_accuracy(task->task(), logits_fn, args_.i64("eval-problems"), cfg_.block_size, seed_ + 1);
     out["examples"] = io::synthetic_examples(task->task(), logits_fn, 4, cfg_.block_size, seed_ + 2);
   }
-  if (sample_tokens_ > 0) out.update(sample(step));
+  if (sample_tokens_ > 0 && runs_prompts()) out.update(sample(step));
   if (!choices_.empty()) out["hellaswag"] = hellaswag();
   return out;
 }
 
 json Trainer::hellaswag() {
   const auto start = std::chrono::steady_clock::now();
+  const EvalShare share = eval_share(int64_t(choices_.size()));
+  std::vector<io::ChoiceExample> mine;
+  for (int64_t i : share.items) mine.push_back(choices_[size_t(i)]);
   auto shown = start;
   const auto progress = [&](int64_t done, int64_t total) {  // a line every 10 s of a long evaluation
     const auto now = std::chrono::steady_clock::now();
     if (!lead() || done == total || now - shown < std::chrono::seconds(10)) return;
     shown = now;
-    std::printf("  hellaswag: %lld of %lld examples (%.0f s)\n", (long long)done, (long long)total,
+    std::printf("  hellaswag: %lld of %lld examples%s (%.0f s)\n", (long long)done, (long long)total,
+                dp_size_ > 1 ? str(" (rank 0's share; the ", dp_size_, " data-parallel ranks score ", choices_.size(),
+                                   " together)").c_str() : "",
                 std::chrono::duration<double>(now - start).count());
     std::fflush(stdout);
   };
   // As many examples a forward as a training forward's rows hold (llm.c packs B / 4 of 4 endings).
-  const io::ChoiceScore s = io::score_choices(
-      choices_, [this](const Tensor& idx) { return eval_logits(idx, false); }, cfg_.vocab_size, cfg_.block_size,
-      cfg_.sequence_parallel ? tp_ : 1, std::max<int64_t>(1, micro_ / 4), progress);
-  return {{"accuracy", s.accuracy_norm()}, {"accuracy_sum", s.accuracy_sum()}, {"correct", s.correct_norm},
-          {"examples", s.examples}, {"seconds", std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()}};
+  const int64_t per = std::max<int64_t>(1, micro_ / 4), multiple = cfg_.sequence_parallel ? tp_ : 1;
+  const auto logits = [this](const Tensor& idx) { return eval_logits(idx, false); };
+  const io::ChoiceScore s = io::score_choices(mine, logits, cfg_.vocab_size, cfg_.block_size, multiple, per, progress);
+  // (a rank with fewer forwards runs forwards that count nothing: see eval_share)
+  if (fsdp_) {
+    const auto forwards = [&](int64_t examples) { return (examples + per - 1) / per; };
+    const Tensor spare = io::choice_rows(choices_, 0, 1, cfg_.block_size, multiple).inputs;
+    for (int64_t k = forwards(int64_t(mine.size())); k < forwards(share.most); ++k) (void)logits(spare);
+  }
+  std::vector<double> sums(size_t(2 + dp_size_), 0.0);  // right by mean, right by sum, then each rank's examples
+  sums[0] = double(s.correct_norm);
+  sums[1] = double(s.correct_sum);
+  sums[size_t(2 + dp_rank_)] = double(s.examples);
+  sums = dp_sums(std::move(sums));
+  const int64_t n = int64_t(choices_.size());
+  return {{"accuracy", sums[0] / double(n)}, {"accuracy_sum", sums[1] / double(n)}, {"correct", std::llround(sums[0])},
+          {"examples", n}, {"per_rank", counts(sums, 2)},
+          {"seconds", std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()}};
 }
 
 json Trainer::sample(int64_t step) {

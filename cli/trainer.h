@@ -95,7 +95,17 @@ class Trainer {
   double model_parallel_grad_norm();
   bool accept_step(int64_t step, double loss, double grad_norm);
   // Sum over the data-parallel ranks of each one's share of the global batch's mean loss.
-  double dp_loss(double share);
+  double dp_loss(double share) { return dp_sums({share})[0]; }
+  std::vector<double> dp_sums(std::vector<double> shares);  // element-wise over the data-parallel ranks
+  // This rank's share of n evaluation items (held-out batches, HellaSwag examples): items dp_rank,
+  // dp_rank + dp, ..., run by the replica's tp/pp ranks together. Under zero3/fsdp a forward gathers
+  // over the data-parallel ranks, so a rank whose share is shorter than `most` then runs forwards
+  // that count nothing until it has made as many as the others.
+  struct EvalShare {
+    std::vector<int64_t> items;
+    int64_t most = 0;  // the longest share's length
+  };
+  EvalShare eval_share(int64_t n) const;
   double world_sum(double x);  // over every rank (metrics group)
   // With --save, SIGUSR1 and SIGTERM ask the run to stop: the signal this rank or any other has
   // received (0: none), agreed over the ranks after every step so that all stop at the same one.
@@ -107,7 +117,8 @@ class Trainer {
   // (causal attention: no position before the padding sees it), so any length runs.
   Tensor eval_logits(const Tensor& idx, bool on_host = true);
   // --hellaswag: {"accuracy" (lowest mean loss, llm.c's and acc_norm), "accuracy_sum" (lowest
-  // summed loss), "correct", "examples"}, the same on every rank of the replica.
+  // summed loss), "correct", "examples", "per_rank" (the examples each data-parallel rank
+  // scored), "seconds"}; every rank scores its share (eval_share), the sums are over dp.
   nlohmann::json hellaswag();
   // --sample-tokens tokens drawn after the held-out split's first ones: {"sample_prompt",
   // "sample", "sample_ids"}, the same on every rank of the replica (same logits, same draws).
@@ -146,9 +157,11 @@ class Trainer {
     const io::NamedTensors params = held_parameters();
     for (size_t i = 0; i < params.size(); ++i) master_[i].second.set_grad(params[i].second.grad());
   }
-  // Evaluation runs the whole model on rank 0; under tp/pp on every rank of the first data-parallel
-  // replica, under zero3/fsdp on every rank (the forward is collective there); rank 0 reports.
-  bool evaluates_here() const {
+  // Every rank evaluates: the held-out batches and the HellaSwag examples are split over the
+  // data-parallel ranks (eval_share), as llm.c splits them. The prompts (task accuracy, samples)
+  // run the whole model on rank 0; under tp/pp on every rank of the first data-parallel replica,
+  // under zero3/fsdp on every rank (the forward is collective there). Rank 0 reports.
+  bool runs_prompts() const {
     if (fsdp_) return true;
     if (tp_ > 1 || pp_ > 1) return groups_.coord.dp == 0;
     return lead();

@@ -1740,9 +1740,31 @@ TEST_CASE("train --hellaswag scores an eval file at each evaluation, the same un
     }
   });
   // --hellaswag-examples: the first N
-  Run few = shardgrad(args + (d.path / "few.jsonl").string() + " --hellaswag-examples 5 --steps 2");
+  const std::string five = " --hellaswag-examples 5 --steps 2 --eval-batches 3";
+  Run few = shardgrad(args + (d.path / "few.jsonl").string() + five);
+  INFO(few.output);
   REQUIRE(few.code == 0);
-  CHECK(scores(d.path / "few.jsonl").back()["examples"] == 5);
+  const nlohmann::json few_eval = read_log(d.path / "few.jsonl").back()["eval"];
+  CHECK(few_eval["hellaswag"]["examples"] == 5);
+  CHECK(few_eval["hellaswag"]["per_rank"] == nlohmann::json::array({5}));
+  CHECK(few_eval["val_batches_per_rank"] == nlohmann::json::array({3}));
+  // the data-parallel ranks split the examples and the held-out batches (rank 0: examples 0, 2, 4
+  // and batches 0, 2) and sum what they score; under zero3 the rank with the shorter share runs
+  // forwards that count nothing, as the gathers are collective (without them it waits out the timeout)
+  for (const std::string layout : {"--strategy ddp", "--strategy zero3", "--strategy zero3 --tp 2"}) {
+    INFO(layout);
+    const int np = layout.find("--tp") != std::string::npos ? 4 : 2;
+    const fs::path log = log_path(d, "split", layout.size());
+    Run split = run_command(mpirun(np) + args + log.string() + five + " --comm-timeout 60 " + layout);
+    INFO(split.output);
+    REQUIRE(split.code == 0);
+    const nlohmann::json ev = read_log(log).back()["eval"];
+    CHECK(ev["hellaswag"]["per_rank"] == nlohmann::json::array({3, 2}));
+    CHECK(ev["val_batches_per_rank"] == nlohmann::json::array({2, 1}));
+    CHECK(ev["hellaswag"]["correct"] == few_eval["hellaswag"]["correct"]);
+    CHECK(ev["hellaswag"]["accuracy_sum"] == few_eval["hellaswag"]["accuracy_sum"]);
+    CHECK(std::abs(ev["val_loss"].get<double>() - few_eval["val_loss"].get<double>()) <= 1e-5 * few_eval["val_loss"].get<double>());
+  }
 
   const std::string bin = std::string(SG_BINARY);
   refuses(bin + " train --steps 1 --hellaswag " + file, "--hellaswag " + file + ": example 0 has token");
