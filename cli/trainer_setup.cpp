@@ -410,7 +410,6 @@ void Trainer::build_model(const ckpt::Checkpoint* ck) {
              ": the data-parallel replicas need a --strategy (ddp, zero1, zero2, zero3, fsdp, hsdp or no-shard)");
   }
   if (tp_ > 1) {
-    SG_CHECK(a.str("init-from").empty(), "train: --init-from is not available with --tp yet (use --resume with a checkpoint)");
     cfg_.tp = tp_;
     cfg_.sequence_parallel = a.on("sequence-parallel");
     SG_CHECK(!cfg_.sequence_parallel || T_ % tp_ == 0, "train: --sequence-parallel: --seq-len ", T_,

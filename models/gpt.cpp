@@ -299,34 +299,41 @@ static std::string strip_prefix(const std::string& n) {
 }
 
 void load_hf_state(GPT& model, const io::SafetensorsFile& file) {
-  SG_CHECK(model.config.tp == 1, file.path, ": load_hf_state needs an unsplit model, this one is split --tp ", model.config.tp, " ways");
   autograd::NoGradGuard ng;
+  const int tp = int(model.config.tp), tp_rank = model.tp_group ? model.tp_group->rank() : 0;
   std::map<std::string, Tensor> by_name;
   for (auto& [n, t] : file.tensors) by_name[strip_prefix(n)] = t;
   std::set<std::string> used;
   for (auto& [name, p] : model.named_parameters()) {
+    // Under tp the parameter is this rank's slice: the file's tensor is checked against the whole
+    // one (wte: its padded rows) and the slice cut from it.
+    const parallel::tp::Split split = tp > 1 ? parallel::tp::gpt_param_split(name) : parallel::tp::Split{};
+    Shape whole = p.shape();
+    if (!split.replicated()) whole.at(size_t(split.dim)) *= tp;
+    const auto place = [&](const Tensor& t) { copy_(p, parallel::tp::shard_of(t, split, tp_rank, tp)); };
     auto it = by_name.find(name);
     SG_CHECK(it != by_name.end(), file.path, ": tensor '", name, "' is missing (the model expects it with shape ",
-             shape_str(name == "wte.weight" ? Shape{model.config.vocab_size, p.size(1)}
-                                            : (is_conv1d(name) ? Shape{p.size(1), p.size(0)} : p.shape())),
+             shape_str(name == "wte.weight" ? Shape{model.config.vocab_size, whole.at(1)}
+                                            : (is_conv1d(name) ? Shape{whole.at(1), whole.at(0)} : whole)),
              ")");
     used.insert(name);
     Tensor src = it->second;
     if (name == "wte.weight") {
-      SG_CHECK(src.dim() == 2 && src.size(0) == model.config.vocab_size && src.size(1) == p.size(1), file.path,
+      SG_CHECK(src.dim() == 2 && src.size(0) == model.config.vocab_size && src.size(1) == whole.at(1), file.path,
                ": tensor 'wte.weight' has shape ", shape_str(src.shape()), " but the model expects [",
-               model.config.vocab_size, ",", p.size(1), "]");
-      zero_(p);
-      copy_(narrow(p, 0, 0, model.config.vocab_size), src);
+               model.config.vocab_size, ",", whole.at(1), "]");
+      Tensor padded = zeros(whole, src.dtype(), src.device());  // the rows past the vocabulary stay 0
+      copy_(narrow(padded, 0, 0, model.config.vocab_size), src);
+      place(padded);
     } else if (is_conv1d(name)) {
-      SG_CHECK(src.dim() == 2 && src.size(0) == p.size(1) && src.size(1) == p.size(0), file.path, ": tensor '", name,
-               "' has shape ", shape_str(src.shape()), " but the model expects [", p.size(1), ",", p.size(0),
+      SG_CHECK(src.dim() == 2 && src.size(0) == whole.at(1) && src.size(1) == whole.at(0), file.path, ": tensor '", name,
+               "' has shape ", shape_str(src.shape()), " but the model expects [", whole.at(1), ",", whole.at(0),
                "] (Conv1D [in, out])");
-      copy_(p, transpose(src, 0, 1));
+      place(transpose(src, 0, 1));
     } else {
-      SG_CHECK(src.shape() == p.shape(), file.path, ": tensor '", name, "' has shape ", shape_str(src.shape()),
-               " but the model expects ", shape_str(p.shape()));
-      copy_(p, src);
+      SG_CHECK(src.shape() == whole, file.path, ": tensor '", name, "' has shape ", shape_str(src.shape()),
+               " but the model expects ", shape_str(whole));
+      place(src);
     }
   }
   for (auto& [n, t] : by_name) {

@@ -1156,6 +1156,33 @@ TEST_CASE("3-D layouts (dp x tp x pp, ddp, zero1/2, zero3, hsdp or no-shard acro
           "leaves dp = 2: the data-parallel replicas need a --strategy");
 }
 
+TEST_CASE("train --init-from under tp, sequence parallelism and pp: each rank takes its slices of the file, the single-process losses", "[cli][mpi]") {
+  TempDir d;
+  // a model of vocabulary 61 (64 rows: under tp 2 each rank holds real rows of wte), exported to a
+  // Hugging Face file after 2 steps so that no tensor holds its initial values
+  const std::string model = " --data random:61 --n-layer 4 --n-embd 32 --n-head 2 --seq-len 16 --batch-size 8 "
+                            "--micro-batch-size 2 --threads 1 --eval-every 0 --eval-batches 1 ";
+  REQUIRE(shardgrad("train" + model + "--steps 2 --save " + (d.path / "run").string()).code == 0);
+  const std::string file = (d.path / "hf" / "model.safetensors").string();
+  REQUIRE(shardgrad("export " + (d.path / "run").string() + " --out " + file).code == 0);
+  const std::string args = " train" + model + "--steps 3 --seed 7 --init-from " + file + " --log-json ";
+  const auto a = one_process(args, d.path);
+  // the file's weights, not a fresh initialisation: the seed's own model starts elsewhere
+  Run fresh = shardgrad("train" + model + "--steps 1 --seed 7 --log-json " + (d.path / "fresh.jsonl").string());
+  REQUIRE(fresh.code == 0);
+  CHECK(std::abs(read_log(d.path / "fresh.jsonl")[0]["loss"].get<double>() - a[0]["loss"].get<double>()) > 1e-3);
+  const std::vector<std::pair<int, std::string>> layouts = {
+      {2, "--tp 2"}, {2, "--tp 2 --sequence-parallel"}, {4, "--tp 2 --pp 2 --strategy ddp"}, {4, "--tp 2 --strategy zero3"}};
+  for (size_t k = 0; k < layouts.size(); ++k)
+    matches_one_process(a, layouts[k].first, args, layouts[k].second, log_path(d, "l", k));
+  // a file of another width than the flags ask for is refused before any step, under tp too
+  Run other = run_command(mpirun(2) + " train --data random:61 --n-layer 4 --n-embd 64 --n-head 2 --seq-len 16 "
+                          "--batch-size 8 --threads 1 --steps 1 --tp 2 --init-from " + file);
+  INFO(other.output);
+  CHECK(other.code != 0);
+  CHECK(other.output.find("does not match --init-from") != std::string::npos);
+}
+
 TEST_CASE("with dropout every layout draws the single-process masks and gives its losses, and evaluation runs without dropout", "[cli][mpi]") {
   TempDir d;
   const std::string args = kLayoutRun + "--dropout 0.1 --log-json ";
