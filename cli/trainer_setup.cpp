@@ -395,16 +395,9 @@ void Trainer::build_model(const ckpt::Checkpoint* ck) {
   comm::MeshPlan mesh = comm::validate_mesh(world_size_, tp_, pp_, cfg_.n_head, cfg_.n_layer, cfg_.vocab_rows(), B_, micro_);
   if (tp_ > 1 || pp_ > 1) {
     // Model parallelism composes with data parallelism over the mesh's dp axis: the rows are split
-    // over dp, and DDP, ZeRO-1/2 or the FSDP family reduce over dp only.
-    // fsdp-grad-op keeps a unit gathered from its forward to its backward, which a pipeline's
-    // interleaved micro-batches would hold for the whole step (so does hsdp without resharding,
-    // which FullyShardedDataParallel refuses under --pp).
-    const bool fsdp_ok = strategy_ == "zero3" || strategy_ == "fsdp" || strategy_ == "hsdp" || strategy_ == "no-shard" ||
-                         (strategy_ == "fsdp-grad-op" && pp_ == 1);
-    SG_CHECK(strategy_ == "single" || strategy_ == "ddp" || strategy_ == "zero1" || strategy_ == "zero2" || fsdp_ok,
-             "train: --strategy ", strategy_, " does not compose with ",
-             pp_ > 1 ? "--pp" : "--tp", " yet (ddp, zero1, zero2, zero3, fsdp, hsdp and no-shard compose with any "
-             "--tp/--pp, fsdp-grad-op with --tp)");
+    // over dp, and DDP, ZeRO-1/2 or the FSDP family (all of it) reduce over dp only.
+    SG_CHECK(strategy_ != "dp", "train: --strategy dp (replicas on the devices of one process) does not compose with ",
+             pp_ > 1 ? "--pp" : "--tp", "; run ddp under mpirun");
     SG_CHECK(mesh.mesh.dp() == 1 || strategy_ != "single", "train: --tp ", tp_, " x --pp ", pp_, " on ", world_size_,
              " ranks leaves dp = ", mesh.mesh.dp(),
              ": the data-parallel replicas need a --strategy (ddp, zero1, zero2, zero3, fsdp, hsdp or no-shard)");

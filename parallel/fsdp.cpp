@@ -74,12 +74,6 @@ FullyShardedDataParallel::FullyShardedDataParallel(nn::Module& module, nn::GPT* 
   SG_CHECK(!opt_.offload_params || opt_.mode != FsdpMode::no_shard, "fsdp: no_shard keeps whole replicas on the "
            "device; there are no parameter shards to offload");
   const int N = world_->size();
-  const bool piped = bool(opt_.holds);
-  const bool per_action = opt_.mode == FsdpMode::full_shard || opt_.mode == FsdpMode::no_shard ||
-                          (opt_.mode == FsdpMode::hybrid && opt_.reshard_after_forward.value_or(true));
-  SG_CHECK(!piped || per_action, "fsdp: under a pipeline a unit is gathered and released per action (the "
-           "micro-batches' forwards and backwards interleave): full_shard, hybrid resharding after forward or "
-           "no_shard, not ", mode, opt_.mode == FsdpMode::hybrid ? " without resharding" : "");
   SG_CHECK(opt_.mode == FsdpMode::hybrid || opt_.shard_group_size == 0, "fsdp: --shard-group-size applies to hybrid "
            "sharding only, not ", mode);
   SG_CHECK(opt_.limit_all_gathers >= 1, "fsdp: --limit-all-gathers must be >= 1, got ", opt_.limit_all_gathers);
@@ -132,6 +126,9 @@ void FullyShardedDataParallel::gpt_units() {
       if (held(prefix + "." + n)) u.params.emplace_back(prefix + "." + n, p);
   };
   const nn::Module& wte = model.wte ? static_cast<const nn::Module&>(*model.wte) : *model.tp_wte;
+  // Under a pipeline the roots, and with shard_grad_op (or hybrid without resharding) every unit,
+  // stay gathered from their first forward to finish_gradients(), reduced once a step.
+  const bool keep_gathered = piped && shard_ && !reshard_;
   auto add_root = [&](Unit u) {
     u.root = true;
     u.deferred = piped;
@@ -169,6 +166,7 @@ void FullyShardedDataParallel::gpt_units() {
     u.first = model.h[begin].get();
     u.last = model.h[i].get();
     u.first_block = int(begin), u.last_block = int(i);
+    u.deferred = keep_gathered;
     for (size_t j = begin; j <= i; ++j) add(u, "h." + std::to_string(j), *model.h[j]);
     units_.push_back(std::move(u));
     begin = i + 1;
@@ -541,7 +539,7 @@ void FullyShardedDataParallel::sum_replicated_gradients(comm::ProcessGroup& tp_g
 
 void FullyShardedDataParallel::gather_roots() {
   for (auto& u : units_)
-    if (u.deferred) wait_gather(u);
+    if (u.root && u.deferred) wait_gather(u);
 }
 
 Tensor FullyShardedDataParallel::tied_grad_shard() {

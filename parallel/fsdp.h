@@ -66,8 +66,12 @@
 // run outside GPT::forward, so the pipeline calls gather_roots() before a stage's forward; the two
 // root units then stay gathered until finish_gradients(), their gradients accumulating over the
 // micro-batches and reduced once (micro-batches' forwards and backwards interleave). Block units
-// gather and release per action as without the pipeline: full_shard, hybrid resharding after
-// forward and no_shard (shard_grad_op would keep every unit gathered all step). Prefetch follows
+// gather and release per action as without the pipeline under full_shard, hybrid resharding after
+// forward and no_shard. Under shard_grad_op (and hybrid without resharding) a block unit too stays
+// gathered from its first forward of the step to finish_gradients(), its gradients accumulating
+// over the micro-batches and reduced once: all_gather and reduce_scatter (N-1)/N·eΨp a step
+// whatever the micro-batch count (FSDP's reshard_after_forward = false under a pipeline), at the
+// cost of the stage's parameters and their full gradients held all step. Prefetch follows
 // the schedule: an action's first unit is gathered as the action begins, while it waits for the
 // other stage (prefetch_action), and the next units of its chunk (a run of consecutive blocks)
 // while the chunk computes; a rank's other chunks are never gathered ahead of their action.
@@ -210,7 +214,7 @@ class FullyShardedDataParallel {
     nn::Module* last = nullptr;   // post_forward releases and wraps
     bool root = false;
     int first_block = -1, last_block = -1;  // a block unit's run, h.first_block .. h.last_block
-    bool deferred = false;        // reduced by finish_gradients() only (the pipeline's roots)
+    bool deferred = false;        // reduced by finish_gradients() only (the pipeline's roots; shard_grad_op's units)
     std::vector<std::pair<std::string, Tensor>> params;
     std::vector<int64_t> offsets;       // of each parameter in the flat vector
     int64_t numel = 0, shard = 0;       // Ψu, S

@@ -274,6 +274,7 @@ TEST_CASE("the planner's param, grad and optimizer bytes and bytes per collectiv
       {"--pp 2 --micro-batch-size 2 --pp-schedule 1f1b", layout(1, 1, 2, "ddp", 2), 2, false},
       {"--pp 2 --micro-batch-size 2 --pp-schedule gpipe", layout(1, 1, 2, "ddp", 2), 2, false},
       {"--pp 2 --strategy zero3 --micro-batch-size 2", layout(2, 1, 2, "zero3", 2), 4, true},
+      {"--pp 2 --strategy fsdp-grad-op --micro-batch-size 2", layout(2, 1, 2, "fsdp-grad-op", 2), 4, true},
       {"--pp 2 --strategy hsdp --shard-group-size 2 --micro-batch-size 2", layout(2, 1, 2, "hsdp", 2), 4, true},
       // shard groups of 2 inside one node of 4: the group's size comes from the flag, not the node
       {"--strategy hsdp --shard-group-size 2 --micro-batch-size 2",

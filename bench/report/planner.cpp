@@ -136,9 +136,6 @@ void check_layout(const PlanInput& in) {
   SG_CHECK(l.offload != "params" || shards_params(l.strategy), "plan: --offload params needs a strategy that shards ",
            "the parameters (zero3, fsdp, fsdp-grad-op, hsdp), not ", l.strategy);
   SG_CHECK(!l.sequence_parallel || l.tp > 1, "plan: --sequence-parallel needs --tp > 1");
-  SG_CHECK(l.strategy != "fsdp-grad-op" || l.pp == 1, "plan: fsdp-grad-op keeps every unit gathered from forward to "
-           "backward, which a pipeline's interleaved micro-batches would make the whole step (train refuses it "
-           "with --pp)");
   const int world = l.dp * l.tp * l.pp;
   SG_CHECK(world <= c.gpus_per_node * c.nodes, "plan: dp ", l.dp, " x tp ", l.tp, " x pp ", l.pp, " = ", world,
            " GPUs, the cluster has ", c.gpus_per_node * c.nodes, " (", c.nodes, " x ", c.gpus_per_node, ")");
@@ -228,12 +225,14 @@ RankMemory stage_memory(const PlanInput& in, const StageElements& st, const Shar
     if (r == l.pp - 1) mem.activation += 4.0 * double(m.seq_len) * double(l.micro_batch_size) * double(m.vocab_rows()) / l.tp;
   }
   // Buffers: zero's stripe; fsdp's gathered root + one block (fsdp-grad-op: every unit, gathered
-  // from forward to the end of backward) and a flat gradient of one unit. ddp's buckets are its
+  // from forward to the end of backward; under a pipeline all step, beside its full gradients) and
+  // a flat gradient of one unit. ddp's buckets are its
   // gradients (they take the .grad tensors' place and become them as views): nothing beside them.
   if (sh.N > 1) {
     const double gathered = double(std::max(st.roots, st.biggest_unit)) * d;
     if (l.strategy == "ddp") mem.buffers = 0;
     else if (l.strategy == "zero1" || l.strategy == "zero2") mem.buffers = std::min(double(in.bucket_bytes), double(st.E) * d);
+    else if (l.strategy == "fsdp-grad-op" && l.pp > 1) mem.buffers = 2.0 * double(st.E) * d + gathered;  // + full grads all step
     else if (l.strategy == "fsdp-grad-op") mem.buffers = double(st.E) * d + gathered;
     else if (m.has_shape()) mem.buffers = double(st.roots + st.biggest_unit) * d + gathered;
     // A raw parameter count has no units: the gathered unit is unknown (not the whole model).
@@ -262,8 +261,9 @@ void add_dp_traffic(StageTraffic& t, const PlanInput& in, const StageElements& s
   } else {
     const int gathers = l.strategy == "fsdp-grad-op" ? 1 : 2;  // forward, and again in backward
     for (size_t i = 0; i < st.su.units.size(); ++i) {
-      // Every micro-batch gathers and reduces a unit; a pipeline's roots once a step.
-      const bool once = l.pp > 1 && i < st.su.roots;
+      // Every micro-batch gathers and reduces a unit; a pipeline's roots once a step, and under a
+      // pipeline fsdp-grad-op's every unit (gathered from its first forward to the step's end).
+      const bool once = l.pp > 1 && (i < st.su.roots || l.strategy == "fsdp-grad-op");
       const int64_t padded = ceil_div(st.su.units[i], sh.shard_n) * sh.shard_n * d;
       k["all_gather"] += (once ? 1 : gathers * mb) * comm::all_gather_bytes(padded, sh.shard_n);
       k["reduce_scatter"] += (once ? 1 : mb) * comm::reduce_scatter_bytes(padded, sh.shard_n);
