@@ -71,9 +71,10 @@ void declare_flags(Args& a) {
   a.flag("reshard-after-forward", "default", "fsdp family: default | true | false (free gathered units after forward)");
   a.flag("prefetch", "none", "fsdp family: none | forward | backward | both (gather the next unit ahead)");
   a.flag("limit-all-gathers", "2", "fsdp family: at most this many block units gathered at once");
-  a.flag("offload", "none", "fsdp family: none | optimizer (m, v and an f32 master on the host, AdamW there; the "
-         "compute device (--device cuda:N, or cpu:1 to try it on a CPU) keeps the parameter and gradient shards) | "
-         "params (the parameter shards on the host too, staged to the device for each gather)");
+  a.flag("offload", "none", "zero1, zero2, fsdp family: none | optimizer (ZeRO-Offload: m, v and an f32 master of "
+         "the shard on the host, AdamW there; the compute device (--device cuda:N, or cpu:1 to try it on a CPU) keeps "
+         "the parameters and gradients) | params (fsdp family: the parameter shards on the host too, staged to the "
+         "device for each gather)");
   a.flag("reduce-dtype", "param", "fsdp family: gradient reduction dtype: param | fp32 | bf16 | fp16");
   a.flag("tp", "1", "tensor-parallel ranks: heads, MLP and vocabulary split (launch with mpirun -np TP)");
   a.toggle("sequence-parallel", "with --tp: LayerNorm/dropout regions split along the sequence");

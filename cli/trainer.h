@@ -166,6 +166,9 @@ class Trainer {
     if (tp_ > 1 || pp_ > 1) return groups_.coord.dp == 0;
     return lead();
   }
+  // --offload optimizer|params: whether the optimizer state goes to the host (checked: a value
+  // it knows, and a compute device other than the host).
+  bool offload_state() const;
   bool distributed() const { return strategy_ == "ddp" || zero_stage() > 0 || tp_ > 1 || pp_ > 1; }
   // zero3 and the FSDP family all shard the parameters (stage 3's memory and more or less of its traffic).
   bool fsdp_family() const {

@@ -153,9 +153,12 @@ void Trainer::configure() {
     SG_CHECK(!a.given(flag) || applies, "train: --", flag, " is for ", what, "; this run is --strategy ", strategy_,
              pp_ > 1 ? " --pp " + std::to_string(pp_) : std::string());
   };
-  for (const char* flag : {"offload", "wrap-min-params", "reshard-after-forward", "prefetch", "limit-all-gathers",
-                           "reduce-dtype"})
+  for (const char* flag : {"wrap-min-params", "reshard-after-forward", "prefetch", "limit-all-gathers", "reduce-dtype"})
     only_for(flag, fsdp_family(), "the fsdp family (zero3, fsdp, fsdp-grad-op, hsdp, no-shard)");
+  only_for("offload", zero_stage() > 0, "the sharded strategies (zero1, zero2 and the fsdp family)");
+  SG_CHECK(a.str("offload") != "params" || fsdp_family(), "train: --offload params moves parameter shards to the host; ",
+           "--strategy ", strategy_, " keeps whole parameters on every rank (offload the optimizer, or shard the "
+           "parameters: zero3 or the fsdp family)");
   only_for("shard-group-size", strategy_ == "hsdp", "--strategy hsdp");
   only_for("bucket-mb", strategy_ == "ddp" || strategy_ == "zero1" || strategy_ == "zero2", "ddp, zero1 and zero2");
   only_for("find-unused-parameters", strategy_ == "ddp", "--strategy ddp");
@@ -442,6 +445,15 @@ void Trainer::build_model(const ckpt::Checkpoint* ck) {
   }
 }
 
+bool Trainer::offload_state() const {
+  const std::string off = args_.str("offload");
+  SG_CHECK(off == "none" || off == "optimizer" || off == "params", "train: --offload must be none, optimizer or params, got '",
+           off, "'");
+  SG_CHECK(off == "none" || device_ != Device::cpu(0), "train: --offload ", off, " moves state from the compute device ",
+           "to the host (cpu:0): give a compute device (--device cuda:N, or cpu:1 on a CPU machine)");
+  return off != "none";
+}
+
 void Trainer::build_optimizer() {
   const Args& a = args_;
   if (dtype_ == DType::f32 || zero_stage()) {  // zero keeps f32 masters for its own shard only
@@ -470,6 +482,7 @@ void Trainer::build_optimizer() {
     z.stage = zero_stage();
     SG_CHECK(a.f64("bucket-mb") > 0, "train: --bucket-mb must be > 0");
     z.bucket_bytes = int64_t(a.f64("bucket-mb") * double(1 << 20));
+    if (offload_state()) z.offload_optimizer = host_device();
     zero_ = std::make_unique<parallel::ZeroOptimizer>(master_, groups_.dp, oc, z);
     parallel::watchdog::Waiting w("the parameter broadcast");
     zero_->broadcast_parameters();
@@ -609,14 +622,9 @@ parallel::FsdpOptions Trainer::fsdp_options() const {
   o.backward_prefetch = pf == "backward" || pf == "both";
   SG_CHECK(a.i64("limit-all-gathers") >= 1, "train: --limit-all-gathers must be >= 1");
   o.limit_all_gathers = int(a.i64("limit-all-gathers"));
-  const std::string off = a.str("offload");
-  SG_CHECK(off == "none" || off == "optimizer" || off == "params", "train: --offload must be none, optimizer or params, got '",
-           off, "'");
-  if (off != "none") {
-    SG_CHECK(device_ != Device::cpu(0), "train: --offload ", off, " moves state from the compute device to the host "
-             "(cpu:0): give a compute device (--device cuda:N, or cpu:1 on a CPU machine)");
+  if (offload_state()) {
     o.offload_optimizer = host_device();  // params: the parameter shards as well
-    o.offload_params = off == "params";
+    o.offload_params = a.str("offload") == "params";
   }
   const std::string rd = a.str("reduce-dtype");
   if (rd != "param") {

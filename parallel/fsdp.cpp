@@ -12,13 +12,6 @@
 namespace sg::parallel {
 
 namespace {
-// Memory on `where` for what travels to and from the `compute` device: page-locked host memory
-// when the one is the host and the other a GPU (the offloaded shards and masters, the gradients
-// going to the host step), so those copies run at full bus bandwidth.
-Tensor transfer_buffer(const Shape& shape, DType dtype, Device where, Device compute) {
-  return where.is_cpu() && compute.is_cuda() ? Tensor::empty_pinned(shape, dtype) : empty(shape, dtype, where);
-}
-
 // A 1-D handle on a whole storage: it reads storage->data() at each use, so it follows the
 // storage through release() and reallocate().
 Tensor over(const std::shared_ptr<Storage>& s, int64_t n, DType dtype) {
@@ -585,13 +578,8 @@ void FullyShardedDataParallel::step(double lr, double grad_scale) {
   for (auto& u : units_)
     for (const Segment& s : u.segments) {
       Tensor g = narrow(u.grad_shard, 0, s.at, s.len);
-      if (g.dtype() != DType::f32) g = to(g, DType::f32);
-      if (g.device() != u.m.device()) {  // offloaded: the gradient goes to the host for the step
-        MemScope scope(MemCategory::comm_buffer);
-        Tensor host = transfer_buffer(g.shape(), g.dtype(), u.m.device(), g.device());
-        copy_(host, g);
-        g = host;
-      }
+      if (g.device() != u.m.device()) g = offloaded_gradient(g, u.m.device());  // to the host for the step
+      else if (g.dtype() != DType::f32) g = to(g, DType::f32);
       Tensor target = u.master.defined() ? narrow(u.master, 0, s.at, s.len) : narrow(u.shard_param, 0, s.at, s.len);
       batch.add(target, g, narrow(u.m, 0, s.at, s.len), narrow(u.v, 0, s.at, s.len),
                 optim::AdamW::decays(u.params[s.param].second));

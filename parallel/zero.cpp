@@ -19,6 +19,17 @@ GradWeight mesh_grad_weight(int tp_rank, bool first_stage) {
   };
 }
 
+Tensor transfer_buffer(const Shape& shape, DType dtype, Device where, Device compute) {
+  return where.is_cpu() && compute.is_cuda() ? Tensor::empty_pinned(shape, dtype) : empty(shape, dtype, where);
+}
+
+Tensor offloaded_gradient(const Tensor& g, Device host) {
+  MemScope scope(MemCategory::comm_buffer);
+  Tensor out = transfer_buffer(g.shape(), DType::f32, host, g.device());
+  copy_(out, g.dtype() == DType::f32 ? g : to(g, DType::f32));
+  return out;
+}
+
 namespace {
 // Elements [lo, lo + len) of a contiguous tensor, as a 1-D view (a copy only if t is strided,
 // which is fine for reading).
@@ -33,7 +44,7 @@ ZeroOptimizer::ZeroOptimizer(NamedTensors params, std::shared_ptr<comm::ProcessG
   SG_CHECK(opt_.bucket_bytes > 0, "zero: --bucket-mb must be > 0");
   SG_CHECK(!params_.empty(), "zero: no parameters");
   dtype_ = params_[0].second.dtype();
-  const Device dev = params_[0].second.device();
+  const Device dev = device_ = params_[0].second.device();
   SG_CHECK(dtype_ == DType::f32 || dtype_ == DType::bf16 || dtype_ == DType::f16, "zero: parameters are ",
            dtype_name(dtype_), " (expected f32, bf16 or f16)");
   for (auto& [n, p] : params_) {
@@ -70,9 +81,13 @@ ZeroOptimizer::ZeroOptimizer(NamedTensors params, std::shared_ptr<comm::ProcessG
 
   {
     MemScope scope(MemCategory::optim_state);  // ZeRO's K·Ψ/N: m, v (and f32 masters) for the shard only
-    m_ = zeros({shard_}, DType::f32, dev);
-    v_ = zeros({shard_}, DType::f32, dev);
-    if (dtype_ != DType::f32) master_ = zeros({shard_}, DType::f32, dev);
+    const Device odev = opt_.offload_optimizer.value_or(dev);  // offloaded: an f32 master there too
+    m_ = zeros({shard_}, DType::f32, odev);
+    v_ = zeros({shard_}, DType::f32, odev);
+    if (dtype_ != DType::f32 || opt_.offload_optimizer) {
+      master_ = transfer_buffer({shard_}, DType::f32, odev, dev);
+      zero_(master_);  // the padding
+    }
   }
   if (master_.defined()) {
     autograd::NoGradGuard ng;
@@ -136,7 +151,7 @@ void ZeroOptimizer::launch(size_t k) {
   const int N = group_->size();
   {
     MemScope scope(MemCategory::comm_buffer);
-    s.buffer = empty({N * s.len + (opt_.stage == 1 ? s.len : 0)}, dtype_, m_.device());
+    s.buffer = empty({N * s.len + (opt_.stage == 1 ? s.len : 0)}, dtype_, device_);
   }
   Tensor in = narrow(s.buffer, 0, 0, N * s.len);
   zero_(in);  // padding, and parameters that got no gradient
@@ -153,7 +168,7 @@ void ZeroOptimizer::launch(size_t k) {
   if (opt_.stage == 2)  // a full gradient is dead once every stripe touching it has been copied
     for (size_t p : s.params)
       if (--unlaunched_[p] == 0) params_[p].second.set_grad(Tensor());
-  trace::memory(m_.device());
+  trace::memory(device_);
 }
 
 // Waits for a stripe; stage 1 writes this rank's averaged window back into its own .grad pieces.
@@ -270,6 +285,7 @@ void ZeroOptimizer::step(double lr, double grad_scale) {
     Tensor g = opt_.stage == 2 ? narrow(grad_shard_, 0, s.at, s.len)
                                : (p.grad().defined() ? piece(p.grad(), s.lo, s.len) : Tensor());
     if (!g.defined()) continue;
+    if (g.device() != m_.device()) g = offloaded_gradient(g, m_.device());  // to the host for the step
     Tensor target = master_.defined() ? narrow(master_, 0, s.at, s.len) : piece(p, s.lo, s.len);
     // the weight decay is masked per segment, by the parameter it belongs to
     batch.add(target, g, narrow(m_, 0, s.at, s.len), narrow(v_, 0, s.at, s.len), optim::AdamW::decays(p));
@@ -280,7 +296,7 @@ void ZeroOptimizer::step(double lr, double grad_scale) {
   const int N = group_->size(), r = group_->rank();
   auto issue = [&](Stripe& s) {
     MemScope scope(MemCategory::comm_buffer);
-    s.buffer = empty({N * s.len}, dtype_, m_.device());
+    s.buffer = empty({N * s.len}, dtype_, device_);
     Tensor own = narrow(s.buffer, 0, r * s.len, s.len);
     const int64_t w = window(r, s);
     if (master_.defined()) {
@@ -292,7 +308,7 @@ void ZeroOptimizer::step(double lr, double grad_scale) {
       });
     }
     s.work = group_->all_gather(s.buffer, own);
-    trace::memory(m_.device());
+    trace::memory(device_);
   };
   auto scatter = [&](Stripe& s) {
     s.work->wait();

@@ -23,7 +23,8 @@
 //   stage 1: param 4Ψ, grad 4Ψ,           optim_state 8Ψp/N
 //   stage 2: param 4Ψ, grad 4Ψp/N (after finish_gradients), optim_state 8Ψp/N
 // With bf16/f16 parameters the f32 master weights are partitioned too (optim_state 12Ψp/N) and
-// gradients travel and are kept in the parameters' dtype.
+// gradients travel and are kept in the parameters' dtype. With offload_optimizer the compute
+// device's optim_state is 0 and the host's 12Ψp/N (m, v and an f32 master, whatever the dtype).
 //
 // Stage 1: full gradients stay on every rank; finish_gradients() reduce-scatters (avg) the stripes
 // after backward and writes this rank's averaged elements back into its own .grad pieces.
@@ -55,6 +56,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -75,7 +77,19 @@ GradWeight mesh_grad_weight(int tp_rank, bool first_stage);
 struct ZeroOptions {
   int stage = 1;                      // 1: optimizer state partitioned; 2: gradients too
   int64_t bucket_bytes = 25ll << 20;  // --bucket-mb: bytes of one stripe's reduce-scatter input
+  // ZeRO-Offload (Ren et al.; DeepSpeed's offload_optimizer): m, v and an f32 master of the shard
+  // live on this host device and AdamW runs there; each step moves the shard's gradient to the
+  // host and the updated shard back (the all-gather's input). The compute device keeps the
+  // parameters and the (stage 2: shard) gradients, and no optimizer state.
+  std::optional<Device> offload_optimizer;
 };
+
+// Memory on `where` for what travels to and from the `compute` device: page-locked host memory
+// when the one is the host and the other a GPU (offloaded optimizer state and masters, gradients
+// going to a host step), so those copies run at full bus bandwidth.
+Tensor transfer_buffer(const Shape& shape, DType dtype, Device where, Device compute);
+// An offloaded step's gradient: g widened to f32 in a transfer buffer on `host` (comm_buffer).
+Tensor offloaded_gradient(const Tensor& g, Device host);
 
 class ZeroOptimizer {
  public:
@@ -183,7 +197,8 @@ class ZeroOptimizer {
   std::vector<char> marked_;
   std::vector<size_t> in_flight_;
   Tensor grad_shard_;           // stage 2: S elements, the parameters' dtype (grad)
-  Tensor master_, m_, v_;       // S elements each, f32 (optim_state); master_ only for bf16/f16
+  Tensor master_, m_, v_;       // S elements each, f32 (optim_state); master_ for bf16/f16 or offloaded
+  Device device_;               // the parameters' (the compute device; m_ and v_ may be offloaded)
   bool sync_ = true;
   int64_t step_ = 0;
   std::shared_ptr<bool> alive_;  // hooks outlive us on the parameters: they check this first

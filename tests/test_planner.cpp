@@ -190,16 +190,23 @@ TEST_CASE("search finds only layouts that fit, fastest first, and a model too bi
     CHECK(found[i].world == 8);
     if (i) CHECK(found[i - 1].tokens_per_s >= found[i].tokens_per_s);
   }
-  bool any_ddp = false, grad_op = false;
+  bool any_ddp = false, grad_op = false, grad_op_piped = false;
   for (const auto& p : found) {
     any_ddp |= p.input.layout.strategy == "ddp" && p.input.layout.tp * p.input.layout.pp == 1;
-    if (p.input.layout.strategy == "fsdp-grad-op") {
-      grad_op = true;
-      CHECK(p.input.layout.pp == 1);  // train refuses it under a pipeline
-    }
+    if (p.input.layout.strategy == "fsdp-grad-op") (p.input.layout.pp == 1 ? grad_op : grad_op_piped) = true;
   }
   CHECK_FALSE(any_ddp);
   CHECK(grad_op);  // a candidate: ZeRO-2's traffic with the parameters sharded between steps
+  CHECK(grad_op_piped);  // and under a pipeline, where its units stay gathered all step
+  // Under a pipeline fsdp-grad-op gathers and reduces each unit once a step, zero3 every
+  // micro-batch: halving the micro-batches (mbs 1 -> 2) halves zero3's block traffic only.
+  const auto gathered = [&](const char* strategy, int64_t mbs) {
+    PlanInput x = in;
+    x.layout.dp = 4, x.layout.pp = 2, x.layout.strategy = strategy, x.layout.micro_batch_size = mbs;
+    return make_plan(x).comm.at("all_gather");
+  };
+  CHECK(gathered("fsdp-grad-op", 1) == gathered("fsdp-grad-op", 2));
+  CHECK(gathered("zero3", 1) > gathered("zero3", 2));
 }
 
 // ---- against the engine ----
