@@ -1,7 +1,8 @@
 // The trainer on a real GPU, run as a user runs it (the shardgrad executable): the tiny GPT's
 // losses on cuda:0 against the CPU's in f32; bf16 and fp16 (loss scaling) close to them; and the
 // multi-rank paths that fit on one GPU — ddp and zero3 over MPI with the ranks sharing cuda:0
-// (host staging), ddp over NCCL at one rank; generate and eval (HellaSwag) on cuda:0 against the CPU. Exits 77 (CTest: skipped) without a CUDA device.
+// (host staging), ddp over NCCL at one rank, the optimizer offloaded to the host under zero2 and
+// zero3; generate and eval (HellaSwag) on cuda:0 against the CPU. Exits 77 (CTest: skipped) without a CUDA device.
 #define CATCH_CONFIG_RUNNER
 #include "tests/catch.h"
 #include <cmath>
@@ -68,6 +69,14 @@ TEST_CASE("ddp and zero3 on 2 ranks sharing cuda:0 over MPI, and ddp over NCCL, 
         1e-5);
   CHECK(max_rel(losses(mpirun1, "--device cuda --backend nccl --strategy ddp", dir, "nccl"), one,
                 "ddp, 1 rank over nccl") < 1e-5);
+  // the optimizer offloaded to the host (pinned buffers both ways): zero2 (ZeRO-Offload), zero3
+  // and zero3 with its parameter shards on the host too; bf16 against bf16 without offload. AdamW
+  // then runs on the CPU: f32 rounding of another kernel, as the CPU-vs-GPU bound above
+  for (const char* off : {"zero2 --offload optimizer", "zero3 --offload optimizer", "zero3 --offload params"})
+    CHECK(max_rel(losses(mpirun2, std::string("--device cuda:0 --strategy ") + off, dir, "offload"), one, off) < 1e-4);
+  const auto bf16 = losses(mpirun2, "--device cuda:0 --dtype bf16 --strategy zero2", dir, "bf16");
+  CHECK(max_rel(losses(mpirun2, "--device cuda:0 --dtype bf16 --strategy zero2 --offload optimizer", dir, "bf16_off"),
+                bf16, "zero2 bf16 offloaded vs not") < 3e-3);
 }
 
 TEST_CASE("generate samples on cuda:0 as on the CPU (f32, greedy) and runs in bf16 with its KV cache", "[gpu][generate]") {
