@@ -90,6 +90,19 @@ void write_file_atomic(const std::string& path, const std::string& what,
   SG_CHECK(rc == 0, what, " ", path, ": fsync of folder ", dir.string(), " failed (", why, ")");
 }
 
+LlmcHeader read_llmc_header(const ReadFile& f, const std::string& what, int32_t magic, int32_t version,
+                            const std::string& hint, const std::string& count_name) {
+  const std::string& path = f.path();
+  SG_CHECK(f.size() >= kLlmcHeaderBytes, what, " ", path, ": the file is ", f.size(), " bytes, shorter than the ",
+           kLlmcHeaderBytes, "-byte header");
+  LlmcHeader h{};
+  f.read_at(&h, sizeof(h), 0);
+  SG_CHECK(h.magic == magic, what, " ", path, ": magic number ", h.magic, " is not ", magic, " (", hint, ")");
+  SG_CHECK(h.version == version, what, " ", path, ": version ", h.version, " is not ", version);
+  SG_CHECK(h.count >= 0, what, " ", path, ": negative ", count_name, " count ", h.count);
+  return h;
+}
+
 std::string read_file(const std::string& path, const std::string& what) {
   ReadFile f(path, what);
   std::string s(size_t(f.size()), '\0');

@@ -35,6 +35,18 @@ using ByteSink = std::function<void(const void* data, size_t n)>;
 void write_file_atomic(const std::string& path, const std::string& what,
                        const std::function<void(const ByteSink&)>& write);
 
+// llm.c's binary files (token shards, eval files) open with a header of 256 little-endian int32
+// words: a magic number, a version, a count, then fields of each format's own. Checks that the
+// file holds the header, the magic (`hint` says what the file is not), the version and a count
+// >= 0 ("negative <count_name> count"), and returns the first four words; errors name `what` and
+// the file.
+constexpr int64_t kLlmcHeaderBytes = 256 * 4;
+struct LlmcHeader {
+  int32_t magic, version, count, field3;  // field3: the eval file's longest example in bytes
+};
+LlmcHeader read_llmc_header(const ReadFile& f, const std::string& what, int32_t magic, int32_t version,
+                            const std::string& hint, const std::string& count_name);
+
 // The whole file's bytes; errors name `what` and the file.
 std::string read_file(const std::string& path, const std::string& what);
 

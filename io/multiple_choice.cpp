@@ -16,7 +16,6 @@ namespace sg::io {
 static_assert(std::endian::native == std::endian::little, "eval files are little-endian, as is this host");
 
 namespace {
-constexpr int64_t kHeaderBytes = 256 * 4;
 constexpr uint16_t kStart = 65535;  // the word that opens every example
 }  // namespace
 
@@ -60,28 +59,22 @@ void write_choice_file(const std::string& path, const std::vector<ChoiceExample>
 
 std::vector<ChoiceExample> read_choice_file(const std::string& path, int64_t limit) {
   ReadFile f(path, "eval file");
-  SG_CHECK(f.size() >= kHeaderBytes, "eval file ", path, ": the file is ", f.size(), " bytes, shorter than the ",
-           kHeaderBytes, "-byte header");
-  int32_t header[4];
-  f.read_at(header, sizeof(header), 0);
-  SG_CHECK(header[0] == kChoiceMagic, "eval file ", path, ": magic number ", header[0], " is not ", kChoiceMagic,
-           " (not an llm.c multiple-choice eval file such as hellaswag_val.bin?)");
-  SG_CHECK(header[1] == kChoiceVersion, "eval file ", path, ": version ", header[1], " is not ", kChoiceVersion);
-  SG_CHECK(header[2] >= 0, "eval file ", path, ": negative example count ", header[2]);
-  SG_CHECK((f.size() - kHeaderBytes) % 2 == 0, "eval file ", path, ": ", f.size() - kHeaderBytes,
+  const LlmcHeader h = read_llmc_header(f, "eval file", kChoiceMagic, kChoiceVersion,
+                                        "not an llm.c multiple-choice eval file such as hellaswag_val.bin?", "example");
+  SG_CHECK((f.size() - kLlmcHeaderBytes) % 2 == 0, "eval file ", path, ": ", f.size() - kLlmcHeaderBytes,
            " bytes after the header, not a whole number of 16-bit words");
-  std::vector<uint16_t> w(size_t((f.size() - kHeaderBytes) / 2));
-  f.read_at(w.data(), w.size() * 2, kHeaderBytes);
+  std::vector<uint16_t> w(size_t((f.size() - kLlmcHeaderBytes) / 2));
+  f.read_at(w.data(), w.size() * 2, kLlmcHeaderBytes);
 
-  const int64_t n = limit > 0 ? std::min<int64_t>(limit, header[2]) : header[2];
+  const int64_t n = limit > 0 ? std::min<int64_t>(limit, h.count) : h.count;
   std::vector<ChoiceExample> out;
   out.reserve(size_t(std::min<int64_t>(n, int64_t(w.size()) / 9)));  // an example takes 9 words at least: not the header's word
   size_t at = 0;  // the word being read
   for (int64_t i = 0; i < n; ++i) {
     const size_t begin = at;
-    auto where = [&] { return str("eval file ", path, ": example ", i, " (byte ", kHeaderBytes + 2 * int64_t(begin), ")"); };
+    auto where = [&] { return str("eval file ", path, ": example ", i, " (byte ", kLlmcHeaderBytes + 2 * int64_t(begin), ")"); };
     auto word = [&]() -> uint16_t {
-      SG_CHECK(at < w.size(), where(), ": the file ends inside it (the header promises ", header[2], " examples)");
+      SG_CHECK(at < w.size(), where(), ": the file ends inside it (the header promises ", h.count, " examples)");
       return w[at++];
     };
     auto tokens = [&](const char* what) {
@@ -95,7 +88,7 @@ std::vector<ChoiceExample> read_choice_file(const std::string& path, int64_t lim
     SG_CHECK(start == kStart, where(), ": starts with ", start, ", not the example marker 65535");
     const uint16_t bytes = word(), index = word();
     SG_CHECK(index == uint16_t(i), where(), ": its index says ", index);
-    SG_CHECK(bytes <= header[3], where(), ": ", bytes, " bytes, more than the header's longest example, ", header[3]);
+    SG_CHECK(bytes <= h.field3, where(), ": ", bytes, " bytes, more than the header's longest example, ", h.field3);
     ChoiceExample e;
     e.label = word();
     const uint16_t endings = word();
@@ -105,8 +98,8 @@ std::vector<ChoiceExample> read_choice_file(const std::string& path, int64_t lim
     SG_CHECK(2 * (at - begin) == bytes, where(), ": says it is ", bytes, " bytes but its fields take ", 2 * (at - begin));
     out.push_back(std::move(e));
   }
-  SG_CHECK(n < header[2] || at == w.size(), "eval file ", path, ": ", 2 * (w.size() - at),
-           " bytes after the last of its ", header[2], " examples");
+  SG_CHECK(n < h.count || at == w.size(), "eval file ", path, ": ", 2 * (w.size() - at),
+           " bytes after the last of its ", h.count, " examples");
   return out;
 }
 

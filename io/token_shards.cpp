@@ -30,18 +30,12 @@ namespace {
 
 int64_t validated_size(const ReadFile& f) {
   const std::string& path = f.path();
-  SG_CHECK(f.size() >= kShardHeaderBytes, "token shard ", path, ": the file is ", f.size(),
-           " bytes, shorter than the ", kShardHeaderBytes, "-byte header");
-  int32_t header[3];
-  f.read_at(header, sizeof(header), 0);
-  SG_CHECK(header[0] == kShardMagic, "token shard ", path, ": magic number ", header[0], " is not ", kShardMagic,
-           " (not an llm.c token shard?)");
-  SG_CHECK(header[1] == kShardVersion, "token shard ", path, ": version ", header[1], " is not ", kShardVersion);
-  SG_CHECK(header[2] >= 0, "token shard ", path, ": negative token count ", header[2]);
-  const int64_t want = kShardHeaderBytes + 2 * int64_t(header[2]);
-  SG_CHECK(f.size() == want, "token shard ", path, ": the header says ", header[2], " tokens (", want,
+  const int32_t count =
+      read_llmc_header(f, "token shard", kShardMagic, kShardVersion, "not an llm.c token shard?", "token").count;
+  const int64_t want = kShardHeaderBytes + 2 * int64_t(count);
+  SG_CHECK(f.size() == want, "token shard ", path, ": the header says ", count, " tokens (", want,
            " bytes with the header) but the file is ", f.size(), " bytes");
-  return header[2];
+  return count;
 }
 
 bool has_glob_chars(const std::string& s) { return s.find_first_of("*?[") != std::string::npos; }

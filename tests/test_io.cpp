@@ -255,6 +255,8 @@ TEST_CASE("token shards round-trip and refuse a bad magic, version or length, na
   REQUIRE_THROWS_WITH(read_token_shard(q), Contains(q) && Contains("version 2"));
   write_bytes(q, corrupt(8, 6));
   REQUIRE_THROWS_WITH(read_token_shard(q), Contains(q) && Contains("says 6 tokens"));
+  write_bytes(q, corrupt(8, -1));
+  REQUIRE_THROWS_WITH(read_token_shard(q), Contains(q) && Contains("negative token count -1"));
   write_bytes(q, good + "x");
   REQUIRE_THROWS_WITH(token_shard_size(q), Contains(q) && Contains("1035 bytes"));
   write_bytes(q, good.substr(0, 100));
@@ -736,6 +738,9 @@ TEST_CASE("eval files: written and read back, a prefix read alone, bad files ref
   };
   bad("short.bin", bytes.substr(0, 100), "shorter than the 1024-byte header");
   bad("magic.bin", std::string(4, 'x') + bytes.substr(4), "not an llm.c multiple-choice eval file");
+  bad("version.bin", bytes.substr(0, 4) + std::string("\2\0\0\0", 4) + bytes.substr(8), "version 2 is not 1");
+  bad("negative.bin", bytes.substr(0, 8) + std::string("\xff\xff\xff\xff", 4) + bytes.substr(12),
+      "negative example count -1");
   bad("cut.bin", bytes.substr(0, bytes.size() - 2), "example 2 (byte ");
   bad("cut2.bin", bytes.substr(0, bytes.size() - 2), "the file ends inside it");
   bad("odd.bin", bytes + "x", "not a whole number of 16-bit words");
