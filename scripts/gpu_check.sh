@@ -5,7 +5,8 @@
 # training (T=1024, bf16) through `shardgrad train`, the PyTorch peer (bench/gpu/), and the
 # kernel sandboxes when built; `hf` holds `shardgrad export` to transformers' GPT2LMHeadModel (the
 # machine's image has transformers; no GPU needed). Logs go to LOG_DIR (default ./gpu_check). The train part also runs
-# the last of BATCHES with GEMM tuning (SG_GEMM_TUNE=1; README, "GEMM tuning"); TUNED_BATCHES=""
+# the last of BATCHES with GEMM tuning (SG_GEMM_TUNE=1 into LOG_DIR/gemm.tune, then again reading
+# that file; README, "GEMM tuning"); TUNED_BATCHES=""
 # skips that, TUNED_BATCHES="16 64" tunes both; and with the kernel variants still to be decided
 # (VARIANTS; VARIANTS="" skips them).
 #   BUILD=build bash scripts/gpu_check.sh [build] [tests] [train] [torch] [kernels] [hf] [sanitize]
@@ -63,14 +64,18 @@ PY
   # tuning; VARIANTS (default below) the last of BATCHES with other kernel variants
   # (kernels/cuda/variants.h), each a comma-separated list of NAME=VALUE set for the run.
   VARIANTS=${VARIANTS-"SG_NORM_BACKWARD=smem,SG_CLASSIFIER=staged SG_NORM_BACKWARD=smem_ahead,SG_CLASSIFIER=staged SG_CLASSIFIER=reversed SG_DQ_ACCUMULATOR=engine,SG_EMBEDDING_BACKWARD=packs"}
+  # The tuned run writes its choices there; the run after it reads them back without tuning.
+  tune_file="$LOG_DIR/gemm.tune"
+  rm -f "$tune_file"
   for run in $(for b in $BATCHES; do for a in ${ATTENTION:-cudnn flash}; do
                  [ "$a" = cudnn ] || [ "$b" = "$BATCH" ] && echo "$a:$b"; done; done
-               for b in ${TUNED_BATCHES-${BATCHES##* }}; do echo "cudnn:$b:SG_GEMM_TUNE=1"; done
+               for b in ${TUNED_BATCHES-${BATCHES##* }}; do
+                 echo "cudnn:$b:SG_GEMM_TUNE=1,SG_GEMM_TUNE_FILE=$tune_file cudnn:$b:SG_GEMM_TUNE_FILE=$tune_file"; done
                for v in $VARIANTS; do echo "cudnn:${BATCHES##* }:$v"; done); do
     attn=${run%%:*} rest=${run#*:} batch=${rest%%:*} variant=""
     [ "$rest" != "$batch" ] && variant=${rest#*:}
     # the log's name: _tuned for GEMM tuning, else the variant's values joined by _
-    suffix=$(case "$variant" in "") ;; SG_GEMM_TUNE=1) echo _tuned ;;
+    suffix=$(case "$variant" in "") ;; SG_GEMM_TUNE=1*) echo _tuned ;; SG_GEMM_TUNE_FILE=*) echo _tune_file ;;
              *) echo "$variant" | tr ',' '\n' | sed 's/.*=/_/' | tr -d '\n' ;; esac)
     log="$LOG_DIR/gpt2_bf16_${attn}_b$batch$suffix.jsonl"
     # --profile-ops: one step's time by op-table entry (device ms between events around each call)

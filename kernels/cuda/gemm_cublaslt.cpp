@@ -10,15 +10,17 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <optional>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "core/storage.h"
+#include "kernels/cuda/gemm_choices.h"
 #include "kernels/cuda/runtime.h"
 
 #define SG_CUBLAS_CHECK(call)                                                                           \
@@ -95,12 +97,16 @@ uint32_t min_alignment(std::initializer_list<const void*> ptrs) {
   return uint32_t(bits & (~bits + 1));  // the lowest set bit
 }
 
-// Everything the heuristic's answer depends on: device, types, shapes, leading dimensions,
-// batching, epilogue and alignment (the operands', and the bias and aux pointers', whose values
-// the heuristic reads to decide the alignment it may assume); and whether tuning chose it.
-using AlgoKey = std::tuple<int, int, int, bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                           int64_t, int64_t, int64_t, int, bool, uint32_t, uint32_t, uint32_t, uint32_t, uint32_t,
-                           uint32_t, bool>;
+// Everything the heuristic's answer depends on (GemmShape: types, shapes, leading dimensions,
+// batching, epilogue and the alignment of the operands and of the bias and aux pointers, whose
+// values the heuristic reads to decide the alignment it may assume), the device, and whether
+// tuning chose it.
+struct AlgoKey {
+  int device;
+  GemmShape shape;
+  bool tuned;
+  auto operator<=>(const AlgoKey&) const = default;
+};
 // The heuristic's choice and the workspace it asked for (at most kWorkspaceBytes).
 struct Algo {
   cublasLtMatmulAlgo_t algo;
@@ -119,18 +125,76 @@ bool out_of_place(const cublasLtMatmulAlgo_t& algo) {
 // cublasLtMatmulAlgoGetHeuristic costs tens of microseconds of host time; a training step repeats
 // the same few dozen GEMM shapes hundreds of times, so each shape asks once per process.
 // An empty answer (no algorithm for this epilogue) is remembered too.
+std::mutex g_algos_mu;
+std::map<AlgoKey, std::optional<Algo>> g_algos;
+
 template <class Find>
 std::optional<Algo> cached_algo(const AlgoKey& key, Find find) {
-  static std::mutex mu;
-  static std::map<AlgoKey, std::optional<Algo>> algos;
   {
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = algos.find(key);
-    if (it != algos.end()) return it->second;
+    std::lock_guard<std::mutex> lock(g_algos_mu);
+    auto it = g_algos.find(key);
+    if (it != g_algos.end()) return it->second;
   }
   const std::optional<Algo> algo = find();  // outside the lock: it may throw
-  std::lock_guard<std::mutex> lock(mu);
-  return algos.emplace(key, algo).first->second;
+  std::lock_guard<std::mutex> lock(g_algos_mu);
+  return g_algos.emplace(key, algo).first->second;
+}
+
+// SG_GEMM_TUNE_FILE (or set_gemm_tuning_file): the tuned choices of earlier processes, read at
+// the first GEMM that looks for one, checked against this cuBLASLt and card, and written again
+// whole after each choice tuning adds (merged with what other processes wrote there meanwhile).
+struct TuneFile {
+  std::mutex mu;
+  std::string path = [] {
+    const char* e = std::getenv("SG_GEMM_TUNE_FILE");
+    return std::string(e ? e : "");
+  }();
+  bool loaded = false;
+  GemmChoices choices;
+  int64_t used = 0;  // GEMM shapes whose algorithm came from the file
+};
+TuneFile& tune_file() {
+  static TuneFile f;
+  return f;
+}
+
+// What the file records the choices against: this cuBLASLt, and device d's name and sm.
+std::pair<std::string, std::string> validators(Device d) {
+  cudaDeviceProp p{};
+  SG_CUDA_CHECK(cudaGetDeviceProperties(&p, d.index));
+  return {std::to_string(cublasLtGetVersion()), str(p.name, " sm_", p.major * 10 + p.minor)};
+}
+
+// Loads the file on first use (under f.mu); throws when it belongs to another library or card.
+void load_locked(TuneFile& f, Device d) {
+  const auto [lib, card] = validators(d);
+  if (!f.loaded) f.choices = read_gemm_choices(f.path), f.loaded = true;
+  check_gemm_choices(f.choices, f.path, lib, card);
+}
+
+std::optional<GemmChoice> saved_choice(Device d, const GemmShape& s) {
+  TuneFile& f = tune_file();
+  std::lock_guard<std::mutex> lock(f.mu);
+  if (f.path.empty()) return std::nullopt;
+  load_locked(f, d);
+  auto it = f.choices.choices.find(s);
+  if (it == f.choices.choices.end()) return std::nullopt;
+  return it->second;
+}
+
+void save_choice(Device d, const GemmShape& s, const GemmChoice& c) {
+  TuneFile& f = tune_file();
+  std::lock_guard<std::mutex> lock(f.mu);
+  if (f.path.empty()) return;
+  load_locked(f, d);
+  const auto [lib, card] = validators(d);
+  GemmChoices merged = read_gemm_choices(f.path);  // another rank may have added its own since
+  check_gemm_choices(merged, f.path, lib, card);
+  merged.cublaslt = lib, merged.device = card;
+  for (const auto& [shape, choice] : f.choices.choices) merged.choices.emplace(shape, choice);
+  merged.choices[s] = c;
+  write_gemm_choices(f.path, merged);
+  f.choices = std::move(merged);
 }
 
 // GemmArgs' epilogue in cuBLASLt's terms. The bias (and a bias gradient of C) is one value per
@@ -211,11 +275,29 @@ bool matmul(const kernels::GemmArgs& g, const char* op) {
                  align_d = min_alignment({g.C}), align_vector = min_alignment({vector}), align_aux = min_alignment({aux});
   const bool residual = g.residual != nullptr;
   const bool tune = g_tune_gemms.load();
-  const AlgoKey key{d.index,    int(g.dtype),  int(compute), g.trans_a, g.trans_b, g.M,         g.N,
-                    g.K,        g.lda,         g.ldb,        g.ldc,     g.batch,   g.stride_a,  g.stride_b,
-                    g.stride_c, int(epilogue), residual,     align_a,   align_b,   align_c,     align_d,
-                    align_vector, align_aux,   tune};
-  const std::optional<Algo> algo = cached_algo(key, [&]() -> std::optional<Algo> {
+  GemmShape shape;
+  shape.dtype = g.dtype, shape.compute = int32_t(compute), shape.epilogue = int32_t(epilogue);
+  shape.trans_a = g.trans_a, shape.trans_b = g.trans_b, shape.residual = residual;
+  shape.M = g.M, shape.N = g.N, shape.K = g.K, shape.lda = g.lda, shape.ldb = g.ldb, shape.ldc = g.ldc;
+  shape.batch = g.batch, shape.stride_a = g.stride_a, shape.stride_b = g.stride_b, shape.stride_c = g.stride_c;
+  shape.align_a = align_a, shape.align_b = align_b, shape.align_c = align_c, shape.align_d = align_d;
+  shape.align_vector = align_vector, shape.align_aux = align_aux;
+  const std::optional<Algo> algo = cached_algo(AlgoKey{d.index, shape, tune}, [&]() -> std::optional<Algo> {
+    // A choice from SG_GEMM_TUNE_FILE, if cuBLASLt still takes it for this GEMM.
+    if (const std::optional<GemmChoice> saved = saved_choice(d, shape)) {
+      Algo a{};
+      static_assert(sizeof(a.algo.data) == sizeof(saved->algo));
+      std::memcpy(a.algo.data, saved->algo.data(), sizeof(a.algo.data));
+      cublasLtMatmulHeuristicResult_t r{};
+      if (cublasLtMatmulAlgoCheck(h, desc.op, desc.a, desc.b, desc.c, desc.c, &a.algo, &r) == CUBLAS_STATUS_SUCCESS &&
+          r.state == CUBLAS_STATUS_SUCCESS && r.workspaceSize <= kWorkspaceBytes && (!residual || out_of_place(a.algo))) {
+        std::lock_guard<std::mutex> lock(tune_file().mu);
+        ++tune_file().used;
+        return Algo{a.algo, r.workspaceSize};
+      }
+      std::fprintf(stderr, "shardgrad: SG_GEMM_TUNE_FILE %s: cuBLASLt refuses the saved algorithm of GEMM %s; %s\n",
+                   gemm_tuning_file().c_str(), describe(shape).c_str(), tune ? "tuning it again" : "taking the heuristic's");
+    }
     SG_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&desc.pref));
     const uint64_t ws = kWorkspaceBytes;
     SG_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(desc.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
@@ -278,6 +360,10 @@ bool matmul(const kernels::GemmArgs& g, const char* op) {
         std::sort(ms, ms + 3);
         if (r == usable[0] || ms[1] < fastest) fastest = ms[1], best = r;
       }
+      GemmChoice c;
+      std::memcpy(c.algo.data(), best->algo.data, sizeof(c.algo));
+      c.workspace = best->workspaceSize, c.ms = fastest;
+      save_choice(d, shape, c);
     }
     // No algorithm, or a refusal of this shape/epilogue combination: the caller runs the epilogue
     // (residual included) apart, after a bare GEMM.
@@ -303,6 +389,24 @@ bool matmul(const kernels::GemmArgs& g, const char* op) {
 void set_allow_tf32(bool allow) { g_allow_tf32 = allow; }
 void set_gemm_tuning(bool tune) { g_tune_gemms = tune; }
 bool gemm_tuning() { return g_tune_gemms; }
+
+void set_gemm_tuning_file(const std::string& path) {
+  TuneFile& f = tune_file();
+  std::lock_guard<std::mutex> lock(f.mu);
+  f.path = path, f.loaded = false, f.choices = {};
+}
+std::string gemm_tuning_file() {
+  std::lock_guard<std::mutex> lock(tune_file().mu);
+  return tune_file().path;
+}
+int64_t gemm_choices_from_file() {
+  std::lock_guard<std::mutex> lock(tune_file().mu);
+  return tune_file().used;
+}
+void forget_gemm_choices() {
+  std::lock_guard<std::mutex> lock(g_algos_mu);
+  g_algos.clear();
+}
 bool allow_tf32() { return g_allow_tf32; }
 
 bool gemm_fused(const kernels::GemmArgs& a) {

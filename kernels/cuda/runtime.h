@@ -145,10 +145,23 @@ bool allow_tf32();
 // GEMM tuning (also SG_GEMM_TUNE=1 in the environment): the first call of each shape times up to
 // 8 of the heuristic's algorithms on its own operands and keeps the fastest, instead of taking the
 // heuristic's first. Off by default: the choice depends on timings, so two processes may pick
-// differently and round differently (each one is deterministic once it has chosen). Choices are
-// kept per shape and per setting: turning tuning on later tunes each shape at its next call.
+// differently and round differently (each one is deterministic once it has chosen; the tuning
+// file below fixes the choice across processes). Choices are kept per shape and per setting:
+// turning tuning on later tunes each shape at its next call.
 void set_gemm_tuning(bool tune);
 bool gemm_tuning();
+// The tuning file (also SG_GEMM_TUNE_FILE=path; kernels/cuda/gemm_choices.h): a GEMM whose shape
+// it holds runs the algorithm saved there, tuning on or off, once cuBLASLt accepts it again for
+// that GEMM (cublasLtMatmulAlgoCheck); with tuning on, each shape timed is added to it. So one
+// tuned run fixes the algorithms of every later process and rank that reads the file. A file
+// tuned with another cuBLASLt or on another card is refused (the GEMM throws, naming it).
+// "" turns it off. The choices already made in this process stay until forget_gemm_choices().
+void set_gemm_tuning_file(const std::string& path);
+std::string gemm_tuning_file();
+// GEMM shapes of this process whose algorithm came from the file.
+int64_t gemm_choices_from_file();
+// Drops the algorithms chosen so far: each shape asks (the file, tuning or the heuristic) again.
+void forget_gemm_choices();
 // Whether a's epilogue meets cuBLASLt's rules: the bias, bias gradient, row sums and
 // pre-activation 16-byte aligned, N a multiple of 8 with a pre-activation, a bias gradient only
 // with the GELU derivative (DGELU_BGRAD), the row sums alone and alpha 1 (BGRADB). Its heuristic may still

@@ -3,8 +3,12 @@
 // (CTest: skipped) on a machine without a CUDA device or on a build without SG_CUDA_KERNELS.
 #define CATCH_CONFIG_RUNNER
 #include "tests/catch.h"
+#include <unistd.h>
+
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <limits>
 #include <optional>
 #include <thread>
@@ -12,6 +16,7 @@
 
 #include "autograd/ops.h"
 #include "autograd/tape.h"
+#include "kernels/cuda/gemm_choices.h"
 #include "kernels/cuda/runtime.h"
 #include "kernels/ops.h"
 #include "kernels/profile.h"
@@ -287,6 +292,58 @@ TEST_CASE("gemm with tuning on reads its real output once: beta accumulation and
       check_close(get(gc), rounded(get(cc), dt), rtol(dt), dt == DType::f32 ? 1e-4 : 3e-2);
     }
   cuda::set_gemm_tuning(false);
+}
+
+// SG_GEMM_TUNE_FILE: a tuned call adds its shape to the file; once the process forgets its
+// choices, the same GEMM with tuning off runs the saved algorithm (counted) and gives the tuned
+// call's bits; a file tuned on another card is refused, naming the file.
+TEST_CASE("gemm tuning file: a tuned shape is saved, then run from the file with tuning off; another card's file is refused",
+          "[gpu][kernels]") {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("sg_gpu_tune_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const std::string path = (dir / "gemm.tune").string();
+  const int64_t M = 520, N = 264, K = 136;  // a shape no other test uses
+  const auto a = randn(size_t(M * K), 50), b = randn(size_t(N * K), 51, 0.2f);
+  Tensor ga = put(a, DType::bf16, gpu), gb = put(b, DType::bf16, gpu);
+  auto run = [&] {
+    Tensor gc = buffer(M * N, DType::bf16, gpu);
+    kernels::GemmArgs g;
+    g.dtype = DType::bf16, g.trans_b = true, g.M = M, g.N = N, g.K = K, g.lda = K, g.ldb = K, g.ldc = N;
+    g.A = ga.data_ptr(), g.B = gb.data_ptr(), g.C = gc.data_ptr();
+    G().gemm(g);
+    return get(gc);  // bf16 widened exactly: equal floats are equal bits
+  };
+  cuda::set_gemm_tuning_file(path);
+  cuda::set_gemm_tuning(true);
+  const std::vector<float> tuned = run();
+  cuda::set_gemm_tuning(false);
+  REQUIRE(fs::exists(path));
+  const cuda::GemmChoices saved = cuda::read_gemm_choices(path);
+  const auto it = std::find_if(saved.choices.begin(), saved.choices.end(),
+                               [&](const auto& e) { return e.first.M == M && e.first.N == N && e.first.K == K; });
+  REQUIRE(it != saved.choices.end());
+  INFO(cuda::format_gemm_choices(saved));
+  CHECK(it->second.ms > 0);
+  CHECK_THAT(saved.device, Catch::Contains(" sm_"));
+
+  cuda::forget_gemm_choices();
+  const int64_t before = cuda::gemm_choices_from_file();
+  CHECK(run() == tuned);
+  CHECK(cuda::gemm_choices_from_file() == before + 1);
+
+  cuda::GemmChoices other = saved;
+  other.device = "Another Card sm_70";
+  cuda::write_gemm_choices(path, other);
+  cuda::set_gemm_tuning_file(path);  // read again at the next GEMM
+  cuda::forget_gemm_choices();
+  REQUIRE_THROWS_WITH(run(), Catch::Contains(path) && Catch::Contains("was tuned with cuBLASLt") &&
+                                 Catch::Contains("Another Card sm_70"));
+  cuda::set_gemm_tuning_file("");
+  cuda::forget_gemm_choices();
+  CHECK(run() == run());  // without the file: the heuristic's choice again
+  fs::remove_all(dir);
 }
 
 // The backward epilogues: C = (A B) * GELU'(pre) with C's column sums (cuBLASLt DGELU_BGRAD, an
