@@ -304,7 +304,9 @@ void load_hf_state(GPT& model, const io::SafetensorsFile& file) {
   std::map<std::string, Tensor> by_name;
   for (auto& [n, t] : file.tensors) by_name[strip_prefix(n)] = t;
   std::set<std::string> used;
-  for (auto& [name, p] : model.named_parameters()) {
+  for (auto& named : model.named_parameters()) {
+    const std::string& name = named.first;
+    Tensor& p = named.second;  // (not a structured binding: the lambda below captures it)
     // Under tp the parameter is this rank's slice: the file's tensor is checked against the whole
     // one (wte: its padded rows) and the slice cut from it.
     const parallel::tp::Split split = tp > 1 ? parallel::tp::gpt_param_split(name) : parallel::tp::Split{};
