@@ -123,6 +123,8 @@ TEST_CASE("every malformed line of a GEMM tuning file is refused, naming the fil
   refused("gemm " + key + " | 1 2 3 4 5 6 7 xyz | 0 | 0.5", "algorithm word 'xyz' is not a number");
   refused("gemm " + key + " | " + algo + " | 12k | 0.5", "workspace '12k' is not a number");
   refused("gemm " + key + " | " + algo + " | 0 | -1", "time '-1' is not a number of milliseconds");
+  refused("gemm " + key + " | " + algo + " | 0 | inf", "time 'inf' is not a number of milliseconds");
+  refused("gemm " + key + " | " + algo + " | 0 | 1e30", "time '1e30'");  // would not print back in full
   refused("gemm " + key + " | " + algo + " | 0 1 | 0.5", "one workspace size and one time");
   refused("gemm q8 " + key.substr(5) + " | " + algo + " | 0 | 0.5", "unknown dtype 'q8'");
   refused("gemm bf16 68 1 0 2 0" + key.substr(15) + " | " + algo + " | 0 | 0.5", "key field 5 is a flag (0 or 1)");

@@ -123,8 +123,8 @@ GemmChoices parse_gemm_choices(const std::string& text, const std::string& path)
     for (int i = 0; i < 8; ++i) choice.algo[size_t(i)] = number<uint64_t>(algo[size_t(i)], 16, where, "algorithm word");
     choice.workspace = number<uint64_t>(ws[0], 10, where, "workspace");
     const auto [end, ec] = std::from_chars(ms[0].data(), ms[0].data() + ms[0].size(), choice.ms);
-    SG_CHECK(ec == std::errc() && end == ms[0].data() + ms[0].size() && choice.ms >= 0, where, ": time '", ms[0],
-             "' is not a number of milliseconds");
+    SG_CHECK(ec == std::errc() && end == ms[0].data() + ms[0].size() && choice.ms >= 0 && choice.ms < 1e9, where,
+             ": time '", ms[0], "' is not a number of milliseconds (0 to 1e9)");
     SG_CHECK(c.choices.emplace(s, choice).second, where, ": a second line for GEMM ", describe(s));
   }
   SG_CHECK((have_cublaslt && have_device) || (c.choices.empty() && !have_cublaslt && !have_device), kWhat, " ", path,
