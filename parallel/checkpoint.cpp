@@ -134,8 +134,10 @@ std::string resolve_checkpoint(const std::string& dir_in, bool report_skipped) {
   std::ifstream f(p / "latest");
   std::string name;
   std::getline(f, name);
-  SG_CHECK(!name.empty() && name.find('/') == std::string::npos && name.find("..") == std::string::npos,
-           "checkpoint: ", (p / "latest").string(), " names an invalid directory '", name, "'");
+  // (a name past NAME_MAX would make the filesystem calls below throw their own error, not ours)
+  SG_CHECK(!name.empty() && name.size() <= 255 && name.find('/') == std::string::npos &&
+               name.find("..") == std::string::npos,
+           "checkpoint: ", (p / "latest").string(), " names an invalid directory '", name.substr(0, 300), "'");
   fs::path step = p / name;
   SG_CHECK(fs::exists(step), "checkpoint: ", step.string(), " (from ", (p / "latest").string(), ") does not exist");
   SG_CHECK(has_manifest(step), "checkpoint: ", step.string(), " (from ", (p / "latest").string(),

@@ -70,4 +70,7 @@ TEST_CASE("after a crash mid-save the previous checkpoint still loads, auto: fin
   REQUIRE(ckpt::load_checkpoint("auto:" + d.p.string()).state["step"] == 30);
   std::ofstream(d.p / "latest") << "../../etc\n";
   REQUIRE_THROWS_WITH(ckpt::load_checkpoint(d.p.string()), Catch::Contains("invalid directory"));
+  // a name longer than a file name may be (found by the fuzzer: std::filesystem threw its own error)
+  std::ofstream(d.p / "latest") << std::string(300, 'N') << "\n";
+  REQUIRE_THROWS_WITH(ckpt::load_checkpoint(d.p.string()), Catch::Contains("invalid directory"));
 }
