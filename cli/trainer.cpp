@@ -195,6 +195,11 @@ int Trainer::run() {
     if (world_size_ == 1 && strategy_ != "single" && strategy_ != "dp")
       std::printf("note: --strategy %s on 1 rank shards and reduces nothing (launch it with mpirun -np N)\n",
                   strategy_.c_str());
+    // A run no longer than its warmup never leaves it: its last step takes the peak rate, undecayed.
+    if (sched_.kind != "constant" && steps_ > 1 && sched_.warmup_steps >= steps_)
+      std::printf("note: --warmup-steps %lld covers all %lld steps: the learning rate rises to its peak at the last step "
+                  "and never decays (give fewer warmup steps)\n",
+                  (long long)sched_.warmup_steps, (long long)steps_);
     // mpirun -np N of a one-process strategy: N copies of one run, each unaware of the others.
     const char* launched = std::getenv("OMPI_COMM_WORLD_SIZE");
     if (!distributed() && launched && std::atoi(launched) > 1 && first_launched_rank())

@@ -323,7 +323,7 @@ TEST_CASE("resume takes the run's data, batch, schedule and seed from the checkp
   CHECK(ov[0]["lr"].get<double>() < a[2]["lr"].get<double>() / 10);
 }
 
-TEST_CASE("train's default learning rate on file data follows the model's size", "[cli]") {
+TEST_CASE("train's default learning rate on file data follows the model's size, and a run within its warmup is told so", "[cli]") {
   TempDir d;
   const std::string data = (d.path / "in.txt").string();
   std::ofstream(data) << std::string(4000, 'a') + "the end\n";
@@ -335,6 +335,16 @@ TEST_CASE("train's default learning rate on file data follows the model's size",
     INFO(r.output);
     REQUIRE(r.code == 0);
     CHECK(read_log(log).at(0)["lr"].get<double>() == want);
+  }
+  // a run no longer than its warmup is told so (the default 20 warmup steps against --steps 3)
+  const std::string tiny = "train --data " + data + " --n-layer 1 --n-embd 32 --n-head 2 --seq-len 16 --batch-size 2 "
+                           "--steps 3 --eval-every 0 --eval-batches 1 --threads 1";
+  for (const std::string& extra : {std::string(""), std::string(" --warmup-steps 2"), std::string(" --lr-schedule constant")}) {
+    Run r = shardgrad(tiny + extra);
+    INFO(extra << "\n" << r.output);
+    REQUIRE(r.code == 0);
+    CHECK((r.output.find("note: --warmup-steps 20 covers all 3 steps: the learning rate rises to its peak at the last "
+                         "step and never decays") != std::string::npos) == extra.empty());
   }
   refuses(std::string(SG_BINARY) + " train --data " + data + " --seq-len 16 --batch-size 2 --lr -1 --steps 1", "--lr must be > 0, got -1");
   // 0 is a learning rate, not "the default" (that is --lr auto): refused, not silently replaced
