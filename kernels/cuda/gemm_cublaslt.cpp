@@ -319,6 +319,7 @@ bool matmul(const kernels::GemmArgs& g, const char* op) {
           (!residual || out_of_place(results[i].algo)))
         usable.push_back(&results[i]);
     const cublasLtMatmulHeuristicResult_t* best = usable.empty() ? nullptr : usable[0];
+    float fastest = 0;  // the chosen candidate's median ms, when tuning timed several
     if (tune && usable.size() > 1) {
       // Each candidate run 1 + 3 times on this call's operands, the median kept. A call that reads
       // its output (beta != 0, a residual) runs on a copy, so the real call below sees the real C.
@@ -346,7 +347,6 @@ bool matmul(const kernels::GemmArgs& g, const char* op) {
       } events;
       cudaEvent_t* ev = events.e;
       for (int i = 0; i < 4; ++i) SG_CUDA_CHECK(cudaEventCreate(&ev[i]));
-      float fastest = 0;
       for (const auto* r : usable) {
         float ms[3];
         for (int rep = 0; rep < 4; ++rep) {
@@ -360,9 +360,11 @@ bool matmul(const kernels::GemmArgs& g, const char* op) {
         std::sort(ms, ms + 3);
         if (r == usable[0] || ms[1] < fastest) fastest = ms[1], best = r;
       }
+    }
+    if (tune && best) {  // into SG_GEMM_TUNE_FILE, if set: the only candidate too (time 0: not timed)
       GemmChoice c;
       std::memcpy(c.algo.data(), best->algo.data, sizeof(c.algo));
-      c.workspace = best->workspaceSize, c.ms = fastest;
+      c.workspace = best->workspaceSize, c.ms = usable.size() > 1 ? fastest : 0;
       save_choice(d, shape, c);
     }
     // No algorithm, or a refusal of this shape/epilogue combination: the caller runs the epilogue

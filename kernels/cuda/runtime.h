@@ -152,9 +152,10 @@ void set_gemm_tuning(bool tune);
 bool gemm_tuning();
 // The tuning file (also SG_GEMM_TUNE_FILE=path; kernels/cuda/gemm_choices.h): a GEMM whose shape
 // it holds runs the algorithm saved there, tuning on or off, once cuBLASLt accepts it again for
-// that GEMM (cublasLtMatmulAlgoCheck); with tuning on, each shape timed is added to it. So one
-// tuned run fixes the algorithms of every later process and rank that reads the file. A file
-// tuned with another cuBLASLt or on another card is refused (the GEMM throws, naming it).
+// that GEMM (cublasLtMatmulAlgoCheck); with tuning on, each shape tuned is added to it (time 0
+// where the heuristic offered one candidate). So one tuned run fixes the algorithms of every
+// later process and rank that reads the file. A file tuned with another cuBLASLt or on another
+// card is refused (the GEMM throws, naming it).
 // "" turns it off. The choices already made in this process stay until forget_gemm_choices().
 void set_gemm_tuning_file(const std::string& path);
 std::string gemm_tuning_file();

@@ -325,7 +325,7 @@ TEST_CASE("gemm tuning file: a tuned shape is saved, then run from the file with
                                [&](const auto& e) { return e.first.M == M && e.first.N == N && e.first.K == K; });
   REQUIRE(it != saved.choices.end());
   INFO(cuda::format_gemm_choices(saved));
-  CHECK(it->second.ms > 0);
+  CHECK(it->second.ms >= 0);  // 0: the heuristic's only candidate, not timed
   CHECK_THAT(saved.device, Catch::Contains(" sm_"));
 
   cuda::forget_gemm_choices();
