@@ -2,11 +2,14 @@
 // losses on cuda:0 against the CPU's in f32; bf16 and fp16 (loss scaling) close to them; and the
 // multi-rank paths that fit on one GPU — ddp and zero3 over MPI with the ranks sharing cuda:0
 // (host staging), ddp over NCCL at one rank, the optimizer offloaded to the host under zero2 and
-// zero3; generate and eval (HellaSwag) on cuda:0 against the CPU. Exits 77 (CTest: skipped) without a CUDA device.
+// zero3; a run that reads SG_GEMM_TUNE_FILE against the tuned run that wrote it; generate and
+// eval (HellaSwag) on cuda:0 against the CPU. Exits 77 (CTest: skipped) without a CUDA device.
 #define CATCH_CONFIG_RUNNER
 #include "tests/catch.h"
 #include <cmath>
 #include <cstdio>
+#include <fstream>
+#include <sstream>
 
 #include "kernels/cuda/runtime.h"
 #include "tests/cli_support.h"
@@ -58,6 +61,27 @@ TEST_CASE("the tiny GPT trains on cuda:0 with the CPU's losses (f32) and close t
   const auto bf16_cudnn = losses(single, "--device cuda:0 --dtype bf16 --attention cudnn", dir, "bf16_cudnn");
   CHECK(max_rel(bf16_cudnn, gpu, "cuda:0 bf16 (cudnn) vs cuda:0 f32") < 3e-2);
   CHECK(gpu.back() < gpu.front());
+}
+
+// SG_GEMM_TUNE_FILE as a user runs it: a tuned run writes its choices, and a later process that
+// reads them runs the same algorithms: the tuned run's losses, bit for bit, with no tuning.
+TEST_CASE("a run reading SG_GEMM_TUNE_FILE repeats the tuned run's losses exactly", "[gpu][train]") {
+  ScratchDir dir("gpu_tune_file");
+  const std::string file = (dir.path / "gemm.tune").string();
+  const auto read_text = [](const std::string& path) {
+    std::ifstream f(path);
+    std::ostringstream text;
+    text << f.rdbuf();
+    return text.str();
+  };
+  const auto tuned = losses("SG_GEMM_TUNE=1 SG_GEMM_TUNE_FILE='" + file + "' " + single, "--device cuda:0 --dtype bf16",
+                            dir, "tuned");
+  const std::string text = read_text(file);
+  INFO(text);
+  CHECK(text.find("\ngemm bf16 ") != std::string::npos);
+  const auto read = losses("SG_GEMM_TUNE_FILE='" + file + "' " + single, "--device cuda:0 --dtype bf16", dir, "read");
+  CHECK(read == tuned);
+  CHECK(read_text(file) == text);  // read, not written
 }
 
 TEST_CASE("ddp and zero3 on 2 ranks sharing cuda:0 over MPI, and ddp over NCCL, give the single-GPU losses", "[gpu][train][mpi]") {
