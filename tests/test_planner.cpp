@@ -209,6 +209,35 @@ TEST_CASE("search finds only layouts that fit, fastest first, and a model too bi
   CHECK(gathered("zero3", 1) > gathered("zero3", 2));
 }
 
+TEST_CASE("under a pipeline the reductions left to the step's end are exposed: all of fsdp-grad-op's, zero3's roots'") {
+  // Compute so slow that every gather and every per-micro-batch reduction hides behind it: what
+  // stays exposed is the pipeline's sends and the reduce-scatters that finish_gradients runs after
+  // the schedule (stage 0, wte, wpe and 6 blocks, sends the most).
+  PlanInput in;
+  in.model = model_preset("gpt2");
+  in.cluster = cluster_preset("8xH100-NVLink-IB");
+  in.cluster.peak_flops = 1e6;
+  in.layout.dp = 4, in.layout.pp = 2, in.layout.micro_batch_size = 1;
+  in.global_batch = 32;  // 8 micro-batches a replica
+  in.layout.strategy = "fsdp-grad-op";
+  const Plan grad_op = make_plan(in);
+  in.layout.strategy = "zero3";
+  const Plan zero3 = make_plan(in);
+  REQUIRE(zero3.micro_batches == 8);
+  CHECK(zero3.comm.at("send") == grad_op.comm.at("send"));
+  // fsdp-grad-op reduces the blocks and the roots once each; zero3 the blocks every micro-batch
+  // (each hidden behind the next backward) and the roots once: the exposed times differ by the
+  // blocks' one reduction.
+  const double go = double(grad_op.comm.at("reduce_scatter")), z3 = double(zero3.comm.at("reduce_scatter"));
+  const double blocks = (z3 - go) / (8 - 1);
+  CHECK(blocks > 0);
+  CHECK(grad_op.comm_exposed_s - zero3.comm_exposed_s == Approx(blocks / in.cluster.intra_bandwidth));
+  // and with the sends alone exposed besides, grad-op's is the sends' and all its reductions'
+  const double sends = double(grad_op.comm.at("send")) / in.cluster.intra_bandwidth;
+  CHECK(grad_op.comm_exposed_s == Approx(sends + go / in.cluster.intra_bandwidth));
+  CHECK(zero3.comm_exposed_s == Approx(sends + (go - blocks) / in.cluster.intra_bandwidth));
+}
+
 // ---- against the engine ----
 
 namespace {

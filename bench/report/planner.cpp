@@ -244,6 +244,10 @@ RankMemory stage_memory(const PlanInput& in, const StageElements& st, const Shar
 struct StageTraffic {
   std::map<std::string, int64_t> kinds;
   double dp = 0, dp_inter = 0, tp = 0, pp = 0;  // dp_inter: hsdp's replica all-reduce, across nodes
+  // The reduce-scatters in dp (and the all-reduces in dp_inter) sent after the last backward,
+  // with nothing left to overlap them: under a pipeline, those of the units reduced once a step
+  // (the roots, and every unit of fsdp-grad-op), which finish_gradients runs after the schedule.
+  double dp_tail = 0, dp_tail_inter = 0;
 };
 
 // Data parallelism: ddp's all-reduce, ZeRO-1/2's reduce-scatter and all-gather of the flat vector,
@@ -266,11 +270,14 @@ void add_dp_traffic(StageTraffic& t, const PlanInput& in, const StageElements& s
       const bool once = l.pp > 1 && (i < st.su.roots || l.strategy == "fsdp-grad-op");
       const int64_t padded = ceil_div(st.su.units[i], sh.shard_n) * sh.shard_n * d;
       k["all_gather"] += (once ? 1 : gathers * mb) * comm::all_gather_bytes(padded, sh.shard_n);
-      k["reduce_scatter"] += (once ? 1 : mb) * comm::reduce_scatter_bytes(padded, sh.shard_n);
+      const int64_t rs = (once ? 1 : mb) * comm::reduce_scatter_bytes(padded, sh.shard_n);
+      k["reduce_scatter"] += rs;
+      if (once) t.dp_tail += double(rs);
       if (sh.replicas > 1) {  // each reduced shard, across the replicas
         const int64_t ar = (once ? 1 : mb) * comm::all_reduce_bytes(padded / sh.shard_n, sh.replicas);
         k["all_reduce"] += ar;
         t.dp_inter += double(ar);
+        if (once) t.dp_tail_inter += double(ar);
       }
     }
   }
@@ -356,7 +363,8 @@ void add_pp_traffic(StageTraffic& t, const PlanInput& in, const Sharding& sh, in
 }
 
 // The model FLOPs, the step time with the exposed communication and the bubble, and MFU.
-void add_step_time(Plan& p, double dp_time, double other_time) {
+// dp_tail: the part of dp_time that waits for the last backward (StageTraffic::dp_tail).
+void add_step_time(Plan& p, double dp_time, double dp_tail, double other_time) {
   const PlanInput& in = p.input;
   const ModelShape& m = in.model;
   const Cluster& c = in.cluster;
@@ -377,7 +385,7 @@ void add_step_time(Plan& p, double dp_time, double other_time) {
   if (l.strategy == "ddp") dp_exposed = std::max(0.0, t_dp - backward);         // buckets during backward
   else if (l.strategy == "zero1") dp_exposed = t_dp;                               // after backward, then gather
   else if (l.strategy == "zero2") dp_exposed = std::max(0.0, t_dp / 2 - backward) + t_dp / 2;
-  else dp_exposed = std::max(0.0, t_dp - p.compute_s);                             // prefetched gathers
+  else dp_exposed = std::max(0.0, t_dp - dp_tail - p.compute_s) + dp_tail;         // prefetched gathers
   p.comm_exposed_s = dp_exposed + other_time;
   p.step_s = p.compute_s * (1 + p.bubble) + p.comm_exposed_s;
   p.tokens_per_s = tokens / p.step_s;
@@ -431,7 +439,8 @@ Plan make_plan(const PlanInput& in) {
   const bool dp_intra = p.world <= c.gpus_per_node, tp_intra = l.tp <= c.gpus_per_node,
              pp_intra = l.tp * l.pp <= c.gpus_per_node;
   const bool shard_intra = dp_intra || (l.strategy == "hsdp" && sh.shard_n * l.tp * l.pp <= c.gpus_per_node);
-  double dp_time = 0, other_time = 0;  // the slowest rank's data-parallel / tp + pp + host transfer seconds
+  // the slowest rank's data-parallel (and its tail's) / tp + pp + host transfer seconds
+  double dp_time = 0, dp_tail = 0, other_time = 0;
   for (int r = 0; r < l.pp; ++r) {
     const StageElements st = stage_elements(in.model, l, sh, r);
     const RankMemory mem = stage_memory(in, st, sh, in_flight[size_t(r)], r);
@@ -450,14 +459,15 @@ Plan make_plan(const PlanInput& in) {
 
     // Time of this rank's exposed communication (the compute is the same on every rank).
     const double t_dp = t.dp / link_bandwidth(c, shard_intra) + t.dp_inter / c.inter_bandwidth;
+    const double t_tail = t.dp_tail / link_bandwidth(c, shard_intra) + t.dp_tail_inter / c.inter_bandwidth;
     const double t_tp = t.tp / link_bandwidth(c, tp_intra), t_pp = t.pp / link_bandwidth(c, pp_intra);
     double host = 0;
     if (l.offload != "none") host += 2.0 * double(optimizer_elements(l, st)) * d / c.host_bandwidth;  // grads down, params up
     if (l.offload == "params") host += 2.0 * double(p.micro_batches) * double(st.E_shard_units) * d / c.host_bandwidth;
     other_time = std::max(other_time, t_tp + t_pp + host);
-    dp_time = std::max(dp_time, t_dp);
+    if (t_dp > dp_time) dp_time = t_dp, dp_tail = t_tail;
   }
-  add_step_time(p, dp_time, other_time);
+  add_step_time(p, dp_time, dp_tail, other_time);
   p.fits = p.worst.total() <= c.gpu_memory;
   add_notes(p);
   return p;

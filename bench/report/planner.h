@@ -23,7 +23,7 @@
 // Time: model FLOPs per token 6·(Ψ − wpe) + 12·L·s·h (plus the recomputed forward), at
 // efficiency × peak; the pipeline adds the bubble (p−1)/(v·m) of the schedule; communication time
 // is bytes / the bandwidth of the link class its group spans, partly hidden behind backward where
-// the strategy overlaps it.
+// the strategy overlaps it (never a pipeline's once-a-step reductions, which follow its schedule).
 #pragma once
 #include <cstdint>
 #include <map>
