@@ -1,6 +1,7 @@
 #include "models/gpt.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -366,8 +367,18 @@ GPTConfig config_from_hf(const io::SafetensorsFile& file, int64_t n_head_hint) {
   int64_t layers = 0;
   while (by_name.count("h." + std::to_string(layers) + ".ln_1.weight")) ++layers;
   c.n_layer = layers;
-  auto m = file.metadata.find("n_head");
-  c.n_head = m != file.metadata.end() ? std::stoll(m->second) : n_head_hint;
+  // A number the file's metadata records under key, or fallback when it records none.
+  const auto recorded = [&](const char* key, int64_t fallback) -> int64_t {
+    auto it = file.metadata.find(key);
+    if (it == file.metadata.end()) return fallback;
+    const std::string& v = it->second;
+    int64_t n = 0;
+    const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), n);
+    SG_CHECK(ec == std::errc() && end == v.data() + v.size(), file.path, ": metadata '", key, "' is not a number: '",
+             v.substr(0, 64), "'");
+    return n;
+  };
+  c.n_head = recorded("n_head", n_head_hint);
   // A Hugging Face model folder records it in config.json, beside model.safetensors.
   const std::filesystem::path hf_config = std::filesystem::path(file.path).parent_path() / "config.json";
   if (c.n_head <= 0 && std::filesystem::is_regular_file(hf_config)) {
@@ -377,8 +388,7 @@ GPTConfig config_from_hf(const io::SafetensorsFile& file, int64_t n_head_hint) {
   }
   SG_CHECK(c.n_head > 0, file.path, ": the number of heads is not recorded (in its metadata or a config.json beside it); "
            "pass --n-head");
-  auto pv = file.metadata.find("padded_vocab");
-  if (pv != file.metadata.end()) c.padded_vocab = std::stoll(pv->second);
+  c.padded_vocab = recorded("padded_vocab", c.padded_vocab);
   c.validate();
   return c;
 }

@@ -191,7 +191,7 @@ TEST_CASE("forward_cached: a prompt, then one token at a time, gives forward's l
   REQUIRE_THROWS_WITH(m.forward_cached(narrow(idx, 1, 3, 2), some), Catch::Contains("2 new positions after 3 cached ones"));
 }
 
-TEST_CASE("a Hugging Face model folder's config.json gives the head count its safetensors file does not record", "[models][io]") {
+TEST_CASE("a Hugging Face model folder's config.json gives the head count its safetensors file does not record, and metadata that is not a number is refused by name", "[models][io]") {
   nn::GPT a(small_config());
   a.init_weights(5);
   const auto dir = std::filesystem::temp_directory_path() / ("sg_models_hfdir_" + std::to_string(::getpid()));
@@ -205,6 +205,16 @@ TEST_CASE("a Hugging Face model folder's config.json gives the head count its sa
   CHECK(nn::config_from_hf(io::load_safetensors(path), 2).n_head == 2);  // --n-head, when given, wins
   std::ofstream(dir / "config.json") << "not json";
   REQUIRE_THROWS_WITH(nn::config_from_hf(io::load_safetensors(path)), Catch::Contains("pass --n-head"));
+  // metadata that is not a number is refused naming the file and the key (std::stoll said "stoll")
+  for (const char* key : {"n_head", "padded_vocab"}) {
+    std::map<std::string, std::string> meta{{"n_head", "4"}};
+    meta[key] = "four";
+    io::save_safetensors(path, nn::hf_state_dict(a), meta);
+    REQUIRE_THROWS_WITH(nn::config_from_hf(io::load_safetensors(path)),
+                        Catch::Contains(path + ": metadata '" + key + "' is not a number: 'four'"));
+  }
+  io::save_safetensors(path, nn::hf_state_dict(a), {{"n_head", "4"}, {"padded_vocab", "64"}});
+  CHECK(nn::config_from_hf(io::load_safetensors(path)).padded_vocab == 64);
   std::filesystem::remove_all(dir);
 }
 
