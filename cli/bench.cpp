@@ -81,6 +81,7 @@ json predicted(report::BenchLayout row, const std::string& common, const report:
   in.global_batch = batch;
   in.dtype = dtype;
   if (!report::planner_layout(row, batch, in.layout)) return nullptr;
+  in.bucket_bytes = report::row_bucket_bytes(row);
   try {
     report::Plan p = report::make_plan(in);
     const report::RankMemory& r0 = p.per_stage[0];
@@ -114,6 +115,8 @@ int bench_main(int argc, char** argv) {
   a.flag("repeat", "1", "passes over the whole matrix: each layout's step time is the median of its passes' medians, "
          "with their range");
   a.flag("ranks", "2", "processes of the default matrix's distributed layouts");
+  a.flag("bucket-mb", "auto", "ddp's gradient buckets and zero1/zero2's stripes, in MiB, for the rows without their "
+         "own (auto: a quarter of the model's gradient bytes, at most train's 25)");
   a.flag("layouts", "", "comma-separated names from the default matrix (default: all)");
   a.flag("matrix", "", "a JSON file: [{\"name\", \"ranks\", \"args\"}, ...] instead of the default matrix");
   a.flag("threads", "1", "CPU threads per rank");
@@ -189,6 +192,18 @@ int bench_main(int argc, char** argv) {
     model.seq_len = model.block_size = a.i64("seq-len");
     shape_args += " --seq-len " + a.str("seq-len") + " --block-size " + a.str("seq-len");
   }
+  // ddp's buckets and ZeRO's stripes: by default a quarter of the model's gradient bytes, at most
+  // train's 25 MiB, so that a small model spans several, as a large one does at 25 MiB (zero2 then
+  // frees the full gradients stripe by stripe during the backward, as the ZeRO paper's Ψ/N needs).
+  std::string bucket_mb = a.str("bucket-mb");
+  if (bucket_mb == "auto") {
+    const double grad_bytes = double(model.num_params()) * (a.str("dtype") == "fp32" ? 4.0 : 2.0);
+    bucket_mb = str(std::min(25.0, grad_bytes / 4.0 / double(1 << 20)));
+  } else {
+    SG_CHECK(std::strtod(bucket_mb.c_str(), nullptr) > 0, "bench: --bucket-mb must be auto or a size in MiB > 0, got '",
+             bucket_mb, "'");
+  }
+  report::set_default_buckets(matrix, bucket_mb);
   const std::string common = "--model " + a.str("model") + shape_args + (preset_shape ? " --data random" : "") +
                              " --batch-size " + a.str("batch-size") + " --micro-batch-size " + a.str("micro-batch-size") +
                              " --dtype " + a.str("dtype") + " --steps " + a.str("steps") + " --threads " + a.str("threads") +

@@ -341,7 +341,7 @@ double Trainer::train_step(int64_t step, double lr, double& grad_norm, bool& app
     place.row0 = dp_rank_ * local + m * micro_;
     if (ddp_) ddp_->set_sync(m == n_micro - 1);  // no_sync for all but the last micro-batch
     // under SP the replicated gradients are summed over tp before ZeRO reduces them over dp
-    if (zero_) zero_->set_sync(m == n_micro - 1 && !cfg_.sequence_parallel);
+    if (zero_) zero_->set_sync(shard_accumulation_ || (m == n_micro - 1 && !cfg_.sequence_parallel));
     if (dp_) {
       trace::Scope ts("forward+backward", "compute", {{"micro", m}});
       loss_sum += dp_->forward_backward(mi, mt, loss_scale / double(counted)) / loss_scale;
@@ -362,6 +362,7 @@ double Trainer::train_step(int64_t step, double lr, double& grad_norm, bool& app
       tape.backward(loss);
       trace::memory(device_);
     }
+    if (shard_accumulation_ && m < n_micro - 1) zero_->reduce_micro_batch();
     losses.push_back(autograd::detach(loss));
   }
   // Read when the gradient norm has been queued as well, just before the step is accepted: the

@@ -222,6 +222,8 @@ class Trainer {
   std::unique_ptr<optim::AdamW> opt_;
   optim::LrSchedule sched_;
   optim::LossScaler scaler_;
+  // zero2 accumulating in the shard (--grad-accumulation sharded): every micro-batch reduces.
+  bool shard_accumulation_ = false;
   int64_t B_ = 0, T_ = 0, micro_ = 0, steps_ = 0, start_step_ = 0, stop_at_ = 0;  // stop_at_: --stop-at, 0 = none
   uint64_t seed_ = 0;
   std::string save_dir_;

@@ -142,16 +142,23 @@ void ZeroOptimizer::on_grad_ready(size_t i) {
 }
 
 // Copies the stripe's gradient pieces from every rank's window into a fresh buffer and
-// reduce-scatters it: stage 2 straight into the shard gradient, stage 1 into the buffer's tail.
+// reduce-scatters it: stage 2 straight into the shard gradient (or, when an earlier micro-batch
+// has, into the buffer's tail, which complete() adds to it), stage 1 into the buffer's tail.
 void ZeroOptimizer::launch(size_t k) {
   autograd::NoGradGuard ng;
   reap();
   Stripe& s = stripes_[k];
+  if (s.work) complete_through(k);  // the previous micro-batch's reduction of this stripe
+  // At most two buffers in flight (DeepSpeed's double-buffered reduction): a backward that
+  // outruns the communication waits here rather than moving its gradients into ever more buffers.
+  if (in_flight_.size() >= 2) complete_through(in_flight_.front());
   s.launched = true;
+  s.adds = opt_.stage == 2 && s.reduced;
+  s.reduced = true;
   const int N = group_->size();
   {
     MemScope scope(MemCategory::comm_buffer);
-    s.buffer = empty({N * s.len + (opt_.stage == 1 ? s.len : 0)}, dtype_, device_);
+    s.buffer = empty({N * s.len + (opt_.stage == 1 || s.adds ? s.len : 0)}, dtype_, device_);
   }
   Tensor in = narrow(s.buffer, 0, 0, N * s.len);
   zero_(in);  // padding, and parameters that got no gradient
@@ -162,7 +169,7 @@ void ZeroOptimizer::launch(size_t k) {
       if (g.defined()) copy_(narrow(in, 0, q * s.len + pos - w, len), piece(g, lo, len));
     });
   }
-  Tensor out = opt_.stage == 2 ? narrow(grad_shard_, 0, s.begin, s.len) : narrow(s.buffer, 0, N * s.len, s.len);
+  Tensor out = opt_.stage == 2 && !s.adds ? narrow(grad_shard_, 0, s.begin, s.len) : narrow(s.buffer, 0, N * s.len, s.len);
   s.work = group_->reduce_scatter(out, in, comm::ReduceOp::avg);
   in_flight_.push_back(k);
   if (opt_.stage == 2)  // a full gradient is dead once every stripe touching it has been copied
@@ -171,9 +178,11 @@ void ZeroOptimizer::launch(size_t k) {
   trace::memory(device_);
 }
 
-// Waits for a stripe; stage 1 writes this rank's averaged window back into its own .grad pieces.
+// Waits for a stripe; stage 1 writes this rank's averaged window back into its own .grad pieces,
+// a later micro-batch's stage 2 reduction adds its window into the shard gradient.
 void ZeroOptimizer::complete(Stripe& s) {
   s.work->wait();
+  if (s.adds) add_(narrow(grad_shard_, 0, s.begin, s.len), narrow(s.buffer, 0, group_->size() * s.len, s.len));
   if (opt_.stage == 1) {
     const int N = group_->size();
     const int64_t w = window(group_->rank(), s);
@@ -189,6 +198,15 @@ void ZeroOptimizer::complete(Stripe& s) {
   }
   s.work.reset();
   s.buffer = Tensor();
+}
+
+void ZeroOptimizer::complete_through(size_t k) {
+  while (!in_flight_.empty()) {
+    const size_t front = in_flight_.front();
+    complete(stripes_[front]);
+    in_flight_.erase(in_flight_.begin());
+    if (front == k) return;
+  }
 }
 
 // Frees the buffers of stripes whose reduce-scatter has completed (in launch order).
@@ -212,18 +230,24 @@ void ZeroOptimizer::finish_gradients() {
            "and freed that step's gradients; calling it twice would zero the shard)");
   autograd::NoGradGuard ng;
   // Stage 1 issues every stripe here; stage 2 only the ones whose parameters did not all get a
-  // gradient. Stripe order, so every rank issues the same sequence. At most two buffers in flight.
-  for (size_t k = 0; k < stripes_.size(); ++k) {
-    if (stripes_[k].launched) continue;
-    launch(k);
-    while (in_flight_.size() > 2) {
-      complete(stripes_[in_flight_.front()]);
-      in_flight_.erase(in_flight_.begin());
-    }
-  }
+  // gradient. Stripe order, so every rank issues the same sequence.
+  for (size_t k = 0; k < stripes_.size(); ++k)
+    if (!stripes_[k].launched) launch(k);
   for (size_t k : in_flight_) complete(stripes_[k]);
   in_flight_.clear();
   reset_stripes();
+  for (auto& st : stripes_) st.reduced = false;  // the next step's first reductions write the shard
+}
+
+void ZeroOptimizer::reduce_micro_batch() {
+  SG_CHECK(opt_.stage == 2, "zero: reduce_micro_batch accumulates in the shard gradient, which only stage 2 keeps ",
+           "(stage 1 accumulates the full gradients and reduces them in finish_gradients)");
+  SG_CHECK(sync_, "zero: reduce_micro_batch after a backward under set_sync(false): its gradients were not reduced; ",
+           "accumulate in the shard with sync on for every backward");
+  autograd::NoGradGuard ng;
+  for (size_t k = 0; k < stripes_.size(); ++k)  // stripe order, as every rank issues them
+    if (!stripes_[k].launched) launch(k);
+  reset_stripes();  // the stripes in flight stay in flight
 }
 
 void ZeroOptimizer::abandon_step() {
@@ -237,6 +261,7 @@ void ZeroOptimizer::abandon_step() {
   }
   in_flight_.clear();
   reset_stripes();
+  for (auto& s : stripes_) s.reduced = s.adds = false;
   for (auto& [n, p] : params_) p.set_grad(Tensor());  // the step's partial gradients go too
 }
 

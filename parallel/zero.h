@@ -30,13 +30,19 @@
 // after backward and writes this rank's averaged elements back into its own .grad pieces.
 // Stage 2: each parameter's grad-ready hook counts down the stripes it touches; a stripe whose
 // parameters are all ready is copied into an in-flight buffer (comm_buffer, freed on completion)
-// and reduce-scattered straight into the persistent shard gradient (grad, S elements); a
+// and reduce-scattered straight into the persistent shard gradient (grad, S elements), at most two
+// stripes in flight (a third waits for the oldest to complete); a
 // parameter's full .grad is freed as soon as every stripe touching it has been copied.
-// Gradient accumulation (set_sync(false), PyTorch's no_sync): the full .grad tensors accumulate
-// locally until the last micro-batch, which alone communicates — the bytes per step stay those
-// above, at the cost of holding the full 4Ψ gradient during accumulation (the alternative,
-// reduce-scattering every micro-batch into the shard, would multiply the traffic by the number of
-// micro-batches).
+// Gradient accumulation, two ways at stage 2 (train's --grad-accumulation):
+//   sharded (DeepSpeed's ZeRO-2; PyTorch FSDP without no_sync): sync on for every backward and
+//     reduce_micro_batch() after each but the last: every micro-batch reduce-scatters its stripes
+//     from the hooks and they add into the shard gradient, so no full gradient outlives its stripe
+//     (grad 4Ψp/N beside one stripe in flight) for M·(N-1)/N·4Ψp bytes of reduce-scatter a step of
+//     M micro-batches;
+//   unsharded (set_sync(false) until the last micro-batch, PyTorch's no_sync): the full .grad
+//     tensors accumulate locally and only the last backward communicates — the bytes above once a
+//     step — at the cost of holding the full 4Ψ gradient beside the shard while accumulating.
+// Stage 1 always accumulates the full gradients (it holds them anyway) and reduces once.
 //
 // Model parallelism (dp × tp × pp, parallel/comm/mesh.h). A ZeroOptimizer takes this rank's
 // parameters — its tp slices, its pipeline stages' (pp::PipelineExecutor::parameters()) — over the
@@ -115,6 +121,12 @@ class ZeroOptimizer {
   // 2 a call with no gradient anywhere (a second call without a backward between) is refused: it
   // would zero the shard.
   void finish_gradients();
+  // Stage 2, accumulating in the shard: call after each micro-batch's backward but the last, sync
+  // on for all of them (finish_gradients() ends the step as usual). Launches the stripes the hooks
+  // have not (those holding a parameter without a gradient) and readies the hooks for the next
+  // backward; the reduce-scatters in flight go on while it computes, and each adds into the shard
+  // gradient when it completes (a micro-batch's first reduction of a stripe in a step writes it).
+  void reduce_micro_batch();
   // After backward(s) run under set_sync(false): reduce-scatters every stripe now (stage 2 then
   // frees the full gradients) and turns sync back on. The pipeline and sequence parallelism use
   // it: their gradients are complete only once summed across stages / the tp group.
@@ -166,7 +178,9 @@ class ZeroOptimizer {
     std::vector<size_t> params;  // every parameter with an element in the stripe
     int pending = 0;             // stage 2: of those, how many still lack their gradient
     bool launched = false;
-    Tensor buffer;               // in flight: N·len input elements, then len output (stage 1)
+    bool reduced = false;        // stage 2: a micro-batch of this step has reduce-scattered it
+    bool adds = false;           // in flight: its output, the buffer's tail, adds into the shard
+    Tensor buffer;               // in flight: N·len input elements, then len output (stage 1, adds)
     std::shared_ptr<comm::Work> work;
   };
   // Where rank q's part of stripe s starts in the flat vector: the stripe is the flat range
@@ -178,6 +192,7 @@ class ZeroOptimizer {
   void on_grad_ready(size_t param);
   void launch(size_t stripe);
   void complete(Stripe& s);
+  void complete_through(size_t stripe);  // completes the stripes in flight, oldest first, up to it
   void reap();
   void reset_stripes();  // every stripe unlaunched, every parameter unmarked: a step's start
   void abandon_step();   // after an error: waits for stripes in flight, drops them and every .grad

@@ -192,6 +192,36 @@ TEST_CASE("bench names the rank that failed a layout and exits non-zero once the
   fs::remove_all(dir);
 }
 
+// ZeRO's order on the page: the tiny model inside one 25 MiB stripe would make zero2 hold its full
+// gradient and its shard at once, above zero1; the bench's automatic stripes (a quarter of the
+// gradient) let zero2 free the full gradients along the backward, as at a real model's size.
+TEST_CASE("bench gives ddp/zero1/zero2 rows a quarter of the gradient as their buckets, so zero2's measured gradient peak falls below zero1's", "[cli][mpi]") {
+  const fs::path dir = fs::temp_directory_path() / ("sg_bench_buckets_" + std::to_string(::getpid()));
+  json matrix = json::array({{{"name", "zero1"}, {"ranks", 2}, {"args", "--strategy zero1"}},
+                             {{"name", "zero2"}, {"ranks", 2}, {"args", "--strategy zero2"}},
+                             {{"name", "zero2-25"}, {"ranks", 2}, {"args", "--strategy zero2 --bucket-mb 25"}}});
+  const int status = run_bench(dir, matrix, 3, "--n-layer 4 --report none");  // the default model's 4 layers
+  INFO(read_text(dir / "out.txt"));
+  REQUIRE(WIFEXITED(status));
+  REQUIRE(WEXITSTATUS(status) == 0);
+  const json res = json::parse(read_text(dir / "results" / "res.json"));
+  REQUIRE(res["layouts"].size() == 3);
+  const auto grad_peak = [&](int i) { return res["layouts"][i]["measured"]["mem_peak"][0]["grad"].get<int64_t>(); };
+  const int64_t full = res["layouts"][0]["predicted"]["grad"].get<int64_t>();  // zero1 keeps 4Ψ
+  CHECK(grad_peak(0) == full);
+  CHECK(grad_peak(1) < full);                  // stripes: never the whole gradient
+  CHECK(grad_peak(2) == full + full / 2);      // one stripe: the full gradient beside the shard
+  CHECK(read_text(dir / "out.txt").find("--strategy zero2 --bucket-mb 0.") != std::string::npos);
+  CHECK(read_text(dir / "out.txt").find("--strategy zero2 --bucket-mb 25 ") != std::string::npos);  // its own, kept
+  for (int i = 1; i < 3; ++i)
+    CHECK(res["layouts"][i]["measured"]["comm_per_step"][0]["reduce_scatter"].get<double>() ==
+          res["layouts"][i]["predicted"]["comm"]["reduce_scatter"].get<double>());
+  const std::string bad = std::string(SG_BINARY) + " bench --bucket-mb none --layouts zero2 > " + (dir / "bad.txt").string() + " 2>&1";
+  CHECK(std::system(bad.c_str()) != 0);
+  CHECK(read_text(dir / "bad.txt").find("bench: --bucket-mb must be auto or a size in MiB > 0, got 'none'") != std::string::npos);
+  fs::remove_all(dir);
+}
+
 TEST_CASE("shardgrad bench runs a matrix file, measures every layout and reports the one train refuses", "[cli][mpi]") {
   const fs::path dir = fs::temp_directory_path() / ("sg_bench_test_" + std::to_string(::getpid()));
   json matrix = json::array({{{"name", "single"}, {"ranks", 1}, {"args", ""}},

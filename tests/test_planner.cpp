@@ -93,6 +93,30 @@ TEST_CASE("data-parallel traffic per step: ddp 2(N-1)/N·Ψ, zero1/2 the same sp
   CHECK(make_plan(wide).intra_bytes == 0);
 }
 
+TEST_CASE("zero2 over M micro-batches: accumulating sharded reduce-scatters M times a step, unsharded once beside the full gradient, as under sequence parallelism") {
+  PlanInput in = raw(1000000, 4, "zero2", "fp32");
+  in.global_batch = 16;  // 4 rows a rank, one a micro-batch
+  in.layout.micro_batch_size = 1;
+  const Plan sharded = make_plan(in);
+  in.layout.grad_accumulation = "unsharded";
+  const Plan unsharded = make_plan(in);
+  CHECK(sharded.comm.at("reduce_scatter") == 4 * unsharded.comm.at("reduce_scatter"));
+  CHECK(unsharded.comm.at("reduce_scatter") == 3 * 4 * 1000000 / 4);
+  CHECK(sharded.comm.at("all_gather") == unsharded.comm.at("all_gather"));
+  CHECK(sharded.worst.grad == 4 * 1000000 / 4);  // the shard at the step, either way
+  CHECK(unsharded.worst.grad == sharded.worst.grad);
+  CHECK(unsharded.worst.buffers == sharded.worst.buffers + 4.0 * 1000000);  // + the full gradient
+  CHECK(unsharded.input.layout.label().find("accum:unsharded") != std::string::npos);
+  in.layout.grad_accumulation = "sharded";
+  in.layout.tp = 2, in.layout.dp = 2, in.layout.sequence_parallel = true;  // reduced once a step, after the tp sum
+  in.global_batch = 8;
+  in.model.n_layer = 0;
+  CHECK(make_plan(in).comm.at("reduce_scatter") == 4 * 1000000 / 2 / 2);  // (N-1)/N of 4Ψ/tp, once (not 4 times)
+  in.layout = raw(1000000, 4, "zero1", "fp32").layout;
+  in.layout.grad_accumulation = "unsharded";
+  CHECK_THROWS_WITH(make_plan(in), Catch::Contains("--grad-accumulation unsharded is for zero2"));
+}
+
 TEST_CASE("hsdp shards inside a node and all-reduces the shards across nodes") {
   PlanInput in = raw(8000000, 16, "hsdp", "fp32");  // 2 nodes of 8
   const Plan p = make_plan(in);
@@ -304,6 +328,10 @@ TEST_CASE("the planner's param, grad and optimizer bytes and bytes per collectiv
       {"--strategy ddp", layout(2, 1, 1, "ddp", 4), 2, false},
       {"--strategy zero1", layout(2, 1, 1, "zero1", 4), 2, false},
       {"--strategy zero2", layout(2, 1, 1, "zero2", 4), 2, true},
+      // two micro-batches a rank: sharded accumulation reduce-scatters each, unsharded once
+      {"--strategy zero2 --micro-batch-size 2", layout(2, 1, 1, "zero2", 2), 2, true},
+      {"--strategy zero2 --micro-batch-size 2 --grad-accumulation unsharded",
+       [&] { Layout l = layout(2, 1, 1, "zero2", 2); l.grad_accumulation = "unsharded"; return l; }(), 2, true},
       {"--strategy zero3", layout(2, 1, 1, "zero3", 4), 2, true},
       {"--strategy zero3 --micro-batch-size 2", layout(2, 1, 1, "zero3", 2), 2, true},
       {"--strategy fsdp-grad-op --micro-batch-size 2", layout(2, 1, 1, "fsdp-grad-op", 2), 2, true},

@@ -217,10 +217,24 @@ bool planner_layout(const BenchLayout& row, int64_t batch, Layout& out) {
   if (!flag_value(row.args, "pp-schedule").empty()) out.pp_schedule = flag_value(row.args, "pp-schedule");
   if (!flag_value(row.args, "virtual-stages").empty()) out.virtual_stages = std::stoi(flag_value(row.args, "virtual-stages"));
   if (!flag_value(row.args, "recompute").empty()) out.recompute = flag_value(row.args, "recompute");
+  if (!flag_value(row.args, "grad-accumulation").empty()) out.grad_accumulation = flag_value(row.args, "grad-accumulation");
   if (!flag_value(row.args, "shard-group-size").empty()) out.shard_group_size = std::stoi(flag_value(row.args, "shard-group-size"));
   const std::string mbs = flag_value(row.args, "micro-batch-size");
   out.micro_batch_size = mbs.empty() || mbs == "0" ? batch / out.dp : std::stoll(mbs);
   return true;
+}
+
+int64_t row_bucket_bytes(const BenchLayout& row) {
+  const std::string mb = flag_value(row.args, "bucket-mb");
+  return mb.empty() ? 25ll << 20 : int64_t(std::stod(mb) * double(1 << 20));
+}
+
+void set_default_buckets(std::vector<BenchLayout>& matrix, const std::string& mb) {
+  for (BenchLayout& row : matrix) {
+    const std::string strategy = flag_value(row.args, "strategy");
+    if ((strategy == "ddp" || strategy == "zero1" || strategy == "zero2") && flag_value(row.args, "bucket-mb").empty())
+      row.args += " --bucket-mb " + mb;
+  }
 }
 
 std::string results_csv(const nlohmann::json& results) {

@@ -114,6 +114,7 @@ std::string Layout::label() const {
   s += " mb" + std::to_string(micro_batch_size);
   if (recompute != "none") s += " rc:" + recompute;
   if (offload != "none") s += " offload:" + offload;
+  if (strategy == "zero2" && grad_accumulation != "sharded") s += " accum:" + grad_accumulation;
   return s;
 }
 
@@ -136,6 +137,10 @@ void check_layout(const PlanInput& in) {
   SG_CHECK(l.offload != "params" || shards_params(l.strategy), "plan: --offload params needs a strategy that shards ",
            "the parameters (zero3, fsdp, fsdp-grad-op, hsdp), not ", l.strategy);
   SG_CHECK(!l.sequence_parallel || l.tp > 1, "plan: --sequence-parallel needs --tp > 1");
+  SG_CHECK(l.grad_accumulation == "sharded" || l.grad_accumulation == "unsharded", "plan: --grad-accumulation '",
+           l.grad_accumulation, "' (expected sharded or unsharded)");
+  SG_CHECK(l.grad_accumulation == "sharded" || l.strategy == "zero2", "plan: --grad-accumulation unsharded is for zero2 ",
+           "(ddp and zero1 accumulate full gradients, zero3 and the fsdp family sharded ones), not ", l.strategy);
   const int world = l.dp * l.tp * l.pp;
   SG_CHECK(world <= c.gpus_per_node * c.nodes, "plan: dp ", l.dp, " x tp ", l.tp, " x pp ", l.pp, " = ", world,
            " GPUs, the cluster has ", c.gpus_per_node * c.nodes, " (", c.nodes, " x ", c.gpus_per_node, ")");
@@ -231,7 +236,12 @@ RankMemory stage_memory(const PlanInput& in, const StageElements& st, const Shar
   if (sh.N > 1) {
     const double gathered = double(std::max(st.roots, st.biggest_unit)) * d;
     if (l.strategy == "ddp") mem.buffers = 0;
-    else if (l.strategy == "zero1" || l.strategy == "zero2") mem.buffers = std::min(double(in.bucket_bytes), double(st.E) * d);
+    else if (l.strategy == "zero1" || l.strategy == "zero2") {
+      mem.buffers = std::min(double(in.bucket_bytes), double(st.E) * d);
+      // zero2 accumulating unsharded holds the full gradient beside its shard until the last backward
+      const bool accumulates_full = l.pp > 1 || l.sequence_parallel || (in.global_batch / l.dp) / l.micro_batch_size > 1;
+      if (l.strategy == "zero2" && !l.reduces_every_micro_batch() && accumulates_full) mem.buffers += double(st.E) * d;
+    }
     else if (l.strategy == "fsdp-grad-op" && l.pp > 1) mem.buffers = 2.0 * double(st.E) * d + gathered;  // + full grads all step
     else if (l.strategy == "fsdp-grad-op") mem.buffers = double(st.E) * d + gathered;
     else if (m.has_shape()) mem.buffers = double(st.roots + st.biggest_unit) * d + gathered;
@@ -260,7 +270,7 @@ void add_dp_traffic(StageTraffic& t, const PlanInput& in, const StageElements& s
   if (l.strategy == "ddp") {
     k["all_reduce"] += comm::all_reduce_bytes(st.E * d, sh.N);
   } else if (l.strategy == "zero1" || l.strategy == "zero2") {
-    k["reduce_scatter"] += comm::reduce_scatter_bytes(st.E_shard_flat * sh.N * d, sh.N);
+    k["reduce_scatter"] += (l.reduces_every_micro_batch() ? mb : 1) * comm::reduce_scatter_bytes(st.E_shard_flat * sh.N * d, sh.N);
     k["all_gather"] += comm::all_gather_bytes(st.E_shard_flat * sh.N * d, sh.N);
   } else {
     const int gathers = l.strategy == "fsdp-grad-op" ? 1 : 2;  // forward, and again in backward
@@ -527,7 +537,7 @@ nlohmann::json Plan::to_json() const {
   j["layout"] = {{"label", l.label()}, {"dp", l.dp}, {"tp", l.tp}, {"pp", l.pp},
                  {"sequence_parallel", l.sequence_parallel}, {"strategy", l.strategy}, {"shard_group_size", l.shard_group_size},
                  {"pp_schedule", l.pp_schedule}, {"virtual_stages", l.virtual_stages}, {"recompute", l.recompute},
-                 {"offload", l.offload}, {"micro_batch_size", l.micro_batch_size}};
+                 {"offload", l.offload}, {"grad_accumulation", l.grad_accumulation}, {"micro_batch_size", l.micro_batch_size}};
   j["model"] = {{"name", input.model.name}, {"params", input.model.num_params()}, {"n_layer", input.model.n_layer},
                 {"n_head", input.model.n_head}, {"n_embd", input.model.n_embd}, {"seq_len", input.model.seq_len}};
   j["cluster"] = {{"name", input.cluster.name}, {"gpus_per_node", input.cluster.gpus_per_node},

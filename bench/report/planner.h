@@ -67,6 +67,14 @@ struct Layout {
   int virtual_stages = 1;
   std::string recompute = "none";  // none | selective | full
   std::string offload = "none";    // none | optimizer | params
+  // zero2 over several micro-batches: sharded (each micro-batch reduce-scatters into the shard) or
+  // unsharded (full gradients accumulate, one reduce-scatter a step); a pipeline or sequence
+  // parallelism always reduces once, unsharded (train's --grad-accumulation).
+  std::string grad_accumulation = "sharded";
+  // Whether zero2 reduce-scatters every micro-batch (see grad_accumulation).
+  bool reduces_every_micro_batch() const {
+    return strategy == "zero2" && grad_accumulation == "sharded" && pp == 1 && !sequence_parallel;
+  }
   int64_t micro_batch_size = 1;
   std::string label() const;  // "dp2 tp2 pp1 zero2 mb4 ..."
 };

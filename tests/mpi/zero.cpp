@@ -46,6 +46,7 @@ struct Run {
   int64_t n_layer = 0;  // 0: tiny()'s
   DType dtype = DType::f32;
   int64_t micro = kB;
+  bool sharded = false;  // stage 2: every micro-batch reduces into the shard (reduce_micro_batch)
   int first = 0, steps = 20;                    // batches [first, first + steps)
   uint64_t init_seed = 5;
   const ckpt::PieceSource* resume = nullptr;    // parameters and load_state(resume, first) first
@@ -96,7 +97,11 @@ std::vector<double> train(const Run& run, std::shared_ptr<comm::ProcessGroup> gr
     batch(s, idx, tgt);
     if (group) group->reset_counters();
     Ledger::global().reset_peaks(Device::cpu());
-    double loss = testing::backward_rank_rows(model, idx, tgt, rank, world, run.micro, [&](int64_t, bool last) { if (zero) zero->set_sync(last); });
+    double loss = testing::backward_rank_rows(model, idx, tgt, rank, world, run.micro, [&](int64_t m, bool last) {
+      if (!zero) return;
+      if (run.sharded && m > 0) zero->reduce_micro_batch();  // the previous micro-batch's backward
+      zero->set_sync(last || run.sharded);
+    });
     double norm = 0;
     if (zero) {
       if (probe) probe->reduce_scatters_in_backward = group->counters()[comm::CommKind::reduce_scatter].calls;
@@ -133,11 +138,12 @@ std::vector<double> train(const Run& run, std::shared_ptr<comm::ProcessGroup> gr
 }
 
 std::vector<double> train(int steps, int64_t micro, int stage, std::shared_ptr<comm::ProcessGroup> group,
-                          Probe* probe = nullptr) {
+                          Probe* probe = nullptr, bool sharded = false) {
   Run run;
   run.steps = steps;
   run.micro = micro;
   run.stage = stage;
+  run.sharded = sharded;
   return train(run, std::move(group), probe);
 }
 
@@ -230,14 +236,15 @@ Trajectory train_mesh(const MeshRun& run, int steps, int64_t* psi = nullptr, int
 
 }  // namespace
 
-TEST_CASE("zero1 and zero2 reproduce the single-process losses for 20 steps, with accumulation and clipping", "[zero]") {
+TEST_CASE("zero1 and zero2 reproduce the single-process losses for 20 steps, with accumulation (zero2: unsharded and sharded) and clipping", "[zero]") {
   auto w = world();
   const std::vector<double> reference = train(20, kB, 0, nullptr);
-  for (int stage : {1, 2})
+  for (int stage : {1, 2, 3})  // 3: zero2 accumulating in the shard
     for (int64_t micro : {kB / w->size(), int64_t(1)}) {
-      INFO("zero" << stage << ", micro-batch " << micro << " on " << w->size() << " ranks");
+      INFO((stage == 3 ? "zero2 sharded" : "zero" + std::to_string(stage)) << ", micro-batch " << micro << " on "
+                                                                            << w->size() << " ranks");
       Probe probe;
-      std::vector<double> got = train(20, micro, stage, w, &probe);
+      std::vector<double> got = train(20, micro, std::min(stage, 2), w, &probe, stage == 3);
       REQUIRE(probe.clipped_steps > 0);  // clipping really engaged (and not on every step)
       REQUIRE(probe.clipped_steps < 20);
       for (size_t i = 0; i < reference.size(); ++i) {
@@ -284,6 +291,40 @@ TEST_CASE("zero2's gradient peak, shard included, stays below one full gradient"
     if (stage == 1) REQUIRE(probe.grad_peak == 4 * probe.psi);
     else REQUIRE(probe.grad_peak > 4 * probe.psi_p / n);
     if (stage == 2) REQUIRE(probe.grad_peak < 4 * probe.psi);
+  }
+}
+
+// DeepSpeed's ZeRO-2 under gradient accumulation: each micro-batch reduce-scatters its stripes as
+// the backward finishes them and frees the full gradients, so the peak stays under one full
+// gradient; accumulating unsharded (no_sync) holds every full gradient beside the shard until the
+// last backward, for one reduce-scatter of each stripe a step instead of one a micro-batch.
+TEST_CASE("zero2 accumulating M micro-batches in the shard keeps its gradient peak under one full gradient for M times the reduce-scatter bytes; unsharded holds 4 Psi + 4 Psi_p/N", "[zero]") {
+  auto w = world();
+  const int n = w->size();
+  for (bool sharded : {false, true}) {
+    INFO((sharded ? "sharded" : "unsharded") << ", rank " << w->rank() << " of " << n);
+    Probe probe;
+    Run run;
+    run.steps = 2;
+    run.micro = 1;  // M = kB / n micro-batches a rank: 4 on 2 ranks, 2 on 4
+    run.stage = 2;
+    run.sharded = sharded;
+    run.n_layer = 8;
+    const int64_t M = kB / n;
+    REQUIRE(M >= 2);
+    train(run, w, &probe);
+    const int64_t once = int64_t(n - 1) * probe.psi_p * 4 / n;
+    REQUIRE(probe.stripes > 1);
+    REQUIRE(probe.mem.cur(MemCategory::grad) == 4 * probe.psi_p / n);  // the step's shard, either way
+    if (sharded) {
+      REQUIRE(probe.grad_peak < 4 * probe.psi);
+      REQUIRE(probe.comm[comm::CommKind::reduce_scatter].bytes == M * once);
+      REQUIRE(probe.reduce_scatters_in_backward == M * probe.stripes);  // all from the hooks
+    } else {
+      REQUIRE(probe.grad_peak == 4 * probe.psi + 4 * probe.psi_p / n);
+      REQUIRE(probe.comm[comm::CommKind::reduce_scatter].bytes == once);
+    }
+    REQUIRE(probe.comm[comm::CommKind::all_gather].bytes == once);
   }
 }
 
@@ -473,7 +514,7 @@ TEST_CASE("zero1/zero2 across dp with tp, tp + sp or pp reproduce the single-pro
     }
 }
 
-TEST_CASE("zero2 refuses a second synchronised backward, and the step after the error reduces as a clean one; zero1 accumulates", "[zero]") {
+TEST_CASE("zero2 refuses a second synchronised backward, and the step after the error reduces as a clean one; zero1 accumulates; zero2 accumulates in the shard with reduce_micro_batch, which zero1 refuses", "[zero]") {
   auto w = world();
   for (int stage : {1, 2}) {
     INFO("zero" << stage);
@@ -510,5 +551,24 @@ TEST_CASE("zero2 refuses a second synchronised backward, and the step after the 
     CHECK(zero.grad_norm() == want);
     REQUIRE_THROWS_WITH(zero.finish_gradients(), Catch::Contains("no backward since the last finish_gradients"));
     CHECK(zero.grad_norm() == want);
+    // accumulating in the shard: two backwards, each reduced, are twice the gradient
+    zero.zero_grad();
+    backward();
+    zero.reduce_micro_batch();
+    backward();
+    zero.finish_gradients();
+    CHECK(zero.grad_norm() == Approx(2 * want).epsilon(1e-6));
+    zero.zero_grad();
+    zero.set_sync(false);
+    backward();
+    REQUIRE_THROWS_WITH(zero.reduce_micro_batch(), Catch::Contains("after a backward under set_sync(false)"));
+    zero.set_sync(true);
+    zero.finish_gradients();
+    zero.zero_grad();
   }
+  parallel::ZeroOptions zo;
+  zo.stage = 1;
+  nn::GPT m(testing::tiny_gpt());
+  parallel::ZeroOptimizer zero1(m.named_parameters(), w, optim::AdamWConfig{}, zo);
+  REQUIRE_THROWS_WITH(zero1.reduce_micro_batch(), Catch::Contains("only stage 2 keeps"));
 }
