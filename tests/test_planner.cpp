@@ -220,6 +220,18 @@ TEST_CASE("search finds only layouts that fit, fastest first, and a model too bi
     if (p.input.layout.strategy == "fsdp-grad-op") (p.input.layout.pp == 1 ? grad_op : grad_op_piped) = true;
   }
   CHECK_FALSE(any_ddp);
+  // zero2 accumulating unsharded (fewer bytes, the full gradient held) is searched beside sharded
+  // wherever a rank runs several micro-batches; never where both would reduce once a step
+  bool zero2_unsharded = false;
+  for (const auto& p : found) {
+    const Layout& l = p.input.layout;
+    if (l.strategy != "zero2" || l.grad_accumulation != "unsharded") continue;
+    zero2_unsharded = true;
+    CHECK(l.pp == 1);
+    CHECK_FALSE(l.sequence_parallel);
+    CHECK(in.global_batch / l.dp > l.micro_batch_size);
+  }
+  CHECK(zero2_unsharded);
   CHECK(grad_op);  // a candidate: ZeRO-2's traffic with the parameters sharded between steps
   CHECK(grad_op_piped);  // and under a pipeline, where its units stay gathered all step
   // Under a pipeline fsdp-grad-op gathers and reduces each unit once a step, zero3 every

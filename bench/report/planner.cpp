@@ -500,21 +500,27 @@ std::vector<Plan> search_plans(const PlanInput& base) {
         for (const char* schedule : {"1f1b", "interleaved"}) {
           if (pp == 1 && std::string(schedule) != "1f1b") continue;
           for (const char* rc : {"none", "selective", "full"})
-            for (int64_t mbs : {1, 2, 4, 8, 16}) {
-              PlanInput in = base;
-              in.layout = Layout{};
-              in.layout.dp = dp, in.layout.tp = tp, in.layout.pp = pp;
-              in.layout.sequence_parallel = tp > 1;
-              in.layout.strategy = strategy, in.layout.pp_schedule = schedule;
-              in.layout.virtual_stages = std::string(schedule) == "interleaved" ? 2 : 1;
-              in.layout.recompute = rc, in.layout.micro_batch_size = mbs;
-              try {
-                Plan p = make_plan(in);
-                if (p.fits) out.push_back(std::move(p));
-              } catch (const Error&) {
-                // an impossible combination (heads, layers, batch): not a candidate
+            for (int64_t mbs : {1, 2, 4, 8, 16})
+              for (const char* accumulation : {"sharded", "unsharded"}) {
+                PlanInput in = base;
+                in.layout = Layout{};
+                in.layout.dp = dp, in.layout.tp = tp, in.layout.pp = pp;
+                in.layout.sequence_parallel = tp > 1;
+                in.layout.strategy = strategy, in.layout.pp_schedule = schedule;
+                in.layout.virtual_stages = std::string(schedule) == "interleaved" ? 2 : 1;
+                in.layout.recompute = rc, in.layout.micro_batch_size = mbs;
+                // zero2 over several micro-batches, when it could reduce each: the full gradient
+                // held for a reduction a step is a candidate too
+                if (std::string(accumulation) == "unsharded" && !(in.layout.reduces_every_micro_batch() && base.global_batch / dp > mbs))
+                  continue;
+                in.layout.grad_accumulation = accumulation;
+                try {
+                  Plan p = make_plan(in);
+                  if (p.fits) out.push_back(std::move(p));
+                } catch (const Error&) {
+                  // an impossible combination (heads, layers, batch): not a candidate
+                }
               }
-            }
         }
       }
     }
