@@ -8,6 +8,7 @@
 
 #include "autograd/ops.h"
 #include "autograd/tape.h"
+#include "core/trace.h"
 
 namespace sg::parallel {
 
@@ -74,6 +75,7 @@ double DataParallel::forward_backward(const Tensor& idx, const Tensor& targets, 
     Tensor mine = to(narrow(idx, 0, k * rows, rows), devices_[size_t(k)]);
     logits[size_t(k)] = models[size_t(k)]->forward(mine);
   });
+  trace::memory(devices_[0]);  // the first device's samples: the replicas' forwards held there
   // Gather the outputs on the first device and compute the loss there.
   std::vector<Tensor> gathered;
   for (int64_t k = 0; k < K; ++k) {
@@ -97,6 +99,7 @@ double DataParallel::forward_backward(const Tensor& idx, const Tensor& targets, 
   run([&](int64_t k) {
     tapes[size_t(k)]->backward({logits[size_t(k)]}, {to(gathered[size_t(k)].grad(), devices_[size_t(k)])});
   });
+  trace::memory(devices_[0]);
   // Sum the replicas' parameter gradients onto the first device.
   autograd::NoGradGuard ng;
   auto mine = model_.named_parameters();
@@ -114,6 +117,7 @@ double DataParallel::forward_backward(const Tensor& idx, const Tensor& targets, 
       }
     }
   }
+  trace::memory(devices_[0]);
   return value;
 }
 

@@ -345,10 +345,11 @@ TEST_CASE("memory over time: the last step's samples per rank, its evaluation le
   CHECK(count(html, "<svg") == count(html, "</svg>"));
 }
 
-TEST_CASE("bench --report draws memory over one step of each layout: zero3's gathers rise and fall, single stays flat",
+TEST_CASE("bench --report draws memory over one step of each layout: zero3's gathers rise and fall, single and dp stay flat while their activations climb",
           "[cli][mpi]") {
   const fs::path dir = fs::temp_directory_path() / ("sg_bench_memtime_" + std::to_string(::getpid()));
   json matrix = json::array({{{"name", "single"}, {"ranks", 1}, {"args", ""}},
+                             {{"name", "dp"}, {"ranks", 1}, {"args", "--strategy dp --devices cpu:0,cpu:1"}},
                              {{"name", "zero3"}, {"ranks", 2}, {"args", "--strategy zero3"}}});
   const int status = run_bench(dir, matrix, 3);
   INFO(read_text(dir / "out.txt"));
@@ -372,9 +373,11 @@ TEST_CASE("bench --report draws memory over one step of each layout: zero3's gat
     CHECK(std::stoi(html.substr(at + svg.size())) == int(r0["t_ms"].size()));
     std::vector<int64_t> param = r0["bytes"]["param"].get<std::vector<int64_t>>();
     const auto top = std::max_element(param.begin(), param.end());
-    if (name == "single") {
+    if (name != "zero3") {
       CHECK(*top == param.front());
       CHECK(*std::min_element(param.begin(), param.end()) == param.front());  // flat: nothing gathered
+      const std::vector<int64_t> act = r0["bytes"]["activation"].get<std::vector<int64_t>>();
+      CHECK(*std::max_element(act.begin(), act.end()) > act.front() + 100000);  // the forward's, sampled
     } else {
       CHECK(*top > param.front());                                       // rises: a unit gathered
       CHECK(*std::min_element(top, param.end()) < *top);                 // and falls: released
