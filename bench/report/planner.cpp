@@ -391,10 +391,22 @@ void add_step_time(Plan& p, double dp_time, double dp_tail, double other_time) {
   const double tokens = double(in.global_batch) * std::max(1.0, s);
   p.compute_s = tokens / l.dp * hw / double(l.tp * l.pp) / (c.peak_flops * c.efficiency);
   const double t_dp = dp_time, backward = p.compute_s * 2.0 / 3.0;
+  // The backward that ddp's buckets and zero2's stripes can hide behind: every micro-batch's when
+  // zero2 reduces each, else the last one's (no_sync before it); none under a pipeline (or zero2
+  // under sequence parallelism), which reduces once the schedule is over.
+  const bool after_schedule = l.pp > 1 || (l.strategy == "zero2" && l.sequence_parallel);
+  const double window = after_schedule ? 0.0
+                        : l.reduces_every_micro_batch() ? backward
+                                                        : backward / double(std::max<int64_t>(1, p.micro_batches));
   double dp_exposed = 0;
-  if (l.strategy == "ddp") dp_exposed = std::max(0.0, t_dp - backward);         // buckets during backward
-  else if (l.strategy == "zero1") dp_exposed = t_dp;                               // after backward, then gather
-  else if (l.strategy == "zero2") dp_exposed = std::max(0.0, t_dp / 2 - backward) + t_dp / 2;
+  if (l.strategy == "ddp") dp_exposed = std::max(0.0, t_dp - window);          // buckets during backward
+  else if (l.strategy == "zero1") dp_exposed = t_dp;                             // after backward, then gather
+  else if (l.strategy == "zero2") {  // the reduce-scatters behind the backward, the all-gather after the step
+    const double rs = p.comm.count("reduce_scatter") ? double(p.comm.at("reduce_scatter")) : 0.0;
+    const double ag = p.comm.count("all_gather") ? double(p.comm.at("all_gather")) : 0.0;
+    const double rs_share = rs + ag > 0 ? rs / (rs + ag) : 0.5;  // M micro-batches' reductions (sharded) or one
+    dp_exposed = std::max(0.0, t_dp * rs_share - window) + t_dp * (1 - rs_share);
+  }
   else dp_exposed = std::max(0.0, t_dp - dp_tail - p.compute_s) + dp_tail;         // prefetched gathers
   p.comm_exposed_s = dp_exposed + other_time;
   p.step_s = p.compute_s * (1 + p.bubble) + p.comm_exposed_s;
