@@ -974,7 +974,7 @@ TEST_CASE("a checkpoint saved under one layout resumes under any other with the 
   REQUIRE(fs::exists(d.path / "run" / "step_00000003" / "rank_00003.safetensors"));
   const std::vector<std::pair<int, std::string>> layouts = {
       {4, "--tp 2 --pp 2"}, {2, "--strategy zero2"}, {4, "--strategy ddp --tp 2"}, {2, "--strategy fsdp-grad-op"},
-      {4, "--pp 2 --strategy zero3"}, {1, ""}};
+      {4, "--pp 2 --strategy zero3"}, {4, "--strategy zero2 --tp 2 --bucket-mb 0.01"}, {1, ""}};  // zero2 x tp: sharded accumulation
   for (size_t k = 0; k < layouts.size(); ++k) {
     INFO(layouts[k].second);
     const fs::path log = log_path(d, "r", k);
