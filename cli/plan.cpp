@@ -61,7 +61,7 @@ std::string simulate_command(const report::Plan& plan) {
                       l.micro_batch_size, " --strategy ", l.strategy);
   if (l.strategy == "hsdp") c += str(" --shard-group-size ", plan.shard_group);  // the plan's (a node's, by default)
   if (l.offload != "none") c += " --offload " + l.offload;
-  if (l.strategy == "zero2" && l.grad_accumulation != "sharded") c += " --grad-accumulation " + l.grad_accumulation;
+  if (l.grad_accumulation != "sharded") c += " --grad-accumulation " + l.grad_accumulation;
   if (l.tp > 1) c += str(" --tp ", l.tp, l.sequence_parallel ? " --sequence-parallel" : "");
   if (l.pp > 1) c += str(" --pp ", l.pp, " --pp-schedule ", l.pp_schedule, " --virtual-stages ", l.virtual_stages);
   if (l.recompute != "none") c += " --recompute " + l.recompute;
@@ -102,8 +102,8 @@ int plan_main(int argc, char** argv) {
   a.flag("virtual-stages", "1", "interleaved: model chunks per pipeline rank");
   a.flag("recompute", "none", "none | selective | full");
   a.flag("offload", "none", "none | optimizer | params");
-  a.flag("grad-accumulation", "sharded", "zero2 over several micro-batches: sharded (a reduce-scatter each) | "
-         "unsharded (full gradients accumulate, one reduce-scatter a step)");
+  a.flag("grad-accumulation", "sharded", "zero2 and the fsdp family over several micro-batches: sharded (a "
+         "reduce-scatter each) | unsharded (no_sync: full gradients accumulate, one reduce-scatter a step)");
   a.toggle("search", "enumerate the layouts of the cluster that fit and rank them by estimated throughput");
   a.flag("top", "10", "--search: how many layouts to show");
   a.toggle("json", "print machine-readable JSON instead of the text report");

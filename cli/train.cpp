@@ -86,11 +86,11 @@ void declare_flags(Args& a) {
   a.flag("trace", "", "write per-rank Chrome trace events (compute, collectives, gathers, pipeline actions), merged into this file");
   a.flag("keep", "0", "keep only the newest N checkpoints (0 = all)");
   a.flag("devices", "cpu:0,cpu:1", "dp: the devices to replicate over; the first one holds the model");
-  a.flag("grad-accumulation", "sharded", "zero2 with several micro-batches a step: sharded (DeepSpeed's ZeRO-2: every "
-         "micro-batch reduce-scatters into the gradient shard: 4Ψ/N of gradient, the reduce-scatter bytes times the "
-         "micro-batches) | unsharded (PyTorch's no_sync: full gradients accumulate and only the last micro-batch "
-         "communicates: 2Ψ a step, for the full gradient held beside the shard); under --pp or --sequence-parallel "
-         "zero2 reduces once a step, unsharded");
+  a.flag("grad-accumulation", "sharded", "zero2 and the fsdp family with several micro-batches a step: sharded "
+         "(DeepSpeed's ZeRO-2, FSDP: every micro-batch reduce-scatters into the gradient shard: 4Ψ/N of gradient, the "
+         "reduce-scatter bytes times the micro-batches) | unsharded (PyTorch's no_sync: full gradients accumulate and "
+         "only the last micro-batch reduces them, for the full gradient held beside the shard); under --pp or "
+         "--sequence-parallel zero2 reduces once a step, unsharded; the fsdp family refuses unsharded under --pp");
   a.flag("bucket-mb", "25", "ddp: gradient bucket size in MiB; zero1/zero2: one stripe's reduce-scatter input in MiB");
   a.flag("backend", "mpi", "collectives of multi-rank runs: mpi (CPU tensors, CUDA through host staging) | nccl (GPUs)");
   a.flag("rendezvous", "mpi", "how ranks find each other: mpi (launched by mpirun) | file:PATH | tcp:HOST:PORT "

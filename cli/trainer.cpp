@@ -342,6 +342,7 @@ double Trainer::train_step(int64_t step, double lr, double& grad_norm, bool& app
     if (ddp_) ddp_->set_sync(m == n_micro - 1);  // no_sync for all but the last micro-batch
     // under SP the replicated gradients are summed over tp before ZeRO reduces them over dp
     if (zero_) zero_->set_sync(shard_accumulation_ || (m == n_micro - 1 && !cfg_.sequence_parallel));
+    if (fsdp_) fsdp_->set_sync(!fsdp_no_sync_ || m == n_micro - 1);
     if (dp_) {
       trace::Scope ts("forward+backward", "compute", {{"micro", m}});
       loss_sum += dp_->forward_backward(mi, mt, loss_scale / double(counted)) / loss_scale;

@@ -224,6 +224,9 @@ class Trainer {
   optim::LossScaler scaler_;
   // zero2 accumulating in the shard (--grad-accumulation sharded): every micro-batch reduces.
   bool shard_accumulation_ = false;
+  // the fsdp family accumulating unsharded (--grad-accumulation unsharded, FSDP's no_sync): only
+  // the last micro-batch reduces.
+  bool fsdp_no_sync_ = false;
   int64_t B_ = 0, T_ = 0, micro_ = 0, steps_ = 0, start_step_ = 0, stop_at_ = 0;  // stop_at_: --stop-at, 0 = none
   uint64_t seed_ = 0;
   std::string save_dir_;

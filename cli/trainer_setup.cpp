@@ -162,18 +162,22 @@ void Trainer::configure() {
   only_for("shard-group-size", strategy_ == "hsdp", "--strategy hsdp");
   only_for("bucket-mb", strategy_ == "ddp" || strategy_ == "zero1" || strategy_ == "zero2", "ddp, zero1 and zero2");
   only_for("find-unused-parameters", strategy_ == "ddp", "--strategy ddp");
-  only_for("grad-accumulation", strategy_ == "zero2", "--strategy zero2 (ddp and zero1 accumulate full gradients, "
-           "zero3 and the fsdp family sharded ones)");
+  only_for("grad-accumulation", strategy_ == "zero2" || fsdp_family(), "zero2 and the fsdp family (ddp and zero1 "
+           "accumulate full gradients)");
   SG_CHECK(a.str("grad-accumulation") == "sharded" || a.str("grad-accumulation") == "unsharded",
            "train: --grad-accumulation must be sharded or unsharded, got '", a.str("grad-accumulation"), "'");
+  const bool unsharded = a.str("grad-accumulation") == "unsharded";
   // A pipeline's tied embedding and sequence parallelism's replicated parameters have their
   // gradients complete only once summed across stages / the tp group, after the last backward.
   const bool deferred = pp_ > 1 || a.on("sequence-parallel");
-  SG_CHECK(!a.given("grad-accumulation") || a.str("grad-accumulation") == "unsharded" || !deferred,
+  SG_CHECK(!a.given("grad-accumulation") || unsharded || !deferred || fsdp_family(),
            "train: --grad-accumulation sharded needs every gradient complete after each micro-batch's backward; under ",
            pp_ > 1 ? "--pp" : "--sequence-parallel", " zero2 sums some across ", pp_ > 1 ? "stages" : "the tp group",
            " after the last one and reduces once a step (unsharded)");
-  shard_accumulation_ = strategy_ == "zero2" && a.str("grad-accumulation") == "sharded" && !deferred;
+  SG_CHECK(!unsharded || !fsdp_family() || pp_ == 1, "train: --grad-accumulation unsharded (FSDP's no_sync) is not for "
+           "pipelines: their micro-batches interleave (fsdp-grad-op under --pp reduces its units once a step)");
+  shard_accumulation_ = strategy_ == "zero2" && !unsharded && !deferred;
+  fsdp_no_sync_ = fsdp_family() && unsharded;
   for (const char* flag : {"pp-schedule", "virtual-stages", "timeline"}) only_for(flag, pp_ > 1, "pipelines (--pp > 1)");
   only_for("devices", strategy_ == "dp", "--strategy dp (one process, several devices)");
   for (const char* flag : {"save-every", "keep"}) SG_CHECK(!a.given(flag) || a.given("save"), "train: --", flag, " needs --save DIR");

@@ -444,7 +444,22 @@ void FullyShardedDataParallel::on_grad_ready(size_t k, size_t i) {
   Unit& u = units_[k];
   if (u.marked[i]) return;
   u.marked[i] = 1;
-  if (++u.ready == int(u.params.size()) && !u.deferred) reduce(k);
+  if (++u.ready == int(u.params.size()) && !u.deferred) {
+    if (sync_) reduce(k);
+    else hold(u);
+  }
+}
+
+void FullyShardedDataParallel::hold(Unit& u) {
+  release(u);
+  u.ready = 0;
+  std::fill(u.marked.begin(), u.marked.end(), 0);
+}
+
+void FullyShardedDataParallel::set_sync(bool sync) {
+  SG_CHECK(sync || !opt_.holds, "fsdp: set_sync(false) under a pipeline: its micro-batches interleave and its roots ",
+           "already accumulate; the units reduce per action");
+  sync_ = sync;
 }
 
 // Packs unit k's full gradients into one comm_buffer in the reduce dtype (zeros for padding and
@@ -508,8 +523,11 @@ void FullyShardedDataParallel::reap(bool all) {
 }
 
 void FullyShardedDataParallel::finish_gradients() {
+  const auto holds_gradients = [](const Unit& u) {
+    return std::any_of(u.params.begin(), u.params.end(), [](const auto& p) { return p.second.grad().defined(); });
+  };
   for (size_t k = 0; k < units_.size(); ++k)  // unit order: every rank issues the same sequence
-    if (units_[k].ready > 0 || (shard_ && units_[k].gathered)) reduce(k);
+    if (units_[k].ready > 0 || (shard_ && units_[k].gathered) || holds_gradients(units_[k])) reduce(k);
   reap(true);
 }
 

@@ -27,7 +27,10 @@
 //                  shard: shard group 3·(Ns-1)/Ns·eΨp, replicate group 2·(Nr-1)/Nr·eΨp/Ns.
 // (e = bytes per element of the communicated dtype: the parameters' for gathers, reduce_dtype's
 // for gradient reductions.) The communicated bytes are per micro-batch: every micro-batch gathers
-// and reduces (the full gradient is never held).
+// and reduces (the full gradient is never held) — unless set_sync(false) (PyTorch FSDP's
+// no_sync): a unit whose gradients are ready is then released without a reduction, its
+// parameters' full gradients accumulating until a backward with sync on reduces them, so the
+// reductions are paid once a step for e_p·Ψ of full gradients held meanwhile.
 //
 // Memory per rank after the step (every unit released; Ψp = Σ Ψu_p; e_p = parameter dtype bytes,
 // e_r = reduce dtype bytes):
@@ -138,9 +141,14 @@ class FullyShardedDataParallel {
   FullyShardedDataParallel& operator=(const FullyShardedDataParallel&) = delete;
 
   // Reduces every unit that backward left incomplete (parameters without a gradient count zero)
-  // and waits for every reduction: every shard gradient then holds the group's average, and every
-  // sharded unit is released.
+  // or that holds gradients accumulated under set_sync(false), and waits for every reduction:
+  // every shard gradient then holds the group's average, and every sharded unit is released.
   void finish_gradients();
+  // false (PyTorch FSDP's no_sync): the next backwards release each unit once its gradients are
+  // ready but do not reduce them; the full .grad tensors accumulate. true (the default): a unit's
+  // gradients (with what accumulated) are reduced as soon as they are ready. Not under a pipeline,
+  // whose roots already accumulate and whose micro-batches interleave.
+  void set_sync(bool sync);
   // Sequence parallelism, after finish_gradients(): all-reduces (sum) over tp_group, in one
   // packed buffer, the segments of this rank's shard gradients that belong to tp-replicated
   // parameters (tp::gpt_param_split).
@@ -244,6 +252,7 @@ class FullyShardedDataParallel {
   Tensor wrap(size_t k, const Tensor& y);  // identity node whose backward gathers unit k
   void on_grad_ready(size_t k, size_t param);
   void reduce(size_t k);
+  void hold(Unit& u);  // set_sync(false): releases a unit whose gradients are ready, keeping them
   bool advance(Reduction& r, bool block);  // true once r has been added to its shard gradient
   void reap(bool all);
   template <class Fn>
@@ -266,6 +275,7 @@ class FullyShardedDataParallel {
   optim::AdamWConfig adam_;
   FsdpOptions opt_;
   bool reshard_ = true;  // release after forward (and re-gather for backward)
+  bool sync_ = true;     // false: no_sync, gradients accumulate unreduced
   DType dtype_ = DType::f32, reduce_dtype_ = DType::f32;
   std::vector<Unit> units_;
   std::vector<Reduction> reductions_;  // issue order

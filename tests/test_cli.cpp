@@ -114,8 +114,10 @@ TEST_CASE("train refuses bad flags, missing files and existing checkpoints, nami
   fails_with("train --strategy zero3 --shard-group-size 2", "--shard-group-size is for --strategy hsdp");
   fails_with("train --virtual-stages 2", "--virtual-stages is for pipelines (--pp > 1)");
   fails_with("train --strategy zero1 --find-unused-parameters", "--find-unused-parameters is for --strategy ddp");
-  fails_with("train --strategy zero1 --grad-accumulation unsharded", "--grad-accumulation is for --strategy zero2 (ddp "
-             "and zero1 accumulate full gradients, zero3 and the fsdp family sharded ones); this run is --strategy zero1");
+  fails_with("train --strategy zero1 --grad-accumulation unsharded", "--grad-accumulation is for zero2 and the fsdp "
+             "family (ddp and zero1 accumulate full gradients); this run is --strategy zero1");
+  fails_with("train --strategy zero3 --pp 2 --grad-accumulation unsharded", "--grad-accumulation unsharded (FSDP's "
+             "no_sync) is not for pipelines");
   fails_with("train --strategy zero2 --grad-accumulation local", "--grad-accumulation must be sharded or unsharded, got 'local'");
   fails_with("train --strategy zero2 --pp 2 --grad-accumulation sharded", "--grad-accumulation sharded needs every "
              "gradient complete after each micro-batch's backward; under --pp zero2 sums some across stages after the "
@@ -902,7 +904,7 @@ TEST_CASE("the FSDP family through the CLI on 4 ranks gives the single-process l
           "--shard-group-size 3 must divide the 4 data-parallel ranks");
 }
 
-TEST_CASE("zero1, zero2 (sharded and unsharded accumulation) and zero3 through the CLI on 2 ranks give the single-process losses", "[cli][mpi]") {
+TEST_CASE("zero1, zero2 and zero3 (sharded and unsharded accumulation) through the CLI on 2 ranks give the single-process losses", "[cli][mpi]") {
   TempDir d;
   // two micro-batches per rank: accumulation, clipping (--clip 1.0 by default) and several stripes
   const std::string args = " train " + kSmall + " --micro-batch-size 2 --steps 4 --log-json ";
@@ -911,10 +913,11 @@ TEST_CASE("zero1, zero2 (sharded and unsharded accumulation) and zero3 through t
   auto a = read_log(d.path / "one.jsonl");
   REQUIRE(a.size() == 4);
   std::map<std::string, int64_t> reduce_scatter_bytes;  // rank 0's, over the 4 steps
-  for (const char* strategy : {"zero1", "zero2", "zero2 --grad-accumulation unsharded", "zero3"}) {
+  for (const char* strategy : {"zero1", "zero2", "zero2 --grad-accumulation unsharded", "zero3",
+                               "zero3 --grad-accumulation unsharded"}) {
     INFO(strategy);
     const fs::path log = d.path / (std::to_string(reduce_scatter_bytes.size()) + ".jsonl");
-    const std::string stripes = std::string(strategy) == "zero3" ? "" : " --bucket-mb 0.01";  // zero1/2's stripes
+    const std::string stripes = std::string(strategy).rfind("zero3", 0) == 0 ? "" : " --bucket-mb 0.01";  // zero1/2's stripes
     Run two = run_command(mpirun(2) + args + log.string() + " --strategy " + strategy + stripes);
     INFO(two.output);
     REQUIRE(two.code == 0);
@@ -927,6 +930,8 @@ TEST_CASE("zero1, zero2 (sharded and unsharded accumulation) and zero3 through t
   // unsharded, as zero1, once a step
   CHECK(reduce_scatter_bytes["zero2 --grad-accumulation unsharded"] == reduce_scatter_bytes["zero1"]);
   CHECK(reduce_scatter_bytes["zero2"] == 2 * reduce_scatter_bytes["zero1"]);
+  // zero3 with FSDP's no_sync reduces once a step too (its units padded apart: not zero1's bytes)
+  CHECK(reduce_scatter_bytes["zero3"] == 2 * reduce_scatter_bytes["zero3 --grad-accumulation unsharded"]);
   // ZeRO-Offload: --offload optimizer under zero1/zero2 keeps m, v and an f32 master of the shard
   // on the host (cpu:0; 12 bytes per element against the device's 8 of m and v, also in bf16, where
   // the device kept the master too) and steps there: the run without it, to rounding (AdamW's

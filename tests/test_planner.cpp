@@ -114,7 +114,17 @@ TEST_CASE("zero2 over M micro-batches: accumulating sharded reduce-scatters M ti
   CHECK(make_plan(in).comm.at("reduce_scatter") == 4 * 1000000 / 2 / 2);  // (N-1)/N of 4Ψ/tp, once (not 4 times)
   in.layout = raw(1000000, 4, "zero1", "fp32").layout;
   in.layout.grad_accumulation = "unsharded";
-  CHECK_THROWS_WITH(make_plan(in), Catch::Contains("--grad-accumulation unsharded is for zero2"));
+  CHECK_THROWS_WITH(make_plan(in), Catch::Contains("--grad-accumulation unsharded is for zero2 and the fsdp family"));
+  // the fsdp family's no_sync: the reduce-scatters once a step, the gathers every micro-batch
+  in.layout.strategy = "zero3", in.layout.micro_batch_size = 1, in.global_batch = 16, in.model.n_layer = 0;
+  const Plan z3_sync = make_plan(in);
+  in.layout.grad_accumulation = "sharded";
+  const Plan z3 = make_plan(in);
+  CHECK(z3.comm.at("reduce_scatter") == 4 * z3_sync.comm.at("reduce_scatter"));
+  CHECK(z3.comm.at("all_gather") == z3_sync.comm.at("all_gather"));
+  CHECK(z3_sync.worst.buffers > z3.worst.buffers);  // the full gradient held between micro-batches
+  in.layout.grad_accumulation = "unsharded", in.layout.pp = 2, in.layout.dp = 2;
+  CHECK_THROWS_WITH(make_plan(in), Catch::Contains("not for pipelines"));
 }
 
 TEST_CASE("what the backward hides: ddp and unsharded zero2 reduce in the last micro-batch's backward, sharded zero2 in every one, a pipeline after the schedule") {
@@ -376,6 +386,8 @@ TEST_CASE("the planner's param, grad and optimizer bytes and bytes per collectiv
        [&] { Layout l = layout(2, 1, 1, "zero2", 2); l.grad_accumulation = "unsharded"; return l; }(), 2, true},
       {"--strategy zero3", layout(2, 1, 1, "zero3", 4), 2, true},
       {"--strategy zero3 --micro-batch-size 2", layout(2, 1, 1, "zero3", 2), 2, true},
+      {"--strategy zero3 --micro-batch-size 2 --grad-accumulation unsharded",
+       [&] { Layout l = layout(2, 1, 1, "zero3", 2); l.grad_accumulation = "unsharded"; return l; }(), 2, true},
       {"--strategy fsdp-grad-op --micro-batch-size 2", layout(2, 1, 1, "fsdp-grad-op", 2), 2, true},
       {"--pp 2 --micro-batch-size 2 --pp-schedule 1f1b", layout(1, 1, 2, "ddp", 2), 2, false},
       {"--pp 2 --micro-batch-size 2 --pp-schedule gpipe", layout(1, 1, 2, "ddp", 2), 2, false},
@@ -385,6 +397,11 @@ TEST_CASE("the planner's param, grad and optimizer bytes and bytes per collectiv
       // shard groups of 2 inside one node of 4: the group's size comes from the flag, not the node
       {"--strategy hsdp --shard-group-size 2 --micro-batch-size 2",
        [&] { Layout l = layout(4, 1, 1, "hsdp", 2); l.shard_group_size = 2; return l; }(), 4, true},
+      {"--strategy hsdp --shard-group-size 2 --micro-batch-size 1 --grad-accumulation unsharded", [&] {
+         Layout l = layout(4, 1, 1, "hsdp", 1);
+         l.shard_group_size = 2, l.grad_accumulation = "unsharded";
+         return l;
+       }(), 4, true},
       {"--tp 2", layout(1, 2, 1, "ddp", 8), 2, false},
       {"--tp 2 --micro-batch-size 4", layout(1, 2, 1, "ddp", 4), 2, false},
       {"--tp 2 --sequence-parallel", [&] { Layout l = layout(1, 2, 1, "ddp", 8); l.sequence_parallel = true; return l; }(), 2, false},

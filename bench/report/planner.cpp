@@ -114,7 +114,7 @@ std::string Layout::label() const {
   s += " mb" + std::to_string(micro_batch_size);
   if (recompute != "none") s += " rc:" + recompute;
   if (offload != "none") s += " offload:" + offload;
-  if (strategy == "zero2" && grad_accumulation != "sharded") s += " accum:" + grad_accumulation;
+  if (grad_accumulation != "sharded") s += " accum:" + grad_accumulation;
   return s;
 }
 
@@ -139,8 +139,11 @@ void check_layout(const PlanInput& in) {
   SG_CHECK(!l.sequence_parallel || l.tp > 1, "plan: --sequence-parallel needs --tp > 1");
   SG_CHECK(l.grad_accumulation == "sharded" || l.grad_accumulation == "unsharded", "plan: --grad-accumulation '",
            l.grad_accumulation, "' (expected sharded or unsharded)");
-  SG_CHECK(l.grad_accumulation == "sharded" || l.strategy == "zero2", "plan: --grad-accumulation unsharded is for zero2 ",
-           "(ddp and zero1 accumulate full gradients, zero3 and the fsdp family sharded ones), not ", l.strategy);
+  SG_CHECK(l.grad_accumulation == "sharded" || l.strategy == "zero2" || shards_params(l.strategy),
+           "plan: --grad-accumulation unsharded is for zero2 and the fsdp family (ddp and zero1 accumulate full ",
+           "gradients), not ", l.strategy);
+  SG_CHECK(l.grad_accumulation == "sharded" || !shards_params(l.strategy) || l.pp == 1, "plan: --grad-accumulation ",
+           "unsharded (FSDP's no_sync) is not for pipelines, whose micro-batches interleave");
   const int world = l.dp * l.tp * l.pp;
   SG_CHECK(world <= c.gpus_per_node * c.nodes, "plan: dp ", l.dp, " x tp ", l.tp, " x pp ", l.pp, " = ", world,
            " GPUs, the cluster has ", c.gpus_per_node * c.nodes, " (", c.nodes, " x ", c.gpus_per_node, ")");
@@ -242,6 +245,10 @@ RankMemory stage_memory(const PlanInput& in, const StageElements& st, const Shar
       const bool accumulates_full = l.pp > 1 || l.sequence_parallel || (in.global_batch / l.dp) / l.micro_batch_size > 1;
       if (l.strategy == "zero2" && !l.reduces_every_micro_batch() && accumulates_full) mem.buffers += double(st.E) * d;
     }
+    else if (shards_params(l.strategy) && l.grad_accumulation == "unsharded" &&
+             (in.global_batch / l.dp) / l.micro_batch_size > 1)  // no_sync: full gradients held between micro-batches
+      mem.buffers = double(st.E) * d + (l.strategy == "fsdp-grad-op" ? double(st.E) * d + gathered
+                                                                       : double(st.roots + st.biggest_unit) * d + gathered);
     else if (l.strategy == "fsdp-grad-op" && l.pp > 1) mem.buffers = 2.0 * double(st.E) * d + gathered;  // + full grads all step
     else if (l.strategy == "fsdp-grad-op") mem.buffers = double(st.E) * d + gathered;
     else if (m.has_shape()) mem.buffers = double(st.roots + st.biggest_unit) * d + gathered;
@@ -278,13 +285,14 @@ void add_dp_traffic(StageTraffic& t, const PlanInput& in, const StageElements& s
       // Every micro-batch gathers and reduces a unit; a pipeline's roots once a step, and under a
       // pipeline fsdp-grad-op's every unit (gathered from its first forward to the step's end).
       const bool once = l.pp > 1 && (i < st.su.roots || l.strategy == "fsdp-grad-op");
+      const bool reduced_once = once || l.grad_accumulation == "unsharded";  // no_sync: the last micro-batch
       const int64_t padded = ceil_div(st.su.units[i], sh.shard_n) * sh.shard_n * d;
       k["all_gather"] += (once ? 1 : gathers * mb) * comm::all_gather_bytes(padded, sh.shard_n);
-      const int64_t rs = (once ? 1 : mb) * comm::reduce_scatter_bytes(padded, sh.shard_n);
+      const int64_t rs = (reduced_once ? 1 : mb) * comm::reduce_scatter_bytes(padded, sh.shard_n);
       k["reduce_scatter"] += rs;
       if (once) t.dp_tail += double(rs);
       if (sh.replicas > 1) {  // each reduced shard, across the replicas
-        const int64_t ar = (once ? 1 : mb) * comm::all_reduce_bytes(padded / sh.shard_n, sh.replicas);
+        const int64_t ar = (reduced_once ? 1 : mb) * comm::all_reduce_bytes(padded / sh.shard_n, sh.replicas);
         k["all_reduce"] += ar;
         t.dp_inter += double(ar);
         if (once) t.dp_tail_inter += double(ar);

@@ -67,9 +67,10 @@ struct Layout {
   int virtual_stages = 1;
   std::string recompute = "none";  // none | selective | full
   std::string offload = "none";    // none | optimizer | params
-  // zero2 over several micro-batches: sharded (each micro-batch reduce-scatters into the shard) or
-  // unsharded (full gradients accumulate, one reduce-scatter a step); a pipeline or sequence
-  // parallelism always reduces once, unsharded (train's --grad-accumulation).
+  // zero2 and the fsdp family over several micro-batches: sharded (each micro-batch reduce-scatters
+  // into the shard) or unsharded (no_sync: full gradients accumulate, one reduction a step); zero2
+  // under a pipeline or sequence parallelism always reduces once, unsharded; the fsdp family
+  // under a pipeline only sharded (train's --grad-accumulation).
   std::string grad_accumulation = "sharded";
   // Whether zero2 reduce-scatters every micro-batch (see grad_accumulation).
   bool reduces_every_micro_batch() const {

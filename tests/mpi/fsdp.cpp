@@ -64,6 +64,7 @@ struct Run {
   DType dtype = DType::f32;
   FsdpOptions fsdp;
   int64_t micro = kB;
+  bool no_sync = false;                         // set_sync(false) before every micro-batch but the last
   int first = 0, steps = 20;                    // batches [first, first + steps)
   uint64_t init_seed = 5;
   const ckpt::PieceSource* resume = nullptr;    // load_state(resume, first) before the first step
@@ -96,7 +97,9 @@ std::vector<double> train(const Run& run, std::shared_ptr<comm::ProcessGroup> gr
     if (fsdp && fsdp->shard_group()) fsdp->shard_group()->reset_counters();
     if (fsdp && fsdp->replicate_group()) fsdp->replicate_group()->reset_counters();
     Ledger::global().reset_peaks(Device::cpu());
-    double loss = testing::backward_rank_rows(*model, idx, tgt, rank, world, run.micro);
+    double loss = testing::backward_rank_rows(*model, idx, tgt, rank, world, run.micro, [&](int64_t, bool last) {
+      if (fsdp && run.no_sync) fsdp->set_sync(last);
+    });
     if (fsdp) {
       if (probe && fsdp->shard_group())
         probe->reduce_scatters_in_backward = fsdp->shard_group()->counters()[comm::CommKind::reduce_scatter].calls;
@@ -326,6 +329,35 @@ TEST_CASE("zero3 moves 2(n-1)/n * 4 Psi_p bytes in all-gathers and (n-1)/n * 4 P
     train(1, kB / n / 2, w, &acc, nn::Recompute::none, cfg);
     REQUIRE(acc.comm[comm::CommKind::reduce_scatter].bytes == 2 * rs);
     REQUIRE(acc.comm[comm::CommKind::all_gather].bytes == 4 * rs);
+  }
+}
+
+// PyTorch FSDP's no_sync: each unit is released after its backward without a reduction, its full
+// gradients accumulating; the last micro-batch reduces them. The same losses, the gathers of every
+// micro-batch, one reduction a step, and the full gradient held meanwhile.
+TEST_CASE("every FSDP mode under no_sync reproduces the single-process losses, reducing once a step while gathering every micro-batch", "[fsdp]") {
+  auto w = world();
+  const int n = w->size();
+  Run ref;
+  ref.steps = 6;
+  const std::vector<double> reference = train(ref, nullptr);
+  for (auto& [name, o] : all_modes(n)) {
+    INFO(name << " on " << n << " ranks");
+    Probe synced, unsynced;
+    Run run;
+    run.steps = 6;
+    run.fsdp = o;
+    run.micro = kB / n / 2;  // two micro-batches a rank
+    testing::require_same_losses(train(run, w, &synced), reference);
+    run.no_sync = true;
+    testing::require_same_losses(train(run, w, &unsynced), reference);
+    const auto bytes = [](const Probe& p, comm::CommKind k) { return p.shard[k].bytes + p.replicate[k].bytes; };
+    CHECK(bytes(unsynced, comm::CommKind::all_gather) == bytes(synced, comm::CommKind::all_gather));
+    CHECK(2 * bytes(unsynced, comm::CommKind::reduce_scatter) == bytes(synced, comm::CommKind::reduce_scatter));
+    // the replicas' all-reduce of the shard gradients (hybrid, no_shard), beside the norm's 8 bytes
+    const int64_t norm = comm::all_reduce_bytes(8, unsynced.ns);
+    CHECK(2 * (bytes(unsynced, comm::CommKind::all_reduce) - norm) == bytes(synced, comm::CommKind::all_reduce) - norm);
+    CHECK(unsynced.mem.pk(MemCategory::grad) > synced.mem.pk(MemCategory::grad));  // full gradients held
   }
 }
 
