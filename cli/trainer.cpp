@@ -722,9 +722,14 @@ std::string Trainer::layout_label() const {
     return str("dp over ", dp_devices_.size(), " devices (", devices, "; the peak is ", device_.str(), "'s)");
   }
   const std::string dp = strategy_ == "single" && dp_size_ == 1 ? "" : str(strategy_, " over dp ", dp_size_, " x ");
-  return tp_ == 1 && pp_ == 1 ? str(strategy_, " x ", world_size_)
-                              : str(dp, "tp ", tp_, cfg_.sequence_parallel ? "+sp" : "", " x pp ", pp_, " (",
-                                    world_size_, " ranks)");
+  std::string label = tp_ == 1 && pp_ == 1 ? str(strategy_, " x ", world_size_)
+                                           : str(dp, "tp ", tp_, cfg_.sequence_parallel ? "+sp" : "", " x pp ", pp_, " (",
+                                                 world_size_, " ranks)");
+  // Where zero2 and the fsdp family accumulate the micro-batches' gradients (--grad-accumulation)
+  if ((strategy_ == "zero2" || fsdp_family()) && pp_ == 1 && B_ / dp_size_ / micro_ > 1)
+    label += shard_accumulation_ || (fsdp_family() && !fsdp_no_sync_) ? ", micro-batches reduced into the shard"
+                                                                       : ", micro-batches accumulated unsharded";
+  return label;
 }
 
 }  // namespace sg::cli

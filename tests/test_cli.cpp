@@ -925,6 +925,11 @@ TEST_CASE("zero1, zero2 and zero3 (sharded and unsharded accumulation) through t
     REQUIRE(b.size() == 4);
     for (size_t i = 0; i < 4; ++i) REQUIRE(std::abs(b[i]["loss"].get<double>() - a[i]["loss"].get<double>()) <= 1e-5 * a[i]["loss"].get<double>());
     reduce_scatter_bytes[strategy] = b[3]["ranks"][0]["comm"]["reduce_scatter"]["bytes"].get<int64_t>();
+    // the header says where the micro-batches' gradients go
+    const bool unsharded = std::string(strategy).find("unsharded") != std::string::npos;
+    if (std::string(strategy) != "zero1")
+      CHECK(two.output.find(unsharded ? ", micro-batches accumulated unsharded" : ", micro-batches reduced into the shard") !=
+            std::string::npos);
   }
   // zero2 accumulating in the shard (the default) reduce-scatters each of the 2 micro-batches;
   // unsharded, as zero1, once a step
