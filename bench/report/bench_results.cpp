@@ -1,6 +1,7 @@
 #include "bench/report/bench_results.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <iterator>
 #include <map>
 #include <sstream>
@@ -225,8 +226,8 @@ bool planner_layout(const BenchLayout& row, int64_t batch, Layout& out) {
 }
 
 int64_t row_bucket_bytes(const BenchLayout& row) {
-  const std::string mb = flag_value(row.args, "bucket-mb");
-  return mb.empty() ? 25ll << 20 : int64_t(std::stod(mb) * double(1 << 20));
+  const double mb = std::strtod(flag_value(row.args, "bucket-mb").c_str(), nullptr);
+  return mb > 0 ? int64_t(mb * double(1 << 20)) : 25ll << 20;  // none (or one train refuses): train's default
 }
 
 void set_default_buckets(std::vector<BenchLayout>& matrix, const std::string& mb) {

@@ -239,20 +239,17 @@ RankMemory stage_memory(const PlanInput& in, const StageElements& st, const Shar
   if (sh.N > 1) {
     const double gathered = double(std::max(st.roots, st.biggest_unit)) * d;
     if (l.strategy == "ddp") mem.buffers = 0;
-    else if (l.strategy == "zero1" || l.strategy == "zero2") {
-      mem.buffers = std::min(double(in.bucket_bytes), double(st.E) * d);
-      // zero2 accumulating unsharded holds the full gradient beside its shard until the last backward
-      const bool accumulates_full = l.pp > 1 || l.sequence_parallel || (in.global_batch / l.dp) / l.micro_batch_size > 1;
-      if (l.strategy == "zero2" && !l.reduces_every_micro_batch() && accumulates_full) mem.buffers += double(st.E) * d;
-    }
-    else if (shards_params(l.strategy) && l.grad_accumulation == "unsharded" &&
-             (in.global_batch / l.dp) / l.micro_batch_size > 1)  // no_sync: full gradients held between micro-batches
-      mem.buffers = double(st.E) * d + (l.strategy == "fsdp-grad-op" ? double(st.E) * d + gathered
-                                                                       : double(st.roots + st.biggest_unit) * d + gathered);
+    else if (l.strategy == "zero1" || l.strategy == "zero2") mem.buffers = std::min(double(in.bucket_bytes), double(st.E) * d);
     else if (l.strategy == "fsdp-grad-op" && l.pp > 1) mem.buffers = 2.0 * double(st.E) * d + gathered;  // + full grads all step
     else if (l.strategy == "fsdp-grad-op") mem.buffers = double(st.E) * d + gathered;
     else if (m.has_shape()) mem.buffers = double(st.roots + st.biggest_unit) * d + gathered;
     // A raw parameter count has no units: the gathered unit is unknown (not the whole model).
+    // Accumulating unsharded over several micro-batches (zero2 also under a pipeline or sequence
+    // parallelism), the full gradient is held beside the shard until the last backward reduces it.
+    const bool several = (in.global_batch / l.dp) / l.micro_batch_size > 1;
+    const bool zero2_full = l.strategy == "zero2" && !l.reduces_every_micro_batch() && (several || l.pp > 1 || l.sequence_parallel);
+    const bool fsdp_full = shards_params(l.strategy) && l.grad_accumulation == "unsharded" && several;
+    if (zero2_full || fsdp_full) mem.buffers += double(st.E) * d;
   }
   return mem;
 }
@@ -529,10 +526,10 @@ std::vector<Plan> search_plans(const PlanInput& base) {
                 in.layout.strategy = strategy, in.layout.pp_schedule = schedule;
                 in.layout.virtual_stages = std::string(schedule) == "interleaved" ? 2 : 1;
                 in.layout.recompute = rc, in.layout.micro_batch_size = mbs;
-                // zero2 over several micro-batches, when it could reduce each: the full gradient
-                // held for a reduction a step is a candidate too
-                if (std::string(accumulation) == "unsharded" && !(in.layout.reduces_every_micro_batch() && base.global_batch / dp > mbs))
-                  continue;
+                // zero2 over several micro-batches, where it reduces each (the default): the full
+                // gradient held for one reduction a step is a candidate too
+                const bool reduces_each = in.layout.reduces_every_micro_batch() && base.global_batch / dp > mbs;
+                if (std::string(accumulation) == "unsharded" && !reduces_each) continue;
                 in.layout.grad_accumulation = accumulation;
                 try {
                   Plan p = make_plan(in);
