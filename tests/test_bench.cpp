@@ -128,6 +128,7 @@ TEST_CASE("the report of a small results file is one HTML page with every chart,
   // schedule's / measured
   CHECK(html.find("<td title='param'>2 B / 2 B (0%); peak 10 B</td>") != std::string::npos);
   CHECK(html.find("<td>25 % / 33.3 %</td>") != std::string::npos);
+  CHECK(html.find("<td>8 ms</td>") != std::string::npos);  // the step after the warm-up
   CHECK(html.find("<script") == std::string::npos);  // self-contained, static
   const std::string csv = sg::report::results_csv(results);
   CHECK(count(csv, "\n") == 4);
@@ -342,16 +343,21 @@ TEST_CASE("memory over time: the last step's samples per rank, its evaluation le
   const std::string html = sg::report::results_html(results);
   CHECK(html.find("id='chart-memtime-zero3' data-samples='3'") != std::string::npos);
   CHECK(html.find("rank 1 · 3 samples") != std::string::npos);
+  CHECK(html.find(">0.8 ms</text>") != std::string::npos);  // the step's span
+  CHECK(html.find("id='table-refused'") == std::string::npos);  // nothing refused: no empty table
+  CHECK(html.find("None: every layout ran.") != std::string::npos);
   CHECK(count(html, "<svg") == count(html, "</svg>"));
 }
 
-TEST_CASE("bench --report draws memory over one step of each layout: zero3's gathers rise and fall, single and dp stay flat while their activations climb",
+TEST_CASE("bench --report draws memory over one step of each layout: zero3's gathers rise and fall, single and dp stay flat while their activations climb, gpipe holds every micro-batch's and 1f1b two",
           "[cli][mpi]") {
   const fs::path dir = fs::temp_directory_path() / ("sg_bench_memtime_" + std::to_string(::getpid()));
   json matrix = json::array({{{"name", "single"}, {"ranks", 1}, {"args", ""}},
                              {{"name", "dp"}, {"ranks", 1}, {"args", "--strategy dp --devices cpu:0,cpu:1"}},
-                             {{"name", "zero3"}, {"ranks", 2}, {"args", "--strategy zero3"}}});
-  const int status = run_bench(dir, matrix, 3);
+                             {{"name", "zero3"}, {"ranks", 2}, {"args", "--strategy zero3"}},
+                             {{"name", "pp-gpipe"}, {"ranks", 2}, {"args", "--pp 2 --pp-schedule gpipe"}},
+                             {{"name", "pp-1f1b"}, {"ranks", 2}, {"args", "--pp 2 --pp-schedule 1f1b"}}});
+  const int status = run_bench(dir, matrix, 3, "--micro-batch-size 2");  // m = 8 micro-batches of 2 rows
   INFO(read_text(dir / "out.txt"));
   REQUIRE(WIFEXITED(status));
   REQUIRE(WEXITSTATUS(status) == 0);
@@ -381,6 +387,24 @@ TEST_CASE("bench --report draws memory over one step of each layout: zero3's gat
     } else {
       CHECK(*top > param.front());                                       // rises: a unit gathered
       CHECK(*std::min_element(top, param.end()) < *top);                 // and falls: released
+    }
+    if (name.rfind("pp-", 0) != 0) continue;
+    // A sample after each of the stage's 16 actions (8 forwards, 8 backwards), and at the step's
+    // start and end. The first stage's activations: one micro-batch's after its first forward;
+    // gpipe holds all 8 before the first backward, 1f1b never more than 2 (p).
+    CHECK(r0["t_ms"].size() >= 18);
+    const std::vector<int64_t> act = r0["bytes"]["activation"].get<std::vector<int64_t>>();
+    const double one = double(act[1] - act[0]), most = double(*std::max_element(act.begin(), act.end()) - act[0]);
+    if (name == "pp-gpipe") CHECK(most > 7.5 * one);
+    else CHECK(most < 2.5 * one);
+    // The last stage sends each backward's input gradient upstream (2 x 32 x 64 f32: 16 KiB); a
+    // completed send gives it back. Under 1f1b the next forward's input cannot arrive before the
+    // first stage has received it, so at most ~2 are held (all 8 were, kept to the step's end).
+    if (name == "pp-1f1b") {
+      const std::vector<int64_t> grad = tl["ranks"][1]["bytes"]["grad"].get<std::vector<int64_t>>();
+      const auto first = std::find_if(grad.begin(), grad.end(), [](int64_t g) { return g > 0; });
+      REQUIRE(first != grad.end());
+      CHECK(*std::max_element(grad.begin(), grad.end()) <= *first + 2 * 16384);
     }
   }
   CHECK(count(html, "<svg") == count(html, "</svg>"));

@@ -36,6 +36,14 @@ std::string human(double v, const std::string& unit) {
   return buf;
 }
 
+// A duration: "8.44 ms", "1.52 s".
+std::string millis(double ms) {
+  char buf[32];
+  if (std::abs(ms) < 1000) std::snprintf(buf, sizeof buf, "%.3g ms", ms);
+  else std::snprintf(buf, sizeof buf, "%.3g s", ms / 1e3);
+  return buf;
+}
+
 // Horizontal bars, one per row, each stacked from the series in order; a legend on top.
 // labels: each bar's text instead of its total (the memory chart's: the peak of the sum, which
 // the stacked per-category peaks overstate when the categories peak at different moments).
@@ -168,7 +176,7 @@ std::string memory_over_time(const std::string& id, const std::string& name, con
         << base + 5 << "' stroke='#666'/>\n";
     o << "<line x1='" << x0 << "' x2='" << x0 + panel_w << "' y1='" << base << "' y2='" << base << "' stroke='#444'/>\n";
     o << "<text x='" << x0 << "' y='" << base + 18 << "'>0</text><text x='" << x0 + panel_w << "' y='" << base + 18
-      << "' text-anchor='end'>" << human(span / 1e3, "s") << "</text>\n";
+      << "' text-anchor='end'>" << millis(span) << "</text>\n";
     o << "<text x='" << x0 + panel_w / 2 << "' y='" << base + 30 << "' text-anchor='middle'>rank " << r["rank"].get<int>()
       << (ranks.size() > 4 && p > 0 ? " (largest peak)" : "") << " · " << n << " samples · peak "
       << human(peak_of(r), "B") << "</text>\n";
@@ -223,9 +231,9 @@ std::string results_html(const nlohmann::json& results) {
       gantt << "<h3>" << escape(name) << "</h3>\n<div class='gantt'>" << r["timeline_svg"].get<std::string>() << "</div>\n";
     table << "<tr><td>" << escape(name) << "</td><td>" << r["ranks"].get<int>() << "</td><td>";
     if (timed)
-      table << human(m["step_ms"].get<double>() / 1e3, "s")
-            << (m.contains("step_ms_range") ? " (" + human(m["step_ms_range"][0].get<double>() / 1e3, "s") + "–" +
-                                                   human(m["step_ms_range"][1].get<double>() / 1e3, "s") + ")"
+      table << millis(m["step_ms"].get<double>())
+            << (m.contains("step_ms_range") ? " (" + millis(m["step_ms_range"][0].get<double>()) + "–" +
+                                                   millis(m["step_ms_range"][1].get<double>()) + ")"
                                              : std::string())
             << "</td><td>" << human(m["tokens_per_s"].get<double>(), "tok/s")
             << (m.contains("mfu") ? " (MFU " + human(100 * m["mfu"].get<double>(), "%") + ")" : std::string());
@@ -282,7 +290,8 @@ std::string results_html(const nlohmann::json& results) {
   if (!memtime.str().empty())
     o << "<h2>Memory over one step (the last, from its trace)</h2>\n<p>The ledger's bytes per category on each "
          "rank, sampled at the step's start, after each micro-batch's forward and backward, on each FSDP gather and "
-         "release, on each ZeRO stripe's launch, and after the optimizer; ticks mark the samples.</p>\n"
+         "release, on each ZeRO stripe's launch, after each pipeline action, and after the optimizer; ticks mark the "
+         "samples.</p>\n"
       << memtime.str();
   o << "<h2>Measured and predicted</h2>\n<p>Rank 0; cells are predicted / measured (error). The planner's "
        "model states are exact: param is what the rank keeps between steps, with the peak while ZeRO-3/FSDP units "
@@ -291,9 +300,13 @@ std::string results_html(const nlohmann::json& results) {
     << "<table id='table-layouts'><tr><th>layout</th><th>ranks</th><th>step</th><th>throughput</th><th>bubble</th>"
        "<th>param</th><th>optimizer</th><th>activation</th><th>bytes sent / step</th></tr>\n"
     << table.str() << "</table>\n";
-  o << "<h2>Refused or failed layouts</h2>\n<table id='table-refused'><tr><th>layout</th><th>ranks</th><th>status</th>"
-       "<th>reason</th></tr>\n"
-    << refused.str() << "</table>\n</body></html>\n";
+  o << "<h2>Refused or failed layouts</h2>\n";
+  if (refused.str().empty())
+    o << "<p>None: every layout ran.</p>\n";
+  else
+    o << "<table id='table-refused'><tr><th>layout</th><th>ranks</th><th>status</th><th>reason</th></tr>\n"
+      << refused.str() << "</table>\n";
+  o << "</body></html>\n";
   return o.str();
 }
 
