@@ -160,7 +160,9 @@ class NcclProcessGroup;
 namespace {
 
 // A send whose NCCL call is not issued yet (NcclProcessGroup::do_send): the StreamWork arrives
-// when the group issues it; wait() and test() issue it first if it is still pending.
+// when the group issues it; wait() issues it first if it is still pending. test() never does: a
+// send issued alone, outside the group with this rank's next recv, could wait on a peer that
+// sends to this rank first (the pipeline polls its sends between actions).
 class DeferredWork : public Work {
  public:
   explicit DeferredWork(NcclProcessGroup* g) : g_(g) {}
@@ -417,7 +419,14 @@ std::shared_ptr<Work> DeferredWork::inner() {
   return inner_;
 }
 void DeferredWork::wait() { inner()->wait(); }
-bool DeferredWork::test() { return inner()->test(); }
+bool DeferredWork::test() {
+  std::shared_ptr<Work> w;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    w = inner_;
+  }
+  return w && w->test();  // still pending: not done
+}
 }  // namespace
 
 static std::shared_ptr<ProcessGroup> init_with_id(const ncclUniqueId& id, int rank, int size, int device) {
