@@ -621,6 +621,7 @@ json Trainer::evaluate(int64_t step) {
   autograd::NoGradGuard ng;
   DropoutOff eval_mode;  // the model as it is, without dropout
   trace::Scope ts("evaluate", "compute");
+  Ledger::global().reset_peaks(device_);  // out["mem"]: the evaluation's own (the step's is logged)
   json out;
   // The same held-out batches at every evaluation, this rank's share of them (every rank reads
   // them all: the data's position moves by whole batches).
@@ -630,10 +631,17 @@ json Trainer::evaluate(int64_t step) {
   val_->set_position(0);
   for (int64_t i = 0; i < nb; ++i) all.push_back(val_->next(B_, T_));
   const auto batch_loss = [&](const io::Batch& b) {
-    const Tensor idx = to(b.inputs, device_), tgt = to(b.targets, device_);
-    // The pipeline's loss is a sum (times scale), as in training: the mean over the counted targets.
-    if (pipe_) return item(pipe_->forward(idx, tgt, 1.0 / double(std::max<int64_t>(1, count_targets(b.targets, -1)))));
-    return item(model_->loss(idx, tgt));
+    // The mean over the counted targets, as a sum (times 1 / count) over training's micro-batches
+    // (the pipeline splits its own): the whole global batch in one forward would hold B / micro
+    // times a training forward's activations and logits (GPT-2 124M at batch 512 and micro-batch
+    // 64: 105 GB of f32 logits).
+    const double scale = 1.0 / double(std::max<int64_t>(1, count_targets(b.targets, -1)));
+    if (pipe_) return item(pipe_->forward(to(b.inputs, device_), to(b.targets, device_), scale));
+    double sum = 0;
+    for (int64_t r = 0; r < B_; r += micro_)
+      sum += item(model_->loss(to(narrow(b.inputs, 0, r, micro_), device_), to(narrow(b.targets, 0, r, micro_), device_),
+                               true, scale));
+    return sum;
   };
   std::vector<double> sums(size_t(1 + dp_size_), 0.0);  // the losses, then each rank's batch count
   for (int64_t i : share.items) sums[0] += batch_loss(all[size_t(i)]);
@@ -654,6 +662,7 @@ json Trainer::evaluate(int64_t step) {
   }
   if (sample_tokens_ > 0 && runs_prompts()) out.update(sample(step));
   if (!choices_.empty()) out["hellaswag"] = hellaswag();
+  out["mem"] = ledger_json(device_);
   return out;
 }
 

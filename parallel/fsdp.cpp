@@ -300,6 +300,9 @@ void FullyShardedDataParallel::shard_units() {
     if (!u.first) continue;  // the pipeline's roots: gather_roots()
     u.first->pre_forward = [this, k, alive] {
       if (!alive.lock()) return;
+      // The previous backward's last reductions (the root's, issued as it ended) give their
+      // buffers back once done, not held through this forward to the next backward's first reduce.
+      reap(false);
       wait_gather(units_[k]);
       if (opt_.forward_prefetch) prefetch(k, false);
     };
@@ -596,8 +599,9 @@ void FullyShardedDataParallel::step(double lr, double grad_scale) {
   for (auto& u : units_)
     for (const Segment& s : u.segments) {
       Tensor g = narrow(u.grad_shard, 0, s.at, s.len);
+      // A bf16/f16 shard is read as it is (AdamW widens each element): an f32 copy of every
+      // segment would be held to batch.run(), 4Ψ/N more at the step's peak.
       if (g.device() != u.m.device()) g = offloaded_gradient(g, u.m.device());  // to the host for the step
-      else if (g.dtype() != DType::f32) g = to(g, DType::f32);
       Tensor target = u.master.defined() ? narrow(u.master, 0, s.at, s.len) : narrow(u.shard_param, 0, s.at, s.len);
       batch.add(target, g, narrow(u.m, 0, s.at, s.len), narrow(u.v, 0, s.at, s.len),
                 optim::AdamW::decays(u.params[s.param].second));

@@ -40,6 +40,7 @@ struct Probe {
   int64_t psi = 0, psi_p = 0;
   int ns = 1, nr = 1;
   int clipped_steps = 0;
+  int64_t step_growth = 0;  // the optimizer step's peak above what the ledger held when it began
 };
 
 // tiny_gpt's units all divide by 2 and 4; this one's do not (Ψ_root = 165, Ψ_block = 365), so
@@ -105,9 +106,14 @@ std::vector<double> train(const Run& run, std::shared_ptr<comm::ProcessGroup> gr
         probe->reduce_scatters_in_backward = fsdp->shard_group()->counters()[comm::CommKind::reduce_scatter].calls;
       fsdp->finish_gradients();
       const double norm = fsdp->grad_norm();
+      const MemStats before = Ledger::global().stats(Device::cpu());
+      Ledger::global().reset_peaks(Device::cpu());  // the step's own peak, then merged with before's
       fsdp->step(1e-2, optim::clip_coefficient(norm, kClip));
       if (probe) {
         probe->mem = Ledger::global().stats(Device::cpu());
+        probe->step_growth = probe->mem.total_peak - before.total_current;
+        for (size_t c = 0; c < probe->mem.peak.size(); ++c) probe->mem.peak[c] = std::max(probe->mem.peak[c], before.peak[c]);
+        probe->mem.total_peak = std::max(probe->mem.total_peak, before.total_peak);
         probe->comm = group->counters();
         probe->shard = fsdp->shard_group() ? fsdp->shard_group()->counters() : comm::CommCounters{};
         probe->replicate = fsdp->replicate_group() ? fsdp->replicate_group()->counters() : comm::CommCounters{};
@@ -431,6 +437,8 @@ TEST_CASE("bf16 zero3 with f32 master shards tracks the f32 single-process losse
     // at peak: the root and one block gathered in bf16
     const int64_t block = *std::max_element(probe.unit_padded.begin() + 1, probe.unit_padded.end());
     REQUIRE(probe.mem.pk(MemCategory::param) == 2 * probe.psi_p / n + 2 * (probe.unit_padded[0] + block));
+    // AdamW reads the bf16 gradient shard as it is: the step holds no f32 copy of it (4Ψp/N)
+    REQUIRE(probe.step_growth == 0);
     // one micro-batch: gathers of 2-byte parameters, reductions in the reduce dtype
     Run one = run;
     one.steps = 1;
