@@ -344,6 +344,14 @@ int bench_main(int argc, char** argv) {
                  prefix.c_str());
     return 1;
   }
+  // Every layout refused: nothing was measured (a bad --dtype, a model the rank counts cannot split).
+  const bool any_ran = std::any_of(results["layouts"].begin(), results["layouts"].end(),
+                                   [](const json& r) { return r["status"] == "ok"; });
+  if (!any_ran) {
+    std::fprintf(stderr, "bench: every layout was refused: nothing measured (the reasons are above and in %s.json)\n",
+                 prefix.c_str());
+    return 1;
+  }
   return 0;
 }
 

@@ -4,8 +4,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <set>
+#include <thread>
+
+#include <unistd.h>
 
 #include "autograd/ops.h"
 #include "cli/trainer.h"
@@ -67,6 +72,7 @@ nn::GPTConfig model_config(const Args& a, int64_t data_vocab) {
     c.vocab_size = positive(a, "vocab-size");  // below the data's: Trainer::setup asks the data
   }
   c.dropout = a.f64("dropout");
+  SG_CHECK(c.dropout >= 0 && c.dropout < 1, "train: --dropout ", a.str("dropout"), " is outside [0, 1)");
   if (a.i64("seq-len") > c.block_size && !a.i64("block-size")) c.block_size = a.i64("seq-len");
   c.validate();
   return c;
@@ -136,6 +142,10 @@ void Trainer::configure() {
   const Args& a = args_;
   const int64_t threads = a.i64("threads");
   SG_CHECK(threads >= 0, "train: --threads must be >= 0");
+  // More threads than a few per core only thrash (libgomp fails to create tens of thousands).
+  const int64_t most = 4 * int64_t(std::max(1u, std::thread::hardware_concurrency()));
+  SG_CHECK(threads <= most, "train: --threads ", threads, " is more than 4 per core of this machine's ", most / 4,
+           " (at most ", most, "; 0 picks a count)");
   const int nt = threads ? int(threads) : default_threads();
   // Eigen's GEMM follows the calling thread's OpenMP setting when Eigen::setNbThreads was never
   // called. Setting it would fix one count for every thread: --strategy dp's replica threads
@@ -574,16 +584,26 @@ void Trainer::restore(const ckpt::Checkpoint* ck) {
   namespace fs = std::filesystem;
   SG_CHECK(!fs::exists(save_dir_) || fs::is_directory(save_dir_), "train: --save ", save_dir_,
            " is a file, not a run directory");
+  {
+    std::error_code ec;
+    fs::create_directories(save_dir_, ec);
+    SG_CHECK(fs::is_directory(save_dir_), "train: --save ", save_dir_, ": cannot create it (", ec.message(), ")");
+    SG_CHECK(::access(save_dir_.c_str(), W_OK | X_OK) == 0, "train: --save ", save_dir_, ": cannot write there (",
+             std::strerror(errno), ")");
+  }
   if (fs::exists(save_dir_) && save_dir_ != a.str("resume") && fs::exists(fs::path(save_dir_) / "latest") && !ck) {
     throw Error(str("train: --save ", save_dir_, " already holds a run; choose another directory or --resume it"));
   }
-  // A run resumed from an earlier step of its own directory would meet the later steps' checkpoints.
+  // A run resumed from an earlier step of its own directory would meet the later steps'
+  // checkpoints: the run it rewinds, which `--resume auto` (the newest step) would go back to.
   for (const auto& [step, dir] : ckpt::step_dirs(save_dir_)) {
-    if (step <= start_step_ || step > steps_ || !saves_after(step)) continue;
+    if (step <= start_step_) continue;
     const std::string damage = ckpt::checkpoint_files_problem(dir.string());
     SG_CHECK(!damage.empty(), "train: --save ", save_dir_, " already holds ", dir.filename().string(),
-             ", which this run would save again (resumed at step ", start_step_,
-             "); checkpoints are never overwritten: give another --save, or resume its newest (--resume auto)");
+             ", later than the step this run resumes at (", start_step_, "): its checkpoints would mix with that "
+             "run's, and --resume auto would go back to the newest; checkpoints are never overwritten: give another "
+             "--save, move the later steps away, or resume the newest (--resume auto)");
+    if (step > steps_ || !saves_after(step)) continue;  // damaged, but not saved again by this run
     // A damaged step (a file lost after its save) is kept, under another name, and saved again:
     // a launch restart goes on by itself. The other ranks leave it to the lead.
     if (!lead()) continue;

@@ -115,6 +115,7 @@ void write_text_atomic(const std::string& path, const std::string& what, const s
 }
 
 void make_parent_folder(const std::string& path, const std::string& what) {
+  SG_CHECK(!std::filesystem::is_directory(path), what, " ", path, " is a folder; give a file name");
   const std::filesystem::path dir = std::filesystem::path(path).parent_path();
   if (dir.empty()) return;
   std::error_code ec;

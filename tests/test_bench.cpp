@@ -285,6 +285,10 @@ TEST_CASE("shardgrad bench runs a matrix file, measures every layout and reports
   CHECK(bad_out.find("bench: --report " + (dir / "a_file" / "report.html").string() + ": cannot create the folder") !=
         std::string::npos);
   CHECK(bad_out.find("[1/1]") == std::string::npos);
+  // a matrix whose every layout train refuses measured nothing: the command fails, saying so
+  const int none = run_bench(dir / "none", json::array({{{"name", "tp3"}, {"ranks", 3}, {"args", "--tp 3"}}}), 2);
+  CHECK((WIFEXITED(none) && WEXITSTATUS(none) != 0));
+  CHECK(read_text(dir / "none" / "out.txt").find("bench: every layout was refused: nothing measured") != std::string::npos);
   // a matrix file that is missing or not JSON is refused naming the flag and the file
   std::ofstream(dir / "broken.json") << "[{\"name\": ";
   std::ofstream(dir / "args.json") << "[{\"name\": \"z2\", \"ranks\": 2, \"args\": [\"--strategy\", \"zero2\"]}]";

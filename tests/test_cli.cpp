@@ -388,7 +388,18 @@ TEST_CASE("train refuses before its first step what would stop it at a save or w
   std::ofstream(d.path / "a_file") << "x";
   not_started("train " + kSmall + " --steps 2 --save " + (d.path / "a_file").string(), "is a file, not a run directory");
   not_started("train " + kSmall + " --steps 4 --save-every 2 --resume " + run + "/step_00000002 --save " + run,
-              "already holds step_00000004, which this run would save again (resumed at step 2)");
+              "already holds step_00000004, later than the step this run resumes at (2)");
+  // the same when this run would stop before that step: the rewound run's steps would mix with its own
+  not_started("train " + kSmall + " --steps 4 --save-every 3 --stop-at 3 --resume " + run + "/step_00000002 --save " + run,
+              "already holds step_00000004, later than the step this run resumes at (2)");
+  // a --save folder that cannot be made, and output files named by a folder
+  not_started("train " + kSmall + " --steps 2 --save " + (d.path / "a_file" / "run").string(), "--save " +
+              (d.path / "a_file" / "run").string() + ": cannot create it");
+  for (const char* flag : {"--trace", "--log-json"})
+    not_started("train " + kSmall + " --steps 2 " + flag + " " + d.path.string(), std::string(flag) + " " +
+                d.path.string() + " is a folder; give a file name");
+  not_started("train " + kSmall + " --steps 2 --threads 100000", "--threads 100000 is more than 4 per core");
+  not_started("train " + kSmall + " --steps 2 --dropout 1", "--dropout 1 is outside [0, 1)");
   // a shape or preset beside what is loaded must agree with it
   not_started("train --threads 1 --steps 6 --eval-every 0 --resume " + run + " --model gpt2",
               "--model gpt2 (n-layer 12) does not match the checkpoint");
