@@ -167,14 +167,20 @@ int Trainer::run() {
     if (start_step_ && std::filesystem::exists(args_.str("log-json"))) {
       std::istringstream lines(io::read_file(args_.str("log-json"), "train: --log-json"));
       std::string kept;
+      int64_t dropped = 0;
       for (std::string line; std::getline(lines, line);) {
         // a line cut short by the crash, or not one of train's records, goes too
         const json rec = json::parse(line, nullptr, false);
         if (rec.is_object() && rec.contains("step") && rec["step"].is_number_integer() &&
             rec["step"].get<int64_t>() <= start_step_)
           kept += line + "\n";
+        else
+          ++dropped;
       }
       io::write_text_atomic(args_.str("log-json"), "train: --log-json", kept);
+      if (dropped)
+        std::printf("note: --log-json %s: dropped its %lld lines after step %lld (the run goes on from there)\n",
+                    args_.str("log-json").c_str(), (long long)dropped, (long long)start_step_);
     }
     log = std::make_unique<std::ofstream>(args_.str("log-json"), start_step_ ? std::ios::app : std::ios::trunc);
     SG_CHECK(log->good(), "train: cannot write --log-json ", args_.str("log-json"));
