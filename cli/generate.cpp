@@ -2,6 +2,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <functional>
@@ -111,12 +112,15 @@ int generate_main(int argc, char** argv) {
   const uint64_t seed = uint64_t(a.i64("seed"));
   autograd::NoGradGuard ng;
   DropoutOff eval_mode;  // sampling is evaluation: no dropout, whatever the weights were trained with
-  std::vector<int64_t> out;
   nn::KVCache cache;  // the keys and values of ids but the last: each step runs one new position (on the device)
   auto on_device = [&](std::vector<int64_t> v) {
     const int64_t n = int64_t(v.size());
     return to(from_vector(std::move(v), {1, n}), device);
   };
+  // Each token is written as it is drawn (every decode here is the concatenation of its tokens'):
+  // a long sample shows as it grows, and an interrupted one keeps what it had.
+  std::fwrite(a.str("prompt").data(), 1, a.str("prompt").size(), stdout);
+  std::fflush(stdout);
   for (int64_t s = 0; s < max_new; ++s) {
     Tensor logits;
     if (cache.len > 0 && cache.len < cfg.block_size && cache.len + 1 == int64_t(ids.size())) {
@@ -129,12 +133,16 @@ int generate_main(int argc, char** argv) {
     }
     std::vector<float> last = to_vector<float>(narrow(logits, 1, logits.size(1) - 1, 1));  // to the host, in f32
     last.resize(size_t(sample_vocab));  // the padded columns (and ids past the tokenizer's) are never sampled
+    SG_CHECK(std::all_of(last.begin(), last.end(), [](float x) { return std::isfinite(x); }), "\ngenerate: the logits ",
+             "after ", ids.size(), " tokens are not finite: ", file, " holds non-finite weights (NaN or inf)");
     const int64_t next = draw_token(last, temperature, top_k, seed, uint64_t(s));
     ids.push_back(next);
     if (next == stop) break;
-    out.push_back(next);
+    const std::string piece = decode({next});
+    std::fwrite(piece.data(), 1, piece.size(), stdout);
+    std::fflush(stdout);
   }
-  std::printf("%s%s\n", a.str("prompt").c_str(), decode(out).c_str());
+  std::printf("\n");
   return 0;
 }
 

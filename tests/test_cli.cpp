@@ -15,6 +15,7 @@
 #include "autograd/ops.h"
 #include "io/gpt2_tokenizer.h"
 #include "io/multiple_choice.h"
+#include "io/safetensors.h"
 #include "io/token_shards.h"
 #include "parallel/checkpoint.h"
 #include "parallel/sharded_checkpoint.h"
@@ -680,6 +681,19 @@ TEST_CASE("generate draws only the data's tokens, refuses data the model cannot 
   REQUIRE(after.code == 0);
   CHECK(after.output.find("which is not here; bytes need no file") != std::string::npos);
   CHECK(after.output.substr(after.output.find('\n') + 1) == before.output);
+  // Weights holding a NaN: refused by name, not sampled into noise (or, greedy, nothing at all)
+  const std::string exported = (d.path / "hf" / "model.safetensors").string(), nan = (d.path / "nan.safetensors").string();
+  REQUIRE(shardgrad("export " + bytes + " --out " + exported).code == 0);
+  {
+    sg::io::SafetensorsFile f = sg::io::load_safetensors(exported);
+    sg::io::NamedTensors named;
+    for (const std::string& name : f.order) named.emplace_back(name, f.tensors.at(name));
+    f.tensors.at("wte.weight").data<float>()[7] = std::nanf("");
+    sg::io::save_safetensors(nan, named, f.metadata);
+  }
+  for (const char* t : {"1", "0"})
+    refuses(std::string(SG_BINARY) + " generate --from " + nan + " --prompt the --max-new-tokens 8 --temperature " + t,
+            "the logits after 3 tokens are not finite: " + nan + " holds non-finite weights");
 }
 
 TEST_CASE("tokenize writes GPT-2 tokens that train reads and generate decodes with the same tokenizer", "[cli][tokenizer]") {
