@@ -190,7 +190,8 @@ int plan_main(int argc, char** argv) {
 
   if (a.on("search")) {
     std::vector<report::Plan> found = report::search_plans(in);
-    const size_t top = size_t(std::max<int64_t>(1, a.i64("top")));
+    SG_CHECK(a.i64("top") >= 1, "plan: --top must be >= 1, got ", a.i64("top"));
+    const size_t top = size_t(a.i64("top"));
     if (a.on("json")) {
       nlohmann::json j = nlohmann::json::array();
       for (size_t i = 0; i < found.size() && i < top; ++i) j.push_back(found[i].to_json());

@@ -232,6 +232,16 @@ TEST_CASE("impossible layouts are refused with the reason") {
   in.layout.pp = 1;
   in.layout.micro_batch_size = 3;
   CHECK_THROWS_WITH(make_plan(in), Catch::Contains("--micro-batch-size 3"));
+  in.layout.micro_batch_size = 1;
+  // what train refuses: offloading ddp's optimizer, virtual stages outside an interleaved pipeline
+  in.layout.offload = "optimizer";
+  CHECK_THROWS_WITH(make_plan(in), Catch::Contains("--offload is for the sharded strategies"));
+  in.layout.offload = "none";
+  in.layout.virtual_stages = 2;
+  CHECK_THROWS_WITH(make_plan(in), Catch::Contains("--virtual-stages 2 is for the interleaved schedule"));
+  in.layout.pp = 2;
+  in.layout.pp_schedule = "interleaved";
+  CHECK_NOTHROW(make_plan(in));
   CHECK_THROWS_WITH(cluster_preset("8xB200"), Catch::Contains("8xH100-NVLink-IB"));
 }
 

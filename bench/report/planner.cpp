@@ -136,6 +136,11 @@ void check_layout(const PlanInput& in) {
            "' (expected none, optimizer or params)");
   SG_CHECK(l.offload != "params" || shards_params(l.strategy), "plan: --offload params needs a strategy that shards ",
            "the parameters (zero3, fsdp, fsdp-grad-op, hsdp), not ", l.strategy);
+  SG_CHECK(l.offload == "none" || l.strategy != "ddp", "plan: --offload is for the sharded strategies (zero1, zero2 ",
+           "and the fsdp family), not ddp, whose every rank keeps the whole optimizer state where it steps");
+  SG_CHECK(l.virtual_stages >= 1, "plan: --virtual-stages must be >= 1, got ", l.virtual_stages);
+  SG_CHECK(l.virtual_stages == 1 || (l.pp > 1 && l.pp_schedule == "interleaved"), "plan: --virtual-stages ",
+           l.virtual_stages, " is for the interleaved schedule of a pipeline (--pp > 1 --pp-schedule interleaved)");
   SG_CHECK(!l.sequence_parallel || l.tp > 1, "plan: --sequence-parallel needs --tp > 1");
   SG_CHECK(l.grad_accumulation == "sharded" || l.grad_accumulation == "unsharded", "plan: --grad-accumulation '",
            l.grad_accumulation, "' (expected sharded or unsharded)");
