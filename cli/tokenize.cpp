@@ -38,7 +38,7 @@ int tokenize_main(int argc, char** argv) {
            " tokens; a token shard stores 16-bit ids (at most 65536)");
   std::vector<std::string> files;
   for (const std::string& t : a.list("text"))
-    for (std::string& f : io::expand_glob(t)) files.push_back(std::move(f));
+    for (std::string& f : io::expand_glob(t, "tokenize:")) files.push_back(std::move(f));
   io::make_parent_folder(out, "tokenize: --out");
   const std::string format = a.str("format");
   SG_CHECK(format == "text" || format == "hellaswag", "tokenize: --format must be text or hellaswag, got ", format);

@@ -51,9 +51,9 @@ std::vector<uint16_t> read_token_shard(const std::string& path) {
   return tokens;
 }
 
-std::vector<std::string> expand_glob(const std::string& pattern) {
+std::vector<std::string> expand_glob(const std::string& pattern, const std::string& what) {
   if (!has_glob_chars(pattern)) {
-    SG_CHECK(std::filesystem::exists(pattern), "data ", pattern, ": no such file");
+    SG_CHECK(std::filesystem::exists(pattern), what, " ", pattern, ": no such file");
     return {pattern};
   }
   glob_t g{};
@@ -62,8 +62,8 @@ std::vector<std::string> expand_glob(const std::string& pattern) {
   if (rc == 0)
     for (size_t i = 0; i < g.gl_pathc; ++i) files.emplace_back(g.gl_pathv[i]);
   ::globfree(&g);
-  SG_CHECK(rc == 0 || rc == GLOB_NOMATCH, "data ", pattern, ": glob failed (code ", rc, ")");
-  SG_CHECK(!files.empty(), "data ", pattern, ": no files match the pattern");
+  SG_CHECK(rc == 0 || rc == GLOB_NOMATCH, what, " ", pattern, ": glob failed (code ", rc, ")");
+  SG_CHECK(!files.empty(), what, " ", pattern, ": no files match the pattern");
   std::sort(files.begin(), files.end());  // byte order, whatever the locale's collation
   return files;
 }

@@ -26,8 +26,8 @@ int64_t token_shard_size(const std::string& path);
 std::vector<uint16_t> read_token_shard(const std::string& path);
 
 // The files matching a glob pattern (or naming one file), sorted by name. Throws naming the pattern
-// when nothing matches.
-std::vector<std::string> expand_glob(const std::string& pattern);
+// when nothing matches, after `what` (the flag or command it came from).
+std::vector<std::string> expand_glob(const std::string& pattern, const std::string& what = "data");
 
 // A contiguous run of tokens inside one file: tokens [first, first + count) of the element array that
 // starts at byte `data_offset`, each `elem_bytes` wide (2: shard tokens, 1: text bytes).

@@ -73,8 +73,8 @@ FullyShardedDataParallel::FullyShardedDataParallel(nn::Module& module, nn::GPT* 
   SG_CHECK(opt_.wrap_min_params >= 0, "fsdp: --wrap-min-params must be >= 0");
   switch (opt_.mode) {
     case FsdpMode::full_shard:
-      SG_CHECK(opt_.reshard_after_forward.value_or(true), "fsdp: full_shard without resharding after forward is "
-               "shard_grad_op (--strategy fsdp-grad-op)");
+      SG_CHECK(opt_.reshard_after_forward.value_or(true), "fsdp: --reshard-after-forward false with full sharding "
+               "(zero3, fsdp) is shard_grad_op: give --strategy fsdp-grad-op");
       shard_ = world_;
       reshard_ = true;
       break;

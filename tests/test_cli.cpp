@@ -724,6 +724,9 @@ TEST_CASE("tokenize writes GPT-2 tokens that train reads and generate decodes wi
           "already exists; refusing to overwrite it");
   refuses(std::string(SG_BINARY) + " tokenize " + (d.path / "a.txt").string() + " --tokenizer " + d.path.string() + " --out x.bin",
           "vocab.json");
+  refuses(std::string(SG_BINARY) + " tokenize " + (d.path / "nope.txt").string() + " --tokenizer " + bpe + " --out " +
+              (d.path / "nope.bin").string(),
+          "tokenize: " + (d.path / "nope.txt").string() + ": no such file");
 
   const std::string run = (d.path / "run").string();
   const std::string tiny = " --n-layer 1 --n-embd 32 --n-head 2 --seq-len 16 --batch-size 4 --threads 1 --eval-every 0 "
@@ -1088,6 +1091,8 @@ TEST_CASE("impossible layouts are refused before any work, with the reason", "[c
   refuses(mpirun(2) + " train " + kSmall + " --n-layer 2 --pp 2 --pp-schedule zigzag", "unknown schedule 'zigzag'");
   refuses(mpirun(2) + " train " + kSmall + " --n-layer 4 --pp 2 --virtual-stages 2",
           "--virtual-stages 2 is for --pp-schedule interleaved (1f1b runs one chunk of layers per rank)");
+  refuses(mpirun(2) + " train " + kSmall + " --strategy zero3 --reshard-after-forward false",
+          "--reshard-after-forward false with full sharding (zero3, fsdp) is shard_grad_op: give --strategy fsdp-grad-op");
 }
 
 // Step by step, b's losses and gradient norms equal a's to `tol` (relative).
