@@ -337,16 +337,17 @@ int bench_main(int argc, char** argv) {
   // A layout that ran and failed (or timed out) fails the command, after the report is written;
   // one refused for this rank count or model is the matrix's business, not a failure.
   std::string broken;
-  for (const json& r : results["layouts"])
+  bool any_ran = false;
+  for (const json& r : results["layouts"]) {
     if (r["status"] == "failed" || r["status"] == "timeout") broken += (broken.empty() ? "" : ", ") + r["name"].get<std::string>();
+    any_ran |= r["status"] == "ok";
+  }
   if (!broken.empty()) {
     std::fprintf(stderr, "bench: layouts that failed: %s (their reasons are above and in %s.json)\n", broken.c_str(),
                  prefix.c_str());
     return 1;
   }
   // Every layout refused: nothing was measured (a bad --dtype, a model the rank counts cannot split).
-  const bool any_ran = std::any_of(results["layouts"].begin(), results["layouts"].end(),
-                                   [](const json& r) { return r["status"] == "ok"; });
   if (!any_ran) {
     std::fprintf(stderr, "bench: every layout was refused: nothing measured (the reasons are above and in %s.json)\n",
                  prefix.c_str());

@@ -591,7 +591,7 @@ void Trainer::restore(const ckpt::Checkpoint* ck) {
     SG_CHECK(::access(save_dir_.c_str(), W_OK | X_OK) == 0, "train: --save ", save_dir_, ": cannot write there (",
              std::strerror(errno), ")");
   }
-  if (fs::exists(save_dir_) && save_dir_ != a.str("resume") && fs::exists(fs::path(save_dir_) / "latest") && !ck) {
+  if (save_dir_ != a.str("resume") && fs::exists(fs::path(save_dir_) / "latest") && !ck) {  // the folder exists now
     throw Error(str("train: --save ", save_dir_, " already holds a run; choose another directory or --resume it"));
   }
   // A run resumed from an earlier step of its own directory would meet the later steps'

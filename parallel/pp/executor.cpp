@@ -179,7 +179,11 @@ double PipelineExecutor::run(const Tensor& idx, const Tensor& targets, double sc
     timeline_.per_rank[size_t(rank)].push_back({a, start, now()});
     // Completed sends give their tensors back now, not at the step's end: kept, they would hold
     // every micro-batch's output and input gradient, m deep under 1F1B as under GPipe.
-    std::erase_if(sends, [](auto& s) { return s.first->test() && (s.first->wait(), true); });  // wait: its error
+    std::erase_if(sends, [](auto& s) {
+      if (!s.first->test()) return false;
+      s.first->wait();  // done: returns at once, or rethrows the send's error
+      return true;
+    });
     // After each action (bench's memory-over-time chart): the schedule's activations in flight,
     // m micro-batches' deep under GPipe, at most the stages' under 1F1B.
     trace::memory(idx.device());
