@@ -420,6 +420,8 @@ void Trainer::build_model(const ckpt::Checkpoint* ck) {
   SG_CHECK(T_ <= cfg_.block_size, "train: --seq-len ", T_, " exceeds the model's block size ", cfg_.block_size);
   train_->check_batch(B_, T_);
   val_->check_batch(B_, T_);  // the final evaluation reads one batch of the held-out split
+  // The schedule's flags before the layer split, which --virtual-stages changes.
+  if (pp_ > 1) parallel::pp::check_schedule(a.str("pp-schedule"), int(positive(a, "virtual-stages")));
   // The mesh, refused before any work when it does not fit the model and the batch.
   comm::MeshPlan mesh = comm::validate_mesh(world_size_, tp_, pp_, cfg_.n_head, cfg_.n_layer, cfg_.vocab_rows(), B_, micro_);
   if (tp_ > 1 || pp_ > 1) {
@@ -456,7 +458,13 @@ void Trainer::build_model(const ckpt::Checkpoint* ck) {
     groups_.dp = world_;  // data parallelism alone: the world is the dp group
     dp_metrics_ = metrics_;
   }
-  model_ = std::make_unique<nn::GPT>(cfg_, dtype_, device_, tp_ > 1 ? groups_.tp : nullptr);
+  try {
+    model_ = std::make_unique<nn::GPT>(cfg_, dtype_, device_, tp_ > 1 ? groups_.tp : nullptr);
+  } catch (const Error& e) {  // out of memory, most likely: say for what, with the flags that size it
+    throw Error(str("train: the model's ", cfg_.num_params(), " parameters (", cfg_.n_layer, " layers, width ",
+                    cfg_.n_embd, ", vocab ", cfg_.vocab_size, ") in ", dtype_name(dtype_), " on ", device_.str(),
+                    " do not fit: ", e.what()));
+  }
   model_->recompute = nn::parse_recompute(a.str("recompute"));
   if (ck) {
     load_parameters(*ck);

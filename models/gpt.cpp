@@ -13,6 +13,7 @@
 #include "autograd/recompute.h"
 #include "autograd/tape.h"
 #include "core/philox.h"
+#include "optim/nonfinite.h"
 #include "parallel/comm/process_group.h"
 #include "parallel/functional.h"
 #include "parallel/tp/layers.h"
@@ -321,6 +322,9 @@ void load_hf_state(GPT& model, const io::SafetensorsFile& file) {
              ")");
     used.insert(name);
     Tensor src = it->second;
+    const optim::NonFinite bad = optim::first_nonfinite({{name, src}});
+    SG_CHECK(!bad.found(), file.path, ": tensor '", name, "' holds a non-finite value (element ", bad.index, " is ",
+             bad.value, "): the file's weights are damaged");
     if (name == "wte.weight") {
       SG_CHECK(src.dim() == 2 && src.size(0) == model.config.vocab_size && src.size(1) == whole.at(1), file.path,
                ": tensor 'wte.weight' has shape ", shape_str(src.shape()), " but the model expects [",

@@ -165,8 +165,8 @@ std::vector<std::string> gpt_parameter_names(const GPTConfig& c);
 io::NamedTensors hf_state_dict(const GPT& model);
 // Loads a Hugging Face-named state into the model (a "transformer." prefix and attn.bias /
 // attn.masked_bias buffers accepted; lm_head.weight accepted when it equals wte). Every
-// expected tensor must be present with the right shape; errors name the tensor and the file.
-// A model split over tp (config.tp > 1) takes its tp rank's slice of each tensor.
+// expected tensor must be present with the right shape and finite (no NaN or inf); errors name the
+// tensor and the file. A model split over tp (config.tp > 1) takes its tp rank's slice of each tensor.
 void load_hf_state(GPT& model, const io::SafetensorsFile& file);
 // The config a Hugging Face-named file describes (n_layer from h.N, n_embd and vocab from wte,
 // block_size from wpe); n_head must come from metadata ("n_head") or the caller.

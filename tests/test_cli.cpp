@@ -125,6 +125,9 @@ TEST_CASE("train refuses bad flags, missing files and existing checkpoints, nami
              "last one and reduces once a step (unsharded)");
   fails_with("train --devices cpu:0,cpu:1", "--devices is for --strategy dp (one process, several devices)");
   fails_with("train --save-every 5", "--save-every needs --save DIR");
+  // a model too large for memory (2.6 PB: past any address space, overcommitted or not) names its size
+  fails_with("train --vocab-size 10000000000000", "train: the model's 640000000104192 parameters (2 layers, width 64, "
+             "vocab 10000000000000) in f32 on cpu do not fit: cpu allocator: out of memory allocating");
   // train's own dtypes, and a fault that could never fire
   fails_with("train --dtype fp8", "--dtype must be fp32, bf16 or fp16, got 'fp8'");
   fails_with("train --strategy ddp --inject-fault rank=5,step=2,kind=exit", "--inject-fault rank=5: the job has 1 rank");
@@ -1088,8 +1091,9 @@ TEST_CASE("impossible layouts are refused before any work, with the reason", "[c
   refuses(mpirun(2) + " train " + kSmall + " --tp 2 --pp 2", "does not divide the 2 ranks launched");
   refuses(mpirun(2) + " train " + kSmall + " --n-head 3 --n-embd 48 --tp 2", "--tp 2: 3 heads cannot be split 2 ways");
   refuses(mpirun(2) + " train " + kSmall + " --n-layer 3 --pp 2", "--pp 2: 3 layers cannot be split evenly into 2 stages");
-  refuses(mpirun(2) + " train " + kSmall + " --n-layer 2 --pp 2 --pp-schedule zigzag", "unknown schedule 'zigzag'");
-  refuses(mpirun(2) + " train " + kSmall + " --n-layer 4 --pp 2 --virtual-stages 2",
+  // the schedule's flags are named before the layer split they change is checked
+  refuses(mpirun(2) + " train " + kSmall + " --n-layer 3 --pp 2 --pp-schedule zigzag", "unknown schedule 'zigzag'");
+  refuses(mpirun(2) + " train " + kSmall + " --n-layer 2 --pp 2 --virtual-stages 2",
           "--virtual-stages 2 is for --pp-schedule interleaved (1f1b runs one chunk of layers per rank)");
   refuses(mpirun(2) + " train " + kSmall + " --strategy zero3 --reshard-after-forward false",
           "--reshard-after-forward false with full sharding (zero3, fsdp) is shard_grad_op: give --strategy fsdp-grad-op");

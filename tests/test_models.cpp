@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <unistd.h>
 
 #include "autograd/ops.h"
@@ -242,6 +243,14 @@ TEST_CASE("Hugging Face state round trip, with 'transformer.' prefix and mask bu
   io::NamedTensors missing(sd.begin() + 1, sd.end());
   io::save_safetensors(path, missing);
   REQUIRE_THROWS_WITH(nn::load_hf_state(b, io::load_safetensors(path)), Catch::Contains("'wte.weight' is missing"));
+  // a non-finite weight is named with its element, before any step could blame a gradient
+  io::NamedTensors damaged = sd;
+  std::vector<float> w = to_vector<float>(damaged[4].second);
+  w[7] = std::numeric_limits<float>::quiet_NaN();
+  damaged[4].second = from_vector<float>(w, damaged[4].second.shape());
+  io::save_safetensors(path, damaged);
+  REQUIRE_THROWS_WITH(nn::load_hf_state(b, io::load_safetensors(path)),
+                      Catch::Contains("'h.0.attn.c_attn.weight' holds a non-finite value (element 7 is nan)"));
   std::filesystem::remove(path);
 }
 

@@ -64,13 +64,18 @@ Schedule interleaved(int p, int m, int v) {
   return s;
 }
 
-Schedule make_schedule(const std::string& kind, int ranks, int m, int chunks) {
+void check_schedule(const std::string& kind, int chunks) {
+  SG_CHECK(kind == "gpipe" || kind == "1f1b" || kind == "interleaved", "--pp-schedule: unknown schedule '", kind,
+           "' (expected gpipe, 1f1b or interleaved)");
   SG_CHECK(chunks == 1 || kind == "interleaved", "--virtual-stages ", chunks, " is for --pp-schedule interleaved (",
            kind, " runs one chunk of layers per rank)");
+}
+
+Schedule make_schedule(const std::string& kind, int ranks, int m, int chunks) {
+  check_schedule(kind, chunks);
   if (kind == "gpipe") return gpipe(ranks, m);
   if (kind == "1f1b") return one_f_one_b(ranks, m);
-  if (kind == "interleaved") return interleaved(ranks, m, chunks);
-  throw Error(str("--pp-schedule: unknown schedule '", kind, "' (expected gpipe, 1f1b or interleaved)"));
+  return interleaved(ranks, m, chunks);
 }
 
 Timeline simulate(const Schedule& s, double tf, double tb) {

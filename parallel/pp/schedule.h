@@ -32,6 +32,9 @@ struct Schedule {
   int stages() const { return ranks * chunks; }
 };
 
+// Throws naming the flag: an unknown --pp-schedule, or --virtual-stages > 1 outside interleaved.
+// make_schedule checks it too; a caller may check first, before building what the schedule splits.
+void check_schedule(const std::string& kind, int chunks);
 // Throws naming the impossible combination (m < 1, p < 1, interleaved with m % p != 0, ...).
 Schedule make_schedule(const std::string& kind, int ranks, int micro_batches, int chunks = 1);
 Schedule gpipe(int ranks, int micro_batches);
