@@ -152,7 +152,12 @@ ckpt::LocalView Trainer::view_of(const std::string& name, const Shape& local_sha
 
 void Trainer::load_parameters(const ckpt::Checkpoint& ck) {
   autograd::NoGradGuard ng;
-  for (auto& [n, p] : model_->named_parameters()) ckpt::read_local(ck, view_of(n, p.shape()), p);
+  for (auto& [n, p] : model_->named_parameters()) {
+    // An f32 run resumed from a bf16/f16 one goes on from the saved f32 masters, not from their
+    // rounded copies (a half-precision run reads its masters in load_optimizer).
+    const bool master = dtype_ == DType::f32 && ck.has(n + ".master");
+    ckpt::read_local(ck, master ? ckpt::renamed(view_of(n, p.shape()), n + ".master") : view_of(n, p.shape()), p);
+  }
 }
 
 void Trainer::load_optimizer(const ckpt::Checkpoint& ck, int64_t optimizer_step) {
@@ -191,9 +196,10 @@ void Trainer::save(int64_t next_step) {
   json flags = json::object();
   for (const char* f : kRunFlags)
     if (args_.given(f))
-      flags[f] = std::string(f) == "data"        ? saved_data_spec()
-                 : std::string(f) == "tokenizer" ? std::filesystem::absolute(args_.str(f)).lexically_normal().string()
-                                                 : args_.str(f);
+      flags[f] = std::string(f) == "data" ? saved_data_spec()
+                 : (std::string(f) == "tokenizer" || std::string(f) == "hellaswag") && !args_.str(f).empty()
+                     ? std::filesystem::absolute(args_.str(f)).lexically_normal().string()  // from any folder
+                     : args_.str(f);
   s["train_flags"] = flags;
   s["layout"] = {{"strategy", strategy_}, {"world", world_size_}, {"dp", dp_size_}, {"tp", tp_}, {"pp", pp_}};
   const std::vector<ckpt::Piece> mine = state_pieces();

@@ -370,7 +370,14 @@ void Trainer::configure_hellaswag() {
   SG_CHECK(!file.empty() || !args_.given("hellaswag-examples"), "train: --hellaswag-examples limits --hellaswag's "
            "examples; give --hellaswag FILE too");
   if (file.empty()) return;
-  choices_ = io::read_choice_file(file, limit);
+  try {
+    choices_ = io::read_choice_file(file, limit);
+  } catch (const Error& e) {
+    const auto& from_ck = args_.inherited();
+    if (std::find(from_ck.begin(), from_ck.end(), "hellaswag") == from_ck.end()) throw;
+    throw Error(str(e.what(), " (--hellaswag ", file, " is the checkpoint's; give --hellaswag to read it elsewhere, "
+                    "or --hellaswag '' for none)"));
+  }
   SG_CHECK(!choices_.empty(), "train: --hellaswag ", file, " holds no examples");
   io::check_choice_tokens(choices_, cfg_.vocab_size, str("train: --hellaswag ", file),
                           str(" (the model's; --data ", data_opt_.spec, " trains on other tokens than the file's?)"));

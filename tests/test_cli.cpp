@@ -82,6 +82,28 @@ TEST_CASE("resume continues with exactly the losses of the uninterrupted run", "
   REQUIRE(a[0]["mem"]["param"]["current"].get<int64_t>() > 0);
 }
 
+TEST_CASE("an f32 run resumed from a bf16 checkpoint starts from its f32 masters", "[cli]") {
+  TempDir d;
+  const std::string a = (d.path / "a").string(), b = (d.path / "b").string();
+  Run half = shardgrad("train " + kSmall + " --dtype bf16 --steps 3 --save " + a);
+  INFO(half.output);
+  REQUIRE(half.code == 0);
+  // one more step at a learning rate too small to move an f32 weight: what it saves is what it loaded
+  Run wide = shardgrad("train --resume " + a + " --dtype fp32 --steps 4 --lr 1e-30 --lr-schedule constant --warmup-steps 0 "
+                       "--save " + b);
+  INFO(wide.output);
+  REQUIRE(wide.code == 0);
+  auto from = sg::ckpt::open_checkpoint(a), to = sg::ckpt::open_checkpoint(b);
+  int rounded_apart = 0;
+  for (const std::string& n : to->names()) {
+    if (!from->has(n + ".master")) continue;
+    const std::vector<float> master = sg::to_vector<float>(from->tensor(n + ".master"));
+    REQUIRE(sg::to_vector<float>(to->tensor(n)) == master);
+    rounded_apart += sg::to_vector<float>(sg::to(from->tensor(n), sg::DType::f32)) != master;
+  }
+  CHECK(rounded_apart > 0);  // the bf16 weights are not the masters: the check above could tell them apart
+}
+
 TEST_CASE("train refuses bad flags, missing files and existing checkpoints, naming them", "[cli]") {
   TempDir d;
   auto fails_with = [](const std::string& args, const std::string& text) { refuses(std::string(SG_BINARY) + " " + args, text); };
@@ -1959,6 +1981,23 @@ TEST_CASE("train --hellaswag scores an eval file at each evaluation, the same un
   refuses(bin + " eval --hellaswag " + file, "eval: --from is required");
   refuses(bin + " eval --from " + (d.path / "run").string() + " --hellaswag " + file + " --batch-size 0",
           "--batch-size must be >= 1");
+}
+
+TEST_CASE("a resumed run finds its --hellaswag file from any folder, or names the flag", "[cli]") {
+  TempDir d;
+  fs::copy_file(std::string(SG_SOURCE_DIR) + "/tests/golden/hellaswag_tiny.bin", d.path / "hs.bin");
+  const std::string bin = std::string(SG_BINARY), run = (d.path / "run").string();
+  Run first = run_command("cd " + d.path.string() + " && " + bin + " train --data random:61 --n-layer 1 --n-head 2 "
+                          "--n-embd 32 --block-size 16 --seq-len 16 --batch-size 8 --threads 1 --steps 4 --eval-every 2 "
+                          "--eval-batches 1 --hellaswag hs.bin --stop-at 2 --save run");  // a relative path
+  INFO(first.output);
+  REQUIRE(first.code == 0);
+  Run elsewhere = run_command("cd / && " + bin + " train --resume " + run);
+  INFO(elsewhere.output);
+  REQUIRE(elsewhere.code == 0);
+  CHECK(elsewhere.output.find(" | hellaswag 0.") != std::string::npos);
+  fs::remove(d.path / "hs.bin");
+  refuses(bin + " train --resume " + run, "is the checkpoint's; give --hellaswag to read it elsewhere");
 }
 
 TEST_CASE("tokenize --format hellaswag turns HellaSwag's jsonl into the eval file train --hellaswag reads", "[cli]") {
