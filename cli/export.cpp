@@ -32,7 +32,7 @@ int export_main(int argc, char** argv) {
   // Hugging Face's loader takes a file whose "format" is "pt"; shardgrad's own keys (the model's
   // shape, the data) stay beside it.
   io::SafetensorsFile file;
-  file.path = out;
+  file.path = c->path();  // (not out: a config.json beside out is checked below, against this model)
   file.metadata = c->metadata();
   file.metadata["format"] = "pt";
   for (auto& [n, t] : tensors) file.order.push_back(n), file.tensors[n] = t;
@@ -51,9 +51,18 @@ int export_main(int argc, char** argv) {
   const bool have_config = std::filesystem::exists(config_path);
   if (have_config) {
     const nlohmann::json there = nlohmann::json::parse(io::read_file(config_path.string(), "export"), nullptr, false);
-    SG_CHECK(there == config, "export: ", config_path.string(), " is there already and describes another model than ",
+    SG_CHECK(there.is_object(), "export: ", config_path.string(), " is there already and is not a JSON object; export "
+             "to another folder, or remove it");
+    // The keys that shape the model must agree (those that must be there, and those that may be);
+    // others (dropout, torch_dtype, transformers_version, token ids) are the file's own.
+    std::string differ;
+    for (const char* key : {"vocab_size", "n_positions", "n_embd", "n_layer", "n_head"})
+      if (!there.contains(key) || there[key] != config[key]) differ += str(differ.empty() ? "" : ", ", key);
+    for (const char* key : {"model_type", "n_ctx", "activation_function", "layer_norm_epsilon", "tie_word_embeddings"})
+      if (there.contains(key) && there[key] != config[key]) differ += str(differ.empty() ? "" : ", ", key);
+    SG_CHECK(differ.empty(), "export: ", config_path.string(), " is there already and describes another model than ",
              c->path(), " (", cfg.n_layer, " layers, ", cfg.n_head, " heads, width ", cfg.n_embd, ", vocab ",
-             cfg.vocab_size, "); export to another folder, or remove it");
+             cfg.vocab_size, "; it differs in ", differ, "); export to another folder, or remove it");
   }
   io::save_safetensors(out, tensors, file.metadata);
   std::printf("exported %zu tensors from %s to %s\n", tensors.size(), c->path().c_str(), out.c_str());

@@ -134,7 +134,8 @@ int generate_main(int argc, char** argv) {
     std::vector<float> last = to_vector<float>(narrow(logits, 1, logits.size(1) - 1, 1));  // to the host, in f32
     last.resize(size_t(sample_vocab));  // the padded columns (and ids past the tokenizer's) are never sampled
     SG_CHECK(std::all_of(last.begin(), last.end(), [](float x) { return std::isfinite(x); }), "\ngenerate: the logits ",
-             "after ", ids.size(), " tokens are not finite: ", file, " holds non-finite weights (NaN or inf)");
+             "after ", ids.size(), " tokens are not finite: ", file, "'s weights overflow the forward in ",
+             a.str("dtype"), " (its weights themselves are finite: loading checks them)");
     const int64_t next = draw_token(last, temperature, top_k, seed, uint64_t(s));
     ids.push_back(next);
     if (next == stop) break;

@@ -2,7 +2,8 @@
 // exits non-zero it is started again with `--resume auto`, which continues from the newest
 // complete checkpoint of the run's --save directory, up to K times. Restarted runs do not get
 // --inject-fault: an injected fault stands for a transient failure (a node that died), which a
-// restart on healthy nodes does not meet again.
+// restart on healthy nodes does not meet again. A job that failed before its first step
+// (kRefusedBeforeStart) is not restarted.
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -165,6 +166,11 @@ int launch_main(int argc, char** argv) {
                                                : "a signal to its ranks";
       const std::string saved = code == kStoppedOnSignal ? str(" after saving its checkpoint in ", save) : "";
       std::printf("shardgrad launch: the job stopped on %s (exit status %d)%s; not restarted\n", why, code, saved.c_str());
+      return code;
+    }
+    if (code == kRefusedBeforeStart) {
+      std::fprintf(stderr, "shardgrad launch: the job failed before its first step (exit status %d: the error above); "
+                   "not restarted: the same command would fail the same way\n", code);
       return code;
     }
     if (attempt == max_restarts) break;

@@ -46,6 +46,8 @@ int main(int argc, char** argv) {
     usage();
     return 2;
   } catch (const std::exception& e) {
+    const auto* own = dynamic_cast<const sg::cli::ExitStatusError*>(&e);
+    const int status = own ? own->status : 1;
     int up = 0, down = 0;
     MPI_Initialized(&up);
     MPI_Finalized(&down);
@@ -56,13 +58,13 @@ int main(int argc, char** argv) {
       MPI_Comm_rank(MPI_COMM_WORLD, &rank);
       std::fprintf(stderr, "shardgrad %s: rank %d: error: %s\n", argv[1], rank, e.what());
       std::fflush(stderr);
-      MPI_Abort(MPI_COMM_WORLD, 1);
+      MPI_Abort(MPI_COMM_WORLD, status);
     }
     // Without MPI (a launcher such as torchrun, train --rendezvous file: or tcp:) the launcher's RANK names it.
     if (const char* rank = std::getenv("RANK"); rank && *rank)
       std::fprintf(stderr, "shardgrad %s: rank %s: error: %s\n", argv[1], rank, e.what());
     else
       std::fprintf(stderr, "shardgrad %s: error: %s\n", argv[1], e.what());
-    return 1;
+    return status;
   }
 }

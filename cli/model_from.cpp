@@ -32,6 +32,7 @@ ModelFrom model_from(const Args& a, DType dtype, Device device) {
   if (auto h = m.weights.metadata.find("n_head"); h != m.weights.metadata.end() && a.given("n-head"))
     SG_CHECK(std::to_string(a.i64("n-head")) == h->second, cmd, ": --n-head ", a.i64("n-head"), " does not match ",
              m.file, ", which records ", h->second, " heads (--n-head is for files that do not record it)");
+  SG_CHECK(!a.given("n-head") || a.i64("n-head") >= 1, cmd, ": --n-head must be >= 1, got ", a.i64("n-head"));
   m.cfg = nn::config_from_hf(m.weights, a.i64("n-head"));
   m.model = std::make_unique<nn::GPT>(m.cfg, dtype, device);
   nn::load_hf_state(*m.model, m.weights);  // copied from the host into the device's parameters

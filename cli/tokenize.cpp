@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 
 #include "cli/args.h"
 #include "cli/commands.h"
@@ -36,12 +37,18 @@ int tokenize_main(int argc, char** argv) {
   const io::Gpt2Tokenizer tok = io::Gpt2Tokenizer::load(a.str("tokenizer"));
   SG_CHECK(tok.vocab_size() <= 65536, "tokenize: the tokenizer ", tok.source(), " has ", tok.vocab_size(),
            " tokens; a token shard stores 16-bit ids (at most 65536)");
+  const std::string format = a.str("format");
+  SG_CHECK(format == "text" || format == "hellaswag", "tokenize: --format must be text or hellaswag, got ", format);
   std::vector<std::string> files;
   for (const std::string& t : a.list("text"))
     for (std::string& f : io::expand_glob(t, "tokenize:")) files.push_back(std::move(f));
+  // Every input is checked before the first is tokenized (a folder matched by a glob, a file that
+  // cannot be read) and before --out's folder is made: not after hours of a corpus.
+  for (const std::string& f : files) {
+    SG_CHECK(!std::filesystem::is_directory(f), "tokenize: ", f, " is a folder, not a text file");
+    SG_CHECK(std::ifstream(f).good(), "tokenize: cannot read ", f);
+  }
   io::make_parent_folder(out, "tokenize: --out");
-  const std::string format = a.str("format");
-  SG_CHECK(format == "text" || format == "hellaswag", "tokenize: --format must be text or hellaswag, got ", format);
   if (format == "hellaswag") {
     SG_CHECK(files.size() == 1, "tokenize: --format hellaswag reads one jsonl file, got ", files.size());
     const auto examples = io::hellaswag_from_jsonl(files[0], [&](const std::string& s) { return tok.encode(s); });

@@ -126,12 +126,17 @@ int train_main(int argc, char** argv) {
     return 0;
   }
   if (a.given("simulate")) return simulate_main(a);
-  std::unique_ptr<ckpt::Checkpoint> resumed = resume_checkpoint(a);
-  inherit_run_flags(a, resumed.get());
   int rc = 0;
   try {
-    Trainer t(a, std::move(resumed));
-    rc = t.run();
+    std::unique_ptr<Trainer> t;
+    try {
+      std::unique_ptr<ckpt::Checkpoint> resumed = resume_checkpoint(a);
+      inherit_run_flags(a, resumed.get());
+      t = std::make_unique<Trainer>(a, std::move(resumed));
+    } catch (const Error& e) {
+      throw ExitStatusError(kRefusedBeforeStart, e.what());
+    }
+    rc = t->run();
   } catch (...) {
     // Without MPI (--rendezvous file: or tcp:) nothing aborts the process on the way out: a watchdog
     // thread still running at exit would terminate it instead of letting main report the error.

@@ -156,9 +156,15 @@ json op_profile_json(const std::map<std::string, kernels::OpTime>& ops) {
 }  // namespace
 
 int Trainer::run() {
-  for (const char* flag : {"log-json", "timeline", "trace"})  // their folders exist before the work, not after it
-    if (!args_.str(flag).empty()) io::make_parent_folder(args_.str(flag), std::string("train: --") + flag);
-  setup();
+  try {
+    for (const char* flag : {"log-json", "timeline", "trace"})  // their folders exist before the work, not after it
+      if (!args_.str(flag).empty()) io::make_parent_folder(args_.str(flag), std::string("train: --") + flag);
+    setup();
+  } catch (const ExitStatusError&) {
+    throw;
+  } catch (const Error& e) {
+    throw ExitStatusError(kRefusedBeforeStart, e.what());  // launch does not restart it
+  }
   std::unique_ptr<std::ofstream> log;
   if (!args_.str("log-json").empty() && lead()) {
     // Resumed: the log goes on from the checkpoint's step. Lines of later steps (an earlier
@@ -290,14 +296,16 @@ int Trainer::run() {
       *log << rec.dump(-1, ' ', false, json::error_handler_t::replace) << "\n";  // a sample's bytes may not be UTF-8
       log->flush();
     }
+    // Saving is this rank's own work (writing its pieces), not a wait on its peers: a rank that
+    // stops making progress here is the one that failed; its barriers name the waits for peers.
     if (saves_after(step + 1)) {
-      parallel::watchdog::Waiting w("the checkpoint save");
+      parallel::watchdog::beat("the checkpoint save", step);
       save(step + 1);  // collective: every rank writes its own pieces
     }
     // An early stop: --stop-at's step, or a signal (every rank learns of it here, after the same step).
     if (!last && (step + 1 == stop_at_ || (stop_signals && (stopped_on = agreed_stop_signal())))) {
       if (!saves_after(step + 1) && stopped_on) {
-        parallel::watchdog::Waiting w("the checkpoint save");
+        parallel::watchdog::beat("the checkpoint save", step);
         save(step + 1);
       }
       if (lead())

@@ -83,6 +83,7 @@ class Trainer {
   void configure_hellaswag();     // --hellaswag's examples, read and checked against the vocabulary
   void build_optimizer();         // masters, AdamW / ZeRO / FSDP, DDP or dp, the schedule
   void restore(const ckpt::Checkpoint* ck);      // the resumed step's state; --save's directory
+  void agree_on_resumed_step(const ckpt::Checkpoint* ck);  // every rank resumes the same step, or refuses
   void start_trace();
   parallel::FsdpOptions fsdp_options() const;
 

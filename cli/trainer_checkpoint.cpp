@@ -57,7 +57,11 @@ nn::GPTConfig config_from_metadata(const std::map<std::string, std::string>& m, 
   c.block_size = get("block_size");
   c.vocab_size = get("vocab_size");
   if (m.count("padded_vocab")) c.padded_vocab = get("padded_vocab");
-  c.validate();
+  try {
+    c.validate();
+  } catch (const Error& e) {
+    throw Error(str("train: checkpoint ", where, ": its metadata describe no valid model: ", e.what()));
+  }
   return c;
 }
 
@@ -91,7 +95,8 @@ std::unique_ptr<ckpt::Checkpoint> resume_checkpoint(const Args& a) {
   const bool report = first_launched_rank();
   if (a.str("resume") == "auto") {
     SG_CHECK(!a.str("save").empty(), "train: --resume auto needs --save (the run directory to look in)");
-    return std::filesystem::exists(a.str("save")) ? ckpt::open_checkpoint("auto:" + a.str("save"), report) : nullptr;
+    // A run that failed before its first save (or during it) leaves no step directory: step 0.
+    return ckpt::step_dirs(a.str("save")).empty() ? nullptr : ckpt::open_checkpoint("auto:" + a.str("save"), report);
   }
   return a.str("resume").empty() ? nullptr : ckpt::open_checkpoint(a.str("resume"), report);
 }
@@ -184,6 +189,7 @@ void Trainer::save(int64_t next_step) {
   s["step"] = next_step;
   s["optimizer_step"] = opt_ ? opt_->steps() : zero_ ? zero_->steps() : fsdp_->steps();
   s["train_position"] = train_->position();
+  s["train_position_in_rows"] = true;  // row-drawing data: rows (before 2026-11-29: batches)
   s["dropout_stream"] = dropout_generator().next_stream;
   s["loss_scale"] = scaler_.scale;
   s["loss_scale_clean_steps"] = scaler_.clean_steps;

@@ -561,21 +561,49 @@ void Trainer::build_optimizer() {
   dropout_generator() = DropoutGenerator::seeded(seed_ ^ 0xd50b5eedull);
 }
 
+// Every rank opened its checkpoint on its own, before the world was joined (--resume auto takes
+// the newest step each one sees): they must have found the same step, or none alike.
+void Trainer::agree_on_resumed_step(const ckpt::Checkpoint* ck) {
+  if (!metrics_ || world_size_ == 1 || sim_) return;
+  const int64_t mine = ck ? ck->state().value("step", int64_t(0)) : 0;
+  Tensor t = from_vector<int64_t>({mine, -mine}, {2});
+  metrics_->all_reduce(t, comm::ReduceOp::max)->wait();
+  const std::vector<int64_t> v = to_vector<int64_t>(t);
+  SG_CHECK(v[0] == -v[1], "train: the ranks resume from different steps (", -v[1], " to ", v[0], "; this rank from ",
+           ck ? str("step ", mine, ", ", ck->path()) : std::string("none"), "): they do not see the same checkpoints "
+           "(a --save or --resume folder not on a shared filesystem, or one still being written)");
+}
+
 void Trainer::restore(const ckpt::Checkpoint* ck) {
   const Args& a = args_;
+  agree_on_resumed_step(ck);
   if (ck) {
     const json& s = ck->state();
-    start_step_ = s.at("step").get<int64_t>();
+    int64_t optimizer_step = 0;
+    try {  // a hand-edited or foreign manifest: the file and nlohmann's words for the field
+      start_step_ = s.at("step").get<int64_t>();
+      // Saved before 2026-11-29, a row-drawing source's position counted batches of the run's
+      // --batch-size, which resume inherits (B_ here, unless given again).
+      const int64_t position = s.at("train_position").get<int64_t>();
+      train_->set_position(train_->draws_rows() && !s.contains("train_position_in_rows") ? position * B_ : position);
+      dropout_generator().next_stream = s.at("dropout_stream").get<uint64_t>();
+      if (!a.f64("loss-scale")) scaler_.scale = s.value("loss_scale", scaler_.scale);  // a fixed scale stays fixed
+      scaler_.clean_steps = s.value("loss_scale_clean_steps", int64_t(0));
+      scaler_.skipped_steps = s.value("skipped_steps", int64_t(0));
+      nonfinite_skipped_ = s.value("nonfinite_skipped", int64_t(0));
+      optimizer_step = s.at("optimizer_step").get<int64_t>();
+    } catch (const json::exception& e) {
+      throw Error(str("train: checkpoint ", ck->path(), ": its training state is malformed: ", e.what()));
+    }
     SG_CHECK(start_step_ <= steps_, "train: the checkpoint is at step ", start_step_, " but --steps is ", steps_);
-    train_->set_position(s.at("train_position").get<int64_t>());
-    dropout_generator().next_stream = s.at("dropout_stream").get<uint64_t>();
-    if (!a.f64("loss-scale")) scaler_.scale = s.value("loss_scale", scaler_.scale);  // a fixed scale stays fixed
-    scaler_.clean_steps = s.value("loss_scale_clean_steps", int64_t(0));
-    scaler_.skipped_steps = s.value("skipped_steps", int64_t(0));
-    nonfinite_skipped_ = s.value("nonfinite_skipped", int64_t(0));
     SG_CHECK(!stop_at_ || stop_at_ > start_step_, "train: --stop-at ", stop_at_, " is not after the checkpoint's step ",
              start_step_, ": nothing to train (give a later step, or leave --stop-at out)");
-    load_optimizer(*ck, s.at("optimizer_step").get<int64_t>());
+    // Nor would a fault or a profile at a step the checkpoint is past ever happen.
+    SG_CHECK(!fault_.active() || fault_.step > start_step_, "train: --inject-fault step=", fault_.step,
+             ": the run resumes after the checkpoint's step ", start_step_, ", so it would never fire");
+    SG_CHECK(!a.i64("profile-ops") || a.i64("profile-ops") > start_step_, "train: --profile-ops ", a.i64("profile-ops"),
+             ": the run resumes after the checkpoint's step ", start_step_, ", so that step is not run");
+    load_optimizer(*ck, optimizer_step);
     if (lead()) {
       std::string flags;
       for (const std::string& f : a.inherited()) flags.append(" ").append(a.spelled(f));
@@ -606,8 +634,23 @@ void Trainer::restore(const ckpt::Checkpoint* ck) {
     SG_CHECK(::access(save_dir_.c_str(), W_OK | X_OK) == 0, "train: --save ", save_dir_, ": cannot write there (",
              std::strerror(errno), ")");
   }
-  if (save_dir_ != a.str("resume") && fs::exists(fs::path(save_dir_) / "latest") && !ck) {  // the folder exists now
+  // Another run's checkpoints would mix with this one's (and --keep would delete them): a folder
+  // that holds any is refused unless the checkpoint resumed came from it.
+  std::error_code same_ec;
+  const bool own = ck && fs::equivalent(fs::path(ck->path()).parent_path(), save_dir_, same_ec);
+  if (!own && (fs::exists(fs::path(save_dir_) / "latest") || !ckpt::step_dirs(save_dir_).empty())) {
     throw Error(str("train: --save ", save_dir_, " already holds a run; choose another directory or --resume it"));
+  }
+  // Saves a failed run left unfinished (.tmp-step_...: never committed, never read) go, once this
+  // run owns the folder; on a large model each can hold gigabytes.
+  if (lead()) {
+    std::error_code ec;
+    int64_t removed = 0;
+    for (const auto& e : fs::directory_iterator(save_dir_, ec))
+      if (e.path().filename().string().rfind(".tmp-step_", 0) == 0 && fs::remove_all(e.path(), ec) > 0) ++removed;
+    if (removed)
+      std::printf("removed %lld unfinished save%s from %s (.tmp-step_...)\n", (long long)removed, removed > 1 ? "s" : "",
+                  save_dir_.c_str());
   }
   // A run resumed from an earlier step of its own directory would meet the later steps'
   // checkpoints: the run it rewinds, which `--resume auto` (the newest step) would go back to.

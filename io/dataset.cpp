@@ -6,9 +6,9 @@
 //   sequential (default, as llm.c): batch k takes the next B*T+1 tokens of the stream as B rows
 //     (inputs = tokens[0, BT), targets = tokens[1, BT]) and advances by B*T; when the next batch
 //     would run past the end it starts again at token 0. position() is the token offset.
-//   shuffle: row r of batch k starts at a token drawn by Philox from (seed, split stream, kB + r),
-//     uniform over every start that leaves T+1 tokens (rows drawn with replacement).
-//     position() is the number of batches drawn.
+//   shuffle: row n of the stream (row r of batch k is n = kB + r at a fixed B) starts at a token
+//     drawn by Philox from (seed, split stream, n), uniform over every start that leaves T+1 tokens
+//     (rows drawn with replacement). position() is the number of rows drawn.
 // Tokens are read from disk per batch, never the whole split into memory.
 #include "io/dataset.h"
 
@@ -57,13 +57,13 @@ class FileDataset : public Dataset {
       std::vector<int64_t> row(size_t(T + 1));
       for (int64_t r = 0; r < B; ++r) {
         uint32_t w[4];
-        Philox::words(seed_, stream_, uint64_t(pos_) * uint64_t(B) + uint64_t(r), w);
+        Philox::words(seed_, stream_, uint64_t(pos_) + uint64_t(r), w);
         const uint64_t draw = (uint64_t(w[0]) << 32) | w[1];
         read(int64_t(draw % uint64_t(total_ - T)), T + 1, row.data());
         std::copy(row.begin(), row.end() - 1, inputs.begin() + r * T);
         std::copy(row.begin() + 1, row.end(), targets.begin() + r * T);
       }
-      ++pos_;
+      pos_ += B;
     } else {
       const int64_t need = B * T + 1;
       if (pos_ + need > total_) pos_ = 0;
@@ -81,6 +81,7 @@ class FileDataset : public Dataset {
     SG_CHECK(p >= 0, "data ", spec_, ": position ", p, " is negative");
     pos_ = p;
   }
+  bool draws_rows() const override { return shuffle_; }
   int64_t vocab_size() const override { return vocab_; }
   void restrict_vocab(int64_t v) override {
     if (kind_ != "token shards" || v <= 0) Dataset::restrict_vocab(v);
@@ -156,7 +157,8 @@ class FileDataset : public Dataset {
 
 namespace {
 // "random" or "random:V": uniform token ids in [0, V) (GPT-2's 50257 by default) from Philox, row by
-// row (id t of row k is draw k·(T+1) + t of the split's stream), for sizing and timing a model
+// row (id t of the stream's row n is draw n·(T+1) + t of the split's stream; position() counts
+// rows), for sizing and timing a model
 // without a corpus: `train --simulate`, throughput runs. Nothing in it can be learned.
 class RandomDataset final : public Dataset {
  public:
@@ -164,17 +166,18 @@ class RandomDataset final : public Dataset {
   Batch next(int64_t B, int64_t T) override {
     std::vector<int64_t> in(size_t(B * T)), out(size_t(B * T));
     for (int64_t b = 0; b < B; ++b) {
-      const uint64_t row = uint64_t(batches_ * B + b) * uint64_t(T + 1);
+      const uint64_t row = uint64_t(rows_ + b) * uint64_t(T + 1);
       for (int64_t t = 0; t < T; ++t) {
         in[size_t(b * T + t)] = id(row + uint64_t(t));
         out[size_t(b * T + t)] = id(row + uint64_t(t) + 1);
       }
     }
-    ++batches_;
+    rows_ += B;
     return {from_vector(in, {B, T}), from_vector(out, {B, T})};
   }
-  int64_t position() const override { return batches_; }
-  void set_position(int64_t p) override { batches_ = p; }
+  int64_t position() const override { return rows_; }
+  void set_position(int64_t p) override { rows_ = p; }
+  bool draws_rows() const override { return true; }
   int64_t vocab_size() const override { return vocab_; }
   void restrict_vocab(int64_t v) override { vocab_ = v; }  // the ids are drawn, not read: draw fewer
   std::string describe() const override { return str("random tokens (uniform over ", vocab_, " ids)"); }
@@ -193,7 +196,7 @@ class RandomDataset final : public Dataset {
   }
   int64_t vocab_;
   uint64_t stream_, seed_;
-  int64_t batches_ = 0;
+  int64_t rows_ = 0;
 };
 }  // namespace
 

@@ -26,8 +26,12 @@ class Dataset {
   // Refuses (naming the data) a batch shape next() could not serve: checked before training, so
   // that a held-out split too small for the final evaluation fails first, not after the run.
   virtual void check_batch(int64_t B, int64_t T) const { (void)B, (void)T; }
-  virtual int64_t position() const = 0;      // opaque cursor (token offset or batch counter)
+  // An opaque cursor: the token offset of a sequential file, the rows drawn so far by the sources
+  // that draw rows (synthetic, random, shuffled files; rows, not batches, so that a run resumed at
+  // another --batch-size goes on with the next row, none skipped or repeated).
+  virtual int64_t position() const = 0;
   virtual void set_position(int64_t p) = 0;
+  virtual bool draws_rows() const { return false; }  // position() counts rows
   virtual int64_t vocab_size() const = 0;    // tokens are in [0, vocab_size)
   // For a model of fewer tokens than vocab_size(): token shards (GPT-2's 50257 ids at most, or
   // another tokenizer's fewer) then check every id they read against v, naming the file and index

@@ -116,6 +116,10 @@ void write_text_atomic(const std::string& path, const std::string& what, const s
 
 void make_parent_folder(const std::string& path, const std::string& what) {
   SG_CHECK(!std::filesystem::is_directory(path), what, " ", path, " is a folder; give a file name");
+  // "out/" (or "out/.") names a folder too, one that may not exist yet: it would be created and the
+  // file's rename into it fail, after the work.
+  const std::string name = std::filesystem::path(path).filename().string();
+  SG_CHECK(!name.empty() && name != "." && name != "..", what, " ", path, " names a folder; give a file name");
   const std::filesystem::path dir = std::filesystem::path(path).parent_path();
   if (dir.empty()) return;
   std::error_code ec;

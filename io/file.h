@@ -55,7 +55,8 @@ void write_text_atomic(const std::string& path, const std::string& what, const s
 
 // Creates the folder that is to hold path (with its missing parents), so that an output named on
 // the command line fails before the work that produces it, not after; the error names `what`
-// (the flag) and the reason. A path that is a folder itself is refused the same way.
+// (the flag) and the reason. A path that is a folder itself, or ends in '/' (a folder, made or
+// not), is refused the same way, before any folder is made.
 void make_parent_folder(const std::string& path, const std::string& what);
 
 }  // namespace sg::io

@@ -164,7 +164,7 @@ Batch SyntheticDataset::next(int64_t B, int64_t T) {
   std::vector<int64_t> inputs(size_t(B * T)), targets(size_t(B * T));
   std::vector<int64_t> row;
   for (int64_t r = 0; r < B; ++r) {
-    const uint64_t row_id = uint64_t(batches_) * uint64_t(B) + uint64_t(r);
+    const uint64_t row_id = uint64_t(rows_) + uint64_t(r);
     row.clear();
     for (int64_t j = 0; j < per_row; ++j) {
       auto toks = task_.tokens(task_.problem(split_, seed_, row_id * uint64_t(per_row) + uint64_t(j)));
@@ -176,13 +176,13 @@ Batch SyntheticDataset::next(int64_t B, int64_t T) {
       targets[size_t(r * T + t)] = answer_next ? row[size_t(t + 1)] : -1;
     }
   }
-  ++batches_;
+  rows_ += B;
   return {from_vector(inputs, {B, T}), from_vector(targets, {B, T})};
 }
 
 void SyntheticDataset::set_position(int64_t p) {
   SG_CHECK(p >= 0, "synthetic: position ", p, " is negative");
-  batches_ = p;
+  rows_ = p;
 }
 
 std::string SyntheticDataset::describe() const {

@@ -15,9 +15,9 @@
 //
 // Splits: the unordered operand pair {a, b} is held out for val when a fixed hash of it is 0 mod 10,
 // so val problems (and their commuted twins) never occur in train. Problem n of a split is a pure
-// function of (seed, split, n) through Philox; row r of batch k holds problems
-// (kB + r)·P, ..., (kB + r)·P + P - 1 with P = ceil((T+1) / (3D+4)). The position is the number of
-// batches drawn, so batch k is the same on any machine and after resume.
+// function of (seed, split, n) through Philox; the stream's row n (row r of batch k is n = kB + r at
+// a fixed B) holds problems nP, ..., nP + P - 1 with P = ceil((T+1) / (3D+4)). The position is the
+// number of rows drawn, so a batch is the same on any machine and after resume, at any batch size.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -58,7 +58,8 @@ class SyntheticDataset : public Dataset {
  public:
   SyntheticDataset(SyntheticTask task, Split split, uint64_t seed) : task_(task), split_(split), seed_(seed) {}
   Batch next(int64_t B, int64_t T) override;
-  int64_t position() const override { return batches_; }
+  int64_t position() const override { return rows_; }
+  bool draws_rows() const override { return true; }
   void set_position(int64_t p) override;
   int64_t vocab_size() const override { return task_.vocab_size(); }
   std::string describe() const override;
@@ -70,7 +71,7 @@ class SyntheticDataset : public Dataset {
   SyntheticTask task_;
   Split split_;
   uint64_t seed_;
-  int64_t batches_ = 0;
+  int64_t rows_ = 0;
 };
 
 // logits_fn: int64 token ids [B, T'] -> logits [B, T', V'] with V' >= the task's vocabulary.

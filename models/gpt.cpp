@@ -346,7 +346,14 @@ void load_hf_state(GPT& model, const io::SafetensorsFile& file) {
   for (auto& [n, t] : by_name) {
     if (used.count(n)) continue;
     const bool mask_buffer = n.find(".attn.bias") != std::string::npos || n.find(".attn.masked_bias") != std::string::npos;
-    if (mask_buffer || n == "lm_head.weight") continue;  // causal masks; the tied head
+    if (mask_buffer) continue;  // causal masks
+    if (n == "lm_head.weight") {  // the tied head: wte again, or an output layer this model cannot hold
+      const Tensor& wte = by_name.at("wte.weight");
+      SG_CHECK(t.shape() == wte.shape() && to_vector<float>(t) == to_vector<float>(wte), file.path,
+               ": 'lm_head.weight' differs from 'wte.weight': an untied output layer, which this GPT-2 (its head tied "
+               "to the token embedding) cannot hold; loading it would drop it");
+      continue;
+    }
     throw Error(str(file.path, ": unexpected tensor '", n, "' (not part of a GPT-2 with ", model.config.n_layer,
                     " layers)"));
   }
@@ -383,17 +390,40 @@ GPTConfig config_from_hf(const io::SafetensorsFile& file, int64_t n_head_hint) {
     return n;
   };
   c.n_head = recorded("n_head", n_head_hint);
-  // A Hugging Face model folder records it in config.json, beside model.safetensors.
+  // A Hugging Face model folder records the head count in config.json, beside model.safetensors,
+  // with the settings that would make it another model than this GPT-2: those are refused, not
+  // ignored (the tensors alone cannot tell).
   const std::filesystem::path hf_config = std::filesystem::path(file.path).parent_path() / "config.json";
-  if (c.n_head <= 0 && std::filesystem::is_regular_file(hf_config)) {
+  if (std::filesystem::is_regular_file(hf_config)) {
     std::ifstream in(hf_config);
     const nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-    if (j.is_object() && j.contains("n_head") && j["n_head"].is_number_integer()) c.n_head = j["n_head"].get<int64_t>();
+    if (j.is_object()) {
+      if (c.n_head <= 0 && j.contains("n_head") && j["n_head"].is_number_integer()) c.n_head = j["n_head"].get<int64_t>();
+      const auto differs = [&](const char* key, const std::string& want) {
+        throw Error(str(hf_config.string(), ": \"", key, "\": ", j[key].dump(), " makes another model than this GPT-2 (",
+                        want, ")"));
+      };
+      if (j.contains("activation_function") && j["activation_function"] != "gelu_new" &&
+          j["activation_function"] != "gelu_pytorch_tanh")
+        differs("activation_function", "GELU's tanh form: \"gelu_new\"");
+      if (j.contains("layer_norm_epsilon") &&
+          !(j["layer_norm_epsilon"].is_number() && std::abs(j["layer_norm_epsilon"].get<double>() - c.ln_eps) <= 1e-12))
+        differs("layer_norm_epsilon", str("LayerNorm's epsilon ", c.ln_eps));
+      if (j.contains("n_inner") && !j["n_inner"].is_null() && j["n_inner"] != 4 * c.n_embd)
+        differs("n_inner", str("an MLP of 4 x n_embd = ", 4 * c.n_embd, ", or null"));
+      if (j.value("scale_attn_weights", true) != true) differs("scale_attn_weights", "scores scaled by 1/sqrt(head dim)");
+      if (j.value("scale_attn_by_inverse_layer_idx", false) != false)
+        differs("scale_attn_by_inverse_layer_idx", "no per-layer scaling of the scores");
+    }
   }
   SG_CHECK(c.n_head > 0, file.path, ": the number of heads is not recorded (in its metadata or a config.json beside it); "
            "pass --n-head");
   c.padded_vocab = recorded("padded_vocab", c.padded_vocab);
-  c.validate();
+  try {
+    c.validate();
+  } catch (const Error& e) {
+    throw Error(str(file.path, ": ", e.what(), file.metadata.count("n_head") ? "" : " (the head count given with --n-head?)"));
+  }
   return c;
 }
 

@@ -615,7 +615,7 @@ io::NamedTensors hf_model_tensors(const Checkpoint& c) {
   io::NamedTensors out;
   for (const auto& name : c.names()) {
     if (is_optimizer_state(name)) continue;
-    Tensor t = c.tensor(name);
+    Tensor t = c.tensor(c.has(name + ".master") ? name + ".master" : name);
     out.emplace_back(name, is_conv1d(name) ? contiguous(transpose(t, 0, 1)) : t);
   }
   return out;

@@ -136,7 +136,9 @@ std::unique_ptr<Checkpoint> open_checkpoint(const std::string& dir, bool report_
 // Optimizer state ("<param>.exp_avg", ".exp_avg_sq", ".master") as opposed to model parameters.
 bool is_optimizer_state(const std::string& name);
 // The model's parameters in Hugging Face GPT-2 names and layouts (Conv1D weights [in, out]),
-// read tensor by tensor; optimizer state is never read. What `shardgrad export` writes.
+// read tensor by tensor. A bf16/f16 run's parameters are its f32 masters where the checkpoint holds
+// them (the weights its optimizer steps, not their rounded copies: what DeepSpeed's zero_to_fp32
+// gives); the rest of the optimizer state is never read. What `shardgrad export` writes.
 io::NamedTensors hf_model_tensors(const Checkpoint& c);
 
 }  // namespace sg::ckpt

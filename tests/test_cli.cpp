@@ -102,6 +102,14 @@ TEST_CASE("an f32 run resumed from a bf16 checkpoint starts from its f32 masters
     rounded_apart += sg::to_vector<float>(sg::to(from->tensor(n), sg::DType::f32)) != master;
   }
   CHECK(rounded_apart > 0);  // the bf16 weights are not the masters: the check above could tell them apart
+  // export writes the masters too, in f32
+  const std::string file = (d.path / "hf" / "model.safetensors").string();
+  REQUIRE(shardgrad("export " + a + " --out " + file).code == 0);
+  const sg::io::SafetensorsFile f = sg::io::load_safetensors(file);
+  const sg::Tensor& fc = f.at("h.0.mlp.c_fc.weight");  // Conv1D: [in, out], the master transposed
+  CHECK(fc.dtype() == sg::DType::f32);
+  CHECK(sg::to_vector<float>(sg::contiguous(sg::transpose(fc, 0, 1))) ==
+        sg::to_vector<float>(from->tensor("h.0.mlp.c_fc.weight.master")));
 }
 
 TEST_CASE("train refuses bad flags, missing files and existing checkpoints, naming them", "[cli]") {
@@ -126,7 +134,7 @@ TEST_CASE("train refuses bad flags, missing files and existing checkpoints, nami
   {
     Run r = shardgrad("train --tp 2 --steps 1");
     INFO(r.output);
-    CHECK(r.code == 1);
+    CHECK(r.code == 64);  // refused before the first step (launch does not restart it)
     CHECK(r.output == "shardgrad train: error: train: --tp 2 x --pp 1 = 2 ranks per model replica does not divide the 1 "
                       "ranks launched\n");
   }
@@ -247,7 +255,8 @@ TEST_CASE("train refuses bad flags, missing files and existing checkpoints, nami
   fails_with("train " + kSmall + " --steps 2 --n-layer 2 --resume " + save, "--n-layer 2 does not match the checkpoint");
   // resume is strict: the same checkpoint rewritten with one tensor more (a valid index, its own
   // bytes) is refused naming it; rewritten as it was, it resumes
-  auto rewrite = [&](const std::string& to, bool extra) {
+  auto rewrite = [&](const std::string& to, bool extra, const std::string& drop_state = "",
+                     const std::string& n_head = "") {
     auto ck = sg::ckpt::open_checkpoint(save);
     std::vector<sg::ckpt::Piece> pieces;
     for (const std::string& n : ck->names()) {
@@ -258,8 +267,12 @@ TEST_CASE("train refuses bad flags, missing files and existing checkpoints, nami
       sg::Tensor a = sg::from_vector<float>({1, 2, 3, 4}, {4});
       for (auto& p : sg::ckpt::pieces_of(sg::ckpt::whole_view("h.0.adapter.bias", a.shape()), a)) pieces.push_back(std::move(p));
     }
+    nlohmann::json state = ck->state();
+    if (!drop_state.empty()) state.erase(drop_state);
+    auto metadata = ck->metadata();
+    if (!n_head.empty()) metadata["n_head"] = n_head;
     sg::ckpt::write_rank_shard(to, 1, 0, pieces);
-    sg::ckpt::commit_sharded(to, 1, 1, ck->state(), ck->metadata());
+    sg::ckpt::commit_sharded(to, 1, 1, state, metadata);
   };
   const std::string same = (d.path / "same").string(), more = (d.path / "more").string();
   rewrite(same, false);
@@ -269,6 +282,32 @@ TEST_CASE("train refuses bad flags, missing files and existing checkpoints, nami
   REQUIRE(resumed.code == 0);
   fails_with("train " + kSmall + " --steps 2 --resume " + more,
              "holds 1 tensor that a GPT-2 of 1 layer and its optimizer state do not: 'h.0.adapter.bias'");
+  // a checkpoint resumed into a folder holding another run's: the two runs' steps would mix
+  fails_with("train " + kSmall + " --steps 2 --resume " + same + " --save " + save, "--save " + save + " already holds a run");
+  // a fault or a profile at a step the checkpoint (step 1) is past would never happen
+  fails_with("train " + kSmall + " --steps 2 --resume " + same + " --inject-fault rank=0,step=1,kind=exit",
+             "--inject-fault step=1: the run resumes after the checkpoint's step 1, so it would never fire");
+  fails_with("train " + kSmall + " --steps 2 --resume " + same + " --profile-ops 1",
+             "--profile-ops 1: the run resumes after the checkpoint's step 1");
+  // a manifest with a field lost, or metadata of no valid model, names the checkpoint
+  const std::string lost = (d.path / "lost").string(), heads = (d.path / "heads").string();
+  rewrite(lost, false, "train_position");
+  rewrite(heads, false, "", "3");
+  fails_with("train " + kSmall + " --steps 2 --resume " + lost, "train: checkpoint " + lost);
+  fails_with("train " + kSmall + " --steps 2 --resume " + lost, "its training state is malformed");
+  fails_with("train " + kSmall + " --steps 2 --resume " + heads, "checkpoint " + heads);
+  fails_with("train " + kSmall + " --steps 2 --resume " + heads, "n_embd 32 is not divisible by n_head 3");
+  // --resume auto in a folder where a run failed before its first save (only a temporary step) starts at 0
+  const fs::path failed = d.path / "failed";
+  fs::create_directories(failed / ".tmp-step_00000002");
+  Run fresh = shardgrad("train " + kSmall + " --steps 1 --resume auto --save " + failed.string());
+  INFO(fresh.output);
+  REQUIRE(fresh.code == 0);
+  CHECK(fresh.output.find("--resume auto: no checkpoint in " + failed.string() + " yet; starting from step 0") !=
+        std::string::npos);
+  CHECK(fs::exists(failed / "step_00000001" / "index.json"));
+  CHECK(!fs::exists(failed / ".tmp-step_00000002"));  // the unfinished save is gone
+  CHECK(fresh.output.find("removed 1 unfinished save from " + failed.string()) != std::string::npos);
 }
 
 TEST_CASE("train --profile-ops N prints and logs step N's op-table calls by entry and leaves the losses alone", "[cli]") {
@@ -302,6 +341,35 @@ TEST_CASE("train --profile-ops N prints and logs step N's op-table calls by entr
   refuses(std::string(SG_BINARY) + " train --profile-ops -1", "--profile-ops must be a step number");
   refuses(std::string(SG_BINARY) + " train --steps 3 --profile-ops 4", "from 1 to --steps (3) or 0, got 4");
   refuses(std::string(SG_BINARY) + " train --strategy dp --profile-ops 1", "--strategy dp runs its replicas");
+}
+
+TEST_CASE("a run resumed at another batch size goes on with the next rows, none skipped or repeated", "[cli]") {
+  TempDir d;
+  // Weights frozen by a learning rate too small to move them: a step's loss names the rows it read,
+  // and a batch of 16 rows has the mean loss of the two batches of 8 that held them.
+  const std::string frozen = "train --n-layer 1 --n-embd 32 --n-head 2 --seq-len 32 --threads 1 --eval-every 0 "
+                             "--eval-problems 8 --eval-batches 1 --steps 12 --lr 1e-30 --lr-schedule constant "
+                             "--warmup-steps 0 --batch-size 8 ";
+  const std::string readme = std::string(SG_SOURCE_DIR) + "/README.md";
+  int k = 0;
+  for (const std::string& data : std::vector<std::string>{"", "--data random:61 ", "--data " + readme + " --shuffle "}) {
+    INFO(data);
+    const std::string save = (d.path / ("s" + std::to_string(++k))).string();
+    const fs::path whole = log_path(d, "whole", k), resumed = log_path(d, "resumed", k);
+    Run a = shardgrad(frozen + data + "--log-json " + whole.string());
+    Run b = shardgrad(frozen + data + "--save " + save + " --stop-at 3");
+    Run c = shardgrad("train --resume " + save + " --batch-size 16 --stop-at 4 --log-json " + resumed.string());
+    INFO(a.output << b.output << c.output);
+    REQUIRE((a.code == 0 && b.code == 0 && c.code == 0));
+    const auto ref = read_log(whole), got = read_log(resumed);
+    REQUIRE(ref.size() == 12);
+    REQUIRE(got.size() == 1);
+    REQUIRE(got[0]["step"] == 4);
+    const auto loss = [&](size_t step) { return ref[step - 1]["loss"].get<double>(); };
+    const double want = (loss(4) + loss(5)) / 2, skipped = (loss(7) + loss(8)) / 2;  // rows 24-39; 48-63
+    CHECK(std::abs(got[0]["loss"].get<double>() - want) <= 1e-5 * want);
+    CHECK(std::abs(skipped - want) > 1e-4 * want);  // other rows give another loss: the check can tell
+  }
 }
 
 TEST_CASE("resume takes the run's data, batch, schedule and seed from the checkpoint, and a flag given wins", "[cli]") {
@@ -424,6 +492,10 @@ TEST_CASE("train refuses before its first step what would stop it at a save or w
   for (const char* flag : {"--trace", "--log-json"})
     not_started("train " + kSmall + " --steps 2 " + flag + " " + d.path.string(), std::string(flag) + " " +
                 d.path.string() + " is a folder; give a file name");
+  // ... or by a name ending in '/': refused before the folder is made, not after the work
+  not_started("train " + kSmall + " --steps 2 --log-json " + (d.path / "logs").string() + "/",
+              "--log-json " + (d.path / "logs").string() + "/ names a folder; give a file name");
+  CHECK(!fs::exists(d.path / "logs"));
   not_started("train " + kSmall + " --steps 2 --threads 100000", "--threads 100000 is more than 4 per core");
   not_started("train " + kSmall + " --steps 2 --dropout 1", "--dropout 1 is outside [0, 1)");
   // a shape or preset beside what is loaded must agree with it
@@ -706,19 +778,23 @@ TEST_CASE("generate draws only the data's tokens, refuses data the model cannot 
   REQUIRE(after.code == 0);
   CHECK(after.output.find("which is not here; bytes need no file") != std::string::npos);
   CHECK(after.output.substr(after.output.find('\n') + 1) == before.output);
-  // Weights holding a NaN: refused by name, not sampled into noise (or, greedy, nothing at all)
+  // Weights holding a NaN are refused by name as they load; finite ones whose forward overflows,
+  // as the logits go non-finite: neither is sampled into noise (or, greedy, nothing at all)
   const std::string exported = (d.path / "hf" / "model.safetensors").string(), nan = (d.path / "nan.safetensors").string();
+  const std::string huge = (d.path / "huge.safetensors").string();
   REQUIRE(shardgrad("export " + bytes + " --out " + exported).code == 0);
-  {
+  for (const auto& [out, value] : {std::pair{nan, std::nanf("")}, std::pair{huge, 3e38f}}) {
     sg::io::SafetensorsFile f = sg::io::load_safetensors(exported);
     sg::io::NamedTensors named;
     for (const std::string& name : f.order) named.emplace_back(name, f.tensors.at(name));
-    f.tensors.at("wte.weight").data<float>()[7] = std::nanf("");
-    sg::io::save_safetensors(nan, named, f.metadata);
+    for (int64_t i = 0; i < f.tensors.at("wte.weight").numel(); ++i) f.tensors.at("wte.weight").data<float>()[i] = value;
+    sg::io::save_safetensors(out, named, f.metadata);
   }
+  refuses(std::string(SG_BINARY) + " generate --from " + nan + " --prompt the --max-new-tokens 8",
+          nan + ": tensor 'wte.weight' holds a non-finite value (element 0 is nan)");
   for (const char* t : {"1", "0"})
-    refuses(std::string(SG_BINARY) + " generate --from " + nan + " --prompt the --max-new-tokens 8 --temperature " + t,
-            "the logits after 3 tokens are not finite: " + nan + " holds non-finite weights");
+    refuses(std::string(SG_BINARY) + " generate --from " + huge + " --prompt the --max-new-tokens 8 --temperature " + t,
+            "the logits after 3 tokens are not finite: " + huge + "'s weights overflow the forward in fp32");
 }
 
 TEST_CASE("tokenize writes GPT-2 tokens that train reads and generate decodes with the same tokenizer", "[cli][tokenizer]") {
@@ -752,6 +828,17 @@ TEST_CASE("tokenize writes GPT-2 tokens that train reads and generate decodes wi
   refuses(std::string(SG_BINARY) + " tokenize " + (d.path / "nope.txt").string() + " --tokenizer " + bpe + " --out " +
               (d.path / "nope.bin").string(),
           "tokenize: " + (d.path / "nope.txt").string() + ": no such file");
+  // inputs and --format are checked before any file is tokenized or --out's folder made
+  fs::create_directories(d.path / "g" / "b_sub");
+  fs::copy_file(d.path / "a.txt", d.path / "g" / "a.txt");
+  refuses(std::string(SG_BINARY) + " tokenize '" + (d.path / "g" / "*").string() + "' --tokenizer " + bpe + " --out " +
+              (d.path / "o1" / "x.bin").string(),
+          "tokenize: " + (d.path / "g" / "b_sub").string() + " is a folder, not a text file");
+  refuses(std::string(SG_BINARY) + " tokenize " + (d.path / "a.txt").string() + " --tokenizer " + bpe + " --format bogus --out " +
+              (d.path / "o2" / "x.bin").string(),
+          "--format must be text or hellaswag, got bogus");
+  CHECK(!fs::exists(d.path / "o1"));
+  CHECK(!fs::exists(d.path / "o2"));
 
   const std::string run = (d.path / "run").string();
   const std::string tiny = " --n-layer 1 --n-embd 32 --n-head 2 --seq-len 16 --batch-size 4 --threads 1 --eval-every 0 "
@@ -1106,6 +1193,19 @@ TEST_CASE("pipeline (every schedule) and tensor parallelism (with and without se
   REQUIRE(t.code == 0);
   REQUIRE(t.output.find("measured bubble") != std::string::npos);
   REQUIRE(fs::file_size(d.path / "t.svg") > 1000);
+}
+
+TEST_CASE("ranks that find different checkpoints to resume are refused, naming the steps", "[cli][mpi]") {
+  TempDir d;
+  const std::string a = (d.path / "a").string(), b = (d.path / "b").string(), bin = std::string(SG_BINARY);
+  fs::create_directories(a);
+  fs::create_directories(b);
+  REQUIRE(run_command("cd " + a + " && " + bin + " train " + kSmall + " --steps 4 --stop-at 2 --save run").code == 0);
+  // each rank in its own working folder: a relative --save that only rank 0 sees a step in, as on
+  // nodes without a shared filesystem
+  const std::string args = " " + bin + " train " + kSmall + " --strategy ddp --steps 4 --save run --resume auto";
+  refuses(sg::testing::mpirun_command(1) + "-wdir " + a + args + " : -np 1 -wdir " + b + args,
+          "the ranks resume from different steps (0 to 2");
 }
 
 TEST_CASE("impossible layouts are refused before any work, with the reason", "[cli][mpi]") {

@@ -374,7 +374,11 @@ TEST_CASE("shuffled rows are seeded windows: the same for a seed, different acro
   Batch ba = a->next(4, 16), bb = b->next(4, 16), bc = c->next(4, 16);
   CHECK(same_batch(ba, bb));
   CHECK_FALSE(same_batch(ba, bc));
-  CHECK(a->position() == 1);
+  CHECK(a->position() == 4);  // rows drawn
+  // rows, not batches: the next batch of 8 holds the rows two batches of 4 would hold
+  Batch wide = b->next(8, 16), n1 = a->next(4, 16), n2 = a->next(4, 16);
+  CHECK(row(wide.inputs, 0) == row(n1.inputs, 0));
+  CHECK(row(wide.inputs, 7) == row(n2.inputs, 3));
   std::set<int64_t> starts;
   for (int64_t r = 0; r < 4; ++r) {
     auto in = row(ba.inputs, r), tg = row(ba.targets, r);
@@ -492,11 +496,19 @@ TEST_CASE("synthetic batches: deterministic per seed, split-disjoint, targets on
       }
     }
   }
-  // Resume: the position is the number of batches drawn.
-  CHECK(a->position() == 1);
+  // Resume: the position is the number of rows drawn, so a resume at another batch size goes on
+  // with the next row.
+  CHECK(a->position() == B);
   Batch second = a->next(B, T);
-  b->set_position(1);
+  b->set_position(B);
   CHECK(same_batch(b->next(B, T), second));
+  Batch third = a->next(B, T);
+  b->set_position(B);
+  Batch both = b->next(2 * B, T);
+  for (int64_t r = 0; r < B; ++r) {
+    CHECK(row(both.inputs, r) == row(second.inputs, r));
+    CHECK(row(both.inputs, B + r) == row(third.inputs, r));
+  }
   REQUIRE_THROWS_WITH(a->next(B, 12), Contains("T=12") && Contains("13 tokens"));
 }
 
@@ -675,7 +687,7 @@ TEST_CASE("random data: seeded uniform ids of GPT-2's vocabulary, each row's tar
     for (int64_t t = 0; t + 1 < 300; ++t) CHECK(tgt[size_t(r * 300 + t)] == in[size_t(r * 300 + t + 1)]);
   // A resumed cursor gives the batch the uninterrupted one gives; the val split is another stream.
   const std::vector<int64_t> second = to_vector<int64_t>(a->next(4, 300).inputs);
-  b->set_position(1);
+  b->set_position(4);  // rows
   CHECK(to_vector<int64_t>(b->next(4, 300).inputs) == second);
   o.split = io::Split::val;
   CHECK(to_vector<int64_t>(io::open_dataset(o)->next(4, 300).inputs) != in);
@@ -839,7 +851,11 @@ TEST_CASE("HellaSwag jsonl: the context as it is, each ending after a space, bad
     REQUIRE_THROWS_WITH(hellaswag_from_jsonl(f, bytes), Catch::Contains(f) && Catch::Contains(msg));
   };
   bad("{\"ctx\": \"a\", \"endings\": [\"b\"], \"label\": 0}\n{\"ctx\": \"a\", \"endings\": [\"b\"]}\n",
-      "line 2: no integer \"label\" (the test split has none: use hellaswag_val.jsonl)");
+      "line 2: no integer \"label\" (the test split has none: use the validation split, hellaswag_val.jsonl)");
+  bad("{\"ctx\": \"a\", \"endings\": [\"b\"], \"label\": \"\"}\n", "line 1: no integer \"label\"");
+  // Hugging Face datasets' copy holds the label as a string of digits
+  write_bytes(f, "{\"ctx\": \"ab\", \"endings\": [\"c\", \"dd\"], \"label\": \"1\"}\n");
+  CHECK(hellaswag_from_jsonl(f, bytes).at(0).label == 1);
   bad("{\"ctx\": \"a\", \"endings\": [\"b\"], \"label\": 1}\n", "line 1: label 1 with 1 endings");
   bad("{\"ctx\": \"a\", \"endings\": [], \"label\": 0}\n", "line 1: no \"endings\" list");
   bad("not json\n", "line 1: not JSON");

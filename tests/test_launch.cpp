@@ -75,13 +75,31 @@ TEST_CASE("launch refuses restarts without --save and gives up after --max-resta
   r = run_command(launch() + " -n 1 --max-restarts 1 -- generate");
   REQUIRE(r.code != 0);
   REQUIRE(r.output.find("expected `-- train [flags]`") != std::string::npos);
-  // A job that fails every time: one restart, then the failure is reported.
-  r = run_command(launch() + " -n 1 --max-restarts 1 -- train --steps ten --save " + (d.path / "x").string());
+  // A job that fails every time after it started (a learning rate that makes step 2's gradients
+  // overflow): one restart, then the failure is reported.
+  r = run_command(launch() + " -n 1 --max-restarts 1 -- train " + kSmall + " --steps 4 --lr 1e30 --warmup-steps 0 "
+                  "--save " + (d.path / "x").string());
   INFO(r.output);
-  REQUIRE(r.code != 0);
+  REQUIRE(r.code == 1);
+  REQUIRE(r.output.find("is not finite") != std::string::npos);
   REQUIRE(r.output.find("restart 1 of 1") != std::string::npos);
   REQUIRE(r.output.find("after 1 restart; giving up") != std::string::npos);
   REQUIRE(r.output.find("save only at the end (no --save-every N)") != std::string::npos);
+  // A job refused before its first step is not restarted: the same command would fail the same
+  // way, and the restart's --resume auto would pass over "already holds a run" and continue that run.
+  r = run_command(launch() + " -n 1 --max-restarts 2 -- train --steps ten --save " + (d.path / "y").string());
+  INFO(r.output);
+  CHECK(r.code == 64);
+  CHECK(r.output.find("--steps expects an integer, got 'ten'") != std::string::npos);
+  CHECK(r.output.find("failed before its first step") != std::string::npos);
+  CHECK(r.output.find("launch: restart:") == std::string::npos);
+  const std::string other = (d.path / "other").string();
+  REQUIRE(run_command(std::string(SG_BINARY) + " train " + kSmall + " --steps 2 --save " + other).code == 0);
+  r = run_command(launch() + " -n 1 --max-restarts 2 -- train " + kSmall + " --steps 4 --save-every 1 --save " + other);
+  INFO(r.output);
+  CHECK(r.code == 64);
+  CHECK(r.output.find("--save " + other + " already holds a run") != std::string::npos);
+  CHECK(!fs::exists(fs::path(other) / "step_00000003"));  // that run was not continued
 }
 
 TEST_CASE("a rank dying inside a checkpoint save leaves the previous checkpoint and ends the job naming it", "[cli][mpi][launch]") {
@@ -99,6 +117,8 @@ TEST_CASE("a rank dying inside a checkpoint save leaves the previous checkpoint 
     REQUIRE(r.output.find("rank 0") != std::string::npos);
     REQUIRE(r.output.find("while saving the checkpoint") != std::string::npos);
     REQUIRE(r.output.find("terminate called") == std::string::npos);
+    // the hung writer is named as the rank that failed, not as one waiting on a peer
+    if (std::string(kind) == "hang") CHECK(r.output.find("rank 0: FAILED: no progress for ") != std::string::npos);
     // Step 4's files were being written; step 2 is still the checkpoint, complete and loadable.
     REQUIRE_FALSE(fs::exists(run / "step_00000004"));
     auto c = sg::ckpt::open_checkpoint("auto:" + run.string());

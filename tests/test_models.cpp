@@ -204,6 +204,22 @@ TEST_CASE("a Hugging Face model folder's config.json gives the head count its sa
   std::ofstream(dir / "config.json") << R"({"model_type": "gpt2", "n_head": 4, "n_layer": 2})";
   CHECK(nn::config_from_hf(io::load_safetensors(path)).n_head == 4);
   CHECK(nn::config_from_hf(io::load_safetensors(path), 2).n_head == 2);  // --n-head, when given, wins
+  // a head count the width does not divide names the file and the flag
+  REQUIRE_THROWS_WITH(nn::config_from_hf(io::load_safetensors(path), 3),
+                      Catch::Contains(path + ": ") && Catch::Contains("(the head count given with --n-head?)"));
+  // GPT-2's own settings pass; those that make another model are refused naming the key, not ignored
+  std::ofstream(dir / "config.json")
+      << R"({"n_head": 4, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-05, "n_inner": null})";
+  CHECK(nn::config_from_hf(io::load_safetensors(path)).n_head == 4);
+  for (const auto& [json, key] : std::vector<std::pair<std::string, std::string>>{
+           {R"({"n_head": 4, "activation_function": "relu"})", "activation_function"},
+           {R"({"n_head": 4, "layer_norm_epsilon": 0.1})", "layer_norm_epsilon"},
+           {R"({"n_head": 4, "n_inner": 100})", "n_inner"},
+           {R"({"n_head": 4, "scale_attn_by_inverse_layer_idx": true})", "scale_attn_by_inverse_layer_idx"}}) {
+    std::ofstream(dir / "config.json") << json;
+    REQUIRE_THROWS_WITH(nn::config_from_hf(io::load_safetensors(path)),
+                        Catch::Contains("\"" + key + "\": ") && Catch::Contains("makes another model than this GPT-2"));
+  }
   std::ofstream(dir / "config.json") << "not json";
   REQUIRE_THROWS_WITH(nn::config_from_hf(io::load_safetensors(path)), Catch::Contains("pass --n-head"));
   // metadata that is not a number is refused naming the file and the key (std::stoll said "stoll")
@@ -251,6 +267,17 @@ TEST_CASE("Hugging Face state round trip, with 'transformer.' prefix and mask bu
   io::save_safetensors(path, damaged);
   REQUIRE_THROWS_WITH(nn::load_hf_state(b, io::load_safetensors(path)),
                       Catch::Contains("'h.0.attn.c_attn.weight' holds a non-finite value (element 7 is nan)"));
+  // an lm_head.weight equal to wte is the tied head; another one is an output layer this model cannot hold
+  io::NamedTensors headed = sd;
+  headed.emplace_back("lm_head.weight", sd[0].second);
+  io::save_safetensors(path, headed);
+  nn::load_hf_state(b, io::load_safetensors(path));
+  std::vector<float> head = to_vector<float>(sd[0].second);
+  head[3] += 1.0f;
+  headed.back().second = from_vector<float>(head, sd[0].second.shape());
+  io::save_safetensors(path, headed);
+  REQUIRE_THROWS_WITH(nn::load_hf_state(b, io::load_safetensors(path)),
+                      Catch::Contains("'lm_head.weight' differs from 'wte.weight': an untied output layer"));
   std::filesystem::remove(path);
 }
 

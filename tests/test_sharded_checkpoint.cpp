@@ -378,6 +378,16 @@ TEST_CASE("export consolidates a sharded checkpoint into one Hugging Face file t
     const std::string again = std::string(SG_BINARY) + " export " + d.p.string() + " --out " +
                               (out.parent_path() / "second.safetensors").string();
     REQUIRE(std::system((again + " > /dev/null").c_str()) == 0);  // the same model's config: kept
+    // ... also with keys of its own, as transformers' save_pretrained writes them
+    nlohmann::json own = nlohmann::json::parse(io::read_file(config.string(), "test"));
+    own["torch_dtype"] = "float32";
+    own["transformers_version"] = "4.40.0";
+    own["n_inner"] = nullptr;
+    std::ofstream(config) << own.dump(2);
+    const std::string fourth = std::string(SG_BINARY) + " export " + d.p.string() + " --out " +
+                               (out.parent_path() / "fourth.safetensors").string();
+    REQUIRE(std::system((fourth + " > /dev/null").c_str()) == 0);
+    CHECK(nlohmann::json::parse(io::read_file(config.string(), "test")) == own);
     // a config.json of another model is refused before anything is written
     std::ofstream(config) << "{\"n_head\": 12}";
     const fs::path third = out.parent_path() / "third.safetensors";
