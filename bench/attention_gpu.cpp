@@ -180,7 +180,7 @@ void bench_gemm() {
     kernels::GemmArgs g;
     g.dtype = DType::bf16, g.trans_b = true, g.M = s.M, g.N = s.N, g.K = s.K;
     g.A = A.get(), g.lda = s.K, g.B = Bm.get(), g.ldb = s.K, g.C = C.get(), g.ldc = s.N;
-    const double ms = median_ms([&] { cuda::gemm(g); });
+    const double ms = median_ms([&] { cuda::gemm(g, cuda::compute_stream(gpu)); });
     std::printf("%6ld %6ld %6ld  %-14s %9.3f %9.1f\n", long(s.M), long(s.N), long(s.K), s.what, ms,
                 2.0 * double(s.M) * double(s.N) * double(s.K) / ms * 1e-9);
   }
@@ -221,7 +221,7 @@ void bench_gpt2_gemms(int64_t BT) {
       double ms[2];
       for (int tuned = 0; tuned < 2; ++tuned) {
         cuda::set_gemm_tuning(tuned == 1);
-        ms[tuned] = median_ms([&] { cuda::gemm(g); });
+        ms[tuned] = median_ms([&] { cuda::gemm(g, cuda::compute_stream(gpu)); });
         step[tuned] += double(l.per_step) * ms[tuned];
       }
       cuda::set_gemm_tuning(false);
@@ -249,7 +249,7 @@ void bench_gemm_residual() {
     kernels::GemmArgs with = g;
     with.residual = res.get();
     const kernels::Dims shape{M, N}, strides{N, 1};
-    const char* how = cuda::gemm_fused(with) ? "residual in the epilogue" : "residual: NOT fused (GEMM + add)";
+    const char* how = cuda::gemm_fused(with, cuda::compute_stream(gpu)) ? "residual in the epilogue" : "residual: NOT fused (GEMM + add)";
     std::printf("%6ld %6ld %6ld  %-36s %9.3f\n", long(M), long(N), long(K), how, median_ms([&] { G.gemm(with); }));
     std::printf("%6ld %6ld %6ld  %-36s %9.3f\n", long(M), long(N), long(K), "GEMM, then the add", median_ms([&] {
                   G.gemm(g);

@@ -8,7 +8,7 @@ BlockCache::BlockCache(RawAlloc alloc, RawFree free) : alloc_(std::move(alloc)),
 
 BlockCache::~BlockCache() {
   std::lock_guard<std::mutex> g(mu_);
-  release_cached_locked();
+  (void)release_cached_locked();  // a destructor cannot throw: the process is going down
 }
 
 size_t BlockCache::size_class(size_t bytes) {
@@ -19,24 +19,30 @@ size_t BlockCache::size_class(size_t bytes) {
 
 void* BlockCache::take(size_t bytes, int device) {
   const size_t size = size_class(bytes);
-  std::lock_guard<std::mutex> g(mu_);
-  auto it = cached_.find({device, size});
-  if (it != cached_.end() && !it->second.empty()) {
-    void* p = it->second.back();
-    it->second.pop_back();
-    cached_bytes_ -= size;
-    return p;
+  std::exception_ptr failed;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = cached_.find({device, size});
+    if (it != cached_.end() && !it->second.empty()) {
+      void* p = it->second.back();
+      it->second.pop_back();
+      cached_bytes_ -= size;
+      return p;
+    }
+    void* p = alloc_(size, device);
+    if (!p && cached_bytes_ > 0) {  // give the cache back and try once more
+      failed = release_cached_locked();
+      if (!failed) p = alloc_(size, device);
+    }
+    if (p) {
+      blocks_[reinterpret_cast<uintptr_t>(p)] = {size, device};
+      reserved_ += size;
+      ++raw_allocations_;
+      return p;
+    }
   }
-  void* p = alloc_(size, device);
-  if (!p && cached_bytes_ > 0) {  // give the cache back and try once more
-    release_cached_locked();
-    p = alloc_(size, device);
-  }
-  if (!p) return nullptr;
-  blocks_[reinterpret_cast<uintptr_t>(p)] = {size, device};
-  reserved_ += size;
-  ++raw_allocations_;
-  return p;
+  if (failed) std::rethrow_exception(failed);  // (outside the lock)
+  return nullptr;
 }
 
 void BlockCache::give(void* p, size_t bytes, int device) {
@@ -60,19 +66,30 @@ std::optional<int> BlockCache::owner(const void* p) const {
 }
 
 void BlockCache::release_cached() {
-  std::lock_guard<std::mutex> g(mu_);
-  release_cached_locked();
+  std::exception_ptr failed;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    failed = release_cached_locked();
+  }
+  if (failed) std::rethrow_exception(failed);
 }
 
-void BlockCache::release_cached_locked() {
+std::exception_ptr BlockCache::release_cached_locked() {
+  std::exception_ptr first;
   for (auto& [key, list] : cached_)
     for (void* p : list) {
-      free_(p, key.first);
+      try {
+        free_(p, key.first);
+      } catch (...) {  // left reserved and out of the cache: the driver may still hold it
+        if (!first) first = std::current_exception();
+        continue;
+      }
       blocks_.erase(reinterpret_cast<uintptr_t>(p));
       reserved_ -= key.second;
     }
   cached_.clear();
   cached_bytes_ = 0;
+  return first;
 }
 
 size_t BlockCache::reserved_bytes() const {

@@ -3,7 +3,10 @@
 // class) and handed out again, so a training loop that allocates the same sizes every step asks
 // the driver for nothing after its first step. Size classes: 512 B steps up to 1 MiB, 2 MiB steps
 // above. When the raw allocator runs out, every cached block is given back to it and the
-// allocation tried once more.
+// allocation tried once more. A raw free that throws (the driver reporting an earlier kernel's
+// fault, say) does not stop the others: every cached block is offered back, the failed ones stay
+// counted as reserved (the driver may still hold them), and the first error is then thrown from
+// take() or release_cached() (the destructor swallows it).
 //
 // The cache also knows which device holds any address inside a block it handed out (live or
 // cached), which lets the CUDA op table find an op's device without asking the driver.
@@ -13,6 +16,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <map>
 #include <mutex>
@@ -25,7 +29,7 @@ class BlockCache {
  public:
   // Returns nullptr when out of memory; throws for any other failure.
   using RawAlloc = std::function<void*(size_t bytes, int device)>;
-  using RawFree = std::function<void(void* p, int device)>;
+  using RawFree = std::function<void(void* p, int device)>;  // may throw
 
   BlockCache(RawAlloc alloc, RawFree free);
   ~BlockCache();  // blocks still handed out are not freed (their owners may outlive the cache)
@@ -49,7 +53,8 @@ class BlockCache {
   static size_t size_class(size_t bytes);
 
  private:
-  void release_cached_locked();
+  // Frees every cached block; the first raw free's error, once all were tried (null: none).
+  std::exception_ptr release_cached_locked();
   struct Block {
     size_t size;
     int device;

@@ -7,6 +7,7 @@
 
 #include "autograd/ops.h"
 #include "core/block_cache.h"
+#include "core/error.h"
 #include "core/ledger.h"
 
 using namespace sg;
@@ -115,6 +116,34 @@ TEST_CASE("block cache: out of memory empties the cache into the raw allocator a
   // Nothing left to give back: the failure reaches the caller as nullptr.
   CHECK(cache.take(4096, 0) == nullptr);
   cache.give(c, 6000, 0);
+}
+
+TEST_CASE("block cache: a raw free that fails is thrown after the other blocks are freed", "[core]") {
+  FakeRaw raw{1 << 20};
+  void* refused = nullptr;  // the raw free of this block fails, as cudaFree after a kernel fault
+  BlockCache cache(
+      [&](size_t bytes, int) -> void* {
+        void* p = std::malloc(bytes);
+        raw.live[p] = bytes;
+        return p;
+      },
+      [&](void* p, int) {
+        if (p == refused) throw Error("cudaFree: an illegal memory access was encountered");
+        raw.live.erase(p);
+        std::free(p);
+        ++raw.frees;
+      });
+  void* a = cache.take(4096, 0);
+  void* b = cache.take(4096, 0);
+  void* c = cache.take(8192, 0);
+  refused = b;
+  for (auto [p, n] : {std::pair{a, 4096}, std::pair{b, 4096}, std::pair{c, 8192}}) cache.give(p, size_t(n), 0);
+  REQUIRE_THROWS_WITH(cache.release_cached(), Catch::Contains("illegal memory access"));
+  CHECK(raw.frees == 2);                     // a and c went back to the driver
+  CHECK(cache.cached_bytes() == 0);          // b is not handed out again
+  CHECK(cache.reserved_bytes() == 4096);     // and stays counted: the driver may still hold it
+  CHECK(cache.owner(b) == std::optional<int>(0));
+  std::free(b);
 }
 
 TEST_CASE("pinned host tensors: host memory, charged to the ledger, page-locked only with the CUDA backend up",

@@ -118,7 +118,7 @@ void adamw_multi(const std::vector<AdamWTensor>& tensors, const AdamWHyper& h, S
       list.chunks.add(tensors[i].n);
     }
     if (list.chunks.chunks() > 0)
-      launch(adamw_kernel<P, G>, dim3(unsigned(list.chunks.chunks())), dim3(kTensorThreads), 0, stream, list, k);
+      launch(adamw_kernel<P, G>, dim3(blocks_for(list.chunks.chunks(), 1)), dim3(kTensorThreads), 0, stream, list, k);
   }
 }
 

@@ -151,7 +151,16 @@ inline EmbeddingSortSpace embedding_sort_space(int64_t n, int64_t num_rows) {
   return s;
 }
 
+// The sizes embedding_backward takes (the sort's indices and keys are 32-bit); checked before the
+// workspace is sized, whose query would otherwise see a truncated count.
+inline void check_embedding_backward_sizes(int64_t n, int64_t num_rows) {
+  SG_CHECK(n < (int64_t(1) << 31), "embedding_backward (cuda): ", n, " indices; at most 2^31 - 1 per call");
+  SG_CHECK(num_rows >= 0 && num_rows <= int64_t(UINT32_MAX), "embedding_backward (cuda): a table of ", num_rows,
+           " rows; at most 2^32 - 1 (the sort's keys are 32-bit)");
+}
+
 inline size_t embedding_backward_workspace(int64_t n, int64_t num_rows) {
+  check_embedding_backward_sizes(n, num_rows);
   return embedding_sort_space(n, num_rows).total;
 }
 
@@ -189,9 +198,7 @@ inline void embedding_forward(DType dtype, DType idx_dtype, void* out, const voi
 inline void embedding_backward(DType dtype, DType idx_dtype, void* dweight, const void* dout, const void* idx,
                                int64_t n, int64_t C, int64_t num_rows, void* workspace, Stream stream,
                                EmbeddingBackward kind = EmbeddingBackward::columns) {
-  SG_CHECK(n < (int64_t(1) << 31), "embedding_backward (cuda): ", n, " indices; at most 2^31 - 1 per call");
-  SG_CHECK(num_rows >= 0 && num_rows <= int64_t(UINT32_MAX), "embedding_backward (cuda): a table of ", num_rows,
-           " rows; at most 2^32 - 1 (the sort's keys are 32-bit)");
+  check_embedding_backward_sizes(n, num_rows);
   dispatch_storage(dtype, "embedding_backward", [&](auto tag) {
     dispatch_index(idx_dtype, "embedding_backward", [&](auto itag) {
       using T = decltype(tag);

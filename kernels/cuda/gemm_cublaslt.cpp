@@ -216,13 +216,12 @@ cublasLtEpilogue_t epilogue_of(const kernels::GemmArgs& g) {
 // having launched nothing, when cuBLASLt's heuristic offers no algorithm for a GEMM with an
 // epilogue (the caller runs the epilogue as separate kernels); throws when it offers none for a
 // plain one.
-bool matmul(const kernels::GemmArgs& g, const char* op) {
+bool matmul(const kernels::GemmArgs& g, const char* op, cudaStream_t stream) {
   SG_CHECK(g.M >= 0 && g.N >= 0 && g.K >= 0 && g.batch >= 1, op, ": bad sizes M=", g.M, " N=", g.N, " K=", g.K,
            " batch=", g.batch);
   if (g.M == 0 || g.N == 0) return !g.bias_grad && !g.row_sums_a;  // those still owe their zeros
   const cudaDataType_t t = cuda_type(g.dtype, op);
   const Device d = device_of(g.C, op);
-  const cudaStream_t stream = compute_stream(d);
   const cublasLtEpilogue_t epilogue = epilogue_of(g);
   if (g.K == 0) {  // C = beta C: cuBLASLt refuses k = 0
     if (epilogue != CUBLASLT_EPILOGUE_DEFAULT || g.residual) return false;
@@ -411,17 +410,17 @@ void forget_gemm_choices() {
 }
 bool allow_tf32() { return g_allow_tf32; }
 
-bool gemm_fused(const kernels::GemmArgs& a) {
+bool gemm_fused(const kernels::GemmArgs& a, cudaStream_t stream) {
   kernels::check_gemm_epilogue(a, "cuda");
-  return epilogue_fits(a) && matmul(a, "gemm");
+  return epilogue_fits(a) && matmul(a, "gemm", stream);
 }
 
-void gemm(const kernels::GemmArgs& a) {
+void gemm(const kernels::GemmArgs& a, cudaStream_t stream) {
   kernels::check_gemm_epilogue(a, "cuda");
   SG_CHECK(epilogue_fits(a), "gemm (cuda): cuBLASLt's epilogue needs a 16-byte aligned bias, bias gradient and ",
            "pre-activation, N (", a.N, ") a multiple of 8 with a pre-activation, bias_grad only with dgelu_pre, and ",
            "row_sums_a alone (alpha 1)");
-  SG_CHECK(matmul(a, "gemm"), "gemm (cuda): cuBLASLt has no algorithm for this epilogue (M=", a.M, " N=", a.N,
+  SG_CHECK(matmul(a, "gemm", stream), "gemm (cuda): cuBLASLt has no algorithm for this epilogue (M=", a.M, " N=", a.N,
            " K=", a.K, ")");
 }
 

@@ -78,7 +78,7 @@ void global_norm_squared(float* out, const std::vector<NormTensor>& tensors, flo
       list.chunks.add(tensors[i].n);
     }
     if (list.chunks.chunks() > 0)
-      launch(norm_partial_kernel<T>, dim3(unsigned(list.chunks.chunks())), dim3(kTensorThreads), 0, stream, list,
+      launch(norm_partial_kernel<T>, dim3(blocks_for(list.chunks.chunks(), 1)), dim3(kTensorThreads), 0, stream, list,
              workspace + written);
     written += list.chunks.chunks();
   }

@@ -333,7 +333,8 @@ __global__ void __launch_bounds__(32 * kFusedWarps, kAhead ? 3 : 4)
 template <class T, bool kRms>
 __global__ void norm_backward_partial_kernel(float* partial, const T* dy, const T* x, const float* mean,
                                              const float* rstd, int64_t rows, int64_t C) {
-  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, chunk = blockIdx.y, chunks = gridDim.y;
+  // chunks on x (up to 2^31 - 1: any row count), columns on y (C / 128 blocks)
+  const int64_t c = int64_t(blockIdx.y) * blockDim.x + threadIdx.x, chunk = blockIdx.x, chunks = gridDim.x;
   if (c >= C) return;
   float dw = 0.0f, db = 0.0f;
   const int64_t end = (chunk + 1) * kRowsPerChunk < rows ? (chunk + 1) * kRowsPerChunk : rows;
@@ -396,7 +397,7 @@ void norm_backward(T* dx, T* dw, T* db, const T* dr, const T* dy, const T* x, co
                    const float* rstd, int64_t rows, int64_t C, float* workspace, Stream stream, NormBackward kind) {
   const bool packed = C % Pack<T>::N == 0 && aligned16(dx) && aligned16(dy) && aligned16(x) && aligned16(w) &&
                       (!dr || aligned16(dr));
-  const unsigned chunks = unsigned((rows + kRowsPerChunk - 1) / kRowsPerChunk);
+  const unsigned chunks = blocks_for(rows, int(kRowsPerChunk));
   kind = norm_backward_runs(kind, C, packed);
   const dim3 grid(chunks), block(32 * kFusedWarps);
   const size_t smem = size_t(norm_backward_smem_bytes(C));
@@ -416,7 +417,7 @@ void norm_backward(T* dx, T* dw, T* db, const T* dr, const T* dy, const T* x, co
     case NormBackward::split:
       launch(norm_backward_dx_kernel<T, kRms>, dim3(blocks_for(rows, kNormWarps)), dim3(32 * kNormWarps), 0, stream,
              dx, dr, dy, x, w, mean, rstd, rows, C, packed);
-      launch(norm_backward_partial_kernel<T, kRms>, dim3(blocks_for(C, 128), chunks), dim3(128), 0, stream, workspace,
+      launch(norm_backward_partial_kernel<T, kRms>, dim3(chunks, blocks_for(C, 128)), dim3(128), 0, stream, workspace,
              dy, x, mean, rstd, rows, C);
       break;
   }

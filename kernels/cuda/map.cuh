@@ -30,13 +30,20 @@ __global__ void map_kernel(F f, T* out, const T* a, const T* __restrict__ b, int
   for (int64_t i = packs * N + first; i < n; i += stride) out[i] = map_apply<Arity>(f, a[i], Arity == 2 ? b[i] : a[i]);
 }
 
-// Grid-stride launches: enough blocks to cover n once, at most kMaxBlocks (the loop does the rest).
+// Grid-stride launches: enough blocks to cover n once, at most max_grid_blocks() (the loop does the
+// rest). Under emulation the cap is a variable, so that a test can lower it and have every thread
+// take several strides, as the real grid's do past 2048 x 256 items (tests/emu).
 constexpr int kMapThreads = 256;
-constexpr int64_t kMaxBlocks = 2048;
+#ifdef __CUDACC__
+constexpr int64_t max_grid_blocks() { return 2048; }
+#else
+inline int64_t g_emu_max_grid_blocks = 2048;
+inline int64_t max_grid_blocks() { return g_emu_max_grid_blocks; }
+#endif
 
 inline unsigned grid_for(int64_t work, int threads) {
   const int64_t blocks = (work + threads - 1) / threads;
-  return unsigned(blocks < 1 ? 1 : (blocks > kMaxBlocks ? kMaxBlocks : blocks));
+  return unsigned(blocks < 1 ? 1 : (blocks > max_grid_blocks() ? max_grid_blocks() : blocks));
 }
 
 template <int Arity, class T, class F>

@@ -82,18 +82,18 @@ inline void reduce(Reduce op, DType dtype, void* out, const void* x, int64_t out
     if (inner == 1) {
       const int64_t splits = row_splits(n);
       if (splits == 1)
-        return launch(reduce_rows_kernel<T, T>, dim3(unsigned(outer)), dim3(256), 0, stream, op, o, p, n, int64_t(1));
+        return launch(reduce_rows_kernel<T, T>, dim3(blocks_for(outer, 1)), dim3(256), 0, stream, op, o, p, n, int64_t(1));
       SG_CHECK(workspace, "reduce (cuda): a row of ", n, " elements needs the workspace reduce_workspace() sizes");
-      launch(reduce_rows_kernel<T, float>, dim3(unsigned(outer * splits)), dim3(256), 0, stream, op, workspace, p, n,
+      launch(reduce_rows_kernel<T, float>, dim3(blocks_for(outer * splits, 1)), dim3(256), 0, stream, op, workspace, p, n,
              splits);
       const Reduce combine = op == Reduce::max ? Reduce::max : Reduce::sum;  // partial sums of squares add
-      return launch(reduce_rows_kernel<float, T>, dim3(unsigned(outer)), dim3(256), 0, stream, combine, o,
+      return launch(reduce_rows_kernel<float, T>, dim3(blocks_for(outer, 1)), dim3(256), 0, stream, combine, o,
                     static_cast<const float*>(workspace), splits, int64_t(1));
     }
     int lanes = 1;  // enough lanes that each walks at most ~32 rows, 32 at most
     while (lanes < 32 && int64_t(lanes) * 32 < n) lanes *= 2;
     const int64_t tiles = (inner + kColumns - 1) / kColumns;
-    launch(reduce_columns_kernel<T>, dim3(unsigned(outer * tiles)), dim3(kColumns, unsigned(lanes)), 0, stream, op, o,
+    launch(reduce_columns_kernel<T>, dim3(blocks_for(outer * tiles, 1)), dim3(kColumns, unsigned(lanes)), 0, stream, op, o,
            p, n, inner, tiles);
   });
 }

@@ -67,9 +67,11 @@ class DeviceAllocator : public Allocator {
               return null_if_out_of_memory(cudaMalloc(&p, bytes), &p);
             },
             [](void* p, int device) {  // out of memory, or trimming: not on a hot path
-              (void)cudaSetDevice(device);
-              (void)cudaDeviceSynchronize();  // queued kernels may still use the block; cudaFree only *may* wait
-              (void)cudaFree(p);
+              SG_CUDA_CHECK(cudaSetDevice(device));
+              // Queued kernels may still use the block (cudaFree only *may* wait); an earlier
+              // kernel's fault surfaces here and is thrown, not swallowed.
+              SG_CUDA_CHECK(cudaDeviceSynchronize());
+              SG_CUDA_CHECK(cudaFree(p));
             }) {}
   void* allocate(size_t bytes, Device d) override {
     static const int visible = device_count();  // fixed for the life of the process
@@ -101,7 +103,7 @@ class PinnedAllocator : public Allocator {
               void* p = nullptr;
               return null_if_out_of_memory(cudaHostAlloc(&p, bytes, cudaHostAllocPortable), &p);
             },
-            [](void* p, int) { (void)cudaFreeHost(p); }) {}
+            [](void* p, int) { SG_CUDA_CHECK(cudaFreeHost(p)); }) {}
   void* allocate(size_t bytes, Device) override {
     void* p = cache_.take(bytes, 0);
     SG_CHECK(p, "pinned host allocator: cannot page-lock ", bytes, " bytes (", cache_.reserved_bytes(),

@@ -129,15 +129,15 @@ void allow_dynamic_shared(const void* kernel, size_t shmem);
 // kernels/cuda/table.cu: every kernel entry of the CUDA op table (all but the host copies).
 void fill_kernel_table(kernels::OpTable& t);
 
-// kernels/cuda/gemm_cublaslt.cpp: GEMM through cuBLASLt on the compute stream, its epilogues
+// kernels/cuda/gemm_cublaslt.cpp: GEMM through cuBLASLt on `stream` (the op table: the compute stream), its epilogues
 // included (bias, GELU and its saved input; the GELU derivative with the bias gradient; the row
 // sums of A, i.e. a weight gradient's bias gradient; a residual, as the beta = 1 source). f32
 // (TF32 tensor cores only when allowed below), bf16 and f16 with f32 accumulation; cuBLASLt's
 // GELU is the tanh form GPT-2 uses (tests/gpu/kernels.cpp checks it). gemm() throws where cuBLASLt cannot take the epilogue;
 // gemm_fused() then returns false having launched nothing, and the op table's gemm entry
 // (table.cu) runs that epilogue as separate kernels.
-void gemm(const kernels::GemmArgs& a);
-bool gemm_fused(const kernels::GemmArgs& a);
+void gemm(const kernels::GemmArgs& a, cudaStream_t stream);
+bool gemm_fused(const kernels::GemmArgs& a, cudaStream_t stream);
 // TF32 for f32 GEMMs: ~10-bit mantissa products, several times faster. Off by default, so f32
 // results match the CPU to f32 rounding.
 void set_allow_tf32(bool allow);

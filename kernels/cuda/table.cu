@@ -107,7 +107,8 @@ void softmax_backward(DType dtype, void* dx, const void* dy, const void* y, int6
 // cuBLASLt runs the epilogue inside the GEMM when it can (gemm_fused); otherwise the GEMM runs
 // bare and the epilogue follows as elementwise kernels and column sums, with the same values.
 void gemm(const kernels::GemmArgs& g) {
-  if (cuda::gemm_fused(g)) return;
+  const On o = on(g.C, "gemm");
+  if (cuda::gemm_fused(g, o.stream)) return;
   kernels::GemmArgs bare = g;
   bare.bias = nullptr;
   bare.gelu = false;
@@ -118,8 +119,7 @@ void gemm(const kernels::GemmArgs& g) {
   bare.residual = nullptr;
   void* pre = g.pre_gelu ? g.pre_gelu : g.C;  // where the value before GELU lands
   bare.C = pre;
-  cuda::gemm(bare);
-  const On o = on(g.C, "gemm");
+  cuda::gemm(bare, o.stream);
   if (g.bias) cuda::binary(Binary::add, g.dtype, pre, pre, {g.N, 1}, g.bias, {0, 1}, {g.M, g.N}, o.stream);
   if (g.residual) cuda::binary(Binary::add, g.dtype, g.C, g.C, {g.N, 1}, g.residual, {g.N, 1}, {g.M, g.N}, o.stream);
   if (g.gelu) cuda::unary(Unary::gelu, g.dtype, g.C, pre, g.M * g.N, 0, o.stream);

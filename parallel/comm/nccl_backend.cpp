@@ -85,9 +85,8 @@ class StreamWork : public Work {
     // wait, and its tensors are parked for good rather than handed back to the allocator while a
     // kernel may still use them.
     if (!held_.empty() && !done_ && !aborted_->load()) {
-      if (std::uncaught_exceptions() == 0) {
-        (void)cudaEventSynchronize(event_);
-      } else {
+      // A wait that fails (a kernel fault) proves nothing about the operation: parked as well.
+      if (std::uncaught_exceptions() != 0 || cudaEventSynchronize(event_) != cudaSuccess) {
         static std::mutex parked_mu;
         static std::vector<Tensor>* parked = new std::vector<Tensor>;  // never freed
         std::lock_guard<std::mutex> lock(parked_mu);

@@ -100,7 +100,7 @@ TEST_CASE("emu fill and strided copy convert like the CPU table", "[emu]") {
   const Dims transposed = {1, 28, 4};  // a [7,3,4] array read as its transpose [4,3,7]
   const auto src = rounded<cu::bf16>(randn(84, 9));
   for (DType dt : {DType::f32, DType::bf16, DType::f16}) {
-    for (DType st : {DType::f32, DType::bf16}) {
+    for (DType st : {DType::f32, DType::bf16, DType::f16}) {
       INFO(dtype_name(st) << " -> " << dtype_name(dt));
       std::vector<unsigned char> s(84 * dtype_size(st)), want(84 * dtype_size(dt)), got(84 * dtype_size(dt));
       cpu::copy_strided(s.data(), st, src.data(), DType::f32, {84}, {1});
@@ -145,6 +145,61 @@ TEST_CASE("emu fill and strided copy convert like the CPU table", "[emu]") {
     std::vector<unsigned char> want(37 * 8), got(37 * 8);
     cpu::fill(want.data(), dt, 37, -2.75);
     cu::fill(got.data(), dt, 37, -2.75, nullptr);
+    REQUIRE(got == want);
+  }
+  // Same-dtype strided copies of the other widths (4 and 8 bytes an element, integers included).
+  for (DType dt : {DType::i32, DType::i64, DType::f64}) {
+    INFO("copy " << dtype_name(dt));
+    std::vector<unsigned char> s(84 * dtype_size(dt)), want(84 * dtype_size(dt)), got(84 * dtype_size(dt));
+    cpu::copy_strided(s.data(), dt, src.data(), DType::f32, {84}, {1});
+    cpu::copy_strided(want.data(), dt, s.data(), dt, shape, transposed);
+    cu::copy_strided(got.data(), dt, s.data(), dt, shape, transposed, nullptr);
+    REQUIRE(got == want);
+  }
+}
+
+TEST_CASE("emu grid-stride kernels: every thread's later strides, as past 2048 blocks on a GPU", "[emu]") {
+  // A grid capped at 2 blocks of 256: each thread takes about 10 strides over 5005 elements.
+  struct Cap {
+    Cap() { cu::g_emu_max_grid_blocks = 2; }
+    ~Cap() { cu::g_emu_max_grid_blocks = 2048; }
+  } cap;
+  const Dims shape = {5, 7, 143}, transposed = {1, 5 * 143, 5};  // a [143,7,5] array read as its transpose
+  const int64_t n = 5 * 7 * 143;
+  const auto x = rounded<cu::bf16>(randn(size_t(n), 31)), y = rounded<cu::bf16>(randn(size_t(n), 32));
+  const auto xs = to_storage<cu::bf16>(x), ys = to_storage<cu::bf16>(y);
+  for (int64_t offset : {0, 1}) {  // packs and a tail, then the scalar path
+    INFO("map, offset " << offset);
+    std::vector<float> want(size_t(n - offset));
+    cpu::unary(Unary::tanh, DType::f32, want.data(), x.data() + offset, n - offset, 0);
+    std::vector<cu::bf16> got(static_cast<size_t>(n));
+    cu::unary(Unary::tanh, DType::bf16, got.data() + offset, xs.data() + offset, n - offset, 0, nullptr);
+    check_close(std::vector<cu::bf16>(got.begin() + offset, got.end()), want);
+  }
+  {
+    INFO("binary, broadcast");
+    const Dims dense = {7 * 143, 143, 1}, bcast = {0, 143, 1};
+    std::vector<float> want(static_cast<size_t>(n));
+    cpu::binary(Binary::mul, DType::f32, want.data(), x.data(), dense, y.data(), bcast, shape);
+    std::vector<cu::bf16> got(static_cast<size_t>(n));
+    cu::binary(Binary::mul, DType::bf16, got.data(), xs.data(), dense, ys.data(), bcast, shape, nullptr);
+    check_close(got, want);
+  }
+  for (DType dt : {DType::bf16, DType::f32}) {
+    INFO("copy and scatter " << dtype_name(dt));
+    const size_t bytes = size_t(n) * dtype_size(dt);
+    std::vector<unsigned char> s(bytes), want(bytes, 0xab), got(bytes, 0xab);
+    cpu::copy_strided(s.data(), dt, x.data(), DType::f32, {n}, {1});
+    cpu::copy_strided(want.data(), dt, s.data(), dt, shape, transposed);
+    cu::copy_strided(got.data(), dt, s.data(), dt, shape, transposed, nullptr);
+    REQUIRE(got == want);
+    std::fill(want.begin(), want.end(), 0xab);
+    std::fill(got.begin(), got.end(), 0xab);
+    cpu::scatter_strided(want.data(), transposed, s.data(), dt, shape);
+    cu::scatter_strided(got.data(), transposed, s.data(), dt, shape, nullptr);
+    REQUIRE(got == want);
+    cpu::fill(want.data(), dt, n, 0.5);
+    cu::fill(got.data(), dt, n, 0.5, nullptr);
     REQUIRE(got == want);
   }
 }
@@ -259,10 +314,14 @@ TEMPLATE_TEST_CASE("emu fused classifier matches cross_entropy and its backward 
     cu::cross_entropy_backward(dtype_of<T>(), DType::i64, dl.data(), dloss.data(), xs.data(), lse.data(),
                                targets.data(), rows, Vp, V, ignore, nullptr);
     check_close(dl, dl_ref, 0.1);
+    const std::vector<int32_t> t32(targets.begin(), targets.end());  // i32 targets: the same bits
+    std::vector<T> dl32(rows * Vp);
+    cu::cross_entropy_backward(dtype_of<T>(), DType::i32, dl32.data(), dloss.data(), xs.data(), lse.data(), t32.data(),
+                               rows, Vp, V, ignore, nullptr);
+    CHECK(to_float(dl32) == to_float(dl));
 
     // Fused forward+backward (one dloss for every row), in place over the logits, with i32 targets,
     // against the CPU's fused entry.
-    const std::vector<int32_t> t32(targets.begin(), targets.end());
     const float d = -0.375f;
     std::vector<float> loss_fused_ref(rows), dl_fused_ref(rows * Vp);
     cpu::cross_entropy_fused(DType::f32, DType::i64, loss_fused_ref.data(), dl_fused_ref.data(), logits.data(),
@@ -475,6 +534,11 @@ TEMPLATE_TEST_CASE("emu embedding gathers rows and its backward sums repeated ro
     cu::embedding_forward(dtype_of<T>(), DType::i64, out.data(), idx.data(), ws.data(), n, C, rows, &bad, nullptr);
     CHECK(bad == 0);
     check_close(out, out_ref, 0.0);  // a gather: exact
+    const std::vector<int32_t> idx32(idx.begin(), idx.end());  // the same with i32 indices
+    std::vector<T> out32(n * C);
+    cu::embedding_forward(dtype_of<T>(), DType::i32, out32.data(), idx32.data(), ws.data(), n, C, rows, &bad, nullptr);
+    CHECK(bad == 0);
+    check_close(out32, out_ref, 0.0);
     std::vector<uint64_t> work((cu::embedding_backward_workspace(n, rows) + 7) / 8);
     std::vector<T> first;
     for (cu::EmbeddingBackward kind : {cu::EmbeddingBackward::columns, cu::EmbeddingBackward::packs}) {
@@ -491,6 +555,8 @@ TEMPLATE_TEST_CASE("emu embedding gathers rows and its backward sums repeated ro
       else REQUIRE(to_float(dw) == to_float(first));  // each column in position order either way
     }
   }
+  // A count the sort's 32-bit indices cannot hold is refused before the workspace is sized.
+  REQUIRE_THROWS_WITH(cu::embedding_backward_workspace(int64_t(1) << 31, rows), Catch::Contains("at most 2^31 - 1 per call"));
   // int32 indices, 300 tokens over 17 rows (long runs after the sort, past the packs kernel's group
   // of 8), C over two column blocks: 150 (no whole packs: columns), 160 and 1088 (packs; 1088 in
   // bf16 is 136 of them, two blocks of threads).

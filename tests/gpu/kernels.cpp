@@ -30,6 +30,8 @@ using namespace sg::gpu_testing;
 
 namespace {
 
+cudaStream_t stream0() { return cuda::compute_stream(Device::cuda(0)); }  // the op table's stream
+
 double rtol(DType dt) { return dt == DType::f32 ? 1e-4 : 2e-2; }
 
 const std::vector<DType> kFloat = {DType::f32, DType::bf16, DType::f16};
@@ -252,7 +254,7 @@ TEST_CASE("gemm with bias, GELU and residual epilogues equals the CPU's, fused o
           if (gelu) check_close(get(pre), rounded(get(cpre), dt), rtol(dt), tol);
           if (residual && N == 40 && offset == 0)
             std::printf("cuBLASLt fused residual%s (%s): %s\n", with_bias ? " + bias" : "", dtype_name(dt),
-                        cuda::gemm_fused(args(dt, gx, gw, gbias, gres, out, pre)) ? "yes" : "NO (separate kernels)");
+                        cuda::gemm_fused(args(dt, gx, gw, gbias, gres, out, pre), stream0()) ? "yes" : "NO (separate kernels)");
         }
   // an epilogue that breaks GemmArgs' rules is refused by name
   Tensor a = buffer(4, DType::f32, gpu), c = buffer(4, DType::f32, gpu);
@@ -382,7 +384,7 @@ TEST_CASE("gemm's backward epilogues (dgelu, bias_grad, row_sums_a) equal the CP
           C().gemm(args(DType::f32, ca, cb, cpre, cout, cbg));
           if (!offset && N == 40)  // whether cuBLASLt took DGELU_BGRAD (the table falls back if not): for the log
             std::printf("cuBLASLt fused dgelu + bias_grad (%s): %s\n", dtype_name(dt),
-                        cuda::gemm_fused(args(dt, ga, gb, gpre, out, bg)) ? "yes" : "NO (separate kernels)");
+                        cuda::gemm_fused(args(dt, ga, gb, gpre, out, bg), stream0()) ? "yes" : "NO (separate kernels)");
           check_close(get(out), rounded(get(cout), dt), rtol(dt), tol);
           check_close(get(bg), rounded(get(cbg), dt), rtol(dt), tol * 4);
         }
@@ -405,7 +407,7 @@ TEST_CASE("gemm's backward epilogues (dgelu, bias_grad, row_sums_a) equal the CP
           C().gemm(args(DType::f32, csrc, cb, cout, crs));
           if (!offset && N == 40)
             std::printf("cuBLASLt fused row_sums_a, trans_a %d (%s): %s\n", int(trans), dtype_name(dt),
-                        cuda::gemm_fused(args(dt, src, gb, out, rs)) ? "yes" : "NO (separate kernels)");
+                        cuda::gemm_fused(args(dt, src, gb, out, rs), stream0()) ? "yes" : "NO (separate kernels)");
           check_close(get(out), rounded(get(cout), dt), rtol(dt), tol);
           check_close(get(rs), rounded(get(crs), dt), rtol(dt), tol * 4);
         }
