@@ -20,6 +20,7 @@
 #include "kernels/cuda/dropout.cuh"
 #include "kernels/cuda/elementwise.cuh"
 #include "kernels/cuda/embedding.cuh"
+#include "kernels/cuda/gemm_epilogue.cuh"
 #include "kernels/cuda/global_norm.cuh"
 #include "kernels/cuda/layernorm.cuh"
 #include "kernels/cuda/reduce.cuh"
@@ -109,32 +110,13 @@ void softmax_backward(DType dtype, void* dx, const void* dy, const void* y, int6
 void gemm(const kernels::GemmArgs& g) {
   const On o = on(g.C, "gemm");
   if (cuda::gemm_fused(g, o.stream)) return;
-  kernels::GemmArgs bare = g;
-  bare.bias = nullptr;
-  bare.gelu = false;
-  bare.pre_gelu = nullptr;
-  bare.dgelu_pre = nullptr;
-  bare.bias_grad = nullptr;
-  bare.row_sums_a = nullptr;
-  bare.residual = nullptr;
-  void* pre = g.pre_gelu ? g.pre_gelu : g.C;  // where the value before GELU lands
-  bare.C = pre;
-  cuda::gemm(bare, o.stream);
-  if (g.bias) cuda::binary(Binary::add, g.dtype, pre, pre, {g.N, 1}, g.bias, {0, 1}, {g.M, g.N}, o.stream);
-  if (g.residual) cuda::binary(Binary::add, g.dtype, g.C, g.C, {g.N, 1}, g.residual, {g.N, 1}, {g.M, g.N}, o.stream);
-  if (g.gelu) cuda::unary(Unary::gelu, g.dtype, g.C, pre, g.M * g.N, 0, o.stream);
-  if (g.dgelu_pre) cuda::unary_backward(Unary::gelu, g.dtype, g.C, g.C, g.dgelu_pre, g.M * g.N, o.stream);
-  // Sums over rows: of C [M, N] for the bias gradient; of op(A) [M, K] for the row sums (a
-  // column sum of A stored [K, M] when transposed).
-  const auto sum = [&](void* out, const void* x, int64_t outer, int64_t n, int64_t inner) {
-    const Scratch work(size_t(reduce_workspace(outer, n, inner)) * sizeof(float), o.dev);
-    cuda::reduce(Reduce::sum, g.dtype, out, x, outer, n, inner, o.stream, work.as<float>());
-  };
-  if (g.bias_grad) sum(g.bias_grad, g.C, 1, g.M, g.N);
-  if (g.row_sums_a) {
-    if (g.trans_a) sum(g.row_sums_a, g.A, 1, g.K, g.M);
-    else sum(g.row_sums_a, g.A, g.M, g.K, 1);
-  }
+  cuda::gemm_epilogue_apart(
+      g, [&](const kernels::GemmArgs& bare) { cuda::gemm(bare, o.stream); },
+      [&](size_t floats, auto&& use) {
+        const Scratch work(floats * sizeof(float), o.dev);
+        use(work.as<float>());
+      },
+      o.stream);
 }
 
 // The norms' mean and rstd are f32 for every dtype these kernels take (kernels::stats_dtype).

@@ -14,6 +14,7 @@
 #include "kernels/cuda/dropout.cuh"
 #include "kernels/cuda/elementwise.cuh"
 #include "kernels/cuda/embedding.cuh"
+#include "kernels/cuda/gemm_epilogue.cuh"
 #include "kernels/cuda/global_norm.cuh"
 #include "kernels/cuda/layernorm.cuh"
 #include "kernels/cuda/reduce.cuh"
@@ -201,6 +202,66 @@ TEST_CASE("emu grid-stride kernels: every thread's later strides, as past 2048 b
     cpu::fill(want.data(), dt, n, 0.5);
     cu::fill(got.data(), dt, n, 0.5, nullptr);
     REQUIRE(got == want);
+  }
+}
+
+TEMPLATE_TEST_CASE("emu GEMM epilogues cuBLASLt cannot fuse run apart with the CPU GEMM's values", "[emu]", float,
+                   cu::bf16) {
+  // The op table's fallback (kernels/cuda/gemm_epilogue.cuh): the bare product (here the CPU's),
+  // then the epilogue's kernels, against the CPU GEMM with the whole epilogue; irregular sizes.
+  using T = TestType;
+  const int64_t M = 37, N = 24, K = 19;
+  const auto a = rounded<T>(randn(size_t(M * K), 41)), b = rounded<T>(randn(size_t(K * N), 42));
+  const auto bias = rounded<T>(randn(size_t(N), 43)), res = rounded<T>(randn(size_t(M * N), 44));
+  const auto pre0 = rounded<T>(randn(size_t(M * N), 45));
+  const auto as = to_storage<T>(a), bs = to_storage<T>(b), biass = to_storage<T>(bias), ress = to_storage<T>(res);
+  const auto pres = to_storage<T>(pre0);
+  std::vector<float> work;
+  // The CPU table's GEMM takes f32, not bf16: the product of the values T holds, rounded to T
+  const auto bare = [&](const kernels::GemmArgs& g) {
+    kernels::GemmArgs f = g;
+    std::vector<float> product(size_t(M * N));
+    f.dtype = DType::f32, f.A = a.data(), f.B = b.data(), f.C = product.data();
+    cpu::gemm(f);
+    const auto stored = to_storage<T>(product);
+    std::copy(stored.begin(), stored.end(), static_cast<T*>(g.C));
+  };
+  const auto scratch = [&](size_t floats, auto&& use) {
+    work.assign(floats + 1, 0.0f);
+    use(work.data());
+  };
+  enum Kind { bias_gelu, bias_residual, dgelu_bias_grad, row_sums, row_sums_transposed };
+  for (Kind kind : {bias_gelu, bias_residual, dgelu_bias_grad, row_sums, row_sums_transposed}) {
+    INFO("epilogue " << int(kind));
+    // want: f32 on the CPU, every input as T holds it; got: T storage through the fallback
+    std::vector<float> c_ref(size_t(M * N)), pre_ref(size_t(M * N)), vec_ref(size_t(std::max(M, N)));
+    std::vector<T> c(size_t(M * N)), pre(size_t(M * N)), vec(size_t(std::max(M, N)));
+    const bool trans = kind == row_sums_transposed;
+    const auto args = [&](DType dt, const void* A, const void* B, const void* bi, const void* r, void* C, void* P,
+                          const void* dpre, void* v) {
+      kernels::GemmArgs g{dt};
+      g.trans_a = trans;
+      g.M = M, g.N = N, g.K = K;
+      g.A = A, g.lda = trans ? M : K;  // op(A) [M, K]: stored [K, M] when transposed
+      g.B = B, g.ldb = N, g.C = C, g.ldc = N;
+      if (kind == bias_gelu) g.bias = bi, g.gelu = true, g.pre_gelu = P;
+      if (kind == bias_residual) g.bias = bi, g.residual = r;
+      if (kind == dgelu_bias_grad) g.dgelu_pre = dpre, g.bias_grad = v;
+      if (kind == row_sums || kind == row_sums_transposed) g.row_sums_a = v;
+      return g;
+    };
+    cpu::gemm(args(DType::f32, a.data(), b.data(), bias.data(), res.data(), c_ref.data(), pre_ref.data(), pre0.data(),
+                   vec_ref.data()));
+    cu::gemm_epilogue_apart(args(dtype_of<T>(), as.data(), bs.data(), biass.data(), ress.data(), c.data(), pre.data(),
+                                 pres.data(), vec.data()),
+                            bare, scratch, nullptr);
+    check_close(c, c_ref, 4.0);
+    if (kind == bias_gelu) check_close(pre, pre_ref, 4.0);
+    if (kind == dgelu_bias_grad) check_close(std::vector<T>(vec.begin(), vec.begin() + N),
+                                             std::vector<float>(vec_ref.begin(), vec_ref.begin() + N), 16.0);
+    if (kind == row_sums || kind == row_sums_transposed)
+      check_close(std::vector<T>(vec.begin(), vec.begin() + M), std::vector<float>(vec_ref.begin(), vec_ref.begin() + M),
+                  16.0);
   }
 }
 
