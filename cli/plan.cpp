@@ -17,32 +17,34 @@ namespace sg::cli {
 
 namespace {
 
+// The plan's pipeline schedule, simulated: each rank's actions and the bubble against its
+// formula (printed unless --json, whose output is the JSON alone), and its timeline as --svg.
 void simulate_schedule(const Args& a, const report::Plan& plan) {
   const report::Layout& l = plan.input.layout;
   const std::string kind = l.pp_schedule;
   const int p = l.pp, m = int(plan.micro_batches);
   const int v = kind == "interleaved" ? l.virtual_stages : 1;
-  const double ratio = a.f64("backward-ratio");
-  SG_CHECK(ratio > 0, "plan: --backward-ratio must be > 0");
   parallel::pp::Schedule s = parallel::pp::make_schedule(kind, p, m, v);
   // A chunk holds 1/v of a rank's layers: its actions take 1/v as long.
-  parallel::pp::Timeline t = parallel::pp::simulate(s, 1.0 / v, ratio / v);
-  const double formula = double(p - 1) / double(v * m);
-  std::printf("\n%s schedule, %d stages x %d chunk(s), %d micro-batches\n", kind.c_str(), p, v, m);
-  for (int r = 0; r < p; ++r) {
-    std::printf("rank %d:", r);
-    for (const auto& act : s.per_rank[size_t(r)])
-      std::printf(" %c%d", act.phase == parallel::pp::Phase::forward ? 'F' : 'B', act.micro);
-    std::printf("   (peak %d %s activations held)\n", t.peak_in_flight(r), v > 1 ? "chunk x micro-batch" : "micro-batch");
+  parallel::pp::Timeline t = parallel::pp::simulate(s, 1.0 / v, a.f64("backward-ratio") / v);
+  const bool text = !a.on("json");
+  if (text) {
+    const double formula = double(p - 1) / double(v * m);
+    std::printf("\n%s schedule, %d stages x %d chunk(s), %d micro-batches\n", kind.c_str(), p, v, m);
+    for (int r = 0; r < p; ++r) {
+      std::printf("rank %d:", r);
+      for (const auto& act : s.per_rank[size_t(r)])
+        std::printf(" %c%d", act.phase == parallel::pp::Phase::forward ? 'F' : 'B', act.micro);
+      std::printf("   (peak %d %s activations held)\n", t.peak_in_flight(r), v > 1 ? "chunk x micro-batch" : "micro-batch");
+    }
+    std::printf("bubble: %.4f of busy time (formula (p-1)/(v m) = %.4f); step = %.2f times one stage's forward\n",
+                t.bubble_fraction(), formula, t.makespan);
   }
-  std::printf("bubble: %.4f of busy time (formula (p-1)/(v m) = %.4f); step = %.2f times one stage's forward\n",
-              t.bubble_fraction(), formula, t.makespan);
   if (!a.str("svg").empty()) {
-    io::make_parent_folder(a.str("svg"), "plan: --svg");
     io::write_text_atomic(a.str("svg"), "plan: --svg",
                           report::timeline_svg(t, kind + ", p=" + std::to_string(p) + ", m=" + std::to_string(m) +
                                                       (v > 1 ? ", v=" + std::to_string(v) : "")));
-    std::printf("wrote %s\n", a.str("svg").c_str());
+    std::fprintf(text ? stdout : stderr, "wrote %s\n", a.str("svg").c_str());
   }
 }
 
@@ -137,10 +139,28 @@ int plan_main(int argc, char** argv) {
     if (a.given("n-layer") || a.given("n-head") || a.given("n-embd") || a.given("vocab-size")) in.model.name += " (modified)";
   }
   SG_CHECK(a.str("optimizer") == "adamw", "plan: --optimizer '", a.str("optimizer"), "' (only adamw is modelled)");
+  // The counts the layout keeps as int: each within the planner's limit before it is narrowed or
+  // multiplied (a --tp of 2^32 + 1 is not tp 1); the rest of the limits are make_plan's.
+  const auto count = [&](const char* flag, int64_t lo) {
+    const int64_t v = a.i64(flag);
+    SG_CHECK(v >= lo && v <= report::kMaxRanks, "plan: --", flag, " must be in [", lo, ", ", report::kMaxRanks,
+             "] (2^20), got ", v);
+    return int(v);
+  };
+  const int tp = count("tp", 1), pp = count("pp", 1), dp = count("dp", 0), virtual_stages = count("virtual-stages", 1);
+  const int nodes = count("nodes", 1), gpus_per_node = count("gpus-per-node", 0), shard_group = count("shard-group-size", 0);
+  SG_CHECK(int64_t(tp) * pp <= report::kMaxRanks, "plan: --tp ", tp, " x --pp ", pp, " = ", int64_t(tp) * pp,
+           " GPUs per replica, more than the planner's ", report::kMaxRanks, " (2^20)");
+  SG_CHECK(a.f64("backward-ratio") > 0, "plan: --backward-ratio must be > 0, got ", a.str("backward-ratio"));
+  SG_CHECK(a.str("svg").empty() || (pp > 1 && !a.on("search")), "plan: --svg draws one layout's pipeline schedule: ",
+           a.on("search") ? "not with --search" : "give --pp > 1");
+  if (!a.str("svg").empty()) io::make_parent_folder(a.str("svg"), "plan: --svg");
   in.cluster = report::cluster_preset(a.str("cluster"));
-  if (a.i64("gpus-per-node")) in.cluster.gpus_per_node = int(a.i64("gpus-per-node"));
-  in.cluster.nodes = int(a.i64("nodes"));
-  SG_CHECK(in.cluster.gpus_per_node >= 1 && in.cluster.nodes >= 1, "plan: --gpus-per-node and --nodes must be >= 1");
+  if (gpus_per_node) in.cluster.gpus_per_node = gpus_per_node;
+  in.cluster.nodes = nodes;
+  SG_CHECK(int64_t(in.cluster.gpus_per_node) * nodes <= report::kMaxRanks, "plan: --gpus-per-node ",
+           in.cluster.gpus_per_node, " x --nodes ", nodes, " = ", int64_t(in.cluster.gpus_per_node) * nodes,
+           " GPUs, more than the planner's ", report::kMaxRanks, " (2^20)");
   for (const char* f : {"gpu-memory", "intra-bandwidth", "inter-bandwidth", "peak-tflops", "efficiency"})
     SG_CHECK(!a.given(f) || a.f64(f) > 0, "plan: --", f, " must be > 0, got ", a.str(f), " (leave it out for the "
              "cluster preset's)");
@@ -159,12 +179,11 @@ int plan_main(int argc, char** argv) {
   SG_CHECK(in.global_batch >= 1, "plan: --batch-size must be >= 1");
   in.dtype = a.str("dtype");
   report::Layout& l = in.layout;
-  l.tp = int(a.i64("tp"));
-  l.pp = int(a.i64("pp"));
-  SG_CHECK(l.tp >= 1 && l.pp >= 1, "plan: --tp and --pp must be >= 1");
+  l.tp = tp;
+  l.pp = pp;
   const int world = in.cluster.gpus_per_node * in.cluster.nodes;
-  if (a.i64("dp")) {
-    l.dp = int(a.i64("dp"));
+  if (dp) {
+    l.dp = dp;
   } else {
     SG_CHECK(world % (l.tp * l.pp) == 0, "plan: --tp ", l.tp, " x --pp ", l.pp, " does not divide the cluster's ",
              world, " GPUs (give --dp)");
@@ -172,9 +191,9 @@ int plan_main(int argc, char** argv) {
   }
   l.sequence_parallel = a.on("sequence-parallel");
   l.strategy = a.str("strategy");
-  l.shard_group_size = int(a.i64("shard-group-size"));
+  l.shard_group_size = shard_group;
   l.pp_schedule = a.str("pp-schedule");
-  l.virtual_stages = int(a.i64("virtual-stages"));
+  l.virtual_stages = virtual_stages;
   l.recompute = a.str("recompute");
   l.offload = a.str("offload");
   l.grad_accumulation = a.str("grad-accumulation");
@@ -189,14 +208,14 @@ int plan_main(int argc, char** argv) {
   }
 
   if (a.on("search")) {
-    std::vector<report::Plan> found = report::search_plans(in);
     SG_CHECK(a.i64("top") >= 1, "plan: --top must be >= 1, got ", a.i64("top"));
+    std::vector<report::Plan> found = report::search_plans(in);
     const size_t top = size_t(a.i64("top"));
-    if (a.on("json")) {
+    if (a.on("json")) {  // an empty list when nothing fits, and the same exit status as the text
       nlohmann::json j = nlohmann::json::array();
       for (size_t i = 0; i < found.size() && i < top; ++i) j.push_back(found[i].to_json());
       std::printf("%s\n", j.dump(2).c_str());
-      return 0;
+      return found.empty() ? 1 : 0;
     }
     std::printf("%zu layouts of %d GPUs fit %s (%s, global batch %lld); the fastest %zu:\n", found.size(), world,
                 in.model.name.c_str(), in.dtype.c_str(), (long long)in.global_batch, std::min(top, found.size()));
@@ -210,6 +229,7 @@ int plan_main(int argc, char** argv) {
   }
   report::Plan plan = report::make_plan(in);
   if (a.on("json")) {
+    if (l.pp > 1) simulate_schedule(a, plan);  // for --svg's file alone, before the JSON
     std::printf("%s\n", plan.to_json().dump(2).c_str());
   } else {
     std::printf("%s", report::describe(plan).c_str());
@@ -220,9 +240,8 @@ int plan_main(int argc, char** argv) {
       else
         std::printf("(the engine's own bytes: train --simulate runs at most 4096 ranks; this layout has %d)\n", plan.world);
     }
+    if (l.pp > 1) simulate_schedule(a, plan);
   }
-  if (l.pp > 1 && !a.on("json")) simulate_schedule(a, plan);
-  else if (!a.str("svg").empty()) throw Error("plan: --svg draws a pipeline schedule: give --pp > 1");
   return 0;
 }
 

@@ -1925,6 +1925,55 @@ TEST_CASE("plan --micro-batches sets the layout's micro-batch size, so the plan 
           "means micro-batches of 4 rows, but --micro-batch-size is 2");
 }
 
+// Numbers past the planner's limits are refused naming the flag and its range, before anything is
+// printed: not narrowed to int (--tp 2^32 + 1 planned as tp 1), not overflowed into a division by
+// zero, a wrong flag or a model "without parameters", not simulated for minutes (timeout 20).
+TEST_CASE("plan refuses numbers past its limits by name before printing anything", "[cli]") {
+  const auto plan_refuses = [](const std::string& args, const std::string& text) {
+    Run r = run_command("timeout 20 " + std::string(SG_BINARY) + " plan " + args);
+    INFO(args << "\n" << r.output);
+    CHECK(r.code == 1);
+    CHECK(r.output.find(text) != std::string::npos);
+    CHECK(r.output.find("memory per GPU") == std::string::npos);
+  };
+  plan_refuses("--tp 65536 --pp 65536", "--tp 65536 x --pp 65536 = 4294967296 GPUs per replica, more than the planner's 1048576 (2^20)");
+  plan_refuses("--tp 4294967297", "--tp must be in [1, 1048576] (2^20), got 4294967297");
+  plan_refuses("--pp 2 --pp-schedule interleaved --virtual-stages 4294967298", "--virtual-stages must be in [1, 1048576] (2^20), got 4294967298");
+  plan_refuses("--pp 2 --pp-schedule interleaved --virtual-stages 2147483647", "--virtual-stages must be in [1, 1048576]");
+  plan_refuses("--nodes 2147483647", "--nodes must be in [1, 1048576] (2^20), got 2147483647");
+  plan_refuses("--gpus-per-node 65536 --nodes 65536", "--gpus-per-node 65536 x --nodes 65536 = 4294967296 GPUs, more than the planner's");
+  plan_refuses("--n-layer 99999999999", "--n-layer must be in [1, 100000], got 99999999999");
+  plan_refuses("--search --n-layer 99999999999", "--n-layer must be in [1, 100000], got 99999999999");
+  plan_refuses("--vocab-size 9223372036854775807", "--vocab-size must be in [1, 1073741824], got 9223372036854775807");
+  plan_refuses("--n-embd 9223372036854775807 --n-head 1", "--n-embd must be in [1, 1048576], got 9223372036854775807");
+  plan_refuses("--params 9000000000000", "--params 9000000000000 is more than the planner's 8796093022208 (2^43)");
+  plan_refuses("--batch-size 1048576 --dp 8", "is 131072 micro-batches a step, more than the planner's 65536");
+  // flags the schedule simulation reads, checked before the report rather than after it
+  plan_refuses("--pp 2 --backward-ratio 0", "--backward-ratio must be > 0, got 0");
+  plan_refuses("--svg t.svg", "--svg draws one layout's pipeline schedule: give --pp > 1");
+  plan_refuses("--pp 2 --search --svg t.svg", "--svg draws one layout's pipeline schedule: not with --search");
+}
+
+// --json prints the JSON alone on stdout (the SVG's "wrote" line goes to stderr), writes --svg's
+// picture too, and --search --json fails as the text does when nothing fits.
+TEST_CASE("plan --json writes the --svg schedule and --search --json exits 1 when nothing fits", "[cli]") {
+  TempDir d;
+  const fs::path svg = d.path / "pics" / "t.svg";
+  Run r = run_command("(" + std::string(SG_BINARY) + " plan --pp 2 --json --svg " + svg.string() + " 2>/dev/null)");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK(nlohmann::json::parse(r.output)["layout"]["pp"] == 2);
+  std::ifstream f(svg);
+  std::stringstream picture;
+  picture << f.rdbuf();
+  CHECK(picture.str().find("<svg") != std::string::npos);
+  Run none = shardgrad("plan --search --json --gpu-memory 0.001");
+  INFO(none.output);
+  CHECK(none.code == 1);
+  CHECK(nlohmann::json::parse(none.output).empty());
+  CHECK(shardgrad("plan --search --gpu-memory 0.001").code == 1);
+}
+
 namespace {
 // The layouts whose evaluation forwards differ from one process's: tp (vocabulary slices gathered),
 // tp with sequence parallelism (inputs padded to a multiple of tp), pp (the last stage's logits

@@ -446,3 +446,45 @@ TEST_CASE("the planner's param, grad and optimizer bytes and bytes per collectiv
     }
   }
 }
+
+// Past its limits (planner.h) the planner's int64 byte counts would overflow or its simulated
+// schedule would run for minutes: each is refused naming the flag. Within them the counts hold:
+// an all-reduce of 32 TB over a million ranks is 2(N-1)/N of it, not a wrapped product.
+TEST_CASE("the planner refuses inputs past its limits by name and counts exactly up to them") {
+  PlanInput in;
+  in.model = model_preset("gpt2");
+  in.cluster = cluster_preset("8xH100-NVLink-IB");
+  in.global_batch = 8;
+  in.layout.dp = 8;
+  in.model.n_layer = 99999999999;
+  CHECK_THROWS_WITH(make_plan(in), Catch::Contains("--n-layer must be in [1, 100000], got 99999999999"));
+  CHECK_THROWS_WITH(search_plans(in), Catch::Contains("--n-layer must be in [1, 100000]"));  // not "none fit"
+  in.model.n_layer = 12;
+  in.model.vocab_size = int64_t(1) << 40;
+  CHECK_THROWS_WITH(make_plan(in), Catch::Contains("--vocab-size must be in [1, 1073741824]"));
+  in.model.vocab_size = 50257;
+  in.model.n_layer = 100000, in.model.n_embd = 65536, in.model.n_head = 64;  // 5.2e15 parameters
+  CHECK_THROWS_WITH(make_plan(in), Catch::Contains("more than the planner's 8796093022208 (2^43)"));
+  in.model = model_preset("gpt2");
+  in.global_batch = int64_t(1) << 40;
+  CHECK_THROWS_WITH(make_plan(in), Catch::Contains("more than the planner's 2^54"));
+  in.global_batch = 8 << 20;  // a million micro-batches per rank
+  CHECK_THROWS_WITH(make_plan(in), Catch::Contains("1048576 micro-batches a step, more than the planner's 65536"));
+  in.global_batch = 8;
+  in.cluster.nodes = 1 << 20;
+  CHECK_THROWS_WITH(make_plan(in), Catch::Contains("= 8388608 GPUs"));
+  // dp x tp x pp past int: counted in int64, refused as more GPUs than the cluster has
+  in.cluster.nodes = 1;
+  in.layout.dp = 1 << 20, in.layout.tp = 1 << 12, in.layout.pp = 1 << 12;
+  CHECK_THROWS_WITH(make_plan(in), Catch::Contains("= 17592186044416 GPUs, the cluster has 8"));
+  // a pipeline whose simulation would take minutes
+  in = raw(1000000, 1, "ddp");
+  in.layout.pp = 1024, in.global_batch = 2048, in.cluster.nodes = 128;
+  CHECK_THROWS_WITH(make_plan(in), Catch::Contains("--pp 1024 x --virtual-stages 1 x 2048 micro-batches = 2097152"));
+  // ddp over 2^20 ranks of 2^43 parameters in bf16: 2 (N-1)/N x 2^44 bytes, past 2^63 if multiplied first
+  in = raw(int64_t(1) << 43, 1 << 20, "ddp");
+  in.cluster.nodes = 1 << 17;
+  const Plan big = make_plan(in);
+  const int64_t bytes = int64_t(1) << 44, n = 1 << 20;
+  CHECK(big.comm.at("all_reduce") == 2 * (bytes / n) * (n - 1));
+}

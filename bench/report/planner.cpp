@@ -118,15 +118,46 @@ std::string Layout::label() const {
   return s;
 }
 
+void check_input(const PlanInput& in) {
+  const ModelShape& m = in.model;
+  const Cluster& c = in.cluster;
+  const int64_t gpus = int64_t(c.gpus_per_node) * c.nodes;
+  SG_CHECK(c.gpus_per_node >= 1 && c.nodes >= 1 && gpus <= kMaxRanks, "plan: --gpus-per-node ", c.gpus_per_node,
+           " x --nodes ", c.nodes, " = ", gpus, " GPUs: each must be >= 1 and the product at most ", kMaxRanks, " (2^20)");
+  if (m.has_shape()) {  // each within its limit, the parameter count below stays far inside int64
+    const auto within = [](const char* flag, int64_t v, int64_t lo, int64_t hi) {
+      SG_CHECK(v >= lo && v <= hi, "plan: --", flag, " must be in [", lo, ", ", hi, "], got ", v);
+    };
+    within("n-layer", m.n_layer, 1, kMaxLayers);
+    within("n-embd", m.n_embd, 1, kMaxWidth);
+    within("n-head", m.n_head, 1, m.n_embd);
+    within("vocab-size", m.vocab_size, 1, kMaxVocab);
+    within("block-size", m.block_size, 1, kMaxBlock);
+    SG_CHECK(m.num_params() <= kMaxParams, "plan: the model's ", m.num_params(), " parameters (--n-layer ", m.n_layer,
+             ", --n-embd ", m.n_embd, ", --vocab-size ", m.vocab_size, ", --block-size ", m.block_size,
+             ") are more than the planner's ", kMaxParams, " (2^43)");
+    const double work = double(in.global_batch) * double(m.seq_len) * double(m.n_embd) * double(m.n_layer);
+    SG_CHECK(work <= kMaxTokenWork, "plan: --batch-size ", in.global_batch, " x --seq-len ", m.seq_len, " x --n-embd ",
+             m.n_embd, " x --n-layer ", m.n_layer, " = ", work, " is more than the planner's 2^54 (",
+             kMaxTokenWork, "): its tensor-parallel bytes per step would overflow");
+  } else {
+    SG_CHECK(m.params <= kMaxParams, "plan: --params ", m.params, " is more than the planner's ", kMaxParams, " (2^43)");
+  }
+  SG_CHECK(m.num_params() > 0, "plan: the model has no parameters (give --model, --n-layer/--n-embd/... or --params)");
+}
+
 namespace {
 
 // Every refusal of a layout that cannot run, before anything is counted.
 void check_layout(const PlanInput& in) {
+  check_input(in);
   const ModelShape& m = in.model;
   const Cluster& c = in.cluster;
   const Layout& l = in.layout;
   SG_CHECK(l.dp >= 1 && l.tp >= 1 && l.pp >= 1, "plan: --dp, --tp and --pp must be >= 1");
-  SG_CHECK(m.num_params() > 0, "plan: the model has no parameters (give --model, --n-layer/--n-embd/... or --params)");
+  SG_CHECK(l.dp <= kMaxRanks && l.tp <= kMaxRanks && l.pp <= kMaxRanks && l.virtual_stages <= kMaxRanks,
+           "plan: --dp ", l.dp, ", --tp ", l.tp, ", --pp ", l.pp, " and --virtual-stages ", l.virtual_stages,
+           " must each be at most ", kMaxRanks, " (2^20)");
   SG_CHECK(l.strategy == "ddp" || l.strategy == "zero1" || l.strategy == "zero2" || l.strategy == "zero3" ||
                l.strategy == "fsdp" || l.strategy == "fsdp-grad-op" || l.strategy == "hsdp",
            "plan: --strategy '", l.strategy, "' (expected ddp, zero1, zero2, zero3, fsdp, fsdp-grad-op or hsdp)");
@@ -149,14 +180,14 @@ void check_layout(const PlanInput& in) {
            "gradients), not ", l.strategy);
   SG_CHECK(l.grad_accumulation == "sharded" || !shards_params(l.strategy) || l.pp == 1, "plan: --grad-accumulation ",
            "unsharded (FSDP's no_sync) is not for pipelines, whose micro-batches interleave");
-  const int world = l.dp * l.tp * l.pp;
-  SG_CHECK(world <= c.gpus_per_node * c.nodes, "plan: dp ", l.dp, " x tp ", l.tp, " x pp ", l.pp, " = ", world,
-           " GPUs, the cluster has ", c.gpus_per_node * c.nodes, " (", c.nodes, " x ", c.gpus_per_node, ")");
+  const int64_t world = int64_t(l.dp) * l.tp * l.pp, gpus = int64_t(c.gpus_per_node) * c.nodes;
+  SG_CHECK(world <= gpus, "plan: dp ", l.dp, " x tp ", l.tp, " x pp ", l.pp, " = ", world, " GPUs, the cluster has ",
+           gpus, " (", c.nodes, " x ", c.gpus_per_node, ")");
   if (m.has_shape()) {
     SG_CHECK(m.n_head % l.tp == 0, "plan: --tp ", l.tp, ": ", m.n_head, " heads cannot be split ", l.tp, " ways");
     SG_CHECK(m.vocab_rows() % l.tp == 0, "plan: --tp ", l.tp, ": ", m.vocab_rows(), " vocabulary rows cannot be split");
-    SG_CHECK(m.n_layer % (l.pp * l.virtual_stages) == 0, "plan: --pp ", l.pp, " x --virtual-stages ", l.virtual_stages,
-             ": ", m.n_layer, " layers do not split evenly");
+    SG_CHECK(m.n_layer % (int64_t(l.pp) * l.virtual_stages) == 0, "plan: --pp ", l.pp, " x --virtual-stages ",
+             l.virtual_stages, ": ", m.n_layer, " layers do not split evenly");
     SG_CHECK(!l.sequence_parallel || m.seq_len % l.tp == 0, "plan: --sequence-parallel: --seq-len ", m.seq_len,
              " does not split over --tp ", l.tp);
     SG_CHECK(m.seq_len >= 1 && m.seq_len <= m.block_size, "plan: --seq-len ", m.seq_len, " outside [1, block size ",
@@ -165,6 +196,14 @@ void check_layout(const PlanInput& in) {
   SG_CHECK(in.global_batch % l.dp == 0, "plan: --batch-size ", in.global_batch, " does not split over dp ", l.dp);
   SG_CHECK(l.micro_batch_size >= 1 && (in.global_batch / l.dp) % l.micro_batch_size == 0, "plan: --micro-batch-size ",
            l.micro_batch_size, " does not divide the per-rank batch ", in.global_batch / l.dp);
+  const int64_t micro_batches = in.global_batch / l.dp / l.micro_batch_size;
+  SG_CHECK(micro_batches <= kMaxMicroBatches, "plan: --batch-size ", in.global_batch, " over dp ", l.dp,
+           " in micro-batches of ", l.micro_batch_size, " is ", micro_batches, " micro-batches a step, more than the ",
+           "planner's ", kMaxMicroBatches, " (2^16): give a larger --micro-batch-size");
+  const int64_t actions = int64_t(l.pp) * (l.pp > 1 ? l.virtual_stages : 1) * micro_batches;
+  SG_CHECK(l.pp == 1 || actions <= kMaxScheduleActions, "plan: the pipeline schedule is simulated action by action: ",
+           "--pp ", l.pp, " x --virtual-stages ", l.virtual_stages, " x ", micro_batches, " micro-batches = ", actions,
+           ", more than the planner's ", kMaxScheduleActions, " (2^20): give a larger --micro-batch-size");
   SG_CHECK(l.shard_group_size >= 0, "plan: --shard-group-size must be >= 0, got ", l.shard_group_size);
   SG_CHECK(l.shard_group_size == 0 || l.strategy == "hsdp", "plan: --shard-group-size is for hsdp, not ", l.strategy);
 }
@@ -506,6 +545,7 @@ Plan make_plan(const PlanInput& in) {
 }
 
 std::vector<Plan> search_plans(const PlanInput& base) {
+  check_input(base);
   const int world = base.cluster.gpus_per_node * base.cluster.nodes;
   std::vector<Plan> out;
   auto powers = [](int limit) {

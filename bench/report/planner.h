@@ -115,6 +115,24 @@ struct Plan {
 // zero3 and the FSDP family: the parameters are sharded (only each unit's shard kept between steps).
 bool shards_params(const std::string& strategy);
 
+// The planner's limits. Past them its int64 byte counts could overflow (8·micro-batches·4Ψ for
+// the FSDP family's gathers, 40·tokens·width·layers for tp's) or the simulated schedule, one
+// action at a time, would run for minutes. plan refuses a flag beyond them by name.
+constexpr int64_t kMaxRanks = int64_t(1) << 20;   // dp, tp, pp, virtual stages, nodes, GPUs per node, and products
+constexpr int64_t kMaxLayers = 100000;
+constexpr int64_t kMaxWidth = int64_t(1) << 20;   // n_embd
+constexpr int64_t kMaxVocab = int64_t(1) << 30;
+constexpr int64_t kMaxBlock = int64_t(1) << 24;   // block size (and so the sequence length)
+constexpr int64_t kMaxParams = int64_t(1) << 43;  // Ψ, about 8.8e12
+constexpr int64_t kMaxMicroBatches = int64_t(1) << 16;   // per rank and step
+constexpr int64_t kMaxScheduleActions = int64_t(1) << 20;  // pp × virtual stages × micro-batches
+constexpr double kMaxTokenWork = 0x1p54;  // tokens per step × width × layers
+
+// Throws sg::Error naming the flag when the model, the batch or the cluster is beyond the limits
+// above, or the model has no parameters. make_plan checks it first; search_plans too, before it
+// tries any layout (else every candidate would be refused and the search would find none).
+void check_input(const PlanInput& in);
+
 // Throws sg::Error naming the reason when the layout is impossible (heads that do not split,
 // layers that do not divide into stages, a batch that does not split, too few GPUs, ...).
 Plan make_plan(const PlanInput& in);

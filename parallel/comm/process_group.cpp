@@ -53,9 +53,15 @@ nlohmann::json CommCounters::to_json() const {
   return j;
 }
 
-int64_t all_reduce_bytes(int64_t tensor_bytes, int n) { return 2 * int64_t(n - 1) * tensor_bytes / n; }
-int64_t reduce_scatter_bytes(int64_t input_bytes, int n) { return int64_t(n - 1) * input_bytes / n; }
-int64_t all_gather_bytes(int64_t output_bytes, int n) { return int64_t(n - 1) * output_bytes / n; }
+namespace {
+// ⌊bytes · k / n⌋ without forming bytes · k, which passes int64 for a planner's terabytes on a
+// million ranks: with bytes = q·n + r it is q·k + ⌊r·k / n⌋ (r·k < n·k stays small).
+int64_t times_fraction(int64_t bytes, int64_t k, int64_t n) { return bytes / n * k + bytes % n * k / n; }
+}  // namespace
+
+int64_t all_reduce_bytes(int64_t tensor_bytes, int n) { return times_fraction(tensor_bytes, 2 * int64_t(n - 1), n); }
+int64_t reduce_scatter_bytes(int64_t input_bytes, int n) { return times_fraction(input_bytes, n - 1, n); }
+int64_t all_gather_bytes(int64_t output_bytes, int n) { return times_fraction(output_bytes, n - 1, n); }
 
 ProcessGroup::ProcessGroup(int rank, int size) : rank_(rank), size_(size) {
   SG_CHECK(size >= 1 && rank >= 0 && rank < size, "ProcessGroup: rank ", rank, " is not in a group of ", size);

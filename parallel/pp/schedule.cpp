@@ -87,34 +87,49 @@ Timeline simulate(const Schedule& s, double tf, double tb) {
   std::vector<double> free_at(size_t(p), 0.0);
   size_t remaining = 0;
   for (auto& a : s.per_rank) remaining += a.size();
-  while (remaining > 0) {
-    bool progressed = false;
-    for (int r = 0; r < p; ++r) {
-      while (next[size_t(r)] < s.per_rank[size_t(r)].size()) {
-        const Action& a = s.per_rank[size_t(r)][next[size_t(r)]];
-        SG_CHECK(s.rank_of(a.stage) == r, "pipeline: stage ", a.stage, " scheduled on rank ", r);
-        // Which action's output this one consumes.
-        std::tuple<int, int, int> dep{-1, -1, -1};
-        if (a.phase == Phase::forward && a.stage > 0) dep = {a.stage - 1, a.micro, 0};
-        if (a.phase == Phase::backward) dep = a.stage == S - 1 ? std::tuple{a.stage, a.micro, 0} : std::tuple{a.stage + 1, a.micro, 1};
-        double ready = 0;
-        if (std::get<0>(dep) >= 0) {
-          auto it = done.find(dep);
-          if (it == done.end()) break;  // input not produced yet: this rank waits
-          ready = it->second;
-        }
-        const double start = std::max(free_at[size_t(r)], ready);
-        const double end = start + (a.phase == Phase::forward ? tf : tb);
-        done[{a.stage, a.micro, a.phase == Phase::forward ? 0 : 1}] = end;
-        free_at[size_t(r)] = end;
-        t.per_rank[size_t(r)].push_back({a, start, end});
-        ++next[size_t(r)];
-        --remaining;
-        progressed = true;
+  // The ranks to try: all at first, then a rank again whenever an action it may wait on has
+  // finished. Each finished action wakes one rank, so the work follows the actions (sweeping every
+  // rank until none moved took a sweep per stage of each backward wave: p² on a long pipeline).
+  // The times do not depend on the order: an action starts when its rank and its input are done.
+  std::vector<int> to_try;
+  std::vector<char> waiting_to_try(size_t(p), 1);
+  for (int r = p - 1; r >= 0; --r) to_try.push_back(r);
+  while (!to_try.empty()) {
+    const int r = to_try.back();
+    to_try.pop_back();
+    waiting_to_try[size_t(r)] = 0;
+    while (next[size_t(r)] < s.per_rank[size_t(r)].size()) {
+      const Action& a = s.per_rank[size_t(r)][next[size_t(r)]];
+      SG_CHECK(s.rank_of(a.stage) == r, "pipeline: stage ", a.stage, " scheduled on rank ", r);
+      // Which action's output this one consumes.
+      std::tuple<int, int, int> dep{-1, -1, -1};
+      if (a.phase == Phase::forward && a.stage > 0) dep = {a.stage - 1, a.micro, 0};
+      if (a.phase == Phase::backward) dep = a.stage == S - 1 ? std::tuple{a.stage, a.micro, 0} : std::tuple{a.stage + 1, a.micro, 1};
+      double ready = 0;
+      if (std::get<0>(dep) >= 0) {
+        auto it = done.find(dep);
+        if (it == done.end()) break;  // input not produced yet: this rank waits until it is
+        ready = it->second;
+      }
+      const double start = std::max(free_at[size_t(r)], ready);
+      const double end = start + (a.phase == Phase::forward ? tf : tb);
+      done[{a.stage, a.micro, a.phase == Phase::forward ? 0 : 1}] = end;
+      free_at[size_t(r)] = end;
+      t.per_rank[size_t(r)].push_back({a, start, end});
+      ++next[size_t(r)];
+      --remaining;
+      // The rank whose action consumes this output: the next stage's forward, the previous
+      // stage's backward (the last stage's backward follows its own forward, on this rank).
+      const int consumer = a.phase == Phase::forward ? (a.stage + 1 < S ? s.rank_of(a.stage + 1) : r)
+                           : a.stage > 0             ? s.rank_of(a.stage - 1)
+                                                     : r;
+      if (consumer != r && !waiting_to_try[size_t(consumer)]) {
+        waiting_to_try[size_t(consumer)] = 1;
+        to_try.push_back(consumer);
       }
     }
-    SG_CHECK(progressed, "pipeline: schedule '", s.name, "' deadlocks (every rank waits on another)");
   }
+  SG_CHECK(remaining == 0, "pipeline: schedule '", s.name, "' deadlocks (every rank waits on another)");
   for (double f : free_at) t.makespan = std::max(t.makespan, f);
   return t;
 }
