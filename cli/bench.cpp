@@ -49,6 +49,34 @@ json read_json_file(const std::string& path, const char* flag) {
   }
 }
 
+// What results_html reads of a results file (--from), checked first so that a file of another
+// shape is refused naming it and the field, not by the JSON library's bare words.
+void check_results(const json& results, const std::string& path) {
+  const auto need = [&](const json& j, const char* key, bool ok, const std::string& where, const char* what) {
+    SG_CHECK(j.contains(key) && ok, "bench: --from ", path, ": ", where, "\"", key, "\" must be ", what);
+  };
+  SG_CHECK(results.is_object(), "bench: --from ", path, ": expected a bench results object {\"layouts\": [...], ...}, got ",
+           results.type_name());
+  need(results, "layouts", results.contains("layouts") && results["layouts"].is_array(), "", "an array of layouts");
+  for (size_t i = 0; i < results["layouts"].size(); ++i) {
+    const json& r = results["layouts"][i];
+    const std::string at = str("layouts[", i, "]");
+    SG_CHECK(r.is_object(), "bench: --from ", path, ": ", at, " must be an object, got ", r.type_name());
+    const std::string where = at + ".";
+    need(r, "name", r.contains("name") && r["name"].is_string(), where, "a string");
+    need(r, "ranks", r.contains("ranks") && r["ranks"].is_number_integer(), where, "an integer");
+    need(r, "status", r.contains("status") && r["status"].is_string(), where, "a string");
+    if (r["status"] != "ok") continue;
+    need(r, "measured", r.contains("measured") && r["measured"].is_object(), where, "an object (status ok)");
+    const json& m = r["measured"];
+    for (const char* key : {"mem_peak", "comm_per_step"})
+      need(m, key, m.contains(key) && m[key].is_array() && !m[key].empty() && m[key][0].is_object(), where + "measured.",
+           "a non-empty array of objects, one per rank");
+    if (m.contains("tokens_per_s"))  // timed, not simulated
+      need(m, "step_ms", m.contains("step_ms") && m["step_ms"].is_number(), where + "measured.", "a number");
+  }
+}
+
 // The reason train gave: the text after "error: " on its first error line, else the rank the
 // watchdog blamed (its FAILED line, or a wait that timed out), else shardgrad's last line; mpirun's
 // own notices are left out.
@@ -146,7 +174,14 @@ int bench_main(int argc, char** argv) {
   if (!a.str("from").empty()) {
     SG_CHECK(!report_path.empty(), "bench: --from makes a report; --report none leaves nothing to do");
     const json from = read_json_file(a.str("from"), "from");
-    io::write_text_atomic(report_path, "bench: --report", report::results_html(from));
+    check_results(from, a.str("from"));
+    std::string page;
+    try {
+      page = report::results_html(from);
+    } catch (const json::exception& e) {  // a field of the wrong type deeper down
+      throw Error(str("bench: --from ", a.str("from"), ": not a results file bench wrote: ", e.what()));
+    }
+    io::write_text_atomic(report_path, "bench: --report", page);
     std::printf("wrote %s\n", report_path.c_str());
     return 0;
   }
@@ -165,6 +200,8 @@ int bench_main(int argc, char** argv) {
     }
     matrix = chosen;
   }
+  // timeout(1) is handed --timeout as it is: a word it cannot read would fail every layout
+  SG_CHECK(a.f64("timeout") > 0, "bench: --timeout must be > 0 seconds, got ", a.str("timeout"));
   const int64_t steps = a.i64("steps"), warmup = a.i64("warmup"), batch = a.i64("batch-size");
   const double peak_flops = a.f64("peak-tflops") * 1e12;
   SG_CHECK(peak_flops >= 0, "bench: --peak-tflops must be >= 0");
@@ -212,6 +249,14 @@ int bench_main(int argc, char** argv) {
                             ? fs::temp_directory_path() / ("sg_bench_" + std::to_string(::getpid()))
                             : fs::path(a.str("work-dir"));
   fs::create_directories(work);
+  // A temporary work directory goes however the bench ends, an error included.
+  struct RemoveWhenDone {
+    fs::path dir;
+    ~RemoveWhenDone() {
+      std::error_code ignored;
+      if (!dir.empty()) fs::remove_all(dir, ignored);
+    }
+  } remove_work{a.str("work-dir").empty() ? work : fs::path()};
   // The report's memory-over-time charts read each layout's trace: --report traces into the work
   // directory when no --trace directory is given.
   const fs::path trace_dir = !a.str("trace").empty() ? fs::path(a.str("trace"))
@@ -256,14 +301,29 @@ int bench_main(int argc, char** argv) {
     cmd += " > '" + out.string() + "' 2>&1";
     const int status = std::system(cmd.c_str());
     const int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    // The log's records up to the first line that is not JSON (one cut off when the layout was
+    // killed): a run that exited 0 with such a line failed, naming the line.
     std::vector<json> records;
+    std::string unreadable;
     {
       std::ifstream f(log);
-      for (std::string line; std::getline(f, line);)
-        if (!line.empty()) records.push_back(json::parse(line));
+      int64_t n = 0;
+      for (std::string line; unreadable.empty() && std::getline(f, line);) {
+        ++n;
+        if (line.empty()) continue;
+        try {
+          records.push_back(json::parse(line));
+        } catch (const json::exception& e) {
+          unreadable = str("its log ", log.string(), " line ", n, " is not JSON: ", e.what());
+        }
+      }
     }
     json r = {{"name", row.name}, {"ranks", row.ranks}, {"args", row.args}};
-    if (code == 0 && !records.empty() && simulate) {
+    if (code == 0 && !unreadable.empty()) {
+      r["status"] = "failed";
+      r["reason"] = unreadable;
+      std::printf("failed: %s\n", unreadable.c_str());
+    } else if (code == 0 && !records.empty() && simulate) {
       r["status"] = "ok";
       r["measured"] = report::summarise_simulation(records[0]);
       double sent = 0;
@@ -325,9 +385,10 @@ int bench_main(int argc, char** argv) {
     }
     results["layouts"].push_back(r);
   }
-  if (a.str("work-dir").empty()) fs::remove_all(work);
   const std::string prefix = a.str("out");
-  io::write_text_atomic(prefix + ".json", "bench: --out", results.dump(1) + "\n");
+  // The command line's bytes may not be UTF-8 (a path in Latin-1): written with U+FFFD for them,
+  // as train's --log-json is, rather than thrown away with every layout's results.
+  io::write_text_atomic(prefix + ".json", "bench: --out", results.dump(1, ' ', false, json::error_handler_t::replace) + "\n");
   io::write_text_atomic(prefix + ".csv", "bench: --out", report::results_csv(results));
   std::printf("wrote %s.json and %s.csv\n", prefix.c_str(), prefix.c_str());
   if (!report_path.empty()) {

@@ -485,3 +485,84 @@ TEST_CASE("bench writes its HTML page beside the results by default, and none by
   CHECK(read_text(dir / "out.txt").find("--report none leaves nothing to do") != std::string::npos);
   fs::remove_all(dir);
 }
+
+// A layout's log cut off mid-record (a layout killed while writing) fails that layout, naming the
+// log and its line; the layouts before it keep their results, the files are written and the
+// temporary work directory (under TMPDIR) is removed. The launcher here runs each layout as one
+// process and, for the row "cut", writes half a record and exits 0.
+TEST_CASE("bench fails a layout whose log line is cut off and keeps the others' results", "[cli]") {
+  const fs::path dir = fs::temp_directory_path() / ("sg_bench_cut_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir / "tmp");
+  std::ofstream(dir / "launcher.sh") << "#!/bin/sh\n"
+                                        "while [ \"$1\" != \"${1#-}\" ]; do case \"$1\" in -x|-np) shift 2;; *) shift;; esac; done\n"
+                                        "log=''; prev=''; for w in \"$@\"; do [ \"$prev\" = --log-json ] && log=\"$w\"; prev=\"$w\"; done\n"
+                                        "case \"$log\" in *cut.jsonl) printf '{\"step\": 1, \"lo' > \"$log\"; exit 0;; esac\n"
+                                        "exec \"$@\"\n";
+  fs::permissions(dir / "launcher.sh", fs::perms::owner_all);
+  std::ofstream(dir / "m.json") << R"([{"name":"good","ranks":2,"args":""},{"name":"cut","ranks":2,"args":""}])";
+  const std::string cmd = "TMPDIR=" + (dir / "tmp").string() + " " + SG_BINARY + " bench --n-layer 1 --steps 2 --warmup 1 " +
+                          "--report none --matrix " + (dir / "m.json").string() + " --mpirun " + (dir / "launcher.sh").string() +
+                          " --out " + (dir / "res").string() + " > " + (dir / "out.txt").string() + " 2>&1";
+  const int status = std::system(cmd.c_str());
+  INFO(read_text(dir / "out.txt"));
+  CHECK(WEXITSTATUS(status) == 1);  // a layout failed
+  REQUIRE(fs::exists(dir / "res.json"));
+  const json res = json::parse(read_text(dir / "res.json"));
+  REQUIRE(res["layouts"].size() == 2);
+  CHECK(res["layouts"][0]["status"] == "ok");
+  CHECK(res["layouts"][1]["status"] == "failed");
+  CHECK(res["layouts"][1]["reason"].get<std::string>().find("cut.jsonl line 1 is not JSON") != std::string::npos);
+  CHECK(fs::is_empty(dir / "tmp"));
+  fs::remove_all(dir);
+}
+
+// Flags refused before any layout runs, and results files of another shape named with the field.
+TEST_CASE("bench refuses a bad --timeout up front and names the file and field of a bad --from", "[cli]") {
+  const fs::path dir = fs::temp_directory_path() / ("sg_bench_flags_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const auto bench = [&](const std::string& args) {
+    const std::string cmd = std::string(SG_BINARY) + " bench " + args + " > " + (dir / "out.txt").string() + " 2>&1";
+    const int status = std::system(cmd.c_str());
+    return std::pair<int, std::string>{WEXITSTATUS(status), read_text(dir / "out.txt")};
+  };
+  auto [code, out] = bench("--simulate --layouts single --timeout abc --out " + (dir / "r").string());
+  INFO(out);
+  CHECK(code == 1);
+  CHECK(out.find("bench: --timeout expects a number, got 'abc'") != std::string::npos);
+  CHECK(out.find("[1/1]") == std::string::npos);  // nothing ran
+  const std::string from = (dir / "e.json").string();
+  for (const auto& [text, reason] :
+       std::vector<std::pair<std::string, std::string>>{{"{}", ": \"layouts\" must be an array of layouts"},
+                                                        {"[]", ": expected a bench results object"},
+                                                        {R"({"layouts":[{"name":"x"}]})", ": layouts[0].\"ranks\" must be an integer"},
+                                                        {R"({"layouts":[{"name":"x","ranks":1,"status":"ok","measured":{}}]})",
+                                                         ": layouts[0].measured.\"mem_peak\" must be a non-empty array"}}) {
+    std::ofstream(from) << text;
+    auto [c, o] = bench("--from " + from + " --report " + (dir / "r.html").string());
+    INFO(text << "\n" << o);
+    CHECK(c == 1);
+    CHECK(o.find("bench: --from " + from + reason) != std::string::npos);
+  }
+  fs::remove_all(dir);
+}
+
+// A command line that is not UTF-8 (a Latin-1 path) is written with U+FFFD in the results' "command",
+// not thrown out with every layout's results after they ran.
+TEST_CASE("bench writes its results when its command line is not UTF-8", "[cli]") {
+  const fs::path dir = fs::temp_directory_path() / ("sg_bench_latin1_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const std::string prefix = (dir / "res").string() + "\xe9";
+  const std::string cmd = std::string(SG_BINARY) + " bench --simulate --layouts single --report none --out '" + prefix +
+                          "' > " + (dir / "out.txt").string() + " 2>&1";
+  const int status = std::system(cmd.c_str());
+  INFO(read_text(dir / "out.txt"));
+  CHECK(WEXITSTATUS(status) == 0);
+  REQUIRE(fs::exists(prefix + ".json"));
+  const json res = json::parse(read_text(prefix + ".json"));
+  CHECK(res["command"].get<std::string>().find("res\xef\xbf\xbd") != std::string::npos);  // U+FFFD
+  CHECK(res["layouts"][0]["status"] == "ok");
+  fs::remove_all(dir);
+}
