@@ -125,7 +125,9 @@ std::string Args::usage() const {
   for (const auto& n : order_) {
     const Flag& f = flags_.at(n);
     os << "  --" << n;
-    if (!f.is_toggle) os << " (default: " << (f.value.empty() ? "none" : f.value) << ")";
+    // An empty default means "not given", which the help says in its own words where it matters
+    // ("none" would read as a value, and for bench --report it is one: no report).
+    if (!f.is_toggle && !f.value.empty()) os << " (default: " << f.value << ")";
     os << "\n      " << f.help << "\n";
   }
   return os.str();

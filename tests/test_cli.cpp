@@ -310,6 +310,28 @@ TEST_CASE("train refuses bad flags, missing files and existing checkpoints, nami
   CHECK(fresh.output.find("removed 1 unfinished save from " + failed.string()) != std::string::npos);
 }
 
+// --help gives a flag's default only when it has one: an empty default is "not given", which the
+// help words itself; printed as "none" it read as a value (bench --report none turns the report off).
+TEST_CASE("help shows defaults only for flags that have one", "[cli]") {
+  Run bench = shardgrad("bench --help");
+  INFO(bench.output);
+  REQUIRE(bench.code == 0);
+  CHECK(bench.output.find("(default: none)") == std::string::npos);
+  CHECK(bench.output.find("  --report\n      write the HTML report here (default: PREFIX.html of --out; none: no report)") !=
+        std::string::npos);
+  CHECK(bench.output.find("  --layouts\n      comma-separated names from the default matrix (default: all)") != std::string::npos);
+  CHECK(bench.output.find("  --steps (default: 10)\n") != std::string::npos);
+  // elsewhere "none" is shown where it is the value (train --recompute none), and a file not given by default is bare
+  for (const auto& [command, line] : std::vector<std::pair<std::string, std::string>>{
+           {"train", "  --save\n      run directory"}, {"train", "  --recompute (default: none)\n"},
+           {"plan", "  --svg\n      pipeline simulation"}, {"export", "  --out\n      the .safetensors file"}}) {
+    Run r = shardgrad(command + " --help");
+    INFO(command << "\n" << r.output);
+    CHECK(r.code == 0);
+    CHECK(r.output.find(line) != std::string::npos);
+  }
+}
+
 TEST_CASE("train --profile-ops N prints and logs step N's op-table calls by entry and leaves the losses alone", "[cli]") {
   TempDir d;
   const std::string common = "train " + kSmall + " --steps 3 --log-json ";
