@@ -645,9 +645,11 @@ void Trainer::restore(const ckpt::Checkpoint* ck) {
   // run owns the folder; on a large model each can hold gigabytes.
   if (lead()) {
     std::error_code ec;
-    int64_t removed = 0;
+    std::vector<fs::path> unfinished;  // listed first: removing while iterating is unspecified
     for (const auto& e : fs::directory_iterator(save_dir_, ec))
-      if (e.path().filename().string().rfind(".tmp-step_", 0) == 0 && fs::remove_all(e.path(), ec) > 0) ++removed;
+      if (e.path().filename().string().rfind(".tmp-step_", 0) == 0) unfinished.push_back(e.path());
+    int64_t removed = 0;
+    for (const fs::path& u : unfinished) removed += fs::remove_all(u, ec) > 0;
     if (removed)
       std::printf("removed %lld unfinished save%s from %s (.tmp-step_...)\n", (long long)removed, removed > 1 ? "s" : "",
                   save_dir_.c_str());
