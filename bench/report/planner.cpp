@@ -3,7 +3,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <map>
+#include <mutex>
 #include <sstream>
+#include <tuple>
 
 #include "core/error.h"
 #include "models/gpt.h"
@@ -482,6 +485,28 @@ void add_notes(Plan& p) {
   if (l.offload != "none") p.notes.push_back("offload: the optimizer state lives in host memory");
 }
 
+// A schedule's simulated bubble and each rank's micro-batches in flight: the same for every layout
+// of a search that shares (schedule, p, m, v), and on a long pipeline the costly part of a plan,
+// so each is simulated once per process.
+struct SimulatedSchedule {
+  double bubble = 0;
+  std::vector<int> in_flight;
+};
+SimulatedSchedule simulated_schedule(const std::string& kind, int pp, int micro_batches, int v) {
+  static std::mutex mu;
+  static std::map<std::tuple<std::string, int, int, int>, SimulatedSchedule> done;
+  std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_tuple(kind, pp, micro_batches, v);
+  if (auto it = done.find(key); it != done.end()) return it->second;
+  if (done.size() >= 4096) done.clear();  // bounded: a search meets far fewer
+  const auto sched = parallel::pp::make_schedule(kind, pp, micro_batches, v);
+  const auto tl = parallel::pp::simulate(sched, 1.0 / v, 2.0 / v);
+  SimulatedSchedule s;
+  s.bubble = tl.bubble_fraction();
+  for (int r = 0; r < pp; ++r) s.in_flight.push_back(tl.peak_in_flight(r));
+  return done.emplace(key, std::move(s)).first->second;  // a copy: another call may clear the map
+}
+
 }  // namespace
 
 Plan make_plan(const PlanInput& in) {
@@ -497,11 +522,9 @@ Plan make_plan(const PlanInput& in) {
   // The schedule, simulated: its bubble and the activations each rank holds.
   std::vector<int> in_flight(size_t(l.pp), 1);
   if (l.pp > 1) {
-    const int v = l.virtual_stages;
-    auto sched = parallel::pp::make_schedule(l.pp_schedule, l.pp, int(p.micro_batches), v);
-    auto tl = parallel::pp::simulate(sched, 1.0 / v, 2.0 / v);
-    p.bubble = tl.bubble_fraction();
-    for (int r = 0; r < l.pp; ++r) in_flight[size_t(r)] = tl.peak_in_flight(r);
+    const SimulatedSchedule sim = simulated_schedule(l.pp_schedule, l.pp, int(p.micro_batches), l.virtual_stages);
+    p.bubble = sim.bubble;
+    in_flight = sim.in_flight;
   }
 
   const Sharding sh = sharding_of(l, c);
