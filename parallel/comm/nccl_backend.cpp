@@ -91,6 +91,13 @@ class StreamWork : public Work {
         static std::vector<Tensor>* parked = new std::vector<Tensor>;  // never freed
         std::lock_guard<std::mutex> lock(parked_mu);
         parked->insert(parked->end(), held_.begin(), held_.end());
+      } else {
+        // Done, but dropped unwaited: its results still reach their CPU tensors, as the MPI
+        // backend's dropped receives do (a copy that fails here has nobody to tell).
+        try {
+          for (auto& r : results_) copy_(r.host, r.device);
+        } catch (...) {
+        }
       }
     }
     (void)cudaEventDestroy(event_);
