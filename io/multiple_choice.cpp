@@ -226,12 +226,12 @@ std::vector<ChoiceExample> hellaswag_from_jsonl(const std::string& path,
     // rowanz/hellaswag's files hold the label as a number, Hugging Face datasets' copy as a string
     // of one digit ("" in the test split, which has no labels).
     const nlohmann::json label = j.value("label", nlohmann::json());
-    const bool digits = label.is_string() && !label.get<std::string>().empty() && label.get<std::string>().size() <= 3 &&
-                        label.get<std::string>().find_first_not_of("0123456789") == std::string::npos;
+    const std::string text = label.is_string() ? label.get<std::string>() : "";
+    const bool digits = !text.empty() && text.size() <= 3 && text.find_first_not_of("0123456789") == std::string::npos;
     SG_CHECK(label.is_number_integer() || digits, where,
              ": no integer \"label\" (the test split has none: use the validation split, hellaswag_val.jsonl)");
     ChoiceExample e;
-    e.label = digits ? std::stoll(label.get<std::string>()) : label.get<int64_t>();
+    e.label = digits ? std::stoll(text) : label.get<int64_t>();
     SG_CHECK(e.label >= 0 && e.label < int64_t(j["endings"].size()), where, ": label ", e.label, " with ",
              j["endings"].size(), " endings");
     e.context = ids(encode(j["ctx"].get<std::string>()));

@@ -411,8 +411,9 @@ GPTConfig config_from_hf(const io::SafetensorsFile& file, int64_t n_head_hint) {
         differs("layer_norm_epsilon", str("LayerNorm's epsilon ", c.ln_eps));
       if (j.contains("n_inner") && !j["n_inner"].is_null() && j["n_inner"] != 4 * c.n_embd)
         differs("n_inner", str("an MLP of 4 x n_embd = ", 4 * c.n_embd, ", or null"));
-      if (j.value("scale_attn_weights", true) != true) differs("scale_attn_weights", "scores scaled by 1/sqrt(head dim)");
-      if (j.value("scale_attn_by_inverse_layer_idx", false) != false)
+      if (j.contains("scale_attn_weights") && j["scale_attn_weights"] != true)
+        differs("scale_attn_weights", "scores scaled by 1/sqrt(head dim)");
+      if (j.contains("scale_attn_by_inverse_layer_idx") && j["scale_attn_by_inverse_layer_idx"] != false)
         differs("scale_attn_by_inverse_layer_idx", "no per-layer scaling of the scores");
     }
   }
