@@ -335,7 +335,14 @@ void Trainer::configure_samples() {
   sample_tokens_ = a.i64("sample-tokens");
   SG_CHECK(sample_tokens_ >= 0 && sample_tokens_ < (int64_t(1) << 20), "train: --sample-tokens must be in 0..",
            (1 << 20) - 1, ", got ", sample_tokens_);
-  const std::string tokenizer = a.str("tokenizer");
+  std::string tokenizer = a.str("tokenizer");
+  // A --tokenizer the checkpoint gave serves the samples while they are still drawn from token
+  // shards; one this command line turns off (--sample-tokens 0) or leaves (other --data) is unused,
+  // not refused: the refusals below are for flags typed here.
+  const auto& from_ck = a.inherited();
+  if (std::find(from_ck.begin(), from_ck.end(), "tokenizer") != from_ck.end() &&
+      (sample_tokens_ == 0 || !io::is_shard_spec(data_opt_.spec)))
+    tokenizer.clear();
   SG_CHECK(tokenizer.empty() || sample_tokens_ > 0, "train: --tokenizer shows --sample-tokens' samples as text; give "
            "--sample-tokens N too");
   if (sample_tokens_ == 0) return;

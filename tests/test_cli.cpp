@@ -881,6 +881,14 @@ TEST_CASE("tokenize writes GPT-2 tokens that train reads and generate decodes wi
                           bpe + " --log-json " + (d.path / "s.jsonl").string());
   INFO(sampled.output);
   REQUIRE(sampled.code == 0);
+  // a --tokenizer the checkpoint gave is left unused, not refused, when the resumed run turns the
+  // samples off (typed on the command line, it is refused)
+  const std::string sampled_run = (d.path / "sampled_run").string();
+  REQUIRE(shardgrad("train --data " + data + tiny + "--vocab-size 612 --steps 4 --stop-at 2 --sample-tokens 4 "
+                    "--tokenizer " + bpe + " --save " + sampled_run).code == 0);
+  Run quiet = shardgrad("train --resume " + sampled_run + " --sample-tokens 0");
+  INFO(quiet.output);
+  CHECK(quiet.code == 0);
   const auto ev = read_log(d.path / "s.jsonl").back()["eval"];
   const auto ids = ev["sample_ids"].get<std::vector<int64_t>>();
   REQUIRE(ids.size() == 4);
