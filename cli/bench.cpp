@@ -319,43 +319,52 @@ int bench_main(int argc, char** argv) {
       }
     }
     json r = {{"name", row.name}, {"ranks", row.ranks}, {"args", row.args}};
-    if (code == 0 && !unreadable.empty()) {
-      r["status"] = "failed";
-      r["reason"] = unreadable;
-      std::printf("failed: %s\n", unreadable.c_str());
-    } else if (code == 0 && !records.empty() && simulate) {
-      r["status"] = "ok";
-      r["measured"] = report::summarise_simulation(records[0]);
-      double sent = 0;
-      for (const auto& [kind, b] : r["measured"]["comm_per_step"][0].items()) sent += kind == "recv" ? 0 : b.get<double>();
-      std::printf("rank 0: peak %.3f GiB, %.3f GiB sent per step\n",
-                  double(r["measured"]["mem_peak"][0].value("total", int64_t(0))) / double(1 << 30), sent / double(1 << 30));
-    } else if (code == 0 && !records.empty()) {
-      r["status"] = "ok";
-      r["measured"] = report::summarise_log(records, int(warmup));
-      if (fs::exists(svg)) r["timeline_svg"] = read_text(svg);
-      if (!trace.empty() && fs::exists(trace)) {
-        if (!a.str("trace").empty()) r["trace"] = trace.string();
-        try {
-          json timeline = report::memory_timeline(json::parse(read_text(trace)));
-          if (!timeline.is_null()) r["memory_timeline"] = timeline;
-        } catch (const json::exception& e) {
-          std::printf("(trace %s unreadable: %s) ", trace.string().c_str(), e.what());
+    // A record that is JSON but not what train writes (a field missing or of another type) fails
+    // the layout the same way, naming the log, instead of ending the bench.
+    try {
+      if (code == 0 && !unreadable.empty()) {
+        r["status"] = "failed";
+        r["reason"] = unreadable;
+        std::printf("failed: %s\n", unreadable.c_str());
+      } else if (code == 0 && !records.empty() && simulate) {
+        r["status"] = "ok";
+        r["measured"] = report::summarise_simulation(records[0]);
+        double sent = 0;
+        for (const auto& [kind, b] : r["measured"]["comm_per_step"][0].items()) sent += kind == "recv" ? 0 : b.get<double>();
+        std::printf("rank 0: peak %.3f GiB, %.3f GiB sent per step\n",
+                    double(r["measured"]["mem_peak"][0].value("total", int64_t(0))) / double(1 << 30), sent / double(1 << 30));
+      } else if (code == 0 && !records.empty()) {
+        r["status"] = "ok";
+        r["measured"] = report::summarise_log(records, int(warmup));
+        if (fs::exists(svg)) r["timeline_svg"] = read_text(svg);
+        if (!trace.empty() && fs::exists(trace)) {
+          if (!a.str("trace").empty()) r["trace"] = trace.string();
+          try {
+            json timeline = report::memory_timeline(json::parse(read_text(trace)));
+            if (!timeline.is_null()) r["memory_timeline"] = timeline;
+          } catch (const json::exception& e) {
+            std::printf("(trace %s unreadable: %s) ", trace.string().c_str(), e.what());
+          }
         }
+        std::printf("%.2f ms/step, %.0f tok/s", r["measured"]["step_ms"].get<double>(),
+                    r["measured"]["tokens_per_s"].get<double>());
+        if (r["measured"].contains("bubble")) std::printf(", bubble %.1f%%", 100 * r["measured"]["bubble"].get<double>());
+        std::printf("\n");
+      } else {
+        // Refused: train said why before its setup was done (its header line); anything else that
+        // ended the run (an error in a step, a process that died) failed.
+        const std::string text = read_text(out);
+        const bool refused = records.empty() && text.find("error: ") != std::string::npos &&
+                             text.find("shardgrad train | model") == std::string::npos;
+        r["status"] = code == 124 ? "timeout" : refused ? "refused" : "failed";
+        r["reason"] = failure_reason(text, code);
+        std::printf("%s: %s\n", r["status"].get<std::string>().c_str(), r["reason"].get<std::string>().c_str());
       }
-      std::printf("%.2f ms/step, %.0f tok/s", r["measured"]["step_ms"].get<double>(),
-                  r["measured"]["tokens_per_s"].get<double>());
-      if (r["measured"].contains("bubble")) std::printf(", bubble %.1f%%", 100 * r["measured"]["bubble"].get<double>());
-      std::printf("\n");
-    } else {
-      // Refused: train said why before its setup was done (its header line); anything else that
-      // ended the run (an error in a step, a process that died) failed.
-      const std::string text = read_text(out);
-      const bool refused = records.empty() && text.find("error: ") != std::string::npos &&
-                           text.find("shardgrad train | model") == std::string::npos;
-      r["status"] = code == 124 ? "timeout" : refused ? "refused" : "failed";
-      r["reason"] = failure_reason(text, code);
-      std::printf("%s: %s\n", r["status"].get<std::string>().c_str(), r["reason"].get<std::string>().c_str());
+    } catch (const json::exception& e) {
+      r.erase("measured");
+      r["status"] = "failed";
+      r["reason"] = str("its log ", log.string(), " does not hold train's records: ", e.what());
+      std::printf("\nfailed: %s\n", r["reason"].get<std::string>().c_str());
     }
     std::fflush(stdout);
     return r;

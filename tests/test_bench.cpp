@@ -489,7 +489,8 @@ TEST_CASE("bench writes its HTML page beside the results by default, and none by
 // A layout's log cut off mid-record (a layout killed while writing) fails that layout, naming the
 // log and its line; the layouts before it keep their results, the files are written and the
 // temporary work directory (under TMPDIR) is removed. The launcher here runs each layout as one
-// process and, for the row "cut", writes half a record and exits 0.
+// process and, for the row "cut", writes half a record and exits 0; for "odd", records without
+// step_ms.
 TEST_CASE("bench fails a layout whose log line is cut off and keeps the others' results", "[cli]") {
   const fs::path dir = fs::temp_directory_path() / ("sg_bench_cut_" + std::to_string(::getpid()));
   fs::remove_all(dir);
@@ -497,10 +498,12 @@ TEST_CASE("bench fails a layout whose log line is cut off and keeps the others' 
   std::ofstream(dir / "launcher.sh") << "#!/bin/sh\n"
                                         "while [ \"$1\" != \"${1#-}\" ]; do case \"$1\" in -x|-np) shift 2;; *) shift;; esac; done\n"
                                         "log=''; prev=''; for w in \"$@\"; do [ \"$prev\" = --log-json ] && log=\"$w\"; prev=\"$w\"; done\n"
-                                        "case \"$log\" in *cut.jsonl) printf '{\"step\": 1, \"lo' > \"$log\"; exit 0;; esac\n"
+                                        "case \"$log\" in *cut.jsonl) printf '{\"step\": 1, \"lo' > \"$log\"; exit 0;;\n"
+                                        "  *odd.jsonl) printf '{\"step\": 1}\\n{\"step\": 2}\\n' > \"$log\"; exit 0;; esac\n"
                                         "exec \"$@\"\n";
   fs::permissions(dir / "launcher.sh", fs::perms::owner_all);
-  std::ofstream(dir / "m.json") << R"([{"name":"good","ranks":2,"args":""},{"name":"cut","ranks":2,"args":""}])";
+  std::ofstream(dir / "m.json")
+      << R"([{"name":"good","ranks":2,"args":""},{"name":"cut","ranks":2,"args":""},{"name":"odd","ranks":2,"args":""}])";
   const std::string cmd = "TMPDIR=" + (dir / "tmp").string() + " " + SG_BINARY + " bench --n-layer 1 --steps 2 --warmup 1 " +
                           "--report none --matrix " + (dir / "m.json").string() + " --mpirun " + (dir / "launcher.sh").string() +
                           " --out " + (dir / "res").string() + " > " + (dir / "out.txt").string() + " 2>&1";
@@ -509,10 +512,13 @@ TEST_CASE("bench fails a layout whose log line is cut off and keeps the others' 
   CHECK(WEXITSTATUS(status) == 1);  // a layout failed
   REQUIRE(fs::exists(dir / "res.json"));
   const json res = json::parse(read_text(dir / "res.json"));
-  REQUIRE(res["layouts"].size() == 2);
+  REQUIRE(res["layouts"].size() == 3);
   CHECK(res["layouts"][0]["status"] == "ok");
   CHECK(res["layouts"][1]["status"] == "failed");
   CHECK(res["layouts"][1]["reason"].get<std::string>().find("cut.jsonl line 1 is not JSON") != std::string::npos);
+  // JSON, but not train's records (no step_ms): failed the same way, naming the log
+  CHECK(res["layouts"][2]["status"] == "failed");
+  CHECK(res["layouts"][2]["reason"].get<std::string>().find("odd.jsonl does not hold train's records") != std::string::npos);
   CHECK(fs::is_empty(dir / "tmp"));
   fs::remove_all(dir);
 }
