@@ -74,6 +74,21 @@ void check_results(const json& results, const std::string& path) {
            "a non-empty array of objects, one per rank");
     if (m.contains("tokens_per_s"))  // timed, not simulated
       need(m, "step_ms", m.contains("step_ms") && m["step_ms"].is_number(), where + "measured.", "a number");
+    if (r.contains("timeline_svg")) need(r, "timeline_svg", r["timeline_svg"].is_string(), where, "a string");
+    if (!r.contains("memory_timeline") || r["memory_timeline"].is_null()) continue;
+    // The memory-over-time chart: every rank's sample times, and per category as many byte counts.
+    const json& tl = r["memory_timeline"];
+    need(r, "memory_timeline", tl.is_object() && tl.contains("ranks") && tl["ranks"].is_array() && !tl["ranks"].empty(),
+         where, "an object with a non-empty \"ranks\" array");
+    for (size_t k = 0; k < tl["ranks"].size(); ++k) {
+      const json& rk = tl["ranks"][k];
+      const bool times = rk.is_object() && rk.contains("t_ms") && rk["t_ms"].is_array();
+      bool bytes = times && rk.contains("bytes") && rk["bytes"].is_object();
+      if (bytes)
+        for (const auto& [cat, v] : rk["bytes"].items()) bytes = bytes && v.is_array() && v.size() == rk["t_ms"].size();
+      SG_CHECK(bytes, "bench: --from ", path, ": ", where, "memory_timeline.ranks[", k, "] must hold a \"t_ms\" array ",
+               "and, per category, a \"bytes\" array of as many samples");
+    }
   }
 }
 

@@ -544,7 +544,12 @@ TEST_CASE("bench refuses a bad --timeout up front and names the file and field o
                                                         {"[]", ": expected a bench results object"},
                                                         {R"({"layouts":[{"name":"x"}]})", ": layouts[0].\"ranks\" must be an integer"},
                                                         {R"({"layouts":[{"name":"x","ranks":1,"status":"ok","measured":{}}]})",
-                                                         ": layouts[0].measured.\"mem_peak\" must be a non-empty array"}}) {
+                                                         ": layouts[0].measured.\"mem_peak\" must be a non-empty array"},
+                                                        // a memory chart whose samples do not line up
+                                                        {R"({"layouts":[{"name":"x","ranks":1,"status":"ok","measured":)"
+                                                         R"({"mem_peak":[{}],"comm_per_step":[{}]},"memory_timeline":)"
+                                                         R"({"ranks":[{"t_ms":[0,1],"bytes":{"param":[5]}}]}}]})",
+                                                         ": layouts[0].memory_timeline.ranks[0] must hold a \"t_ms\" array"}}) {
     std::ofstream(from) << text;
     auto [c, o] = bench("--from " + from + " --report " + (dir / "r.html").string());
     INFO(text << "\n" << o);
