@@ -158,9 +158,6 @@ int plan_main(int argc, char** argv) {
   in.cluster = report::cluster_preset(a.str("cluster"));
   if (gpus_per_node) in.cluster.gpus_per_node = gpus_per_node;
   in.cluster.nodes = nodes;
-  SG_CHECK(int64_t(in.cluster.gpus_per_node) * nodes <= report::kMaxRanks, "plan: --gpus-per-node ",
-           in.cluster.gpus_per_node, " x --nodes ", nodes, " = ", int64_t(in.cluster.gpus_per_node) * nodes,
-           " GPUs, more than the planner's ", report::kMaxRanks, " (2^20)");
   for (const char* f : {"gpu-memory", "intra-bandwidth", "inter-bandwidth", "peak-tflops", "efficiency"})
     SG_CHECK(!a.given(f) || a.f64(f) > 0, "plan: --", f, " must be > 0, got ", a.str(f), " (leave it out for the "
              "cluster preset's)");
@@ -178,6 +175,7 @@ int plan_main(int argc, char** argv) {
   in.global_batch = a.i64("batch-size");
   SG_CHECK(in.global_batch >= 1, "plan: --batch-size must be >= 1");
   in.dtype = a.str("dtype");
+  report::check_input(in);  // the model, batch and cluster within the planner's limits: world below fits an int
   report::Layout& l = in.layout;
   l.tp = tp;
   l.pp = pp;

@@ -160,8 +160,6 @@ int Trainer::run() {
     for (const char* flag : {"log-json", "timeline", "trace"})  // their folders exist before the work, not after it
       if (!args_.str(flag).empty()) io::make_parent_folder(args_.str(flag), std::string("train: --") + flag);
     setup();
-  } catch (const ExitStatusError&) {
-    throw;
   } catch (const Error& e) {
     throw ExitStatusError(kRefusedBeforeStart, e.what());  // launch does not restart it
   }

@@ -125,8 +125,10 @@ void check_input(const PlanInput& in) {
   const ModelShape& m = in.model;
   const Cluster& c = in.cluster;
   const int64_t gpus = int64_t(c.gpus_per_node) * c.nodes;
-  SG_CHECK(c.gpus_per_node >= 1 && c.nodes >= 1 && gpus <= kMaxRanks, "plan: --gpus-per-node ", c.gpus_per_node,
-           " x --nodes ", c.nodes, " = ", gpus, " GPUs: each must be >= 1 and the product at most ", kMaxRanks, " (2^20)");
+  SG_CHECK(c.gpus_per_node >= 1 && c.nodes >= 1, "plan: --gpus-per-node ", c.gpus_per_node, " and --nodes ", c.nodes,
+           " must be >= 1");
+  SG_CHECK(gpus <= kMaxRanks, "plan: --gpus-per-node ", c.gpus_per_node, " x --nodes ", c.nodes, " = ", gpus,
+           " GPUs, more than the planner's ", kMaxRanks, " (2^20)");
   if (m.has_shape()) {  // each within its limit, the parameter count below stays far inside int64
     const auto within = [](const char* flag, int64_t v, int64_t lo, int64_t hi) {
       SG_CHECK(v >= lo && v <= hi, "plan: --", flag, " must be in [", lo, ", ", hi, "], got ", v);
