@@ -199,8 +199,9 @@ struct OpTable {
   // step; weight_decay may differ (biases and gains take none). Entries that differ are refused.
   void (*adamw_many)(const AdamWArgs* args, int64_t count) = nullptr;
   // sum over i of weights[i] * (sum of squares of the ns[i] contiguous elements at xs[i]), all of
-  // one dtype, returned to the host: the squared global norm with one device round trip. The CPU
-  // accumulates each tensor in f64 exactly as reduce(sum_squares) on f64 does; a GPU in f32.
+  // one dtype, returned to the host: the squared global norm with one device round trip. A tensor
+  // of weight 0 is not read (its NaN does not reach the sum). The CPU accumulates each tensor in
+  // f64 exactly as reduce(sum_squares) on f64 does; a GPU in f32.
   double (*sum_squares_many)(DType dtype, const void* const* xs, const int64_t* ns, const double* weights,
                              int64_t count) = nullptr;
   // Byte copies between this device and host memory (null on the CPU, which is the host).

@@ -398,7 +398,8 @@ double sum_squares_many(DType dtype, const void* const* xs, const int64_t* ns, c
   double total = 0;
   dispatch_float(dtype, "sum_squares_many", [&](auto tag) {
     using T = decltype(tag);
-    for (int64_t i = 0; i < count; ++i) total += weights[i] * sum_f64(static_cast<const T*>(xs[i]), ns[i], true);
+    for (int64_t i = 0; i < count; ++i)
+      if (weights[i] != 0) total += weights[i] * sum_f64(static_cast<const T*>(xs[i]), ns[i], true);
   });
   return total;
 }

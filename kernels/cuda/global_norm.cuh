@@ -58,6 +58,16 @@ static __global__ void sum_partials_kernel(float* out, const float* partial, int
   if (threadIdx.x == 0) *out = acc;
 }
 
+// The op table's sum_squares_many list as the kernels take it: the empty tensors and those of
+// weight 0 left out: not read at all (kernels/ops.h), as on the CPU.
+inline std::vector<NormTensor> norm_tensors(const void* const* xs, const int64_t* ns, const double* weights,
+                                            int64_t count) {
+  std::vector<NormTensor> list;
+  for (int64_t i = 0; i < count; ++i)
+    if (ns[i] && weights[i] != 0) list.push_back({xs[i], ns[i], float(weights[i])});
+  return list;
+}
+
 // Workspace (f32 elements) for these tensors.
 inline int64_t global_norm_workspace(const std::vector<NormTensor>& tensors) {
   int64_t chunks = 0;

@@ -9,13 +9,11 @@
 // callers' buffers directly, and backwards reuse what the forward saved.
 //
 // Attention: bf16 and f16 at head dim 64 or 128 run on tensor cores (attention_tc.cuh), forward
-// and backward; f32 and the other head dims on the FMA flash kernels (attention.cuh).
-#include <deque>
-
+// and backward; f32 and the other head dims on the FMA flash kernels (attention.cuh). The choice,
+// and cuDNN's contiguous detour, are in attention_any.cuh, where the emulation tests reach them.
 #include "core/storage.h"
 #include "kernels/cuda/adamw.cuh"
-#include "kernels/cuda/attention.cuh"
-#include "kernels/cuda/attention_tc.cuh"
+#include "kernels/cuda/attention_any.cuh"
 #include "kernels/cuda/classifier.cuh"
 #include "kernels/cuda/dropout.cuh"
 #include "kernels/cuda/elementwise.cuh"
@@ -47,10 +45,12 @@ class Scratch {
   T* as() const {
     return static_cast<T*>(s_.data());
   }
+  void* data() const { return s_.data(); }
 
  private:
   Storage s_;
 };
+
 
 }  // namespace
 
@@ -261,9 +261,7 @@ void adamw_many(const kernels::AdamWArgs* args, int64_t count) {
 
 // One f32 accumulator on the device, one copy back: a single host round trip for the whole list.
 double sum_squares_many(DType dtype, const void* const* xs, const int64_t* ns, const double* weights, int64_t count) {
-  std::vector<NormTensor> list;
-  for (int64_t i = 0; i < count; ++i)
-    if (ns[i] && weights[i] != 0) list.push_back({xs[i], ns[i], float(weights[i])});
+  const std::vector<NormTensor> list = norm_tensors(xs, ns, weights, count);
   if (list.empty()) return 0;
   const On o = on(list[0].data, "sum_squares_many");
   const Scratch work(size_t(global_norm_workspace(list) + 1) * sizeof(float), o.dev);
@@ -277,53 +275,6 @@ double sum_squares_many(DType dtype, const void* const* xs, const int64_t* ns, c
   return host;
 }
 
-// The forward on the fastest kernel that takes it; f.lse is f32.
-bool tensor_cores_take(const kernels::AttentionArgs& a, Device d) {
-  return tensor_core_dtype(a.dtype) && tensor_core_head_dim(a.D) && a.scale > 0 && has_mma_sync(d);
-}
-
-void attention_forward_any(const kernels::AttentionArgs& f, Device d, cudaStream_t stream) {
-  if (tensor_cores_take(f, d)) return attention_forward_tensor_cores(f, stream, flash_forward_kind());
-  attention_forward(f, stream);
-}
-
-#ifdef SG_WITH_CUDNN
-// a with every [B, H, T, D] operand in a contiguous copy: for a layout cuDNN refuses
-// (cudnn_attention_takes_layout). run(c) gets the contiguous arguments; the inputs are copied in
-// before it, the outputs scattered back to a's layouts after it.
-template <class Run>
-void with_contiguous_layouts(const kernels::AttentionArgs& a, const On& o, bool backward, Run run) {
-  const Dims shape{a.B, a.H, a.T, a.D};
-  const kernels::AttentionArgs::Strides q = a.q_layout(), ol = a.o_layout();
-  const Dims qs{q.b, q.h, q.t, 1}, os{ol.b, ol.h, ol.t, 1};
-  const size_t bytes = size_t(numel(shape)) * dtype_size(a.dtype);
-  std::deque<Scratch> bufs;  // grows without moving what it holds
-  const auto in = [&](const void* src, const Dims& strides) {
-    void* dst = bufs.emplace_back(bytes, o.dev).as<void>();
-    cuda::copy_strided(dst, a.dtype, src, a.dtype, shape, strides, o.stream);
-    return dst;
-  };
-  const auto out = [&] { return bufs.emplace_back(bytes, o.dev).as<void>(); };
-  kernels::AttentionArgs c = a;
-  for (int i = 0; i < 3; ++i) c.q_strides[i] = c.o_strides[i] = 0;
-  c.q = in(a.q, qs), c.k = in(a.k, qs), c.v = in(a.v, qs);
-  if (backward) {
-    c.out = const_cast<void*>(in(a.out, os)), c.dout = in(a.dout, os);
-    c.dq = out(), c.dk = out(), c.dv = out();
-  } else {
-    c.out = out();
-  }
-  run(c);
-  if (backward) {
-    cuda::scatter_strided(a.dq, qs, c.dq, a.dtype, shape, o.stream);
-    cuda::scatter_strided(a.dk, qs, c.dk, a.dtype, shape, o.stream);
-    cuda::scatter_strided(a.dv, qs, c.dv, a.dtype, shape, o.stream);
-  } else {
-    cuda::scatter_strided(a.out, os, c.out, a.dtype, shape, o.stream);
-  }
-}
-#endif
-
 // a.lse is f32 for every dtype (kernels::stats_dtype): the backward reads the forward's own lse and
 // out, so nothing runs twice.
 void attention(const kernels::AttentionArgs& a) {
@@ -333,12 +284,12 @@ void attention(const kernels::AttentionArgs& a) {
     const On o = on(a.out, "attention (cudnn)");
     const auto run = [&](const kernels::AttentionArgs& c) { cudnn_attention_forward(c, stats(a.lse), o.dev, o.stream); };
     if (cudnn_attention_takes_layout(a, o.dev, false)) return run(a);
-    return with_contiguous_layouts(a, o, false, run);
+    return with_contiguous_layouts<Scratch>(a, o.stream, false, run, o.dev);
   }
 #endif
   if (a.dtype != DType::f32 && !is_half(a.dtype)) kernels::unsupported("attention", a.dtype, "cuda");
   const On o = on(a.out, "attention");
-  attention_forward_any(a, o.dev, o.stream);
+  attention_forward_any(a, has_mma_sync(o.dev), flash_forward_kind(), o.stream);
 }
 
 void attention_backward(const kernels::AttentionArgs& a) {
@@ -348,15 +299,13 @@ void attention_backward(const kernels::AttentionArgs& a) {
     const On o = on(a.dq, "attention_backward (cudnn)");
     const auto run = [&](const kernels::AttentionArgs& c) { cudnn_attention_backward(c, stats(a.lse), o.dev, o.stream); };
     if (cudnn_attention_takes_layout(a, o.dev, true)) return run(a);
-    return with_contiguous_layouts(a, o, true, run);
+    return with_contiguous_layouts<Scratch>(a, o.stream, true, run, o.dev);
   }
 #endif
   if (a.dtype != DType::f32 && !is_half(a.dtype)) kernels::unsupported("attention_backward", a.dtype, "cuda");
   const On o = on(a.dq, "attention_backward");
   const Scratch work(size_t(attention_backward_workspace(a)) * sizeof(float), o.dev);
-  if (tensor_cores_take(a, o.dev))
-    return attention_backward_tensor_cores(a, work.as<float>(), o.stream, flash_backward_kind());
-  cuda::attention_backward(a, work.as<float>(), o.stream);
+  attention_backward_any(a, work.as<float>(), has_mma_sync(o.dev), flash_backward_kind(), o.stream);
 }
 
 }  // namespace entry

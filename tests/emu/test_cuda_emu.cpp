@@ -892,3 +892,24 @@ TEMPLATE_TEST_CASE("emu global norm of many weighted tensors is the CPU sum of s
   CHECK(got == Approx(want).epsilon(1e-5));
   CHECK(got == again);
 }
+
+// The CUDA op table's sum_squares_many reads what norm_tensors keeps. A tensor of weight 0 holds
+// NaN and an empty one has no data: read, either turns the sum into NaN or faults.
+TEST_CASE("emu sum_squares_many's list leaves out empty tensors and those of weight 0", "[emu]") {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<float> a = randn(300, 510), b = randn(77, 511), poisoned(64, nan);
+  const void* xs[] = {a.data(), poisoned.data(), nullptr, b.data()};
+  const int64_t ns[] = {300, 64, 0, 77};
+  const double weights[] = {1.0, 0.0, 1.0, 0.5};
+  const auto list = cu::norm_tensors(xs, ns, weights, 4);
+  REQUIRE(list.size() == 2);
+  CHECK(list[0].data == a.data());
+  CHECK(list[1].data == b.data());
+  CHECK(list[1].weight == 0.5f);
+  std::vector<float> work(size_t(cu::global_norm_workspace(list)));
+  float got = -1;
+  cu::global_norm_squared<float>(&got, list, work.data(), nullptr);
+  const double want = cpu::sum_squares_many(DType::f32, xs, ns, weights, 4);  // the CPU table skips them too
+  REQUIRE(std::isfinite(want));
+  CHECK(got == Approx(want).epsilon(1e-5));
+}

@@ -2,14 +2,14 @@
 // table's attention: FMA kernels at head dims 8 to 128, f32, bf16 and f16; tensor-core forward and
 // backward at 64 and 128, bf16 and f16; sequence lengths that are not a multiple of the tiles; q, k,
 // v contiguous or packed in one [B, T, 3 H D] projection with out [B, T, H D] (AttentionArgs' strides).
+// The op table's choice between the families and its contiguous detour (attention_any.cuh) too.
 // Tolerances scale with the storage type's precision (tol<T>() in support.h: f16's is 8 times
 // tighter than bf16's, 2^3 for its 3 more mantissa bits).
 #include "tests/catch.h"
 #include <limits>
 #include <tuple>
 
-#include "kernels/cuda/attention.cuh"
-#include "kernels/cuda/attention_tc.cuh"
+#include "kernels/cuda/attention_any.cuh"
 #include "tests/emu/support.h"
 
 using namespace sg;
@@ -311,4 +311,85 @@ TEST_CASE("emu tensor-core attention grids take causal blocks heaviest first acr
       CHECK(seen == std::vector<int>(size_t(blocks * heads), 1));
       if (causal) CHECK(work(out[1]) == T);  // the first block is a heaviest one
     }
+}
+
+// The op table's choice (attention_any.cuh): bf16 and f16 at head dim 64 or 128 take the tensor
+// cores where the device has mma.sync, the rest the FMA kernels. The two families round
+// differently, so the bits tell which one ran.
+TEST_CASE("emu attention takes the tensor cores exactly where they apply", "[emu]") {
+  AttentionCase<cu::bf16> c(70, 64, true, 99);
+  auto work = c.workspace();
+  const auto forward = [&](auto&& kernel) {
+    kernel();
+    return to_float(c.out);
+  };
+  const auto backward = [&](auto&& kernel) {
+    kernel();
+    std::vector<float> all = to_float(c.dq), dk = to_float(c.dk), dv = to_float(c.dv);
+    all.insert(all.end(), dk.begin(), dk.end());
+    all.insert(all.end(), dv.begin(), dv.end());
+    return all;
+  };
+  const auto fk = cu::FlashForward::keys32;
+  const auto bk = cu::FlashBackward::free;
+  const auto tc = forward([&] { cu::attention_forward_tensor_cores(c.g, nullptr, fk); });
+  const auto fma = forward([&] { cu::attention_forward(c.g, nullptr); });
+  REQUIRE(tc != fma);  // else the bits could not tell the families apart
+  CHECK(forward([&] { cu::attention_forward_any(c.g, true, fk, nullptr); }) == tc);
+  CHECK(forward([&] { cu::attention_forward_any(c.g, false, fk, nullptr); }) == fma);
+  const auto tc_back = backward([&] { cu::attention_backward_tensor_cores(c.g, work.data(), nullptr, bk); });
+  const auto fma_back = backward([&] { cu::attention_backward(c.g, work.data(), nullptr); });
+  REQUIRE(tc_back != fma_back);
+  CHECK(backward([&] { cu::attention_backward_any(c.g, work.data(), true, bk, nullptr); }) == tc_back);
+  CHECK(backward([&] { cu::attention_backward_any(c.g, work.data(), false, bk, nullptr); }) == fma_back);
+
+  kernels::AttentionArgs a = c.g;
+  CHECK(cu::tensor_cores_take(a, true));
+  a.dtype = DType::f16;
+  CHECK(cu::tensor_cores_take(a, true));
+  a.D = 128;
+  CHECK(cu::tensor_cores_take(a, true));
+  for (const int64_t D : {8, 16, 32}) {
+    a.D = D;
+    CHECK_FALSE(cu::tensor_cores_take(a, true));
+  }
+  a.D = 64, a.dtype = DType::f32;
+  CHECK_FALSE(cu::tensor_cores_take(a, true));
+  a.dtype = DType::bf16, a.scale = -0.125;  // the tensor-core forward needs scale > 0
+  CHECK_FALSE(cu::tensor_cores_take(a, true));
+}
+
+// cuDNN's detour for a layout it refuses (with_contiguous_layouts): the packed GPT layout copied
+// into contiguous buffers, the kernel run there, the results scattered back. The kernels take the
+// packed strides directly too, with the same arithmetic, so both ways give the same bits; the
+// detour's outputs start as NaN, so a result not scattered back fails.
+TEMPLATE_TEST_CASE("emu attention on contiguous copies of a packed layout gives the packed call's bits", "[emu]",
+                   float, cu::bf16) {
+  using T = TestType;
+  const AttentionCase<T> c(77, 64, true, 101, 2, 3);
+  PackedAttention<T> direct(c), detour(c);
+  auto work = direct.workspace();
+  using Buffer = std::vector<std::byte>;
+  int runs = 0;
+  const auto contiguous = [&](const kernels::AttentionArgs& a) {
+    ++runs;
+    CHECK(a.q_layout().t == a.D);
+    CHECK(a.o_layout().t == a.D);
+    CHECK(a.q != detour.g.q);
+  };
+  cu::attention_forward_any(direct.g, true, cu::FlashForward::keys32, nullptr);
+  cu::with_contiguous_layouts<Buffer>(detour.g, nullptr, false, [&](const kernels::AttentionArgs& a) {
+    contiguous(a);
+    cu::attention_forward_any(a, true, cu::FlashForward::keys32, nullptr);
+  });
+  CHECK(to_float(detour.out) == to_float(direct.out));
+  CHECK(to_float(detour.lse) == to_float(direct.lse));
+  cu::attention_backward_any(direct.g, work.data(), true, cu::FlashBackward::free, nullptr);
+  cu::with_contiguous_layouts<Buffer>(detour.g, nullptr, true, [&](const kernels::AttentionArgs& a) {
+    contiguous(a);
+    CHECK(a.out != detour.g.out);
+    cu::attention_backward_any(a, work.data(), true, cu::FlashBackward::free, nullptr);
+  });
+  CHECK(to_float(detour.dqkv) == to_float(direct.dqkv));
+  CHECK(runs == 2);
 }
