@@ -363,6 +363,8 @@ TEST_CASE("export consolidates a sharded checkpoint into one Hugging Face file t
   CHECK(j.at("n_positions") == 16);
   CHECK(j.at("vocab_size") == 13);
   CHECK(j.at("activation_function") == "gelu_new");  // GELU's tanh form
+  CHECK(j.at("eos_token_id").is_null());  // 13 rows: no <|endoftext|> (transformers' default is 50256)
+  CHECK(j.at("bos_token_id").is_null());
   nn::GPT back(nn::config_from_hf(f));
   nn::load_hf_state(back, f);
   auto a = model.named_parameters(), b = back.named_parameters();
