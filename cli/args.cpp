@@ -119,8 +119,13 @@ double Args::f64(const std::string& name) const {
 std::string Args::usage() const {
   std::ostringstream os;
   os << "usage: shardgrad " << command_;
-  for (auto& [n, h] : positionals_) os << " <" << n << ">" << (n == list_name_ ? "..." : "");
-  os << " [flags]\n" << summary_ << "\n\n";
+  if (synopsis_.empty()) {
+    for (auto& [n, h] : positionals_) os << " <" << n << ">" << (n == list_name_ ? "..." : "");
+    os << " [flags]";
+  } else {
+    os << " " << synopsis_;
+  }
+  os << "\n" << summary_ << "\n\n";
   for (auto& [n, h] : positionals_) os << "  <" << n << ">  " << h << "\n";
   for (const auto& n : order_) {
     const Flag& f = flags_.at(n);

@@ -22,6 +22,8 @@ class Args {
   void positional(const std::string& name, const std::string& help);
   // The last positional, taking one or more values (list(name)), as `shardgrad tokenize a.txt b.txt`.
   void positional_list(const std::string& name, const std::string& help);
+  // What follows the command on the usage line, instead of its positionals and "[flags]".
+  void synopsis(std::string s) { synopsis_ = std::move(s); }
   // Throws sg::Error for bad input; returns false when --help was asked (usage printed).
   bool parse(int argc, char** argv);
 
@@ -46,7 +48,7 @@ class Args {
     bool is_toggle = false, given = false;
   };
   const Flag& get(const std::string& name) const;
-  std::string command_, summary_;
+  std::string command_, summary_, synopsis_;
   std::map<std::string, Flag> flags_;
   std::vector<std::string> order_;
   std::vector<std::pair<std::string, std::string>> positionals_;

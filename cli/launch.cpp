@@ -107,8 +107,8 @@ int launch_main(int argc, char** argv) {
   for (int i = 0; i < sep; ++i) ours_s.push_back(!std::strcmp(argv[i], "-n") ? "--np" : argv[i]);
   std::vector<char*> ours;
   for (auto& s : ours_s) ours.push_back(s.data());
-  Args a("launch", "Run `shardgrad train` under mpirun on N ranks; restart it from its latest checkpoint when it fails.\n"
-                   "usage: shardgrad launch -n N [--max-restarts K] -- train [train flags]");
+  Args a("launch", "Run `shardgrad train` under mpirun on N ranks; restart it from its latest checkpoint when it fails.");
+  a.synopsis("-n N [flags] -- train [train flags]");
   a.flag("np", "1", "ranks to launch (also -n)");
   a.flag("max-restarts", "0", "restarts with --resume auto after a failure (needs --save in the train flags)");
   a.flag("mpirun", "mpirun", "the MPI launcher to run");

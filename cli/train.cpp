@@ -121,11 +121,21 @@ void declare_flags(Args& a) {
 int train_main(int argc, char** argv) {
   Args a("train", "Train a GPT-2-family model. Defaults: the tiny model on the built-in synthetic addition task.");
   declare_flags(a);
-  if (!a.parse(argc, argv)) {
+  // A command line refused (an unknown flag, a missing value) or a dry run's refusal: nothing ran.
+  const auto refused_before_start = [](auto&& f) {
+    try {
+      return f();
+    } catch (const ExitStatusError&) {
+      throw;
+    } catch (const Error& e) {
+      throw ExitStatusError(kRefusedBeforeStart, e.what());  // launch does not restart it
+    }
+  };
+  if (!refused_before_start([&] { return a.parse(argc, argv); })) {
     std::printf("%s", a.usage().c_str());
     return 0;
   }
-  if (a.given("simulate")) return simulate_main(a);
+  if (a.given("simulate")) return refused_before_start([&] { return simulate_main(a); });
   int rc = 0;
   try {
     std::unique_ptr<Trainer> t;

@@ -72,6 +72,10 @@ TEST_CASE("launch refuses restarts without --save and gives up after --max-resta
   INFO(r.output);
   REQUIRE(r.code != 0);
   REQUIRE(r.output.find("--max-restarts 1 needs --save DIR") != std::string::npos);
+  r = run_command(launch() + " --help");
+  CHECK(r.code == 0);
+  CHECK(r.output.rfind("usage: shardgrad launch -n N [flags] -- train [train flags]\n", 0) == 0);
+  CHECK(r.output.find("usage:", 1) == std::string::npos);  // one usage line
   r = run_command(launch() + " -n 1 --max-restarts 1 -- generate");
   REQUIRE(r.code != 0);
   REQUIRE(r.output.find("expected `-- train [flags]`") != std::string::npos);
@@ -92,6 +96,11 @@ TEST_CASE("launch refuses restarts without --save and gives up after --max-resta
   CHECK(r.code == 64);
   CHECK(r.output.find("--steps expects an integer, got 'ten'") != std::string::npos);
   CHECK(r.output.find("failed before its first step") != std::string::npos);
+  CHECK(r.output.find("launch: restart:") == std::string::npos);
+  r = run_command(launch() + " -n 1 --max-restarts 2 -- train --stpes 4 --save " + (d.path / "z").string());
+  INFO(r.output);
+  CHECK(r.code == 64);  // the command line's own refusals too
+  CHECK(r.output.find("unknown flag --stpes") != std::string::npos);
   CHECK(r.output.find("launch: restart:") == std::string::npos);
   const std::string other = (d.path / "other").string();
   REQUIRE(run_command(std::string(SG_BINARY) + " train " + kSmall + " --steps 2 --save " + other).code == 0);
