@@ -4,6 +4,7 @@
 // --inject-fault: an injected fault stands for a transient failure (a node that died), which a
 // restart on healthy nodes does not meet again. A job that failed before its first step
 // (kRefusedBeforeStart) is not restarted.
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -11,6 +12,7 @@
 #include <climits>
 #include <cstdio>
 #include <cstring>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -33,24 +35,37 @@ void forward_signal(int sig) {
   if (child > 0) ::kill(child, sig);
 }
 
-// Runs argv, waits for it, returns its exit status (128 + signal when killed).
+// Runs argv, waits for it, returns its exit status (128 + signal when killed). A program that
+// cannot be started throws (no job ran: nothing to restart); the child reports exec's errno
+// through a close-on-exec pipe, which an exec that succeeds closes unwritten.
 int run_job(const std::vector<std::string>& args) {
   std::vector<char*> argv;
   for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
   std::fflush(stdout);
   std::fflush(stderr);
+  int exec_error[2];
+  SG_CHECK(::pipe2(exec_error, O_CLOEXEC) == 0, "launch: pipe failed: ", std::strerror(errno));
   child = ::fork();
   SG_CHECK(child >= 0, "launch: fork failed: ", std::strerror(errno));
   if (child == 0) {
     ::execvp(argv[0], argv.data());
-    std::fprintf(stderr, "shardgrad launch: cannot run %s: %s\n", argv[0], std::strerror(errno));
+    const int e = errno;
+    (void)!::write(exec_error[1], &e, sizeof e);
     std::_Exit(127);
   }
+  ::close(exec_error[1]);
+  int e = 0;
+  ssize_t got;
+  while ((got = ::read(exec_error[0], &e, sizeof e)) < 0 && errno == EINTR) {
+  }
+  ::close(exec_error[0]);
   int status = 0;
   while (::waitpid(child, &status, 0) < 0 && errno == EINTR) {
   }
   child = -1;
+  SG_CHECK(got != sizeof e, "launch: cannot run ", args[0], ": ", std::strerror(e),
+           " (--mpirun names the launcher: a program, with its own flags after it)");
   if (WIFEXITED(status)) return WEXITSTATUS(status);
   return WIFSIGNALED(status) ? 128 + WTERMSIG(status) : 1;
 }
@@ -111,7 +126,7 @@ int launch_main(int argc, char** argv) {
   a.synopsis("-n N [flags] -- train [train flags]");
   a.flag("np", "1", "ranks to launch (also -n)");
   a.flag("max-restarts", "0", "restarts with --resume auto after a failure (needs --save in the train flags)");
-  a.flag("mpirun", "mpirun", "the MPI launcher to run");
+  a.flag("mpirun", "mpirun", "the MPI launcher to run, with flags of its own if any (split at spaces)");
   if (!a.parse(int(ours.size()), ours.data())) {
     std::printf("%s", a.usage().c_str());
     return 0;
@@ -134,7 +149,14 @@ int launch_main(int argc, char** argv) {
   SG_CHECK(resume.empty() || resume == "auto", "launch: the train flags say --resume ", resume,
            "; a supervised run resumes from its own --save directory (use --resume auto or none)");
 
-  std::vector<std::string> mpirun = {a.str("mpirun"), "--oversubscribe", "--bind-to", "none"};
+  // "mpirun --mca btl self,tcp" is the launcher and flags of its own: split into words.
+  std::vector<std::string> mpirun;
+  {
+    std::istringstream words(a.str("mpirun"));
+    for (std::string w; words >> w;) mpirun.push_back(w);
+  }
+  SG_CHECK(!mpirun.empty(), "launch: --mpirun is empty (the launcher to run, e.g. mpirun)");
+  mpirun.insert(mpirun.end(), {"--oversubscribe", "--bind-to", "none"});
   if (::getuid() == 0) mpirun.push_back("--allow-run-as-root");  // containers run as root
   mpirun.insert(mpirun.end(), {"-np", std::to_string(np), self_path(), "train"});
 

@@ -30,11 +30,18 @@ const char* const kRunFlags[] = {"data",  "shuffle",      "seq-len",      "dropo
                                  "hellaswag", "hellaswag-examples"};
 
 // What a checkpoint records of the model (config_from_metadata reads it back).
+// The padding only where one was given (an --init-from file's): the default follows the layout
+// that resumes (nn::padded_vocab_rows), and the checkpoint holds the real rows only.
 std::map<std::string, std::string> config_metadata(const nn::GPTConfig& c, const std::string& data) {
-  return {{"format", "shardgrad-gpt2"},        {"n_layer", std::to_string(c.n_layer)},
-          {"n_head", std::to_string(c.n_head)}, {"n_embd", std::to_string(c.n_embd)},
-          {"block_size", std::to_string(c.block_size)}, {"vocab_size", std::to_string(c.vocab_size)},
-          {"padded_vocab", std::to_string(c.vocab_rows())}, {"data", data}};
+  std::map<std::string, std::string> m = {{"format", "shardgrad-gpt2"},
+                                          {"n_layer", std::to_string(c.n_layer)},
+                                          {"n_head", std::to_string(c.n_head)},
+                                          {"n_embd", std::to_string(c.n_embd)},
+                                          {"block_size", std::to_string(c.block_size)},
+                                          {"vocab_size", std::to_string(c.vocab_size)},
+                                          {"data", data}};
+  if (c.padded_vocab > 0) m["padded_vocab"] = std::to_string(c.padded_vocab);
+  return m;
 }
 
 }  // namespace

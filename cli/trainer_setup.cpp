@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <set>
 #include <thread>
@@ -203,6 +204,14 @@ void Trainer::configure() {
   SG_CHECK(rdv.kind == comm::Rendezvous::Kind::mpi || a.str("backend") == "nccl", "train: --rendezvous ", rdv.spec,
            " needs --backend nccl: it carries NCCL's unique id, and without mpirun NCCL is what connects the ranks "
            "(under mpirun use the default --rendezvous mpi)");
+  // mpirun -np N of a one-process strategy runs N copies of one run, each its own lead (run() says
+  // so): the files they write would be written N times over, the checkpoints' commits colliding.
+  const char* launched = std::getenv("OMPI_COMM_WORLD_SIZE");
+  if (!distributed() && launched && std::atoi(launched) > 1)
+    for (const char* flag : {"save", "log-json", "trace"})
+      SG_CHECK(a.str(flag).empty(), "train: mpirun started ", launched, " processes, but --strategy ", strategy_,
+               " trains in each on its own, and all ", launched, " would write --", flag, " ", a.str(flag),
+               ": give --strategy ddp, zero1/2/3, fsdp..., --tp or --pp to train one model together, or run one process");
 }
 
 void Trainer::join_world() {
@@ -326,6 +335,7 @@ void Trainer::open_data() {
     if (std::find(from_ck.begin(), from_ck.end(), "data") == from_ck.end()) throw;
     throw Error(str(e.what(), " (--data ", data_opt_.spec, " is the checkpoint's; give --data to read it elsewhere)"));
   }
+  if (dynamic_cast<const io::SyntheticDataset*>(train_.get())) positive(a, "eval-problems");  // the task's accuracy
 }
 
 // What --sample-tokens' samples are drawn among and decoded with: the data's own tokens (text
@@ -437,6 +447,7 @@ void Trainer::build_model(const ckpt::Checkpoint* ck) {
   // The schedule's flags before the layer split, which --virtual-stages changes.
   if (pp_ > 1) parallel::pp::check_schedule(a.str("pp-schedule"), int(positive(a, "virtual-stages")));
   // The mesh, refused before any work when it does not fit the model and the batch.
+  cfg_.tp = tp_;  // the vocabulary's padding follows the split (nn::padded_vocab_rows)
   comm::MeshPlan mesh = comm::validate_mesh(world_size_, tp_, pp_, cfg_.n_head, cfg_.n_layer, cfg_.vocab_rows(), B_, micro_);
   if (tp_ > 1 || pp_ > 1) {
     // Model parallelism composes with data parallelism over the mesh's dp axis: the rows are split
@@ -448,7 +459,6 @@ void Trainer::build_model(const ckpt::Checkpoint* ck) {
              ": the data-parallel replicas need a --strategy (ddp, zero1, zero2, zero3, fsdp, hsdp or no-shard)");
   }
   if (tp_ > 1) {
-    cfg_.tp = tp_;
     cfg_.sequence_parallel = a.on("sequence-parallel");
     SG_CHECK(!cfg_.sequence_parallel || T_ % tp_ == 0, "train: --sequence-parallel: --seq-len ", T_,
              " does not split over --tp ", tp_);

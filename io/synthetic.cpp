@@ -155,11 +155,16 @@ SyntheticTask parse_synthetic_spec(const std::string& spec) {
   return task;
 }
 
-Batch SyntheticDataset::next(int64_t B, int64_t T) {
+void SyntheticDataset::check_batch(int64_t B, int64_t T) const {
   const int64_t L = task_.problem_length();
   SG_CHECK(B > 0 && T > 0, "synthetic: batch shape B=", B, ", T=", T, " must be positive");
   SG_CHECK(T >= L, "synthetic: rows of T=", T, " tokens are shorter than one ", task_.digits, "-digit problem (", L,
            " tokens)");
+}
+
+Batch SyntheticDataset::next(int64_t B, int64_t T) {
+  check_batch(B, T);
+  const int64_t L = task_.problem_length();
   const int64_t per_row = (T + 1 + L - 1) / L;
   std::vector<int64_t> inputs(size_t(B * T)), targets(size_t(B * T));
   std::vector<int64_t> row;

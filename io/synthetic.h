@@ -58,6 +58,7 @@ class SyntheticDataset : public Dataset {
  public:
   SyntheticDataset(SyntheticTask task, Split split, uint64_t seed) : task_(task), split_(split), seed_(seed) {}
   Batch next(int64_t B, int64_t T) override;
+  void check_batch(int64_t B, int64_t T) const override;
   int64_t position() const override { return rows_; }
   bool draws_rows() const override { return true; }
   void set_position(int64_t p) override;

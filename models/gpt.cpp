@@ -5,6 +5,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <numeric>
 #include <set>
 
 #include <nlohmann/json.hpp>
@@ -27,7 +28,16 @@ Recompute parse_recompute(const std::string& s) {
   throw Error(str("--recompute: unknown mode '", s, "' (expected none, selective or full)"));
 }
 
-int64_t GPTConfig::vocab_rows() const { return padded_vocab > 0 ? padded_vocab : (vocab_size + 63) / 64 * 64; }
+int64_t padded_vocab_rows(int64_t vocab_size, int64_t tp) {
+  const int64_t tile = std::lcm<int64_t>(64, std::max<int64_t>(tp, 1));
+  return (vocab_size + tile - 1) / tile * tile;
+}
+
+int64_t GPTConfig::vocab_rows() const {
+  if (padded_vocab <= 0) return padded_vocab_rows(vocab_size, tp);
+  const int64_t t = std::max<int64_t>(tp, 1);  // a recorded padding (a file's, a checkpoint's) split tp ways
+  return (padded_vocab + t - 1) / t * t;
+}
 
 void GPTConfig::validate() const {
   SG_CHECK(n_layer >= 1, "model: n_layer must be >= 1, got ", n_layer);

@@ -22,12 +22,18 @@ namespace sg::nn {
 enum class Recompute { none, selective, full };
 Recompute parse_recompute(const std::string& s);
 
+// The rows of wte for a vocabulary split tp ways: rounded up to a multiple of 64 (whole tiles for
+// the logits' GEMM) that tp divides (each rank an equal slice, as Megatron's padding to 128 x tp).
+// The padding rows are zero, never looked up and never predicted, so the losses do not depend on
+// it; checkpoints hold the real rows only, so a run resumes under another tp.
+int64_t padded_vocab_rows(int64_t vocab_size, int64_t tp = 1);
+
 struct GPTConfig {
   std::string name = "custom";
   int64_t n_layer = 12, n_head = 12, n_embd = 768;
   int64_t block_size = 1024;   // longest sequence (rows of wpe)
   int64_t vocab_size = 50257;  // real vocabulary
-  int64_t padded_vocab = 0;    // rows of wte; 0 = vocab rounded up to a multiple of 64
+  int64_t padded_vocab = 0;    // rows of wte; 0 = padded_vocab_rows(vocab_size, tp)
   double dropout = 0.0;
   double ln_eps = 1e-5;
   // Tensor-parallel degree: > 1 builds the blocks, the embedding and the head from parallel/tp
@@ -38,7 +44,7 @@ struct GPTConfig {
   // parallel::tp::sync_sequence_parallel_grads after backward. Dropout draws the masks of this
   // rank's positions (the dropout place's t0, which the trainer sets).
   bool sequence_parallel = false;
-  int64_t vocab_rows() const;
+  int64_t vocab_rows() const;  // padded_vocab (rounded up to a multiple of tp) or the default
   int64_t head_dim() const { return n_embd / n_head; }
   void validate() const;  // throws naming the field
   // Ψ: parameter count (with the padded vocabulary rows, which is what is allocated).

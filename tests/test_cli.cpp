@@ -41,11 +41,13 @@ std::filesystem::path log_path(const sg::testing::ScratchDir& d, const char* pre
 }
 
 // The command fails, and its output says why in these words.
-void refuses(const std::string& cmd, const std::string& text) {
+// code: the exit status expected, or any but 0 when -1
+void refuses(const std::string& cmd, const std::string& text, int code = -1) {
   Run r = run_command(cmd);
   INFO(cmd << "\n" << r.output);
   REQUIRE(r.code != 0);
   REQUIRE(r.output.find(text) != std::string::npos);
+  if (code >= 0) CHECK(r.code == code);
 }
 
 struct TempDir : sg::testing::ScratchDir {
@@ -114,7 +116,10 @@ TEST_CASE("an f32 run resumed from a bf16 checkpoint starts from its f32 masters
 
 TEST_CASE("train refuses bad flags, missing files and existing checkpoints, naming them", "[cli]") {
   TempDir d;
-  auto fails_with = [](const std::string& args, const std::string& text) { refuses(std::string(SG_BINARY) + " " + args, text); };
+  // train's refusals come before its first step: exit status 64, which launch does not restart
+  auto fails_with = [](const std::string& args, const std::string& text) {
+    refuses(std::string(SG_BINARY) + " " + args, text, args.rfind("train", 0) == 0 ? 64 : -1);
+  };
   fails_with("train --steps ten", "--steps expects an integer, got 'ten'");
   fails_with("train --stepz 10", "unknown flag --stepz");
   fails_with("train --batch-size 8 --micro-batch-size 3", "--micro-batch-size 3 does not divide --batch-size 8");
@@ -155,6 +160,8 @@ TEST_CASE("train refuses bad flags, missing files and existing checkpoints, nami
              "last one and reduces once a step (unsharded)");
   fails_with("train --devices cpu:0,cpu:1", "--devices is for --strategy dp (one process, several devices)");
   fails_with("train --save-every 5", "--save-every needs --save DIR");
+  fails_with("train --eval-problems 0", "--eval-problems must be >= 1, got 0");  // not after the last step
+  fails_with("train --block-size 5", "rows of T=5 tokens are shorter than one 3-digit problem (13 tokens)");
   // a model too large for memory (2.6 PB: past any address space, overcommitted or not) names its size
   fails_with("train --vocab-size 10000000000000", "train: the model's 640000000104192 parameters (2 layers, width 64, "
              "vocab 10000000000000) in f32 on cpu do not fit: cpu allocator: out of memory allocating");
@@ -1238,9 +1245,41 @@ TEST_CASE("ranks that find different checkpoints to resume are refused, naming t
           "the ranks resume from different steps (0 to 2");
 }
 
+// The synthetic task's vocabulary pads to 64 rows, which 3 does not divide: under --tp 3 it pads
+// to 192, zero rows that no loss sees; the checkpoint holds the real rows, so the run resumes in
+// one process (64 rows again) with the uninterrupted run's losses.
+TEST_CASE("tp 3 pads the vocabulary for its split, and its checkpoint resumes in one process", "[cli][mpi]") {
+  TempDir d;
+  const std::string args = " train " + kSmall + " --n-head 3 --n-embd 48 --steps 4 --log-json ";
+  Run one = shardgrad(args + (d.path / "one.jsonl").string());
+  REQUIRE(one.code == 0);
+  const auto a = read_log(d.path / "one.jsonl");
+  const std::string save = (d.path / "run").string();
+  Run three = run_command(mpirun(3) + args + (d.path / "three.jsonl").string() + " --tp 3 --stop-at 2 --save " + save);
+  INFO(three.output);
+  REQUIRE(three.code == 0);
+  CHECK(three.output.find("(padded 192)") != std::string::npos);
+  Run rest = shardgrad("train --resume auto --save " + save + " --log-json " + (d.path / "rest.jsonl").string());
+  INFO(rest.output);
+  REQUIRE(rest.code == 0);
+  CHECK(rest.output.find("(padded 64)") != std::string::npos);
+  auto b = read_log(d.path / "three.jsonl");
+  for (const auto& r : read_log(d.path / "rest.jsonl")) b.push_back(r);
+  REQUIRE(a.size() == 4);
+  REQUIRE(b.size() == 4);
+  for (size_t i = 0; i < 4; ++i) {
+    INFO("step " << i + 1);
+    CHECK(b[i]["loss"].get<double>() == Approx(a[i]["loss"].get<double>()).epsilon(1e-5));
+  }
+}
+
 TEST_CASE("impossible layouts are refused before any work, with the reason", "[cli][mpi]") {
   refuses(mpirun(2) + " train " + kSmall + " --tp 3", "--tp 3 x --pp 1 = 3 ranks per model replica does not divide the 2 ranks");
   refuses(mpirun(2) + " train " + kSmall + " --tp 2 --pp 2", "does not divide the 2 ranks launched");
+  // copies of a one-process run would write one folder (and log) twice over
+  refuses(mpirun(2) + " train " + kSmall + " --save never_written", "mpirun started 2 processes, but --strategy single "
+          "trains in each on its own, and all 2 would write --save never_written");
+  CHECK(!fs::exists("never_written"));
   refuses(mpirun(2) + " train " + kSmall + " --n-head 3 --n-embd 48 --tp 2", "--tp 2: 3 heads cannot be split 2 ways");
   refuses(mpirun(2) + " train " + kSmall + " --n-layer 3 --pp 2", "--pp 2: 3 layers cannot be split evenly into 2 stages");
   // the schedule's flags are named before the layer split they change is checked

@@ -72,6 +72,18 @@ TEST_CASE("launch refuses restarts without --save and gives up after --max-resta
   INFO(r.output);
   REQUIRE(r.code != 0);
   REQUIRE(r.output.find("--max-restarts 1 needs --save DIR") != std::string::npos);
+  // a launcher that cannot be started ran no job: refused, not restarted; one with flags of its own
+  r = run_command(launch() + " -n 1 --max-restarts 2 --mpirun no-such-mpirun -- train --steps 2 --save " +
+                  (d.path / "w").string());
+  INFO(r.output);
+  CHECK(r.code == 1);
+  CHECK(r.output.find("cannot run no-such-mpirun: No such file or directory") != std::string::npos);
+  CHECK(r.output.find("launch: restart:") == std::string::npos);
+  const std::string with_flags = std::string(SG_MPIEXEC) + " --mca btl_base_verbose 0";
+  r = run_command(launch() + " -n 1 --mpirun '" + with_flags + "' -- train " + kSmall + " --steps 1");
+  INFO(r.output);
+  CHECK(r.code == 0);
+  CHECK(r.output.find("launch: run: " + with_flags + " --oversubscribe") != std::string::npos);
   r = run_command(launch() + " --help");
   CHECK(r.code == 0);
   CHECK(r.output.rfind("usage: shardgrad launch -n N [flags] -- train [train flags]\n", 0) == 0);

@@ -31,6 +31,27 @@ nn::GPTConfig small_config(int64_t padded = 0) {
   return c;
 }
 
+}  // namespace
+
+TEST_CASE("the vocabulary is padded to a multiple of 64 that tp divides", "[models]") {
+  CHECK(nn::padded_vocab_rows(61) == 64);
+  CHECK(nn::padded_vocab_rows(64) == 64);
+  CHECK(nn::padded_vocab_rows(50257) == 50304);
+  CHECK(nn::padded_vocab_rows(50257, 8) == 50304);  // powers of two up to 64: the same rows
+  CHECK(nn::padded_vocab_rows(256, 3) == 384);       // a multiple of 192
+  CHECK(nn::padded_vocab_rows(50257, 3) == 50304);   // 192 x 262
+  CHECK(nn::padded_vocab_rows(256, 128) == 256);
+  CHECK(nn::padded_vocab_rows(257, 128) == 384);
+  nn::GPTConfig c = small_config();
+  c.tp = 3, c.n_head = 3, c.n_embd = 48;
+  CHECK(c.vocab_rows() == 192);
+  c.padded_vocab = 64;  // a recorded padding, split 3 ways
+  CHECK(c.vocab_rows() == 66);
+  CHECK_NOTHROW(c.validate());
+}
+
+namespace {
+
 double max_rel_diff(const std::vector<float>& a, const std::vector<float>& b, double floor = 1e-3) {
   REQUIRE(a.size() == b.size());
   double m = 0;

@@ -45,7 +45,7 @@ struct StageUnits {
 
 StageUnits stage_units(const ModelShape& m, int tp, int pp, int rank) {
   if (!m.has_shape()) return {{ceil_div(m.num_params(), int64_t(tp) * pp)}, 0};
-  const int64_t C = m.n_embd, wte = m.vocab_rows() * C / tp, wpe = m.block_size * C;
+  const int64_t C = m.n_embd, wte = m.vocab_rows(tp) * C / tp, wpe = m.block_size * C;
   const int64_t block = tp > 1 ? (12 * C * C + 7 * C) / tp + 6 * C : 12 * C * C + 13 * C;
   StageUnits s;
   if (pp == 1) {
@@ -73,6 +73,8 @@ double layer_activation_bytes(const ModelShape& m, const Layout& l, double b) {
 double link_bandwidth(const Cluster& c, bool intra) { return intra ? c.intra_bandwidth : c.inter_bandwidth; }
 
 }  // namespace
+
+int64_t ModelShape::vocab_rows(int64_t tp) const { return nn::padded_vocab_rows(vocab_size, tp); }
 
 int64_t ModelShape::num_params() const {
   if (!has_shape()) return params;
@@ -190,7 +192,6 @@ void check_layout(const PlanInput& in) {
            gpus, " (", c.nodes, " x ", c.gpus_per_node, ")");
   if (m.has_shape()) {
     SG_CHECK(m.n_head % l.tp == 0, "plan: --tp ", l.tp, ": ", m.n_head, " heads cannot be split ", l.tp, " ways");
-    SG_CHECK(m.vocab_rows() % l.tp == 0, "plan: --tp ", l.tp, ": ", m.vocab_rows(), " vocabulary rows cannot be split");
     SG_CHECK(m.n_layer % (int64_t(l.pp) * l.virtual_stages) == 0, "plan: --pp ", l.pp, " x --virtual-stages ",
              l.virtual_stages, ": ", m.n_layer, " layers do not split evenly");
     SG_CHECK(!l.sequence_parallel || m.seq_len % l.tp == 0, "plan: --sequence-parallel: --seq-len ", m.seq_len,
@@ -279,7 +280,7 @@ RankMemory stage_memory(const PlanInput& in, const StageElements& st, const Shar
     mem.activation = double(in_flight) * layers_per_unit * layer_activation_bytes(m, l, double(l.micro_batch_size)) * d / 2.0;
     // f32 logits for the loss, vocabulary split over tp: one copy, as this engine's fused
     // classifier keeps them (the softmax is never stored; the gradient is written over them)
-    if (r == l.pp - 1) mem.activation += 4.0 * double(m.seq_len) * double(l.micro_batch_size) * double(m.vocab_rows()) / l.tp;
+    if (r == l.pp - 1) mem.activation += 4.0 * double(m.seq_len) * double(l.micro_batch_size) * double(m.vocab_rows(l.tp)) / l.tp;
   }
   // Buffers: zero's stripe; fsdp's gathered root + one block (fsdp-grad-op: every unit, gathered
   // from forward to the end of backward; under a pipeline all step, beside its full gradients) and
@@ -418,7 +419,7 @@ void add_pp_traffic(StageTraffic& t, const PlanInput& in, const Sharding& sh, in
     if (s > 0) k["send"] += mb * act, k["recv"] += mb * act;           // gradient back, activation in
   }
   if (r == 0 || r == l.pp - 1) {  // the tied embedding's gradient, exchanged between its holders
-    const int64_t wte = m.vocab_rows() * m.n_embd / l.tp;
+    const int64_t wte = m.vocab_rows(l.tp) * m.n_embd / l.tp;
     const int64_t bytes = (shards_params(l.strategy) ? ceil_div(wte, sh.shard_n) : wte) * d;  // fsdp: its shard
     k["send"] += bytes, k["recv"] += bytes;
   }

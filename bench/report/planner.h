@@ -39,7 +39,7 @@ struct ModelShape {
   int64_t n_layer = 0, n_head = 0, n_embd = 0, seq_len = 0, block_size = 0, vocab_size = 0;
   int64_t params = 0;  // a raw parameter count: used when the shape is not known (n_layer == 0)
   bool has_shape() const { return n_layer > 0; }
-  int64_t vocab_rows() const { return (vocab_size + 63) / 64 * 64; }  // as nn::GPTConfig pads it
+  int64_t vocab_rows(int64_t tp = 1) const;  // wte's rows, padded as nn::GPTConfig pads them
   int64_t num_params() const;                                         // Ψ
 };
 // A GPT-2 preset (tiny, gpt2, ..., gpt2-xl) with seq_len = block_size.
