@@ -65,7 +65,7 @@ Tensor add(const Tensor& a, const Tensor& b);
 Tensor sub(const Tensor& a, const Tensor& b);
 Tensor mul(const Tensor& a, const Tensor& b);
 Tensor div(const Tensor& a, const Tensor& b);
-Tensor maximum(const Tensor& a, const Tensor& b);  // not differentiable
+Tensor maximum(const Tensor& a, const Tensor& b);  // not differentiable: refused on inputs that need a gradient
 Tensor add(const Tensor& a, double s);
 Tensor mul(const Tensor& a, double s);
 Tensor neg(const Tensor& a);
@@ -84,7 +84,7 @@ Tensor sum(const Tensor& a);  // all elements -> shape []
 Tensor sum(const Tensor& a, std::vector<int64_t> dims, bool keepdim = false);
 Tensor mean(const Tensor& a);
 Tensor mean(const Tensor& a, std::vector<int64_t> dims, bool keepdim = false);
-Tensor amax(const Tensor& a, int64_t dim, bool keepdim = false);  // not differentiable
+Tensor amax(const Tensor& a, int64_t dim, bool keepdim = false);  // not differentiable (as maximum)
 Tensor sum_to(const Tensor& a, const Shape& shape);                // undo a broadcast
 double sum_squares(const Tensor& a);                                // f64 on the CPU, f32 on a GPU
 // sum_i weights[i] * sum_squares(xs[i]) (weights default to 1; undefined tensors count zero), with

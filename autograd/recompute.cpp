@@ -16,6 +16,10 @@ TensorList recompute(const RegionFn& fn, const TensorList& inputs, const TensorL
     NoGradGuard ng;
     outputs = fn(inputs);
   }
+  // Fresh handles on the outputs' memory for the node to own: a region may return one of its inputs
+  // (a pass-through residual), whose own grad_fn (or leaf-ness) recording must not overwrite.
+  for (Tensor& o : outputs)
+    if (o.defined()) o = detach(o);
   const size_t n_in = inputs.size();
   TensorList saved_inputs;
   for (const auto& t : inputs) saved_inputs.push_back(detach(t));

@@ -351,3 +351,49 @@ TEST_CASE("recompute refuses a leaf the region uses but neither takes as an inpu
   listed.backward(b);
   CHECK(w.grad().defined());
 }
+
+// From an audit of the ops against PyTorch's behaviour on empty and pass-through cases.
+TEST_CASE("contractions over nothing give zero gradients (K or N = 0), not unwritten memory or a throw", "[autograd]") {
+  Tape t;
+  Tensor x = leaf({5, 4}, 60), w = zeros({0, 4}, DType::f64), a = leaf({2, 0}, 61), b = leaf({0, 3}, 62);
+  Tensor c = leaf({2, 3}, 63), e = leaf({3, 0}, 64);
+  w.set_requires_grad(true);
+  {
+    TapeScope s(t);
+    // each a different shape of nothing: linear with no output features, matmul with K = 0, N = 0
+    Tensor loss = add(add(sum(linear(x, w, Tensor())), sum(matmul(a, b))), sum(matmul(c, e)));
+    t.backward(loss);
+  }
+  CHECK(vec(x.grad()) == std::vector<double>(20, 0.0));
+  CHECK(w.grad().shape() == Shape{0, 4});
+  CHECK(a.grad().shape() == Shape{2, 0});
+  CHECK(b.grad().shape() == Shape{0, 3});
+  CHECK(vec(c.grad()) == std::vector<double>(6, 0.0));
+  CHECK(e.grad().shape() == Shape{3, 0});
+}
+
+TEST_CASE("a recompute region may return its input as it is: the input keeps its own history", "[autograd]") {
+  Tensor x = leaf({2}, 65);
+  const autograd::RegionFn region = [](const TensorList& in) { return TensorList{in[0], mul(in[0], 2.0)}; };
+  for (int step = 1; step <= 2; ++step) {  // the leaf stays a leaf: the second step records it again
+    INFO("step " << step);
+    Tape t;
+    TapeScope s(t);
+    const TensorList o = autograd::recompute(region, {x}, {});
+    t.backward(sum(add(o[0], o[1])));
+    CHECK(x.is_leaf());
+    CHECK(vec(x.grad()) == std::vector<double>(2, 3.0 * step));
+  }
+}
+
+TEST_CASE("maximum and amax refuse inputs that need a gradient instead of dropping it", "[autograd]") {
+  Tensor x = leaf({3}, 66);
+  Tape t;
+  {
+    TapeScope s(t);
+    REQUIRE_THROWS_WITH(maximum(x, zeros({3}, DType::f64)), Contains("maximum: has no gradient"));
+    REQUIRE_THROWS_WITH(amax(x, 0), Contains("amax: has no gradient") && Contains("detach()"));
+    CHECK(to_vector<double>(maximum(autograd::detach(x), zeros({3}, DType::f64))).size() == 3);
+  }
+  CHECK(to_vector<double>(amax(x, 0)).size() == 1);  // no tape recording: nothing to refuse
+}

@@ -397,7 +397,9 @@ TEST_CASE("a run resumed at another batch size goes on with the next rows, none 
     const auto loss = [&](size_t step) { return ref[step - 1]["loss"].get<double>(); };
     const double want = (loss(4) + loss(5)) / 2, skipped = (loss(7) + loss(8)) / 2;  // rows 24-39; 48-63
     CHECK(std::abs(got[0]["loss"].get<double>() - want) <= 1e-5 * want);
-    CHECK(std::abs(skipped - want) > 1e-4 * want);  // other rows give another loss: the check can tell
+    // other rows give another loss, farther off than the check above allows: it can tell them apart
+    // (README.md's rows change with its text: a margin of 1e-4 once failed by chance)
+    CHECK(std::abs(skipped - want) > 1e-5 * want);
   }
 }
 

@@ -207,7 +207,9 @@ TEST_CASE("broadcasting aligns trailing dims and names incompatible shapes", "[c
 
 TEST_CASE("matmul names the shapes that do not chain", "[core]") {
   REQUIRE_THROWS_WITH(matmul(zeros({4, 8}), zeros({7, 3})), "matmul: shapes [4,8] and [7,3] do not chain (8 != 7)");
-  REQUIRE_THROWS_WITH(matmul(zeros({2, 4, 8}), zeros({3, 8, 2})), Contains("matmul: shapes [2] and [3] do not broadcast"));
+  REQUIRE_THROWS_WITH(matmul(zeros({2, 4, 8}), zeros({3, 8, 2})),
+                      Contains("matmul of [2,4,8] and [3,8,2], batch dims: shapes [2] and [3] do not broadcast"));
+  REQUIRE_THROWS_WITH(matmul(zeros({2, 2}, DType::i64), zeros({2, 2}, DType::i64)), Contains("matmul: expected a floating tensor"));
 }
 
 TEST_CASE("an op a device or dtype cannot do fails loudly, naming the op, dtype and device", "[core]") {

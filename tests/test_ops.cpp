@@ -1537,3 +1537,22 @@ TEST_CASE("edge cases as PyTorch has them: 0-d dims, repeated dims, empty K, ove
   REQUIRE_THROWS_WITH(rmsnorm(in, ones({4}, DType::bf16)), Contains("rmsnorm: weight"));
   REQUIRE_THROWS_WITH(linear(in, ones({5, 4}), ones({5}, DType::f64)), Contains("linear: bias dtype f64 but weight dtype f32"));
 }
+
+// From an audit of the ops against PyTorch's behaviour.
+TEST_CASE("relu keeps NaN, expand takes -1 for a dim as it is and refuses a negative new dim, site dropout of nothing",
+          "[ops]") {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const auto r = to_vector<float>(relu(from_vector<float>({nan, -1.0f, 2.0f}, {3})));
+  CHECK(std::isnan(r[0]));  // a NaN activation must stay visible to --on-nonfinite
+  CHECK(r[1] == 0.0f);
+  CHECK(r[2] == 2.0f);
+  const Tensor v = from_vector<float>({1, 2, 3}, {3, 1});
+  CHECK(expand(v, {2, -1, 4}).shape() == Shape{2, 3, 4});
+  REQUIRE_THROWS_WITH(expand(v, {-2, 3, 1}), Contains("expand: cannot expand [3,1] to [-2,3,1] (a new dim of size -2)"));
+  REQUIRE_THROWS_WITH(expand(v, {-1, 3, 1}), Contains("a new dim of size -1"));
+  DropoutGenerator& gen = dropout_generator();
+  gen = DropoutGenerator::seeded(5);
+  gen.place = DropoutPlace{1, 0, 0};
+  CHECK(dropout(zeros({2, 0, 4}), 0.5, 3).shape() == Shape{2, 0, 4});
+  gen = DropoutGenerator{};
+}

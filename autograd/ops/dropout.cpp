@@ -68,7 +68,7 @@ Tensor dropout(const Tensor& x, double p, int64_t site) {
   SG_CHECK(at.t0 >= 0, "dropout: first position ", at.t0, " is negative");
   const uint64_t stream = (uint64_t(1) << 63) | (uint64_t(at.step) << (kSiteBits + kRowBits)) |
                           (uint64_t(site) << kRowBits) | uint64_t(at.row0);
-  if (rows == 0) return x;
+  if (x.numel() == 0) return x;  // no rows, or rows of nothing
   return masked(x, Draw{p, gen.seed, stream, x.numel() / rows, uint64_t(at.t0 * x.size(2))});
 }
 

@@ -113,7 +113,18 @@ Tensor div(const Tensor& a, const Tensor& b) {
   return out;
 }
 
+namespace {
+
+// The ops without a backward refuse inputs that would need one, rather than cut the gradient off.
+void refuse_grad(const char* op, const TensorList& inputs) {
+  SG_CHECK(!autograd::needs_grad(inputs), op, ": has no gradient, and an input requires one while a tape records; "
+           "detach() it, or compute under autograd::NoGradGuard");
+}
+
+}  // namespace
+
 Tensor maximum(const Tensor& a, const Tensor& b) {
+  refuse_grad("maximum", {a, b});
   autograd::NoGradGuard ng;
   return binary_forward(kernels::Binary::max, a, b, "maximum");
 }
@@ -307,6 +318,7 @@ Tensor mean(const Tensor& a, std::vector<int64_t> dims, bool keepdim) {
 Tensor mean(const Tensor& a) { return mean(a, all_dims(a), false); }
 
 Tensor amax(const Tensor& a, int64_t dim, bool keepdim) {
+  refuse_grad("amax", {a});
   autograd::NoGradGuard ng;
   if (a.dim() > 0) {
     const int64_t d = wrap_dim(dim, a.dim(), "amax");

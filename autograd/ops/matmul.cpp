@@ -41,10 +41,19 @@ void gemm_into(const Tensor& out, const Tensor& A, bool ta, const Tensor& B, boo
   SG_KERNEL(out.device(), gemm)(gemm_args(out, A, ta, B, tb, batch, M, N, K, stride_a, stride_b));
 }
 
+// The rows of t as a matrix [rows, last dim]: the product of its leading dims (not numel / last
+// dim, which is 0 when the last dim is, leaving an output unwritten).
+int64_t leading_rows(const Tensor& t) {
+  int64_t rows = 1;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) rows *= t.size(d);
+  return rows;
+}
+
 }  // namespace
 
 Tensor matmul(const Tensor& a, const Tensor& b) {
   detail::check_same_device("matmul", a, b);
+  detail::check_floating("matmul", a);
   SG_CHECK(a.dtype() == b.dtype(), "matmul: dtypes ", dtype_name(a.dtype()), " and ", dtype_name(b.dtype()), " differ");
   SG_CHECK(a.dim() >= 1 && b.dim() >= 2, "matmul: need a [..., M, K] and b [..., K, N], got ", shape_str(a.shape()),
            " and ", shape_str(b.shape()));
@@ -56,8 +65,7 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
     // Fold all leading dims of a into M: one GEMM.
     autograd::NoGradGuard ng;
     Tensor A = detail::operand(a), B = detail::operand(b);
-    int64_t M = 1;  // not numel / K: with K = 0 that is 0 rows, and the output's would stay unwritten
-    for (int64_t d = 0; d + 1 < a.dim(); ++d) M *= a.size(d);
+    const int64_t M = leading_rows(a);
     Shape s = a.shape();
     s.back() = N;
     out = empty(s, A.dtype(), a.device());
@@ -66,7 +74,8 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
   } else {
     SG_CHECK(a.dim() >= 2, "matmul: a must have at least 2 dims when b is batched");
     Shape ba(a.shape().begin(), a.shape().end() - 2), bb(b.shape().begin(), b.shape().end() - 2);
-    Shape batch = broadcast_shapes(ba, bb, "matmul");
+    const std::string op = str("matmul of ", shape_str(a.shape()), " and ", shape_str(b.shape()), ", batch dims");
+    Shape batch = broadcast_shapes(ba, bb, op.c_str());
     const int64_t M = a.size(-2);
     Shape sa = batch, sb = batch, so = batch;
     sa.insert(sa.end(), {M, K});
@@ -86,7 +95,8 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
       if (ga) da = sum_to(matmul(g[0], transpose(kb, -1, -2)), ka.shape());
       if (gb) {
         if (kb.dim() == 2) {
-          Tensor a2 = reshape(ka, {-1, ka.size(-1)}), g2 = reshape(g[0], {-1, g[0].size(-1)});
+          const int64_t rows = leading_rows(ka);
+          Tensor a2 = reshape(ka, {rows, ka.size(-1)}), g2 = reshape(g[0], {rows, g[0].size(-1)});
           db = matmul(transpose(a2, 0, 1), g2);
         } else {
           db = sum_to(matmul(transpose(ka, -1, -2), g[0]), kb.shape());
@@ -121,7 +131,7 @@ struct LinearGrads {
   Tensor dx, dw, db;
 };
 LinearGrads linear_grads(const Tensor& G, const Tensor& kx, const Tensor& kw, bool gx, bool gw, bool gb) {
-  const int64_t in = kw.size(1), outf = kw.size(0), rows = G.numel() / std::max<int64_t>(outf, 1);
+  const int64_t in = kw.size(1), outf = kw.size(0), rows = leading_rows(kx);
   LinearGrads r;
   if (gx) {  // dx [rows, in] = dy [rows, out] @ W [out, in]
     Tensor W = detail::operand(kw);
@@ -146,6 +156,7 @@ LinearGrads linear_grads(const Tensor& G, const Tensor& kx, const Tensor& kw, bo
 
 void check_linear(const char* op, const Tensor& x, const Tensor& w, const Tensor& b) {
   detail::check_same_device(op, x, w);
+  detail::check_floating(op, x);
   SG_CHECK(w.dim() == 2, op, ": weight must be [out, in], got ", shape_str(w.shape()));
   const int64_t in = w.size(1), outf = w.size(0);
   SG_CHECK(x.dim() >= 1 && x.size(-1) == in, op, ": input ", shape_str(x.shape()), " does not match weight ",

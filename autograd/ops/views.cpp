@@ -147,11 +147,16 @@ Tensor expand(const Tensor& t, const Shape& shape) {
   Layout l{shape, Shape(size_t(n), 0), t.offset()};
   for (int64_t i = 0; i < n; ++i) {
     int64_t j = i - (n - k);
-    if (j < 0) continue;
-    int64_t have = t.shape()[size_t(j)];
-    SG_CHECK(have == shape[size_t(i)] || have == 1, "expand: cannot expand ", shape_str(t.shape()), " to ",
-             shape_str(shape));
-    l.strides[size_t(i)] = have == 1 && shape[size_t(i)] != 1 ? 0 : t.strides()[size_t(j)];
+    if (j < 0) {
+      SG_CHECK(shape[size_t(i)] >= 0, "expand: cannot expand ", shape_str(t.shape()), " to ", shape_str(shape),
+               " (a new dim of size ", shape[size_t(i)], ")");
+      continue;
+    }
+    const int64_t have = t.shape()[size_t(j)];
+    int64_t& want = l.shape[size_t(i)];
+    if (want == -1) want = have;  // -1: this dim as it is (PyTorch)
+    SG_CHECK(have == want || have == 1, "expand: cannot expand ", shape_str(t.shape()), " to ", shape_str(shape));
+    l.strides[size_t(i)] = have == 1 && want != 1 ? 0 : t.strides()[size_t(j)];
   }
   Tensor out = make_view(t, l);
   if (autograd::needs_grad({t})) {

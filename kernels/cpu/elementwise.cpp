@@ -83,7 +83,7 @@ inline T apply_unary(Unary op, T x, T alpha) {
     case Unary::sqrt: return std::sqrt(x);
     case Unary::rsqrt: return T(1) / std::sqrt(x);
     case Unary::tanh: return std::tanh(x);
-    case Unary::relu: return x > T(0) ? x : T(0);
+    case Unary::relu: return x > T(0) || x != x ? x : T(0);  // NaN stays NaN (PyTorch)
     case Unary::gelu: return T(0.5) * x * (T(1) + std::tanh(T(kGeluK) * (x + T(0.044715) * x * x * x)));
     case Unary::silu: return x / (T(1) + std::exp(-x));
     case Unary::abs: return std::abs(x);

@@ -19,7 +19,7 @@ SG_DEVICE float unary_value(Unary op, float x, float alpha) {
     case Unary::sqrt: return sqrtf(x);
     case Unary::rsqrt: return rsqrtf(x);
     case Unary::tanh: return tanhf(x);
-    case Unary::relu: return x > 0.0f ? x : 0.0f;
+    case Unary::relu: return x > 0.0f || x != x ? x : 0.0f;  // NaN stays NaN
     case Unary::gelu: return gelu_value(x);
     case Unary::silu: return x / (1.0f + expf(-x));
     case Unary::abs: return fabsf(x);

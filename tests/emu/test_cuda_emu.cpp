@@ -913,3 +913,17 @@ TEST_CASE("emu sum_squares_many's list leaves out empty tensors and those of wei
   REQUIRE(std::isfinite(want));
   CHECK(got == Approx(want).epsilon(1e-5));
 }
+
+TEST_CASE("emu relu keeps NaN, as the CPU table and PyTorch do", "[emu]") {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<float> x = {nan, -1.0f, 2.0f, -nan};
+  std::vector<float> got(x.size(), 7.0f), want(x.size(), 7.0f);
+  cu::unary(Unary::relu, DType::f32, got.data(), x.data(), int64_t(x.size()), 0, nullptr);
+  cpu::unary(Unary::relu, DType::f32, want.data(), x.data(), int64_t(x.size()), 0);
+  for (size_t i : {size_t(0), size_t(3)}) {
+    CHECK(std::isnan(got[i]));
+    CHECK(std::isnan(want[i]));
+  }
+  CHECK(got[1] == 0.0f);
+  CHECK(got[2] == 2.0f);
+}
