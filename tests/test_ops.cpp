@@ -1539,7 +1539,7 @@ TEST_CASE("edge cases as PyTorch has them: 0-d dims, repeated dims, empty K, ove
 }
 
 // From an audit of the ops against PyTorch's behaviour.
-TEST_CASE("relu keeps NaN, expand takes -1 for a dim as it is and refuses a negative new dim, site dropout of nothing",
+TEST_CASE("relu keeps NaN, expand takes -1 for a dim as it is, site dropout of nothing, logits without classes",
           "[ops]") {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const auto r = to_vector<float>(relu(from_vector<float>({nan, -1.0f, 2.0f}, {3})));
@@ -1555,4 +1555,7 @@ TEST_CASE("relu keeps NaN, expand takes -1 for a dim as it is and refuses a nega
   gen.place = DropoutPlace{1, 0, 0};
   CHECK(dropout(zeros({2, 0, 4}), 0.5, 3).shape() == Shape{2, 0, 4});
   gen = DropoutGenerator{};
+  const Tensor t = from_vector<int64_t>({0}, {1});
+  REQUIRE_THROWS_WITH(cross_entropy(zeros({}), t), Contains("cross_entropy: logits [] have no class dim"));
+  REQUIRE_THROWS_WITH(cross_entropy(zeros({1, 0}), t), Contains("cross_entropy: logits [1,0] have no class dim"));
 }

@@ -49,9 +49,11 @@ Tensor cross_entropy(Tensor logits, const Tensor& targets, const CrossEntropyOpt
   detail::check_floating("cross_entropy", logits);
   SG_CHECK(targets.dtype() == DType::i32 || targets.dtype() == DType::i64, "cross_entropy: targets must be i32/i64, got ",
            targets.describe());
-  const int64_t Vp = logits.size(-1), rows = logits.numel() / std::max<int64_t>(Vp, 1);
+  SG_CHECK(logits.dim() >= 1 && logits.size(-1) >= 1, "cross_entropy: logits ", shape_str(logits.shape()),
+           " have no class dim to take the loss over");
+  const int64_t Vp = logits.size(-1), rows = logits.numel() / Vp;
   const int64_t V = opt.vocab < 0 ? Vp : opt.vocab;
-  SG_CHECK(V >= 1 && V <= Vp, "cross_entropy: vocab ", V, " exceeds the ", Vp, " logit columns");
+  SG_CHECK(V >= 1 && V <= Vp, "cross_entropy: vocab ", V, " is outside the ", Vp, " logit columns (1..", Vp, ")");
   SG_CHECK(targets.numel() == rows, "cross_entropy: logits ", shape_str(logits.shape()), " give ", rows,
            " rows but targets ", shape_str(targets.shape()), " has ", targets.numel());
   detail::check_same_device("cross_entropy", logits, targets);
