@@ -121,8 +121,11 @@ json predicted(report::BenchLayout row, const std::string& common, const report:
   in.model = model;
   in.cluster = report::cluster_preset("cpu-local");
   in.cluster.gpus_per_node = std::max(in.cluster.gpus_per_node, row.ranks);  // ranks share the cores
+  // A row's own --dtype and --batch-size win over the bench's, as they do in the run it predicts.
+  const std::string row_dtype = report::flag_value(row.args, "dtype"), row_batch = report::flag_value(row.args, "batch-size");
+  if (!row_batch.empty()) batch = std::stoll(row_batch);
   in.global_batch = batch;
-  in.dtype = dtype;
+  in.dtype = row_dtype.empty() ? dtype : row_dtype;
   if (!report::planner_layout(row, batch, in.layout)) return nullptr;
   in.bucket_bytes = report::row_bucket_bytes(row);
   try {
@@ -220,7 +223,11 @@ int bench_main(int argc, char** argv) {
   const int64_t steps = a.i64("steps"), warmup = a.i64("warmup"), batch = a.i64("batch-size");
   const double peak_flops = a.f64("peak-tflops") * 1e12;
   SG_CHECK(peak_flops >= 0, "bench: --peak-tflops must be >= 0");
-  SG_CHECK(a.on("simulate") || (steps > warmup && warmup >= 0), "bench: --steps must exceed --warmup");
+  SG_CHECK(a.on("simulate") || steps > warmup, "bench: --steps must exceed --warmup");
+  // The first step's counters also hold the setup's traffic (the parameters' broadcast), and its
+  // time the first touch of every buffer: never a step to measure.
+  SG_CHECK(a.on("simulate") || warmup >= 1, "bench: --warmup must be >= 1 (the first step carries the setup's ",
+           "broadcast and first allocations), got ", warmup);
   SG_CHECK(a.i64("repeat") >= 1, "bench: --repeat must be >= 1, got ", a.i64("repeat"));
   const bool simulate = a.on("simulate");
   SG_CHECK(!simulate || (a.i64("repeat") == 1 && a.str("trace").empty() && a.f64("peak-tflops") == 0),
@@ -363,7 +370,8 @@ int bench_main(int argc, char** argv) {
         }
         std::printf("%.2f ms/step, %.0f tok/s", r["measured"]["step_ms"].get<double>(),
                     r["measured"]["tokens_per_s"].get<double>());
-        if (r["measured"].contains("bubble")) std::printf(", bubble %.1f%%", 100 * r["measured"]["bubble"].get<double>());
+        if (r["measured"].contains("bubble"))
+          std::printf(", bubble %.1f%% of busy time", 100 * r["measured"]["bubble"].get<double>());
         std::printf("\n");
       } else {
         // Refused: train said why before its setup was done (its header line); anything else that
@@ -399,8 +407,8 @@ int bench_main(int argc, char** argv) {
                   r["measured"]["step_ms_range"][0].get<double>(), r["measured"]["step_ms_range"][1].get<double>());
     json p = predicted(row, common, model, batch, a.str("dtype"));
     if (!p.is_null()) r["predicted"] = p;
-    // MFU as PaLM defines it: the model's FLOPs (6 per parameter per token plus attention; no
-    // recompute) over what the ranks' devices could do.
+    // MFU as PaLM defines it: the model's FLOPs (6 per parameter per token, the position
+    // embedding's excepted, plus attention; no recompute) over what the ranks' devices could do.
     if (peak_flops > 0 && r.contains("measured") && !p.is_null() && p.contains("model_flops_per_token")) {
       r["measured"]["mfu"] = r["measured"]["tokens_per_s"].get<double>() * p["model_flops_per_token"].get<double>() /
                              (double(row.ranks) * peak_flops);

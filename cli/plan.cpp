@@ -217,6 +217,7 @@ int plan_main(int argc, char** argv) {
     }
     std::printf("%zu layouts of %d GPUs fit %s (%s, global batch %lld); the fastest %zu:\n", found.size(), world,
                 in.model.name.c_str(), in.dtype.c_str(), (long long)in.global_batch, std::min(top, found.size()));
+    std::printf("(bubble: idle time over busy time, (p-1)/(v m) for the schedules here)\n");
     std::printf("%4s  %-52s %10s %8s %7s %10s %12s\n", "rank", "layout", "GiB/GPU", "bubble", "MFU", "step s", "tokens/s");
     for (size_t i = 0; i < found.size() && i < top; ++i) {
       const report::Plan& p = found[i];

@@ -76,6 +76,12 @@ TEST_CASE("a layout's summary drops warm-up steps: medians, largest peaks, bytes
   CHECK(s["comm_per_step"][1]["all_reduce"].get<double>() == 80.0);
   // Busy 1 s and 2 s in a 2 s step: idle (1 + 0) over busy (1 + 2).
   CHECK(s["bubble"].get<double>() == Approx(1.0 / 3.0));
+  // An even count of steps: the throughput is the median step's (median 5.5 ms: 181.8 tokens/s,
+  // not the mean of the middle two steps' own 200 and 166.7)
+  log.push_back(record(6, 7, 30, 360));
+  s = sg::report::summarise_log(log, 2);
+  CHECK(s["step_ms"].get<double>() == 5.5);
+  CHECK(s["tokens_per_s"].get<double>() == Approx(1000.0 / 5.5));
 }
 
 TEST_CASE("bench --repeat: medians over the passes with their range, the first pass's bytes, a failed pass named") {
@@ -538,6 +544,10 @@ TEST_CASE("bench refuses a bad --timeout up front and names the file and field o
   CHECK(code == 1);
   CHECK(out.find("bench: --timeout expects a number, got 'abc'") != std::string::npos);
   CHECK(out.find("[1/1]") == std::string::npos);  // nothing ran
+  std::tie(code, out) = bench("--layouts single --warmup 0 --out " + (dir / "r").string());
+  CHECK(code == 1);
+  CHECK(out.find("bench: --warmup must be >= 1") != std::string::npos);
+  CHECK(out.find("[1/1]") == std::string::npos);
   const std::string from = (dir / "e.json").string();
   for (const auto& [text, reason] :
        std::vector<std::pair<std::string, std::string>>{{"{}", ": \"layouts\" must be an array of layouts"},
@@ -575,5 +585,33 @@ TEST_CASE("bench writes its results when its command line is not UTF-8", "[cli]"
   const json res = json::parse(read_text(prefix + ".json"));
   CHECK(res["command"].get<std::string>().find("res\xef\xbf\xbd") != std::string::npos);  // U+FFFD
   CHECK(res["layouts"][0]["status"] == "ok");
+  fs::remove_all(dir);
+}
+
+// A matrix row's own --dtype and --batch-size shape its prediction as they shape its run (the
+// bench's were taken: 4 bytes a parameter for a bf16 row, half the micro-batches' gradients).
+TEST_CASE("bench predicts a matrix row with its own --dtype and --batch-size", "[cli]") {
+  const fs::path dir = fs::temp_directory_path() / ("sg_bench_rowflags_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  std::ofstream(dir / "m.json") << R"([{"name": "bf16", "ranks": 2, "args": "--strategy zero2 --dtype bf16"},
+                                       {"name": "b32", "ranks": 2, "args": "--strategy zero2 --batch-size 32"}])";
+  const std::string cmd = std::string(SG_BINARY) + " bench --simulate --matrix " + (dir / "m.json").string() +
+                          " --report none --out " + (dir / "r").string() + " > " + (dir / "out.txt").string() + " 2>&1";
+  const int status = std::system(cmd.c_str());
+  INFO(read_text(dir / "out.txt"));
+  REQUIRE(WIFEXITED(status));
+  REQUIRE(WEXITSTATUS(status) == 0);
+  const json res = json::parse(read_text(dir / "r.json"));
+  REQUIRE(res["layouts"].size() == 2);
+  for (const auto& r : res["layouts"]) {
+    INFO(r["name"]);
+    const json &m = r["measured"], &p = r["predicted"];
+    for (const char* cat : {"param", "optim_state"}) {  // (zero2's grad peak holds the bucket's full gradients)
+      INFO(cat);
+      CHECK(p[cat].get<double>() == double(m["mem_peak"][0][cat].get<int64_t>()));
+    }
+    CHECK(p["comm"]["reduce_scatter"].get<double>() == m["comm_per_step"][0]["reduce_scatter"].get<double>());
+  }
   fs::remove_all(dir);
 }

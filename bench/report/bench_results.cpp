@@ -20,7 +20,8 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-// The value following `--flag` in a flag string ("" when absent; "1" for a bare toggle).
+}  // namespace
+
 std::string flag_value(const std::string& args, const std::string& flag) {
   std::istringstream in(args);
   std::vector<std::string> words{std::istream_iterator<std::string>(in), {}};
@@ -28,8 +29,6 @@ std::string flag_value(const std::string& args, const std::string& flag) {
     if (words[i] == "--" + flag) return i + 1 < words.size() && words[i + 1].rfind("--", 0) != 0 ? words[i + 1] : "1";
   return "";
 }
-
-}  // namespace
 
 std::vector<BenchLayout> default_matrix(int n) {
   const std::string N = std::to_string(n);
@@ -78,10 +77,11 @@ std::vector<BenchLayout> matrix_from_json(const nlohmann::json& j, const std::st
 nlohmann::json summarise_log(const std::vector<nlohmann::json>& steps, int warmup) {
   nlohmann::json s;
   const size_t first = std::min(steps.size(), size_t(std::max(0, warmup)));
-  std::vector<double> ms, tps, bubbles;
+  std::vector<double> ms, bubbles;
+  double tokens = 0;  // per step: the same every step
   for (size_t i = first; i < steps.size(); ++i) {
     ms.push_back(steps[i].at("step_ms").get<double>());
-    tps.push_back(steps[i].at("tokens_per_s").get<double>());
+    tokens = steps[i].at("tokens_per_s").get<double>() * ms.back() / 1e3;
     if (steps[i].contains("ranks")) {
       const double b = measured_bubble(steps[i]["ranks"]);
       if (b >= 0) bubbles.push_back(b);
@@ -89,7 +89,9 @@ nlohmann::json summarise_log(const std::vector<nlohmann::json>& steps, int warmu
   }
   s["steps"] = ms.size();
   s["step_ms"] = median(ms);
-  s["tokens_per_s"] = median(tps);
+  // the median step's throughput: with an even count the median of the steps' own tokens/s is
+  // another pair's mean, and would not be the step time printed beside it
+  s["tokens_per_s"] = ms.empty() ? 0.0 : tokens * 1e3 / median(ms);
   if (!steps.empty()) s["loss_last"] = steps.back().at("loss");
   if (!bubbles.empty()) s["bubble"] = median(bubbles);
   if (ms.empty() || !steps.back().contains("ranks")) return s;
@@ -145,16 +147,17 @@ nlohmann::json combine_passes(const std::vector<nlohmann::json>& passes) {
     }
   nlohmann::json r = passes[0];
   if (passes.size() == 1) return r;
-  std::vector<double> ms, tps, bubbles;
+  std::vector<double> ms, bubbles;
+  double tokens = 0;  // per step
   for (const auto& p : passes) {
     const nlohmann::json& m = p.at("measured");
     ms.push_back(m.at("step_ms").get<double>());
-    tps.push_back(m.at("tokens_per_s").get<double>());
+    tokens = m.at("tokens_per_s").get<double>() * ms.back() / 1e3;
     if (m.contains("bubble")) bubbles.push_back(m["bubble"].get<double>());
   }
   nlohmann::json& m = r["measured"];
   m["step_ms"] = median(ms);
-  m["tokens_per_s"] = median(tps);
+  m["tokens_per_s"] = tokens * 1e3 / median(ms);  // as summarise_log: the median step's
   if (!bubbles.empty()) m["bubble"] = median(bubbles);
   m["passes"] = passes.size();
   m["step_ms_range"] = {*std::min_element(ms.begin(), ms.end()), *std::max_element(ms.begin(), ms.end())};
@@ -220,6 +223,7 @@ bool planner_layout(const BenchLayout& row, int64_t batch, Layout& out) {
   if (!flag_value(row.args, "recompute").empty()) out.recompute = flag_value(row.args, "recompute");
   if (!flag_value(row.args, "grad-accumulation").empty()) out.grad_accumulation = flag_value(row.args, "grad-accumulation");
   if (!flag_value(row.args, "shard-group-size").empty()) out.shard_group_size = std::stoi(flag_value(row.args, "shard-group-size"));
+  if (!flag_value(row.args, "offload").empty()) out.offload = flag_value(row.args, "offload");
   const std::string mbs = flag_value(row.args, "micro-batch-size");
   out.micro_batch_size = mbs.empty() || mbs == "0" ? batch / out.dp : std::stoll(mbs);
   return true;

@@ -49,6 +49,8 @@ nlohmann::json memory_timeline(const nlohmann::json& trace);
 // The planner's layout for a bench row (its train flags read back), or false when the row's
 // strategy is not one the planner models (dp over devices of one process).
 bool planner_layout(const BenchLayout& row, int64_t batch, Layout& out);
+// The value following `--flag` in a flag string: the first one ("" when absent; "1" for a bare toggle).
+std::string flag_value(const std::string& args, const std::string& flag);
 // The bucket (ddp) or stripe (zero1/zero2) bytes a row's --bucket-mb gives; train's 25 MiB without.
 int64_t row_bucket_bytes(const BenchLayout& row);
 // Gives every ddp, zero1 and zero2 row without a --bucket-mb of its own `--bucket-mb mb`.

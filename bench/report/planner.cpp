@@ -679,11 +679,13 @@ std::string describe(const Plan& p) {
     << gib(double(w.optim_state)) << " | activations " << gib(w.activation) << " | buffers " << gib(w.buffers)
     << " | total " << gib(w.total()) << (p.fits ? "  -> fits\n" : "  -> does NOT fit\n");
   o << "communication per step (pipeline rank 0, bytes sent):";
-  for (const auto& [k, b] : p.comm) o << " " << k << " " << gib(double(b));
+  for (const auto& [k, b] : p.comm)
+    if (k != "recv") o << " " << k << " " << gib(double(b));
+  if (p.comm.count("recv")) o << " (and received: " << gib(double(p.comm.at("recv"))) << ")";
   o << "\n  busiest rank: intra-node " << gib(p.intra_bytes) << ", inter-node " << gib(p.inter_bytes) << "\n";
   char buf[256];
   std::snprintf(buf, sizeof buf,
-                "time: compute %.3f s, pipeline bubble %.1f%%, exposed communication %.3f s -> step %.3f s, "
+                "time: compute %.3f s, pipeline bubble %.1f%% of busy time, exposed communication %.3f s -> step %.3f s, "
                 "%.0f tokens/s, MFU %.1f%%\n",
                 p.compute_s, 100 * p.bubble, p.comm_exposed_s, p.step_s, p.tokens_per_s, 100 * p.mfu);
   o << buf;

@@ -172,8 +172,13 @@ double PipelineExecutor::run(const Tensor& idx, const Tensor& targets, double sc
       InFlight& f = it->second;
       if (a.stage == S - 1) f.tape->backward(f.output);
       else f.tape->backward({f.output}, {received});
-      if (a.stage > 0)
-        sends.emplace_back(group_->send(f.input.grad(), schedule_.rank_of(a.stage - 1), tag(a.stage, a.micro, true)), f.input.grad());
+      if (a.stage > 0) {
+        // The input's gradient is an activation's, not a parameter's: charged as one (the tape files
+        // every leaf's .grad under grad), so the grad peak does not hang on when its send completes.
+        const Tensor dx = f.input.grad();
+        dx.storage()->recategorize(MemCategory::activation);
+        sends.emplace_back(group_->send(dx, schedule_.rank_of(a.stage - 1), tag(a.stage, a.micro, true)), dx);
+      }
       live.erase(it);  // the stage's activations for this micro-batch go now
     }
     timeline_.per_rank[size_t(rank)].push_back({a, start, now()});
