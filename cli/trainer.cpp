@@ -258,7 +258,7 @@ int Trainer::run() {
                 (long long)step + 1, (long long)steps_, loss, lr, norm, ms, tps,
                 peak_fl > 0 ? str(" | MFU ", std::round(1000 * mfu) / 10, "%").c_str() : "", ranks.size() > 1 ? "/rank" : "",
                 peak.c_str(), dtype_ == DType::f16 ? str(" | scale ", scale).c_str() : "",
-                applied ? "" : dtype_ == DType::f16 ? " | skipped (overflow)" : " | skipped (non-finite)");
+                applied ? "" : overflowed_ ? " | skipped (overflow)" : " | skipped (non-finite)");
     if (profiled && lead()) print_op_profile(op_times, ms, step + 1, device_);
     std::fflush(stdout);
     json rec = {{"step", step + 1}, {"loss", loss}, {"lr", lr}, {"grad_norm", norm}, {"step_ms", ms},
@@ -527,18 +527,27 @@ double Trainer::model_parallel_grad_norm() {
 // non-finite loss or norm stops the run naming the step and this rank's first non-finite tensor
 // (--on-nonfinite stop), or skips the step and counts it (skip).
 bool Trainer::accept_step(int64_t step, double loss, double grad_norm) {
-  bool finite = std::isfinite(grad_norm) && std::isfinite(loss);
+  bool loss_finite = std::isfinite(loss), norm_finite = std::isfinite(grad_norm);
   // The loss and norm are reduced, so ranks see the same values, but a value only one rank holds
   // (its own loss scale under a pipeline, where only the last stage seeds the backward with it)
   // must not make one stage step and another skip: the ranks decide together.
-  if (metrics_ && world_size_ > 1) finite = world_sum(finite ? 0.0 : 1.0) == 0.0;
-  if (dtype_ == DType::f16) return scaler_.update(!finite);
+  if (metrics_ && world_size_ > 1) {
+    Tensor bad = from_vector<double>({loss_finite ? 0.0 : 1.0, norm_finite ? 0.0 : 1.0}, {2});
+    metrics_->all_reduce(bad, comm::ReduceOp::sum)->wait();
+    const std::vector<double> v = to_vector<double>(bad);
+    loss_finite = v[0] == 0.0, norm_finite = v[1] == 0.0;
+  }
+  const bool finite = loss_finite && norm_finite;
+  // fp16: gradients that overflow at this scale are the loss scaler's (the step is skipped, the
+  // scale backs off); a loss that is not finite is the forward's, which no scale mends: the policy's.
+  overflowed_ = dtype_ == DType::f16 && loss_finite && !finite;
+  if (dtype_ == DType::f16 && loss_finite) return scaler_.update(!finite);
   if (finite) return true;
   if (nonfinite_ == optim::NonFinitePolicy::skip) {
     ++nonfinite_skipped_;
     if (lead())
       std::printf("step %lld: non-finite %s: skipped (%lld skipped so far)\n", (long long)step + 1,
-                  std::isfinite(loss) ? "gradient norm" : "loss", (long long)nonfinite_skipped_);
+                  loss_finite ? "gradient norm" : "loss", (long long)nonfinite_skipped_);
     return false;
   }
   io::NamedTensors grads;

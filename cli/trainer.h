@@ -234,6 +234,7 @@ class Trainer {
   parallel::Fault fault_;
   optim::NonFinitePolicy nonfinite_ = optim::NonFinitePolicy::stop;
   int64_t nonfinite_skipped_ = 0;
+  bool overflowed_ = false;  // the last step was skipped for fp16 gradients that overflowed (the scaler's)
   // the layout: rows are split over dp only
   std::string strategy_ = "single";
   int rank_ = 0, world_size_ = 1;

@@ -198,9 +198,11 @@ void Trainer::save(int64_t next_step) {
   s["train_position"] = train_->position();
   s["train_position_in_rows"] = true;  // row-drawing data: rows (before 2026-11-29: batches)
   s["dropout_stream"] = dropout_generator().next_stream;
-  s["loss_scale"] = scaler_.scale;
-  s["loss_scale_clean_steps"] = scaler_.clean_steps;
-  s["skipped_steps"] = scaler_.skipped_steps;
+  if (dtype_ == DType::f16) {  // the loss scaler's state: fp16's alone
+    s["loss_scale"] = scaler_.scale;
+    s["loss_scale_clean_steps"] = scaler_.clean_steps;
+    s["skipped_steps"] = scaler_.skipped_steps;
+  }
   s["nonfinite_skipped"] = nonfinite_skipped_;
   s["seed"] = seed_;
   s["dtype"] = dtype_name(dtype_);

@@ -112,13 +112,16 @@ void Trainer::configure_loss_scaling() {
   const double fixed = a.f64("loss-scale"), init = a.f64("initial-loss-scale"), min = a.f64("min-loss-scale");
   const double growth = a.f64("loss-scale-growth"), backoff = a.f64("loss-scale-backoff");
   SG_CHECK(fixed == 0 || (std::isfinite(fixed) && fixed > 0), "train: --loss-scale must be > 0 (or 0: dynamic), got ", fixed);
+  // A fixed scale takes none of the dynamic one's flags (they would be read and then ignored).
+  for (const char* f : {"initial-loss-scale", "min-loss-scale", "loss-scale-window", "loss-scale-growth",
+                        "loss-scale-backoff"})
+    SG_CHECK(!fixed || !typed(f), "train: --loss-scale ", fixed, " is a fixed scale; --", f,
+             " is for a dynamic one (give one of them)");
   SG_CHECK(std::isfinite(init) && init > 0, "train: --initial-loss-scale must be > 0, got ", init);
-  SG_CHECK(std::isfinite(min) && min > 0 && min <= init, "train: --min-loss-scale must be > 0 and at most ",
+  SG_CHECK(fixed || (std::isfinite(min) && min > 0 && min <= init), "train: --min-loss-scale must be > 0 and at most ",
            "--initial-loss-scale (", init, "), got ", min);
   SG_CHECK(std::isfinite(growth) && growth >= 1, "train: --loss-scale-growth must be >= 1, got ", growth);
   SG_CHECK(backoff > 0 && backoff <= 1, "train: --loss-scale-backoff must be in (0, 1], got ", backoff);
-  SG_CHECK(!fixed || !typed("initial-loss-scale"), "train: --loss-scale ", fixed, " is a fixed scale; ",
-           "--initial-loss-scale starts a dynamic one (give one of them)");
   scaler_.scale = fixed ? fixed : init;
   scaler_.growth_interval = positive(a, "loss-scale-window");
   scaler_.growth_factor = fixed ? 1.0 : growth;
@@ -604,9 +607,22 @@ void Trainer::restore(const ckpt::Checkpoint* ck) {
       const int64_t position = s.at("train_position").get<int64_t>();
       train_->set_position(train_->draws_rows() && !s.contains("train_position_in_rows") ? position * B_ : position);
       dropout_generator().next_stream = s.at("dropout_stream").get<uint64_t>();
-      if (!a.f64("loss-scale")) scaler_.scale = s.value("loss_scale", scaler_.scale);  // a fixed scale stays fixed
-      scaler_.clean_steps = s.value("loss_scale_clean_steps", int64_t(0));
-      scaler_.skipped_steps = s.value("skipped_steps", int64_t(0));
+      // The scaler goes on where an fp16 run left it (a fixed scale stays fixed); a run without one
+      // (bf16, fp32) left none, and an fp16 resume of it starts from the flags, as a new run would.
+      if (s.value("dtype", std::string(dtype_name(DType::f16))) == dtype_name(DType::f16)) {
+        const double saved = s.value("loss_scale", scaler_.scale);
+        if (!a.f64("loss-scale")) {
+          const auto& inh = a.inherited();
+          const bool typed = a.given("initial-loss-scale") &&
+                             std::find(inh.begin(), inh.end(), "initial-loss-scale") == inh.end();
+          if (typed && saved != scaler_.scale && lead())
+            std::printf("note: the checkpoint's loss scale %g goes on (--initial-loss-scale %g starts a new run's)\n",
+                        saved, scaler_.scale);
+          scaler_.scale = saved;
+        }
+        scaler_.clean_steps = s.value("loss_scale_clean_steps", int64_t(0));
+        scaler_.skipped_steps = s.value("skipped_steps", int64_t(0));
+      }
       nonfinite_skipped_ = s.value("nonfinite_skipped", int64_t(0));
       optimizer_step = s.at("optimizer_step").get<int64_t>();
     } catch (const json::exception& e) {

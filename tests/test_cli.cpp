@@ -1733,6 +1733,28 @@ TEST_CASE("fp16's loss scale follows its flags step by step, resumes where it wa
   refuses(bad + "--dtype fp16 --min-loss-scale 131072", "--min-loss-scale must be > 0 and at most --initial-loss-scale");
   refuses(bad + "--dtype fp16 --loss-scale-window 0", "--loss-scale-window");
   refuses(bad + "--dtype fp16 --loss-scale 8 --initial-loss-scale 16", "give one of them");
+  refuses(bad + "--dtype fp16 --loss-scale 1e6 --min-loss-scale 1e5",
+          "--loss-scale 1e+06 is a fixed scale; --min-loss-scale is for a dynamic one");  // not checked against 65536
+  refuses(bad + "--dtype fp16 --loss-scale 8 --loss-scale-window 4", "--loss-scale-window is for a dynamic one");
+  // A loss that is not finite is the forward's (the f16 weights overflowed at this learning rate),
+  // not the scaler's: --on-nonfinite's, which stops by default (it skipped every step, exit 0)
+  const std::string blowup = bad + "--dtype fp16 --lr 1e5 --warmup-steps 0 --lr-schedule constant --steps 4";
+  refuses(blowup, "(--on-nonfinite stop)", 1);
+  Run skip = shardgrad("train " + kSmall + " --dtype fp16 --lr 1e5 --warmup-steps 0 --lr-schedule constant --steps 4 "
+                       "--on-nonfinite skip");
+  INFO(skip.output);
+  REQUIRE(skip.code == 0);
+  CHECK(skip.output.find("non-finite loss: skipped") != std::string::npos);
+  CHECK(skip.output.find("| skipped (non-finite)") != std::string::npos);
+  CHECK(skip.output.find("| skipped (overflow)") == std::string::npos);
+  // A bf16 checkpoint holds no loss scale: resumed in fp16, the typed one applies
+  const std::string half = (d.path / "half").string();
+  REQUIRE(shardgrad("train " + kSmall + " --dtype bf16 --steps 4 --stop-at 2 --save " + half).code == 0);
+  Run fp16 = shardgrad("train --resume auto --save " + half + " --dtype fp16 --initial-loss-scale 8 --log-json " +
+                       (d.path / "h.jsonl").string());
+  INFO(fp16.output);
+  REQUIRE(fp16.code == 0);
+  for (const auto& rec : read_log(d.path / "h.jsonl")) CHECK(rec["loss_scale"].get<double>() <= 8);
   refuses(bad + "--dtype fp16 --loss-scale -2", "--loss-scale must be > 0 (or 0: dynamic), got -2");
 }
 
