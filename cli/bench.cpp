@@ -113,6 +113,13 @@ std::string failure_reason(const std::string& output, int code) {
   return "exit status " + std::to_string(code) + (last.empty() ? "" : ": " + last);
 }
 
+// ", host N GiB offloaded" for a measured layout whose state went to host memory (--offload).
+std::string host_note(const json& measured) {
+  if (!measured.contains("mem_host_peak")) return "";
+  return str(", rank 0's host ", double(measured["mem_host_peak"].value("total", int64_t(0))) / double(1 << 30),
+             " GiB (offloaded)");
+}
+
 // The planner's figures for a row; `common` holds the flags every row shares (the micro-batch).
 json predicted(report::BenchLayout row, const std::string& common, const report::ModelShape& model, int64_t batch,
                const std::string& dtype) {
@@ -353,8 +360,9 @@ int bench_main(int argc, char** argv) {
         r["measured"] = report::summarise_simulation(records[0]);
         double sent = 0;
         for (const auto& [kind, b] : r["measured"]["comm_per_step"][0].items()) sent += kind == "recv" ? 0 : b.get<double>();
-        std::printf("rank 0: peak %.3f GiB, %.3f GiB sent per step\n",
-                    double(r["measured"]["mem_peak"][0].value("total", int64_t(0))) / double(1 << 30), sent / double(1 << 30));
+        std::printf("rank 0: peak %.3f GiB, %.3f GiB sent per step%s\n",
+                    double(r["measured"]["mem_peak"][0].value("total", int64_t(0))) / double(1 << 30), sent / double(1 << 30),
+                    host_note(r["measured"]).c_str());
       } else if (code == 0 && !records.empty()) {
         r["status"] = "ok";
         r["measured"] = report::summarise_log(records, int(warmup));
@@ -372,7 +380,7 @@ int bench_main(int argc, char** argv) {
                     r["measured"]["tokens_per_s"].get<double>());
         if (r["measured"].contains("bubble"))
           std::printf(", bubble %.1f%% of busy time", 100 * r["measured"]["bubble"].get<double>());
-        std::printf("\n");
+        std::printf("%s\n", host_note(r["measured"]).c_str());
       } else {
         // Refused: train said why before its setup was done (its header line); anything else that
         // ended the run (an error in a step, a process that died) failed.

@@ -82,6 +82,12 @@ TEST_CASE("a layout's summary drops warm-up steps: medians, largest peaks, bytes
   s = sg::report::summarise_log(log, 2);
   CHECK(s["step_ms"].get<double>() == 5.5);
   CHECK(s["tokens_per_s"].get<double>() == Approx(1000.0 / 5.5));
+  CHECK_FALSE(s.contains("mem_host_peak"));
+  // --offload: rank 0's host ledger, its largest peak over the measured steps
+  for (size_t i = 0; i < log.size(); ++i)
+    log[i]["mem_host"] = {{"optim_state", {{"current", 7}, {"peak", i == 0 ? 900 : 100 + int64_t(i)}}}};
+  s = sg::report::summarise_log(log, 2);
+  CHECK(s["mem_host_peak"]["optim_state"] == 105);  // not the warm-up step's 900
 }
 
 TEST_CASE("bench --repeat: medians over the passes with their range, the first pass's bytes, a failed pass named") {
@@ -595,15 +601,22 @@ TEST_CASE("bench predicts a matrix row with its own --dtype and --batch-size", "
   fs::remove_all(dir);
   fs::create_directories(dir);
   std::ofstream(dir / "m.json") << R"([{"name": "bf16", "ranks": 2, "args": "--strategy zero2 --dtype bf16"},
-                                       {"name": "b32", "ranks": 2, "args": "--strategy zero2 --batch-size 32"}])";
+                                       {"name": "b32", "ranks": 2, "args": "--strategy zero2 --batch-size 32"},
+                                       {"name": "off", "ranks": 2, "args": "--strategy zero2 --offload optimizer"}])";
   const std::string cmd = std::string(SG_BINARY) + " bench --simulate --matrix " + (dir / "m.json").string() +
-                          " --report none --out " + (dir / "r").string() + " > " + (dir / "out.txt").string() + " 2>&1";
+                          " --out " + (dir / "r").string() + " > " + (dir / "out.txt").string() + " 2>&1";
   const int status = std::system(cmd.c_str());
   INFO(read_text(dir / "out.txt"));
   REQUIRE(WIFEXITED(status));
   REQUIRE(WEXITSTATUS(status) == 0);
   const json res = json::parse(read_text(dir / "r.json"));
-  REQUIRE(res["layouts"].size() == 2);
+  REQUIRE(res["layouts"].size() == 3);
+  // the offloaded optimizer state: none on the device, predicted or measured, and shown on the host
+  const json& off = res["layouts"][2]["measured"];
+  CHECK(off["mem_host_peak"]["optim_state"].get<int64_t>() > 0);
+  CHECK(res["layouts"][2]["predicted"]["optim_state"] == 0);
+  CHECK(read_text(dir / "out.txt").find("GiB (offloaded)") != std::string::npos);
+  CHECK(read_text(dir / "r.html").find("; host ") != std::string::npos);
   for (const auto& r : res["layouts"]) {
     INFO(r["name"]);
     const json &m = r["measured"], &p = r["predicted"];

@@ -94,6 +94,14 @@ nlohmann::json summarise_log(const std::vector<nlohmann::json>& steps, int warmu
   s["tokens_per_s"] = ms.empty() ? 0.0 : tokens * 1e3 / median(ms);
   if (!steps.empty()) s["loss_last"] = steps.back().at("loss");
   if (!bubbles.empty()) s["bubble"] = median(bubbles);
+  // --offload: rank 0's host ledger (the offloaded state), its peaks over the measured steps
+  if (!ms.empty() && steps.back().contains("mem_host")) {
+    nlohmann::json host = nlohmann::json::object();
+    for (size_t i = first; i < steps.size(); ++i)
+      for (const auto& [cat, v] : steps[i].value("mem_host", nlohmann::json::object()).items())
+        host[cat] = std::max(host.value(cat, int64_t(0)), v.at("peak").get<int64_t>());
+    s["mem_host_peak"] = host;
+  }
   if (ms.empty() || !steps.back().contains("ranks")) return s;
   // Peaks: the largest per-step peak over the measured steps, per rank and category.
   const auto& last = steps.back()["ranks"];
@@ -134,6 +142,7 @@ nlohmann::json summarise_simulation(const nlohmann::json& record) {
   s["mem_peak"] = mem;
   s["mem_end"] = end;  // held after the last step, as summarise_log's
   s["comm_per_step"] = comm;
+  if (record.at("ranks").at(0).contains("host_peak")) s["mem_host_peak"] = record["ranks"][0]["host_peak"];  // rank 0's
   return s;
 }
 

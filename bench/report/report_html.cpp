@@ -248,11 +248,11 @@ std::string results_html(const nlohmann::json& results) {
     table << "</td>";
     if (r.contains("predicted") && r["predicted"].contains("param") && m.contains("mem_peak")) {
       const auto& p = r["predicted"];
-      auto cell = [&](const char* what, double want, double got, double peak = 0) {
+      auto cell = [&](const char* what, double want, double got, double peak = 0, const std::string& extra = "") {
         table << "<td title='" << what << "'>" << human(want, "B") << " / " << human(got, "B");
         if (got > 0) table << " (" << std::lround(100 * (want - got) / got) << "%)";
         if (peak > got) table << "; peak " << human(peak, "B");
-        table << "</td>";
+        table << extra << "</td>";
       };
       // The parameters the rank keeps between steps (the planner's figure), and, where units are
       // gathered during the step (ZeRO-3/FSDP), their peak.
@@ -261,7 +261,11 @@ std::string results_html(const nlohmann::json& results) {
         cell("param", p["param"].get<double>(), double(m["mem_end"][0].value("param", int64_t(0))), param_peak);
       else
         cell("param", p["param"].get<double>(), param_peak);
-      cell("optimizer", p["optim_state"].get<double>(), double(m["mem_peak"][0].value("optim_state", int64_t(0))));
+      // --offload: what went to host memory, beside what stayed on the device
+      const std::string host = m.contains("mem_host_peak")
+                                   ? "; host " + human(double(m["mem_host_peak"].value("optim_state", int64_t(0))), "B")
+                                   : std::string();
+      cell("optimizer", p["optim_state"].get<double>(), double(m["mem_peak"][0].value("optim_state", int64_t(0))), 0, host);
       cell("activation", p["activation"].get<double>(), double(m["mem_peak"][0].value("activation", int64_t(0))));
       double sent = 0;
       for (const auto& k : kinds) sent += m["comm_per_step"][0].value(k, 0.0);
