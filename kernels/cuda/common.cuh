@@ -51,7 +51,7 @@ void launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t shmem, Stream st
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;  // (their product could wrap in 32 bits)
   SG_CHECK(grid.y <= 65535 && grid.z <= 65535, "CUDA launch: grid (", grid.x, ", ", grid.y, ", ", grid.z,
            "): gridDim.y and gridDim.z are at most 65535 (the emulation refuses it too)");
-  if (shmem > 48 * 1024) allow_dynamic_shared(reinterpret_cast<const void*>(kernel), shmem);
+  if (shmem > 0) allow_dynamic_shared(reinterpret_cast<const void*>(kernel), shmem);  // static + dynamic > 48 KiB
   kernel<<<grid, block, shmem, stream>>>(static_cast<P>(args)...);
   SG_CUDA_CHECK(cudaGetLastError());
 }

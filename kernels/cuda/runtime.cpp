@@ -290,7 +290,12 @@ void allow_dynamic_shared(const void* kernel, size_t shmem) {
   std::lock_guard<std::mutex> lock(mu);
   size_t& have = allowed[{kernel, device}];
   if (have >= shmem) return;
-  SG_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shmem)));
+  // Without the attribute a block gets 48 KiB in all, its static shared memory included: a kernel
+  // with static arrays needs it below 48 KiB of dynamic.
+  cudaFuncAttributes attr{};
+  SG_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  if (shmem + attr.sharedSizeBytes > 48 * 1024)
+    SG_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shmem)));
   have = shmem;
 }
 

@@ -122,7 +122,8 @@ void set_flash_forward_kind(FlashForward kind);
 FlashForward flash_forward_kind();
 
 // Lets kernel take shmem bytes of dynamic shared memory (cudaFuncAttributeMaxDynamicSharedMemorySize,
-// needed above 48 KiB) on the current device; once per kernel, size and device. launch() calls it.
+// needed once static + dynamic exceed 48 KiB) on the current device; once per kernel, size and
+// device. launch() calls it for every launch with dynamic shared memory.
 void allow_dynamic_shared(const void* kernel, size_t shmem);
 
 #ifdef SG_CUDA_KERNELS

@@ -136,6 +136,9 @@ T* shared_array(size_t count) {
   const size_t align = alignof(T) < 16 ? 16 : alignof(T);
   const size_t off = (t.shared_offset + align - 1) / align * align;
   if (off + count * sizeof(T) > kStaticShared) fail("static shared memory over 48 KiB");
+  // a block's static and dynamic shared memory together: sm_90's most (launch() opts in past 48 KiB)
+  if (off + count * sizeof(T) + t.grid->dynamic_shared.size() > kMaxDynamicShared)
+    fail("static + dynamic shared memory over 227 KiB");
   t.shared_offset = off + count * sizeof(T);
   return reinterpret_cast<T*>(t.grid->static_shared.data() + off);
 }
