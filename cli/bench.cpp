@@ -113,7 +113,7 @@ std::string failure_reason(const std::string& output, int code) {
   return "exit status " + std::to_string(code) + (last.empty() ? "" : ": " + last);
 }
 
-// ", host N GiB offloaded" for a measured layout whose state went to host memory (--offload).
+// ", rank 0's host N GiB (offloaded)" for a layout whose state went to host memory (--offload).
 std::string host_note(const json& measured) {
   if (!measured.contains("mem_host_peak")) return "";
   return str(", rank 0's host ", double(measured["mem_host_peak"].value("total", int64_t(0))) / double(1 << 30),

@@ -41,12 +41,12 @@ int export_main(int argc, char** argv) {
   // beside the weights (model.safetensors; the head ties to wte, as here). One that is there
   // already must describe this model: checked before anything is written.
   nlohmann::json config = {{"architectures", {"GPT2LMHeadModel"}}, {"model_type", "gpt2"},
-                                 {"vocab_size", cfg.vocab_size},       {"n_positions", cfg.block_size},
-                                 {"n_ctx", cfg.block_size},            {"n_embd", cfg.n_embd},
-                                 {"n_layer", cfg.n_layer},             {"n_head", cfg.n_head},
-                                 {"activation_function", "gelu_new"},  {"layer_norm_epsilon", cfg.ln_eps},
-                                 {"tie_word_embeddings", true},        {"resid_pdrop", 0.0},
-                                 {"embd_pdrop", 0.0},                  {"attn_pdrop", 0.0}};
+                           {"vocab_size", cfg.vocab_size},       {"n_positions", cfg.block_size},
+                           {"n_ctx", cfg.block_size},            {"n_embd", cfg.n_embd},
+                           {"n_layer", cfg.n_layer},             {"n_head", cfg.n_head},
+                           {"activation_function", "gelu_new"},  {"layer_norm_epsilon", cfg.ln_eps},
+                           {"tie_word_embeddings", true},        {"resid_pdrop", 0.0},
+                           {"embd_pdrop", 0.0},                  {"attn_pdrop", 0.0}};
   // GPT-2's tokenizer ends a text with <|endoftext|>, id 50256; a model with fewer rows (bytes, the
   // synthetic task) has no such token: null, not transformers' default 50256, past its vocabulary.
   const nlohmann::json end_of_text = cfg.vocab_size > 50256 ? nlohmann::json(50256) : nlohmann::json(nullptr);

@@ -353,7 +353,8 @@ __global__ void norm_backward_partial_kernel(float* partial, const T* dy, const 
 // C = 768 where one thread per column walking all the chunks left most of the GPU idle.
 constexpr int kFinishLanes = 16;
 template <class T>
-__global__ void __launch_bounds__(32 * kFinishLanes) norm_backward_finish_kernel(T* dw, T* db, const float* partial, int64_t chunks, int64_t C) {
+__global__ void __launch_bounds__(32 * kFinishLanes)
+    norm_backward_finish_kernel(T* dw, T* db, const float* partial, int64_t chunks, int64_t C) {
   SG_SHARED(float, sums, 2 * kFinishLanes * 32);
   const int tx = int(threadIdx.x) % 32, ty = int(threadIdx.x) / 32;
   const int64_t c = int64_t(blockIdx.x) * 32 + tx;

@@ -50,7 +50,8 @@ __global__ void reduce_rows_kernel(Reduce op, O* out, const I* x, int64_t n, int
 constexpr int kColumns = 32;
 
 template <class T>
-__global__ void __launch_bounds__(1024) reduce_columns_kernel(Reduce op, T* out, const T* x, int64_t n, int64_t inner, int64_t tiles) {
+__global__ void __launch_bounds__(1024)
+    reduce_columns_kernel(Reduce op, T* out, const T* x, int64_t n, int64_t inner, int64_t tiles) {
   SG_SHARED(float, partial, 32 * kColumns);
   const int64_t o = int64_t(blockIdx.x) / tiles, col = (int64_t(blockIdx.x) % tiles) * kColumns + threadIdx.x;
   const int lanes = int(blockDim.y), lane = int(threadIdx.y);
