@@ -1,5 +1,7 @@
 #include "models/module.h"
 
+#include <set>
+
 #include "autograd/ops.h"
 #include "autograd/tape.h"
 
@@ -10,10 +12,25 @@ void Module::collect(const std::string& prefix, NamedTensors& out, bool buffers)
   for (const auto& [n, m] : children_) m->collect(prefix + n + ".", out, buffers);
 }
 
-NamedTensors Module::named_parameters() const {
+namespace {
+
+// Each tensor once, under the first name it is reached by (a module registered twice, a weight
+// shared): PyTorch's named_parameters(remove_duplicate=True). Counted twice, an optimizer would
+// step it twice and a global norm count it twice.
+NamedTensors first_names(NamedTensors all) {
+  std::set<const void*> seen;
   NamedTensors out;
-  collect("", out, false);
+  for (auto& [n, t] : all)
+    if (seen.insert(t.impl()).second) out.emplace_back(std::move(n), std::move(t));
   return out;
+}
+
+}  // namespace
+
+NamedTensors Module::named_parameters() const {
+  NamedTensors all;
+  collect("", all, false);
+  return first_names(std::move(all));
 }
 
 std::vector<Tensor> Module::parameters() const {
@@ -23,9 +40,9 @@ std::vector<Tensor> Module::parameters() const {
 }
 
 NamedTensors Module::named_buffers() const {
-  NamedTensors out;
-  collect("", out, true);
-  return out;
+  NamedTensors all;
+  collect("", all, true);
+  return first_names(std::move(all));
 }
 
 int64_t Module::num_parameters() const {

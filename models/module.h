@@ -17,7 +17,7 @@ using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
 class Module {
  public:
   virtual ~Module() = default;
-  NamedTensors named_parameters() const;  // registration order, depth first
+  NamedTensors named_parameters() const;  // registration order, depth first; a shared tensor once
   std::vector<Tensor> parameters() const;
   NamedTensors named_buffers() const;
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> named_children() const { return children_; }

@@ -68,7 +68,8 @@ void DistributedDataParallel::on_grad_ready(size_t i) {
     abandon_step();
     throw Error(str("ddp: '", params_[i].first, "' got a second gradient before finish_gradients: a backward ran ",
                     "again with synchronisation on (accumulate with set_sync(false) on every backward but the last, ",
-                    "PyTorch's no_sync); this step's gradients are dropped"));
+                    "PyTorch's no_sync), or the last backward's finish_gradients() was never called; this step's ",
+                    "gradients are dropped"));
   }
   marked_[i] = 1;
   Bucket& b = buckets_[bucket_of_[i]];

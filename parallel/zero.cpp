@@ -133,8 +133,8 @@ void ZeroOptimizer::on_grad_ready(size_t i) {
   if (marked_[i]) {
     abandon_step();
     throw Error(str("zero: '", params_[i].first, "' got a second gradient before finish_gradients: a backward ran ",
-                    "again with synchronisation on (accumulate with set_sync(false) on every backward but the last); ",
-                    "this step's gradients are dropped"));
+                    "again with synchronisation on (accumulate with set_sync(false) on every backward but the last), ",
+                    "or the last backward's finish_gradients() was never called; this step's gradients are dropped"));
   }
   marked_[i] = 1;
   for (size_t k : stripes_of_[i])
@@ -253,7 +253,7 @@ void ZeroOptimizer::reduce_micro_batch() {
 void ZeroOptimizer::abandon_step() {
   for (size_t k : in_flight_) {
     try {
-      stripes_[k].work->wait();  // the peers issued it too: let it finish before its buffer goes
+      if (stripes_[k].work) stripes_[k].work->wait();  // the peers issued it too: let it finish first
     } catch (const Error&) {
     }
     stripes_[k].work.reset();
@@ -302,6 +302,13 @@ double ZeroOptimizer::grad_norm() {
 }
 
 void ZeroOptimizer::step(double lr, double grad_scale) {
+  // A backward's reduce-scatters not finished: the step would read unreduced gradients, and its
+  // all-gathers reuse stripe buffers a reduce-scatter may still be writing.
+  if (!in_flight_.empty() || std::any_of(marked_.begin(), marked_.end(), [](char m) { return m != 0; })) {
+    abandon_step();
+    throw Error("zero: step() before finish_gradients(): the backward's gradients are not reduced yet (call "
+                "finish_gradients() after the last backward of the step); this step's gradients are dropped");
+  }
   autograd::NoGradGuard ng;
   ++step_;
   optim::AdamWBatch batch(adam_, lr, grad_scale, step_);

@@ -139,7 +139,8 @@ class ZeroOptimizer {
   // world it is the model's. Call after finish_gradients()/reduce_now().
   double grad_sum_squares(const GradWeight& weight = {}) const;
   // AdamW on the owned shard (gradients multiplied by grad_scale first), then the updated shards
-  // are all-gathered into every rank's full parameters.
+  // are all-gathered into every rank's full parameters. After finish_gradients()/reduce_now():
+  // called with a backward's reductions unfinished (stage 2) it throws, dropping those gradients.
   void step(double lr, double grad_scale = 1.0);
   // Drops the full .grad tensors and zeroes the shard gradient (stage 2 keeps its allocation).
   void zero_grad();

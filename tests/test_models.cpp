@@ -358,3 +358,18 @@ TEST_CASE("golden: tiny GPT logits, loss, every gradient and 3 AdamW steps match
     REQUIRE(err < 1e-4);
   }
 }
+
+// A module registered under two names (or a weight shared): each tensor once, under its first
+// name, as PyTorch's named_parameters(); an optimizer over them steps it once.
+TEST_CASE("named_parameters lists a shared tensor once, under its first name", "[models]") {
+  struct Twice : nn::Module {
+    std::shared_ptr<nn::Linear> l = register_module("a", std::make_shared<nn::Linear>(2, 2, true));
+    Twice() { register_module("b", l); }
+  };
+  Twice m;
+  const auto named = m.named_parameters();
+  REQUIRE(named.size() == 2);
+  CHECK(named[0].first == "a.weight");
+  CHECK(named[1].first == "a.bias");
+  CHECK(m.parameters().size() == 2);
+}

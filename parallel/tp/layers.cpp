@@ -129,10 +129,13 @@ Tensor VocabParallelEmbedding::forward(const Tensor& idx) const {
            "VocabParallelEmbedding: indices must be i32/i64, got ", idx.describe());
   // Local row ids and the in-range mask are made on the host: [B, T] integers, small next to
   // the [B, T, C] lookup.
-  const int64_t start = vocab_start(), rows = weight.size(0);
+  const int64_t start = vocab_start(), rows = weight.size(0), all_rows = rows * group->size();
   std::vector<int64_t> ids = to_vector<int64_t>(idx), local(ids.size());
   std::vector<float> keep(ids.size());
   for (size_t k = 0; k < ids.size(); ++k) {
+    // Past the whole table, an id would be no rank's: a zero row, where one process refuses it.
+    SG_CHECK(ids[k] >= 0 && ids[k] < all_rows, "VocabParallelEmbedding: index ", ids[k], " out of range for a table of ",
+             all_rows, " rows (", rows, " on each of ", group->size(), " ranks)");
     const bool mine = ids[k] >= start && ids[k] < start + rows;
     local[k] = mine ? ids[k] - start : 0;
     keep[k] = mine ? 1.0f : 0.0f;

@@ -196,6 +196,10 @@ TEST_CASE("VocabParallelEmbedding equals nn::Embedding; ids outside a rank's row
     autograd::NoGradGuard ng;
     REQUIRE(max_abs(y, full.forward(idx)) < 1e-6);
     REQUIRE(max_abs(emb.weight.grad(), narrow(full.weight.grad(), 0, 4 * r, 4)) < 1e-5);
+    // an id past the whole table is refused, as nn::Embedding refuses it (it was a zero row)
+    for (int64_t bad : {V, int64_t(-3)})
+      REQUIRE_THROWS_WITH(emb.forward(from_vector<int64_t>({bad}, {1, 1})),
+                          Catch::Contains("VocabParallelEmbedding: index " + std::to_string(bad) + " out of range"));
   }
 }
 

@@ -565,6 +565,15 @@ TEST_CASE("zero2 refuses a second synchronised backward, and the step after the 
     zero.set_sync(true);
     zero.finish_gradients();
     zero.zero_grad();
+    // a step before finish_gradients: refused (it read unreduced gradients and reused stripe
+    // buffers a reduce-scatter was still writing); the backward's gradients are dropped
+    backward();
+    REQUIRE_THROWS_WITH(zero.step(1e-3), Catch::Contains("step() before finish_gradients()"));
+    backward();
+    zero.finish_gradients();
+    CHECK(zero.grad_norm() == want);
+    zero.step(1e-3);
+    zero.zero_grad();
   }
   parallel::ZeroOptions zo;
   zo.stage = 1;
