@@ -238,6 +238,10 @@ void FullyShardedDataParallel::shard_units() {
   const size_t elem = dtype_size(dtype_);
 
   autograd::NoGradGuard ng;
+  for (const Unit& u : units_)  // before anything moves: a second wrapper would take the first one's storage
+    SG_CHECK(!u.first || (!u.first->pre_forward && !u.last->post_forward), "fsdp: the unit holding '",
+             u.params[0].first, "' is wrapped by another FullyShardedDataParallel already (its forward hooks are "
+             "set): wrap a module once");
   for (size_t k = 0; k < units_.size(); ++k) {
     Unit& u = units_[k];
     const Device dev = u.params[0].second.device();
@@ -298,6 +302,7 @@ void FullyShardedDataParallel::shard_units() {
         if (alive.lock()) on_grad_ready(k, i);
       });
     if (!u.first) continue;  // the pipeline's roots: gather_roots()
+    u.hooked = true;
     u.first->pre_forward = [this, k, alive] {
       if (!alive.lock()) return;
       // The previous backward's last reductions (the root's, issued as it ended) give their
@@ -327,9 +332,10 @@ FullyShardedDataParallel::~FullyShardedDataParallel() {
   for (auto& u : units_)
     if (u.gathering) u.gathering->wait();
   *alive_ = false;
-  for (auto& u : units_) {
-    if (u.first) u.first->pre_forward = nullptr;
-    if (u.last) u.last->post_forward = nullptr;
+  for (auto& u : units_) {  // only the hooks this wrapper set (not another's, should this one have failed)
+    if (!u.hooked) continue;
+    u.first->pre_forward = nullptr;
+    u.last->post_forward = nullptr;
   }
 }
 

@@ -220,6 +220,7 @@ class FullyShardedDataParallel {
     std::string name;
     nn::Module* first = nullptr;  // pre_forward gathers (no hooks when null: the pipeline's roots)
     nn::Module* last = nullptr;   // post_forward releases and wraps
+    bool hooked = false;          // this wrapper set first's and last's hooks
     bool root = false;
     int first_block = -1, last_block = -1;  // a block unit's run, h.first_block .. h.last_block
     bool deferred = false;        // reduced by finish_gradients() only (the pipeline's roots; shard_grad_op's units)

@@ -613,3 +613,19 @@ TEST_CASE("full_shard and shard_grad_op across dp with tp 2 (with and without se
     }
   }
 }
+
+// A module wrapped twice: refused before the second wrapper moves anything, and the first one's
+// hooks stay (a failed second wrapper used to clear them on its way out).
+TEST_CASE("fsdp refuses a module another FullyShardedDataParallel wraps, leaving that one working", "[fsdp]") {
+  auto w = world();
+  nn::GPT model(testing::tiny_gpt());
+  model.init_weights(1);
+  optim::AdamWConfig oc;
+  parallel::FullyShardedDataParallel first(model, w, oc, parallel::FsdpOptions{});
+  REQUIRE_THROWS_WITH(parallel::FullyShardedDataParallel(model, w, oc, parallel::FsdpOptions{}),
+                      Catch::Contains("is wrapped by another FullyShardedDataParallel already"));
+  Tensor idx, tgt;
+  batch(0, idx, tgt);
+  autograd::NoGradGuard ng;
+  CHECK(std::isfinite(item(model.loss(idx, tgt))));  // the first wrapper still gathers its units
+}
