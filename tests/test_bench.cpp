@@ -84,8 +84,12 @@ TEST_CASE("a layout's summary drops warm-up steps: medians, largest peaks, bytes
   CHECK(s["tokens_per_s"].get<double>() == Approx(1000.0 / 5.5));
   CHECK_FALSE(s.contains("mem_host_peak"));
   // --offload: rank 0's host ledger, its largest peak over the measured steps
-  for (size_t i = 0; i < log.size(); ++i)
-    log[i]["mem_host"] = {{"optim_state", {{"current", 7}, {"peak", i == 0 ? 900 : 100 + int64_t(i)}}}};
+  for (size_t i = 0; i < log.size(); ++i) {
+    json cat = json::object();
+    cat["current"] = 7;
+    cat["peak"] = i == 0 ? 900 : 100 + int64_t(i);
+    log[i]["mem_host"] = json::object({{"optim_state", cat}});
+  }
   s = sg::report::summarise_log(log, 2);
   CHECK(s["mem_host_peak"]["optim_state"] == 105);  // not the warm-up step's 900
 }

@@ -97,9 +97,11 @@ nlohmann::json summarise_log(const std::vector<nlohmann::json>& steps, int warmu
   // --offload: rank 0's host ledger (the offloaded state), its peaks over the measured steps
   if (!ms.empty() && steps.back().contains("mem_host")) {
     nlohmann::json host = nlohmann::json::object();
-    for (size_t i = first; i < steps.size(); ++i)
-      for (const auto& [cat, v] : steps[i].value("mem_host", nlohmann::json::object()).items())
+    for (size_t i = first; i < steps.size(); ++i) {
+      if (!steps[i].contains("mem_host")) continue;
+      for (const auto& [cat, v] : steps[i]["mem_host"].items())  // (a temporary's items() would dangle)
         host[cat] = std::max(host.value(cat, int64_t(0)), v.at("peak").get<int64_t>());
+    }
     s["mem_host_peak"] = host;
   }
   if (ms.empty() || !steps.back().contains("ranks")) return s;
