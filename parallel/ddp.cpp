@@ -120,7 +120,10 @@ void DistributedDataParallel::reduce_now() {
 }
 
 void DistributedDataParallel::finish_gradients() {
-  if (!sync_) return;
+  // Under set_sync(false) nothing was launched and nothing would be: the step would take each
+  // rank's own gradients, and the replicas drift apart without a word.
+  SG_CHECK(sync_, "ddp: finish_gradients() under set_sync(false) reduces nothing: set_sync(true) before the step's ",
+           "last backward (PyTorch's no_sync covers all but the last), or call reduce_now()");
   // Called again with nothing new: every gradient is still a view of the buckets handed out last.
   // (weak handles: a buffer freed since, its address reused, is not mistaken for it)
   bool again = std::none_of(marked_.begin(), marked_.end(), [](char m) { return m; }) &&

@@ -218,7 +218,8 @@ void ZeroOptimizer::reap() {
 }
 
 void ZeroOptimizer::finish_gradients() {
-  if (!sync_) return;
+  SG_CHECK(sync_, "zero: finish_gradients() under set_sync(false) reduces nothing: set_sync(true) before the step's ",
+           "last backward (PyTorch's no_sync covers all but the last), or call reduce_now()");
   // Stage 2 with no stripe launched and no gradient anywhere: nothing since the last call (whose
   // reduce-scatters freed the gradients), and reducing again would write zeros over the shard.
   const bool nothing = opt_.stage == 2 && std::none_of(stripes_.begin(), stripes_.end(), [](const Stripe& s) {
