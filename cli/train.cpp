@@ -153,8 +153,13 @@ int train_main(int argc, char** argv) {
     parallel::watchdog::disarm();
     throw;
   }
+  {
+    // MPI's finalize waits for every rank: one stalled after the last collective would hang the
+    // job (and launch) with no word, so the watchdog stays on until it returns.
+    parallel::watchdog::Waiting w("MPI's finalize (every rank leaves together)");
+    comm::finalize();  // a no-op unless this run initialised MPI
+  }
   parallel::watchdog::disarm();
-  comm::finalize();  // a no-op unless this run initialised MPI
   return rc;
 }
 

@@ -252,9 +252,16 @@ void Trainer::join_world() {
       }
       metrics_ = world_->split(0, rank_);  // losses and barriers: kept out of the gradient counters
     } else {
-      comm::init();
-      world_ = comm::MpiProcessGroup::world();
-      metrics_ = world_->split(0, world_->rank());  // losses and barriers: kept out of the gradient counters
+      // Joining is collective: a rank stalled before it would hang the others in MPI_Init, so the
+      // watchdog is on first (the rank as mpirun numbers it, until MPI says).
+      const char* launched_rank = std::getenv("OMPI_COMM_WORLD_RANK");
+      parallel::watchdog::arm(a.f64("comm-timeout"), launched_rank ? std::atoi(launched_rank) : 0);
+      {
+        parallel::watchdog::Waiting w("MPI's initialisation (every rank joins)");
+        comm::init();
+        world_ = comm::MpiProcessGroup::world();
+        metrics_ = world_->split(0, world_->rank());  // losses and barriers: kept out of the gradient counters
+      }
       rank_ = world_->rank();
       world_size_ = world_->size();
       if (nccl) {

@@ -43,10 +43,15 @@ void check_loop() {
   // Each tick, whether the process used a tenth of a core or more since the last one: busy.
   double cpu_before = cpu_seconds();
   Clock::time_point tick_before = Clock::now(), last_busy = tick_before;
+  // A 100 ms sleep that took seconds: this process was stopped (SIGSTOP) or starved, for that long.
+  double frozen_s = 0;
+  Clock::time_point frozen_end{};
   while (armed.load()) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     std::lock_guard<std::mutex> g(mu);
     const Clock::time_point now = Clock::now();
+    if (const double gap = std::chrono::duration<double>(now - tick_before).count(); gap >= 2.0)
+      frozen_s = gap, frozen_end = now;
     const double cpu_now = cpu_seconds();
     if (cpu_now - cpu_before >= 0.1 * std::chrono::duration<double>(now - tick_before).count()) last_busy = now;
     cpu_before = cpu_now, tick_before = now;
@@ -59,7 +64,14 @@ void check_loop() {
       idle = std::min(idle, std::chrono::duration<double>(now - last_busy).count());
       if (idle < limit) continue;
     }
-    if (!waits.empty()) {
+    if (!waits.empty() && frozen_end >= last && frozen_s >= std::max(2.0, limit / 2)) {
+      // Its peers waited on it: this process itself did not run (SIGSTOP, or starved of CPU), and
+      // its own waits are stale.
+      std::fprintf(stderr,
+                   "shardgrad: rank %d: FAILED: this process was stopped for %.0f s (SIGSTOP, or starved of the "
+                   "CPU) at step %lld; aborting the job (--comm-timeout %.0f)\n",
+                   my_rank, frozen_s, (long long)at_step + 1, limit);
+    } else if (!waits.empty()) {
       // the outermost wait names the phase, the innermost the operation it is stuck in
       std::string what = waits.begin()->second;
       if (waits.size() > 1) what += " (" + waits.rbegin()->second + ")";
