@@ -1,11 +1,13 @@
 #include "parallel/sharded_checkpoint.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include "autograd/ops.h"
 #include "autograd/tape.h"
@@ -181,10 +183,13 @@ std::string save_in_phases(const std::string& run_dir, int64_t step, const std::
     } catch (const std::exception& e) {
       error = e.what();
     }
-    if (agree(!error.empty()))
-      throw Error(!error.empty() ? error
-                                 : str("checkpoint: step ", step, " was not saved: another rank failed (its error is ",
-                                       "in its own output); ", run_dir, " keeps the previous checkpoint"));
+    if (!agree(!error.empty())) return;
+    // The rank that failed reports first: the others' errors end the job (MPI_Abort), which could
+    // take it down before its own message (a full disk, say) was printed.
+    if (error.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    throw Error(!error.empty() ? error
+                               : str("checkpoint: step ", step, " was not saved: another rank failed (its error is ",
+                                     "in its own output); ", run_dir, " keeps the previous checkpoint"));
   };
   phase([&] {
     if (rank != 0) return;
