@@ -639,6 +639,7 @@ std::vector<int64_t> counts(const std::vector<double>& sums, size_t from) {  // 
 }  // namespace
 
 json Trainer::evaluate(int64_t step) {
+  parallel::watchdog::beat("the evaluation", step - 1);  // a rank stuck here is named in it
   autograd::NoGradGuard ng;
   DropoutOff eval_mode;  // the model as it is, without dropout
   trace::Scope ts("evaluate", "compute");
