@@ -282,14 +282,16 @@ RankMemory stage_memory(const PlanInput& in, const StageElements& st, const Shar
     // classifier keeps them (the softmax is never stored; the gradient is written over them)
     if (r == l.pp - 1) mem.activation += 4.0 * double(m.seq_len) * double(l.micro_batch_size) * double(m.vocab_rows(l.tp)) / l.tp;
   }
-  // Buffers: zero's stripe; fsdp's gathered root + one block (fsdp-grad-op: every unit, gathered
+  // Buffers: zero's two stripes; fsdp's gathered root + one block (fsdp-grad-op: every unit, gathered
   // from forward to the end of backward; under a pipeline all step, beside its full gradients) and
   // a flat gradient of one unit. ddp's buckets are its
   // gradients (they take the .grad tensors' place and become them as views): nothing beside them.
   if (sh.N > 1) {
     const double gathered = double(std::max(st.roots, st.biggest_unit)) * d;
     if (l.strategy == "ddp") mem.buffers = 0;
-    else if (l.strategy == "zero1" || l.strategy == "zero2") mem.buffers = std::min(double(in.bucket_bytes), double(st.E) * d);
+    // zero1/zero2: the stripe being filled and the one before it, whose collective is still in
+    // flight (the engine frees a stripe's buffer once its reduce-scatter or all-gather completes)
+    else if (l.strategy == "zero1" || l.strategy == "zero2") mem.buffers = std::min(2.0 * double(in.bucket_bytes), double(st.E) * d);
     else if (l.strategy == "fsdp-grad-op" && l.pp > 1) mem.buffers = 2.0 * double(st.E) * d + gathered;  // + full grads all step
     else if (l.strategy == "fsdp-grad-op") mem.buffers = double(st.E) * d + gathered;
     else if (m.has_shape()) mem.buffers = double(st.roots + st.biggest_unit) * d + gathered;
