@@ -127,6 +127,8 @@ Tensor mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2
 // ---- neural-network ops ----
 Tensor softmax(const Tensor& x);      // over the last dim
 Tensor log_softmax(const Tensor& x);  // over the last dim
+// Over the last dim; w and b [C] may each be undefined (no gain: PyTorch's elementwise_affine=False;
+// no bias).
 Tensor layernorm(const Tensor& x, const Tensor& w, const Tensor& b, double eps = 1e-5);
 // The residual add and the LayerNorm after it in one pass: {r, y} with r = x + residual and
 // y = layernorm(r, w, b, eps). Same values as add then layernorm (bit for bit on the CPU in f32 and
@@ -143,7 +145,8 @@ struct CrossEntropyOptions {
                                // PyTorch gives NaN: a micro-batch of padding adds nothing); true: plain sum
   double scale = 1.0;          // multiplies the result (e.g. 1 / global token count)
 };
-// logits [..., Vp], targets [...] (i32/i64). Fused: probabilities are never materialised.
+// logits [..., Vp], targets [...] (i32/i64): the logits' leading dims, or those flattened into one
+// (rows). Fused: probabilities are never materialised.
 // Pass the logits with std::move when nothing else will read them (a model head's output): the
 // forward then writes their gradient over them in the same pass (the fused classifier), and they
 // are read from memory once. Logits the caller still holds are never written.

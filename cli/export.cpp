@@ -71,7 +71,9 @@ int export_main(int argc, char** argv) {
   }
   io::save_safetensors(out, tensors, file.metadata);
   std::printf("exported %zu tensors from %s to %s\n", tensors.size(), c->path().c_str(), out.c_str());
-  if (!have_config) io::write_text_atomic(config_path.string(), "export: config.json", config.dump(2) + "\n");
+  if (!have_config)
+    io::write_text_atomic(config_path.string(), "export: config.json",
+                          config.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n");
   std::printf("%s %s (GPT2LMHeadModel: %lld layers, %lld heads, width %lld, vocab %lld)%s\n",
               have_config ? "kept" : "wrote", config_path.string().c_str(), (long long)cfg.n_layer,
               (long long)cfg.n_head, (long long)cfg.n_embd, (long long)cfg.vocab_size,

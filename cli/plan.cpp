@@ -155,6 +155,12 @@ int plan_main(int argc, char** argv) {
   SG_CHECK(a.str("svg").empty() || (pp > 1 && !a.on("search")), "plan: --svg draws one layout's pipeline schedule: ",
            a.on("search") ? "not with --search" : "give --pp > 1");
   if (!a.str("svg").empty()) io::make_parent_folder(a.str("svg"), "plan: --svg");
+  if (a.on("search"))  // the layouts are what it enumerates: a layout flag would be silently replaced
+    for (const char* f : {"dp", "tp", "sequence-parallel", "pp", "strategy", "shard-group-size", "pp-schedule",
+                          "virtual-stages", "recompute", "offload", "grad-accumulation", "micro-batch-size",
+                          "micro-batches"})
+      SG_CHECK(!a.given(f), "plan: --search tries the layouts itself (every tp, pp, strategy, schedule, recompute and ",
+               "micro-batch size that fits): --", f, " would be ignored; drop it, or plan that one layout without --search");
   in.cluster = report::cluster_preset(a.str("cluster"));
   if (gpus_per_node) in.cluster.gpus_per_node = gpus_per_node;
   in.cluster.nodes = nodes;

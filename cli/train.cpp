@@ -81,7 +81,7 @@ void declare_flags(Args& a) {
   a.flag("pp", "1", "pipeline stages (launch with mpirun -np PP)");
   a.flag("pp-schedule", "1f1b", "pipeline schedule: gpipe | 1f1b | interleaved");
   a.flag("virtual-stages", "1", "interleaved: model chunks per pipeline rank");
-  a.flag("timeline", "", "pipeline: write the last step's measured timeline as an SVG picture");
+  a.flag("timeline", "", "pipeline: write the last step's measured timeline as an SVG picture (an early stop's: its last step)");
   a.flag("profile-ops", "0", "time every op-table call of this step (1-based; 0 = off): calls, host ms and, on CUDA, device ms per entry, printed and put in --log-json");
   a.flag("trace", "", "write per-rank Chrome trace events (compute, collectives, gathers, pipeline actions), merged into this file");
   a.flag("keep", "0", "keep only the newest N checkpoints (0 = all)");

@@ -302,6 +302,7 @@ int Trainer::run() {
     }
     // An early stop: --stop-at's step, or a signal (every rank learns of it here, after the same step).
     if (!last && (step + 1 == stop_at_ || (stop_signals && (stopped_on = agreed_stop_signal())))) {
+      if (pipe_ && !args_.str("timeline").empty()) write_timeline();  // of the last step run
       if (!saves_after(step + 1) && stopped_on) {
         parallel::watchdog::beat("the checkpoint save", step);
         save(step + 1);
@@ -653,16 +654,16 @@ json Trainer::evaluate(int64_t step) {
   val_->set_position(0);
   for (int64_t i = 0; i < nb; ++i) all.push_back(val_->next(B_, T_));
   const auto batch_loss = [&](const io::Batch& b) {
-    // The mean over the counted targets, as a sum (times 1 / count) over training's micro-batches
-    // (the pipeline splits its own): the whole global batch in one forward would hold B / micro
+    // The mean over the counted targets, as a sum (times 1 / count) over training's micro-batches,
+    // through the pipeline's stages too: the whole global batch in one forward would hold B / micro
     // times a training forward's activations and logits (GPT-2 124M at batch 512 and micro-batch
     // 64: 105 GB of f32 logits).
     const double scale = 1.0 / double(std::max<int64_t>(1, count_targets(b.targets, -1)));
-    if (pipe_) return item(pipe_->forward(to(b.inputs, device_), to(b.targets, device_), scale));
     double sum = 0;
-    for (int64_t r = 0; r < B_; r += micro_)
-      sum += item(model_->loss(to(narrow(b.inputs, 0, r, micro_), device_), to(narrow(b.targets, 0, r, micro_), device_),
-                               true, scale));
+    for (int64_t r = 0; r < B_; r += micro_) {
+      const Tensor idx = to(narrow(b.inputs, 0, r, micro_), device_), tgt = to(narrow(b.targets, 0, r, micro_), device_);
+      sum += item(pipe_ ? pipe_->forward(idx, tgt, scale) : model_->loss(idx, tgt, true, scale));
+    }
     return sum;
   };
   std::vector<double> sums(size_t(1 + dp_size_), 0.0);  // the losses, then each rank's batch count

@@ -110,9 +110,14 @@ std::unique_ptr<ckpt::Checkpoint> resume_checkpoint(const Args& a) {
 
 void inherit_run_flags(Args& a, const ckpt::Checkpoint* ck) {
   if (!ck || !ck->state().contains("train_flags")) return;  // older checkpoints recorded none
+  const json& saved = ck->state()["train_flags"];
+  SG_CHECK(saved.is_object(), "train: checkpoint ", ck->path(), ": its training state is malformed: train_flags is ",
+           "not an object");
   for (const char* f : kRunFlags) {
-    const json& saved = ck->state()["train_flags"];
-    if (!a.given(f) && saved.contains(f)) a.inherit(f, saved[f].get<std::string>());
+    if (a.given(f) || !saved.contains(f)) continue;
+    SG_CHECK(saved[f].is_string(), "train: checkpoint ", ck->path(), ": its training state is malformed: train_flags.",
+             f, " is ", saved[f].dump(), ", not a string");
+    a.inherit(f, saved[f].get<std::string>());
   }
 }
 

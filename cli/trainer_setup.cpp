@@ -3,6 +3,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cerrno>
 #include <cstdio>
@@ -28,21 +29,6 @@ namespace sg::cli {
 using nlohmann::json;
 
 namespace {
-
-// --micro-batch-size 0: the whole per-rank batch, except under a pipeline, where one micro-batch
-// would leave every stage but one idle: then the fewest micro-batches, a multiple of the stages
-// (the interleaved schedule needs it), that number at least 4 per stage (GPipe's m >= 4p keeps the
-// bubble (p-1)/m under a quarter), or as many as the batch allows.
-int64_t default_micro_batch(int64_t per_rank, int pp) {
-  if (pp == 1) return per_rank;
-  int64_t best = 0;  // micro-batches per step
-  for (int64_t m = pp; m <= per_rank; m += pp) {
-    if (per_rank % m) continue;
-    best = m;
-    if (m >= 4 * pp) break;
-  }
-  return best ? per_rank / best : per_rank;
-}
 
 int64_t positive(const Args& a, const std::string& f, int64_t min = 1) {
   int64_t v = a.i64(f);
@@ -301,7 +287,9 @@ void Trainer::choose_device_and_batch() {
   const bool synthetic = synthetic_data(a);
   B_ = a.i64("batch-size") ? positive(a, "batch-size") : (synthetic ? 128 : 32);
   micro_ = a.i64("micro-batch-size") ? positive(a, "micro-batch-size")
-                                      : default_micro_batch(B_ / std::max(1, dp_size_), pp_);
+                                      : parallel::pp::default_micro_batch_size(B_ / std::max(1, dp_size_), pp_,
+                                                                               a.str("pp-schedule"),
+                                                                               int(a.i64("virtual-stages")));
   SG_CHECK(B_ % dp_size_ == 0, "train: --batch-size ", B_, " is not divisible by ", dp_size_,
            " data-parallel ranks");
   SG_CHECK((B_ / dp_size_) % micro_ == 0, "train: --micro-batch-size ", micro_, " does not divide ",
@@ -455,7 +443,16 @@ void Trainer::build_model(const ckpt::Checkpoint* ck) {
   train_->check_batch(B_, T_);
   val_->check_batch(B_, T_);  // the final evaluation reads one batch of the held-out split
   // The schedule's flags before the layer split, which --virtual-stages changes.
-  if (pp_ > 1) parallel::pp::check_schedule(a.str("pp-schedule"), int(positive(a, "virtual-stages")));
+  if (pp_ > 1) {
+    const int v = int(positive(a, "virtual-stages"));
+    parallel::pp::check_schedule(a.str("pp-schedule"), v);
+    const int64_t m = (B_ / dp_size_) / micro_;
+    SG_CHECK(a.str("pp-schedule") != "interleaved" || v == 1 || m % pp_ == 0, "train: --pp-schedule interleaved needs ",
+             "the micro-batches per step to be a multiple of --pp ", pp_, ", but ", B_ / dp_size_, " rows per rank",
+             dp_size_ > 1 ? str(" (--batch-size ", B_, " over ", dp_size_, " data-parallel ranks)") : str(" (--batch-size)"),
+             " in micro-batches of ", micro_, " (--micro-batch-size", a.i64("micro-batch-size") ? "" : " 0: chosen", ") are ",
+             m);
+  }
   // The mesh, refused before any work when it does not fit the model and the batch.
   cfg_.tp = tp_;  // the vocabulary's padding follows the split (nn::padded_vocab_rows)
   comm::MeshPlan mesh = comm::validate_mesh(world_size_, tp_, pp_, cfg_.n_head, cfg_.n_layer, cfg_.vocab_rows(), B_, micro_);
@@ -592,7 +589,13 @@ void Trainer::build_optimizer() {
 // the newest step each one sees): they must have found the same step, or none alike.
 void Trainer::agree_on_resumed_step(const ckpt::Checkpoint* ck) {
   if (!metrics_ || world_size_ == 1 || sim_) return;
-  const int64_t mine = ck ? ck->state().value("step", int64_t(0)) : 0;
+  int64_t mine = 0;
+  if (ck && ck->state().contains("step")) {
+    const auto& st = ck->state()["step"];
+    SG_CHECK(st.is_number_integer(), "train: checkpoint ", ck->path(), ": its training state is malformed: step is ",
+             st.dump(), ", not an integer");
+    mine = st.get<int64_t>();
+  }
   Tensor t = from_vector<int64_t>({mine, -mine}, {2});
   metrics_->all_reduce(t, comm::ReduceOp::max)->wait();
   const std::vector<int64_t> v = to_vector<int64_t>(t);
@@ -661,7 +664,8 @@ void Trainer::restore(const ckpt::Checkpoint* ck) {
     std::printf("--resume auto: no checkpoint in %s yet; starting from step 0\n", a.str("save").c_str());
   }
   save_dir_ = a.str("save");
-  SG_CHECK(a.i64("keep") >= 0, "train: --keep must be >= 0");
+  SG_CHECK(a.i64("keep") >= 0 && a.i64("keep") <= INT_MAX, "train: --keep must be in [0, ", INT_MAX, "] (0 = all), got ",
+           a.i64("keep"));
   if (save_dir_.empty()) return;
   // What would stop the run at its first save is refused before the first step.
   namespace fs = std::filesystem;

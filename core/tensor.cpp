@@ -110,6 +110,8 @@ void Tensor::add_grad_ready_hook(std::function<void(const Tensor&)> hook) const 
 }
 const std::string& Tensor::name() const { SG_NEED_IMPL; return impl_->name; }
 Tensor& Tensor::set_name(std::string n) { SG_NEED_IMPL; impl_->name = std::move(n); return *this; }
+const std::string& Tensor::updated_by() const { SG_NEED_IMPL; return impl_->updated_by; }
+void Tensor::set_updated_by(std::string who) const { SG_NEED_IMPL; impl_->updated_by = std::move(who); }
 
 std::string Tensor::describe() const {
   if (!impl_) return "undefined";

@@ -79,6 +79,11 @@ class Tensor {
   void add_grad_ready_hook(std::function<void(const Tensor&)> hook) const;
   const std::string& name() const;
   Tensor& set_name(std::string n);
+  // The wrapper whose own step updates this parameter (a ZeroOptimizer, an FSDP), set while it
+  // lives; empty: none. A plain optimizer refuses such a parameter: its gradient is sharded, freed
+  // or only partly averaged there, so a second update would be silently wrong or do nothing.
+  const std::string& updated_by() const;
+  void set_updated_by(std::string who) const;
 
   std::string describe() const;  // "f32[2,3] on cpu"
 
@@ -97,6 +102,7 @@ struct TensorImpl {
   int output_nr = 0;
   std::vector<std::function<void(const Tensor&)>> grad_ready_hooks;
   std::string name;
+  std::string updated_by;
 };
 
 }  // namespace sg

@@ -78,7 +78,8 @@ void save_safetensors(const std::string& path, const NamedTensors& tensors,
                     {"data_offsets", {offset, offset + nbytes}}};
     offset += nbytes;
   }
-  std::string text = header.dump();
+  // metadata may carry a path that is not UTF-8: U+FFFD in its place, not a save that fails
+  std::string text = header.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   text.append((8 - text.size() % 8) % 8, ' ');  // keeps the data section 8-byte aligned
   const uint64_t header_len = text.size();
 

@@ -9,9 +9,18 @@
 
 namespace sg::optim {
 
+namespace {
+void check_not_updated_elsewhere(const char* who, const std::string& name, const Tensor& p) {
+  SG_CHECK(p.updated_by().empty(), who, ": parameter '", name, "' is updated by ", p.updated_by(),
+           ", whose own step() updates it (its gradient is sharded or freed there): don't build a second optimizer ",
+           "over it");
+}
+}  // namespace
+
 AdamW::AdamW(NamedTensors params, AdamWConfig cfg) : params_(std::move(params)), cfg_(cfg) {
   MemScope scope(MemCategory::optim_state);
   for (auto& [n, p] : params_) {
+    check_not_updated_elsewhere("AdamW", n, p);
     SG_CHECK(p.dtype() == DType::f32 || p.dtype() == DType::f64, "AdamW: parameter '", n, "' is ",
              dtype_name(p.dtype()), "; keep f32 master weights for the optimizer");
     m_.push_back(zeros(p.shape(), p.dtype(), p.device()));
@@ -121,6 +130,7 @@ void AdamW::load_state(const NamedTensors& state, int64_t step) {
 
 SGD::SGD(NamedTensors params, SGDConfig cfg) : params_(std::move(params)), cfg_(cfg) {
   MemScope scope(MemCategory::optim_state);
+  for (auto& [n, p] : params_) check_not_updated_elsewhere("SGD", n, p);
   for (auto& [n, p] : params_) buf_.push_back(cfg_.momentum != 0 ? zeros(p.shape(), p.dtype(), p.device()) : Tensor());
 }
 

@@ -31,6 +31,8 @@ void fsync_path(const std::string& p) {
   ::close(fd);
 }
 
+// FNV-1a's loop with the offset basis 1469598103934665603 (the standard's 14695981039346656037
+// without its last digit: a variant, kept so that every checkpoint written verifies).
 std::string bytes_checksum(const void* data, size_t n) {
   const auto* p = static_cast<const unsigned char*>(data);
   uint64_t x = 1469598103934665603ull;
@@ -60,7 +62,8 @@ std::vector<std::pair<int64_t, fs::path>> step_dirs(const fs::path& run) {
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(run, ec)) {
     const std::string n = e.path().filename().string();
-    if (!e.is_directory() || n.rfind("step_", 0) != 0 || n.size() != 13) continue;
+    // step_%08lld: 8 digits, more from step 10^8 on (a number of 18 digits at most, as int64 reads it)
+    if (!e.is_directory() || n.rfind("step_", 0) != 0 || n.size() < 13 || n.size() > 23) continue;
     if (n.find_first_not_of("0123456789", 5) != std::string::npos) continue;
     out.emplace_back(std::stoll(n.substr(5)), e.path());
   }
@@ -86,9 +89,13 @@ std::string commit_step_dir(const std::string& run_dir, const std::string& tmp, 
   fsync_path(run.string());
   io::write_text_atomic((run / "latest").string(), "checkpoint", step_dir_name(step) + "\n");  // fsyncs the folder
   if (keep > 0) {  // only after the new one is committed and pointed at
+    // The newest `keep` complete checkpoints up to this one stay. A damaged one (kept where a
+    // resumed run does not save its step again) neither counts nor goes; nor does a later step.
     std::error_code ec;
-    auto dirs = step_dirs(run);
-    for (size_t i = 0; i + size_t(keep) < dirs.size(); ++i) fs::remove_all(dirs[i].second, ec);
+    std::vector<fs::path> complete;
+    for (const auto& [s, dir] : step_dirs(run))
+      if (s == step || (s < step && checkpoint_files_problem(dir.string()).empty())) complete.push_back(dir);
+    for (size_t i = 0; i + size_t(keep) < complete.size(); ++i) fs::remove_all(complete[i], ec);
   }
   return final_dir.string();
 }
@@ -108,7 +115,7 @@ std::string save_checkpoint(const std::string& run_dir, int64_t step, const io::
   io::save_safetensors((tmp / "model.safetensors").string(), model, model_metadata);
   parallel::maybe_inject_in_save(step);  // testing: a fault with some files written, no manifest
   io::save_safetensors((tmp / "optim.safetensors").string(), optim);
-  io::write_text_atomic((tmp / kFullManifest).string(), "checkpoint", state.dump(2));  // the manifest: written last
+  io::write_text_atomic((tmp / kFullManifest).string(), "checkpoint", state.dump(2, ' ', false, nlohmann::json::error_handler_t::replace));  // the manifest: written last (non-UTF-8 bytes as U+FFFD)
   return commit_step_dir(run_dir, tmp.string(), step, keep);
 }
 

@@ -42,7 +42,8 @@ void fsync_path(const std::string& path);  // a file or a directory; best effort
 // keep > 0, only the newest `keep` step directories remain. Returns the step directory.
 std::string commit_step_dir(const std::string& run_dir, const std::string& tmp, int64_t step, int keep);
 
-// FNV-1a 64 over a tensor's bytes (contiguous, host), as 16 hex digits.
+// FNV-1a 64 over a tensor's bytes (contiguous, host), as 16 hex digits, with the offset basis
+// 1469598103934665603: a variant (the standard's is 14695981039346656037), kept for the files written.
 std::string tensor_checksum(const Tensor& t);
 std::string bytes_checksum(const void* data, size_t n);
 

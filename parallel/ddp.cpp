@@ -10,7 +10,9 @@ namespace sg::parallel {
 DistributedDataParallel::DistributedDataParallel(NamedTensors params, std::shared_ptr<comm::ProcessGroup> group,
                                                  DdpOptions opt)
     : params_(std::move(params)), group_(std::move(group)), opt_(opt), alive_(std::make_shared<bool>(true)) {
+  SG_CHECK(group_, "ddp: no process group");
   SG_CHECK(opt_.bucket_bytes > 0, "ddp: --bucket-mb must be > 0");
+  group_->check_same_parameters("ddp", params_);
   bucket_of_.assign(params_.size(), 0);
   marked_.assign(params_.size(), 0);
   had_grad_.assign(params_.size(), 0);

@@ -7,6 +7,7 @@
 #include "autograd/tape.h"
 #include "core/trace.h"
 #include "kernels/ops.h"
+#include "parallel/sharded_checkpoint.h"
 #include "parallel/tp/layers.h"
 
 namespace sg::parallel {
@@ -242,6 +243,16 @@ void FullyShardedDataParallel::shard_units() {
     SG_CHECK(!u.first || (!u.first->pre_forward && !u.last->post_forward), "fsdp: the unit holding '",
              u.params[0].first, "' is wrapped by another FullyShardedDataParallel already (its forward hooks are "
              "set): wrap a module once");
+  std::vector<std::pair<std::string, Tensor>> all;
+  for (const Unit& u : units_)
+    for (const auto& [n, p] : u.params) {
+      SG_CHECK(p.updated_by().empty(), "fsdp: parameter '", n, "' is updated by ", p.updated_by(), " already: ",
+               "one optimizer per parameter");
+      all.emplace_back(n, p);
+    }
+  world_->check_same_parameters("fsdp", all);
+  for (auto& [n, p] : all) p.set_updated_by(str("an FSDP wrapper (", fsdp_mode_name(opt_.mode), ")"));
+  tagged_ = true;
   for (size_t k = 0; k < units_.size(); ++k) {
     Unit& u = units_[k];
     const Device dev = u.params[0].second.device();
@@ -333,6 +344,8 @@ FullyShardedDataParallel::~FullyShardedDataParallel() {
     if (u.gathering) u.gathering->wait();
   *alive_ = false;
   for (auto& u : units_) {  // only the hooks this wrapper set (not another's, should this one have failed)
+    if (tagged_)
+      for (auto& [n, p] : u.params) p.set_updated_by("");
     if (!u.hooked) continue;
     u.first->pre_forward = nullptr;
     u.last->post_forward = nullptr;
@@ -676,8 +689,11 @@ void FullyShardedDataParallel::load_state(const ckpt::PieceSource& src, int64_t 
   const std::string master = ".master";
   for_state([&](const ckpt::LocalView& v, const Segment& s, const Tensor& t) {
     const bool is_master = v.name.size() > master.size() && v.name.compare(v.name.size() - master.size(), master.size(), master) == 0;
-    const ckpt::LocalView from =  // no master in the source: the parameter, widened
+    ckpt::LocalView from =  // no master in the source: the parameter, widened
         is_master && !src.has(v.name) ? ckpt::renamed(v, v.name.substr(0, v.name.size() - master.size())) : v;
+    // An f32 parameter from a half run's checkpoint: its f32 master, not the parameter rounded
+    if (!ckpt::is_optimizer_state(v.name) && t.dtype() == DType::f32 && src.has(v.name + master))
+      from = ckpt::renamed(v, v.name + master);
     Tensor run = narrow(t, 0, s.at, s.len);
     Tensor tmp = run.device() == Device::cpu() ? run : empty({s.len}, t.dtype(), Device::cpu());
     ckpt::read_local(src, from, s.lo, tmp);

@@ -276,6 +276,7 @@ class FullyShardedDataParallel {
   optim::AdamWConfig adam_;
   FsdpOptions opt_;
   bool reshard_ = true;  // release after forward (and re-gather for backward)
+  bool tagged_ = false;  // the parameters carry this wrapper's updated_by mark (cleared when it goes)
   bool sync_ = true;     // false: no_sync, gradients accumulate unreduced
   DType dtype_ = DType::f32, reduce_dtype_ = DType::f32;
   std::vector<Unit> units_;

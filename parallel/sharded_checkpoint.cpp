@@ -152,7 +152,9 @@ std::string commit_sharded(const std::string& run_dir, int64_t step, int world, 
       t["pieces"].push_back(q);
     }
   }
-  const std::string text = index.dump(1);
+  // Paths and flags in the run state may hold bytes that are not UTF-8 (a Latin-1 file name): they
+  // are written with U+FFFD in their place rather than fail the save after the training.
+  const std::string text = index.dump(1, ' ', false, json::error_handler_t::replace);
   {  // the same checks a reader makes: gaps, overlaps and bad boxes are refused before the commit
     json s;
     std::map<std::string, std::string> m;
@@ -353,12 +355,15 @@ void parse_sharded_index(const std::string& dir, const std::string& text, json& 
     SG_CHECK(v.is_object(), where, " is not an object");
     ShardedCheckpoint::TensorRef t;
     t.shape = get_dims(v, where, "shape");
-    checked_numel(t.shape, where);
+    const int64_t numel = checked_numel(t.shape, where);
     SG_CHECK(v.contains("dtype") && v["dtype"].is_string(), where, ": dtype is not a string");
     bool known = false;
     for (auto& [d, s] : kDtypes)
       if (v["dtype"] == s) known = true, t.dtype = d;
     SG_CHECK(known, where, ": unknown dtype ", v["dtype"].dump());
+    int64_t bytes = 0;  // every piece's byte count is within it: none overflows
+    SG_CHECK(!__builtin_mul_overflow(numel, int64_t(dtype_size(t.dtype)), &bytes), where, ": ", shape_str(t.shape), " ",
+             v["dtype"].get<std::string>(), " is more bytes than a file can hold");
     SG_CHECK(v.contains("pieces") && v["pieces"].is_array(), where, ": pieces is not a list");
     for (size_t i = 0; i < v["pieces"].size(); ++i) {
       const json& pj = v["pieces"][i];

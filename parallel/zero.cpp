@@ -54,6 +54,10 @@ ZeroOptimizer::ZeroOptimizer(NamedTensors params, std::shared_ptr<comm::ProcessG
     offsets_.push_back(psi_);
     psi_ += p.numel();
   }
+  for (auto& [n, p] : params_)
+    SG_CHECK(p.updated_by().empty(), "zero: parameter '", n, "' is updated by ", p.updated_by(), " already: ",
+             "one optimizer per parameter");
+  group_->check_same_parameters("zero", params_);
   const int N = group_->size(), r = group_->rank();
   shard_ = (psi_ + N - 1) / N;  // Ψp = N·S: at most N-1 zero padding elements at the end
   psi_p_ = shard_ * N;
@@ -102,12 +106,14 @@ ZeroOptimizer::ZeroOptimizer(NamedTensors params, std::shared_ptr<comm::ProcessG
         if (alive.lock()) on_grad_ready(i);
       });
   }
+  for (auto& [n, p] : params_) p.set_updated_by(str("a ZeRO-", opt_.stage, " optimizer"));
 }
 
 ZeroOptimizer::~ZeroOptimizer() {
   for (size_t k : in_flight_)
     if (stripes_[k].work) stripes_[k].work->wait();
   *alive_ = false;
+  for (auto& [n, p] : params_) p.set_updated_by("");
 }
 
 template <class Fn>

@@ -37,6 +37,28 @@ TEST_CASE("checkpoints commit whole step directories, follow latest, keep the ne
   for (const auto& e : fs::directory_iterator(d.p)) REQUIRE(e.path().filename().string().rfind(".tmp", 0) != 0);
 }
 
+TEST_CASE("keep counts complete checkpoints up to the one saved: a damaged or later step neither counts nor goes", "[ckpt]") {
+  Dir d;
+  save(d.p, 10);
+  save(d.p, 20);
+  save(d.p, 30);
+  fs::remove(d.p / "step_00000030" / "optim.safetensors");  // damaged, left where a resumed run keeps it
+  fs::remove(d.p / "step_00000020" / "optim.safetensors");
+  save(d.p, 15, 1);  // a run resumed at 10 that saves step 15, keeping one
+  CHECK(fs::exists(d.p / "step_00000015" / "state.json"));  // the one just saved stays
+  CHECK_FALSE(fs::exists(d.p / "step_00000010"));          // the older complete one goes
+  CHECK(fs::exists(d.p / "step_00000020"));                // damaged and later: left alone
+  CHECK(fs::exists(d.p / "step_00000030"));
+  CHECK(ckpt::load_checkpoint(d.p.string()).state["step"] == 15);
+  // steps past 10^8 have 9 digits and are steps all the same
+  save(d.p, 123456789, 2);
+  CHECK(fs::exists(d.p / "step_123456789"));
+  CHECK(fs::exists(d.p / "step_00000015"));
+  save(d.p, 123456790, 2);
+  CHECK_FALSE(fs::exists(d.p / "step_00000015"));
+  REQUIRE(ckpt::step_dirs(d.p).back().first == 123456790);
+}
+
 TEST_CASE("a flipped byte in a checkpoint is caught by its checksum, naming tensor and file", "[ckpt]") {
   Dir d;
   std::string step = save(d.p, 5);

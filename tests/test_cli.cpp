@@ -84,23 +84,29 @@ TEST_CASE("resume continues with exactly the losses of the uninterrupted run", "
   REQUIRE(a[0]["mem"]["param"]["current"].get<int64_t>() > 0);
 }
 
-TEST_CASE("an f32 run resumed from a bf16 checkpoint starts from its f32 masters", "[cli]") {
+TEST_CASE("an f32 run resumed from a bf16 checkpoint starts from its f32 masters, in one process and under zero3", "[cli][mpi]") {
   TempDir d;
-  const std::string a = (d.path / "a").string(), b = (d.path / "b").string();
+  const std::string a = (d.path / "a").string(), b = (d.path / "b").string(), c = (d.path / "c").string();
   Run half = shardgrad("train " + kSmall + " --dtype bf16 --steps 3 --save " + a);
   INFO(half.output);
   REQUIRE(half.code == 0);
   // one more step at a learning rate too small to move an f32 weight: what it saves is what it loaded
-  Run wide = shardgrad("train --resume " + a + " --dtype fp32 --steps 4 --lr 1e-30 --lr-schedule constant --warmup-steps 0 "
-                       "--save " + b);
+  const std::string step = " --dtype fp32 --steps 4 --lr 1e-30 --lr-schedule constant --warmup-steps 0 --save ";
+  Run wide = shardgrad("train --resume " + a + step + b);
   INFO(wide.output);
   REQUIRE(wide.code == 0);
-  auto from = sg::ckpt::open_checkpoint(a), to = sg::ckpt::open_checkpoint(b);
+  // zero3 loads its shards from the masters too (it took the parameter, rounded)
+  Run sharded = run_command(sg::testing::mpirun_shardgrad(2) + " train --resume " + a + " --strategy zero3" + step + c);
+  INFO(sharded.output);
+  REQUIRE(sharded.code == 0);
+  auto from = sg::ckpt::open_checkpoint(a), to = sg::ckpt::open_checkpoint(b), to3 = sg::ckpt::open_checkpoint(c);
   int rounded_apart = 0;
   for (const std::string& n : to->names()) {
     if (!from->has(n + ".master")) continue;
+    INFO(n);
     const std::vector<float> master = sg::to_vector<float>(from->tensor(n + ".master"));
     REQUIRE(sg::to_vector<float>(to->tensor(n)) == master);
+    REQUIRE(sg::to_vector<float>(to3->tensor(n)) == master);
     rounded_apart += sg::to_vector<float>(sg::to(from->tensor(n), sg::DType::f32)) != master;
   }
   CHECK(rounded_apart > 0);  // the bf16 weights are not the masters: the check above could tell them apart
@@ -114,6 +120,21 @@ TEST_CASE("an f32 run resumed from a bf16 checkpoint starts from its f32 masters
         sg::to_vector<float>(from->tensor("h.0.mlp.c_fc.weight.master")));
 }
 
+// The run state records argv and paths in JSON, which holds UTF-8 only: a Latin-1 byte in a path
+// made every save fail after the training (and launch restart it, to fail the same way).
+TEST_CASE("a --save path that is not UTF-8 saves and resumes", "[cli]") {
+  TempDir d;
+  const std::string save = (d.path / "caf\xe9").string();
+  Run first = shardgrad("train " + kSmall + " --steps 3 --stop-at 2 --save '" + save + "'");
+  INFO(first.output);
+  REQUIRE(first.code == 0);
+  REQUIRE(fs::exists(fs::path(save) / "step_00000002" / "index.json"));
+  Run rest = shardgrad("train " + kSmall + " --steps 3 --resume auto --save '" + save + "'");
+  INFO(rest.output);
+  REQUIRE(rest.code == 0);
+  CHECK(fs::exists(fs::path(save) / "step_00000003" / "index.json"));
+}
+
 TEST_CASE("train refuses bad flags, missing files and existing checkpoints, naming them", "[cli]") {
   TempDir d;
   // train's refusals come before its first step: exit status 64, which launch does not restart
@@ -123,6 +144,7 @@ TEST_CASE("train refuses bad flags, missing files and existing checkpoints, nami
   fails_with("train --steps ten", "--steps expects an integer, got 'ten'");
   fails_with("train --stepz 10", "unknown flag --stepz");
   fails_with("train --batch-size 8 --micro-batch-size 3", "--micro-batch-size 3 does not divide --batch-size 8");
+  fails_with("train --save " + (d.path / "k").string() + " --keep 4294967297", "--keep must be in [0, 2147483647] (0 = all), got 4294967297");
   fails_with("train --n-head 5 --n-embd 64", "not divisible by n_head 5");
   fails_with("train --data /nonexistent/file.txt", "/nonexistent/file.txt");
   fails_with("train --steps 1 --comm-timeout 0", "--comm-timeout must be > 0");  // one process checks it too
@@ -263,7 +285,7 @@ TEST_CASE("train refuses bad flags, missing files and existing checkpoints, nami
   // resume is strict: the same checkpoint rewritten with one tensor more (a valid index, its own
   // bytes) is refused naming it; rewritten as it was, it resumes
   auto rewrite = [&](const std::string& to, bool extra, const std::string& drop_state = "",
-                     const std::string& n_head = "") {
+                     const std::string& n_head = "", const nlohmann::json& patch = nullptr) {
     auto ck = sg::ckpt::open_checkpoint(save);
     std::vector<sg::ckpt::Piece> pieces;
     for (const std::string& n : ck->names()) {
@@ -276,6 +298,7 @@ TEST_CASE("train refuses bad flags, missing files and existing checkpoints, nami
     }
     nlohmann::json state = ck->state();
     if (!drop_state.empty()) state.erase(drop_state);
+    if (!patch.is_null()) state.merge_patch(patch);
     auto metadata = ck->metadata();
     if (!n_head.empty()) metadata["n_head"] = n_head;
     sg::ckpt::write_rank_shard(to, 1, 0, pieces);
@@ -304,6 +327,11 @@ TEST_CASE("train refuses bad flags, missing files and existing checkpoints, nami
   fails_with("train " + kSmall + " --steps 2 --resume " + lost, "its training state is malformed");
   fails_with("train " + kSmall + " --steps 2 --resume " + heads, "checkpoint " + heads);
   fails_with("train " + kSmall + " --steps 2 --resume " + heads, "n_embd 32 is not divisible by n_head 3");
+  // a hand-edited flag of another type is named, not a JSON library's message
+  const std::string typed = (d.path / "typed").string();
+  rewrite(typed, false, "", "", {{"train_flags", {{"seed", 6}}}});
+  fails_with("train --steps 2 --resume " + typed, "its training state is malformed: train_flags.seed is 6, not a string");
+  fails_with("train --steps 2 --resume " + typed, "train: checkpoint " + typed);
   // --resume auto in a folder where a run failed before its first save (only a temporary step) starts at 0
   const fs::path failed = d.path / "failed";
   fs::create_directories(failed / ".tmp-step_00000002");
@@ -1226,8 +1254,9 @@ TEST_CASE("pipeline (every schedule) and tensor parallelism (with and without se
     REQUIRE(b.size() == 3);
     for (size_t i = 0; i < 3; ++i) REQUIRE(std::abs(b[i]["loss"].get<double>() - a[i]["loss"].get<double>()) <= 1e-5 * a[i]["loss"].get<double>());
   }
-  // the measured pipeline timeline
-  Run t = run_command(mpirun(2) + args + (d.path / "t.jsonl").string() + " --pp 2 --timeline " + (d.path / "t.svg").string());
+  // the measured pipeline timeline, of the last step run when the run stops early
+  Run t = run_command(mpirun(2) + args + (d.path / "t.jsonl").string() + " --pp 2 --stop-at 2 --timeline " +
+                      (d.path / "t.svg").string());
   INFO(t.output);
   REQUIRE(t.code == 0);
   REQUIRE(t.output.find("measured bubble") != std::string::npos);
@@ -2045,6 +2074,9 @@ TEST_CASE("plan refuses numbers past its limits by name before printing anything
   plan_refuses("--pp 2 --backward-ratio 0", "--backward-ratio must be > 0, got 0");
   plan_refuses("--svg t.svg", "--svg draws one layout's pipeline schedule: give --pp > 1");
   plan_refuses("--pp 2 --search --svg t.svg", "--svg draws one layout's pipeline schedule: not with --search");
+  plan_refuses("--pp 2 --search", "--search tries the layouts itself (every tp, pp, strategy, schedule, recompute and "
+               "micro-batch size that fits): --pp would be ignored");
+  plan_refuses("--search --micro-batches 4", "--micro-batches would be ignored");
 }
 
 // --json prints the JSON alone on stdout (the SVG's "wrote" line goes to stderr), writes --svg's

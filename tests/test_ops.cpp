@@ -517,6 +517,16 @@ std::vector<OpCase> all_op_cases() {
       .half = true;
   L.add("layernorm without bias", {N(S), N({7})}, [](V x) { return layernorm(x[0], x[1], Tensor(), 1e-3); },
         [](R r) { return layernorm_ref(r[0], r[1], nullptr, 1e-3); });
+  // No gain (PyTorch's elementwise_affine=False): the reference's gain is ones, the bias's shape.
+  L.add("layernorm without weight", {N(S), N({7})}, [](V x) { return layernorm(x[0], Tensor(), x[1]); },
+        [](R r) { return layernorm_ref(r[0], each(r[1], [](double) { return 1.0; }), &r[1], 1e-5); })
+      .half = true;
+  L.add("add_layernorm without weight or bias", {N(S), N(S)},
+        [](V x) { return add_layernorm(x[0], x[1], Tensor(), Tensor()).second; },
+        [](R r) {
+          const Ref sum = zip(r[0], r[1], [](double u, double v) { return u + v; });
+          return layernorm_ref(sum, Ref{{7}, std::vector<double>(7, 1.0)}, nullptr, 1e-5);
+        });
   auto plus_ref = [](const Ref& a, const Ref& b) { return zip(a, b, [](double u, double v) { return u + v; }); };
   L.add("add_layernorm: the normalised sum", {N(S), N(S), N({7}), N({7})},
         [](V x) { return add_layernorm(x[0], x[1], x[2], x[3]).second; },
@@ -823,6 +833,12 @@ TEST_CASE("cross_entropy names an out-of-range target, including one in the padd
   REQUIRE_THROWS_WITH(cross_entropy(logits, from_vector<int64_t>({-1, 0, 2}, {3}), ignore_pad),
                       Contains("target -1 out of range [0, 7)"));
   REQUIRE_THROWS_WITH(cross_entropy(logits, from_vector<int64_t>({0, 1}, {2})), Contains("targets [2] has 2"));
+  // The right count in another shape (a transposed [B, T]) is refused; flat rows are taken.
+  const Tensor logits3 = zeros({2, 3, 7});
+  REQUIRE_THROWS_WITH(cross_entropy(logits3, zeros({3, 2}, DType::i64)),
+                      Contains("targets [3,2] are neither the logits' leading dims [2,3] nor flat [6]"));
+  CHECK(item(cross_entropy(logits3, zeros({6}, DType::i64))) == Approx(std::log(7.0)));
+  CHECK(item(cross_entropy(logits3, zeros({2, 3}, DType::i64))) == Approx(std::log(7.0)));
   CHECK(item(cross_entropy(logits, from_vector<int64_t>({-1, -1, -1}, {3}))) == 0.0);  // nothing counted
 }
 

@@ -65,6 +65,28 @@ TEST_CASE("interleaved 1f1b over v chunks: the bubble shrinks to (p-1)/(v m)", "
   }
 }
 
+TEST_CASE("interleaved over one chunk is 1f1b: the same bubble, 1f1b's activations in flight, any m", "[pp]") {
+  const Schedule s = make_schedule("interleaved", 4, 6, 1);  // m = 6 is no multiple of p = 4
+  CHECK(s.name == "1f1b");
+  CHECK(s.per_rank == one_f_one_b(4, 6).per_rank);
+  // interleaved(p, m, 1) itself warms up twice as deep for nothing: more activations held
+  CHECK(simulate(interleaved(4, 8, 1), 1, 2).peak_in_flight(0) > simulate(make_schedule("interleaved", 4, 8, 1), 1, 2).peak_in_flight(0));
+}
+
+TEST_CASE("the default micro-batch: a multiple of the stages, at least 4 per stage, else the fewest that fill the pipeline", "[pp]") {
+  CHECK(default_micro_batch_size(32, 1, "1f1b", 1) == 32);       // no pipeline: the whole batch
+  CHECK(default_micro_batch_size(32, 2, "1f1b", 1) == 4);        // m = 8 = 4p
+  CHECK(default_micro_batch_size(12, 4, "1f1b", 1) == 1);        // m = 12: short of 4p = 16, the most the rows allow
+  CHECK(default_micro_batch_size(6, 4, "1f1b", 1) == 1);         // no multiple of 4 divides 6: m = 6 >= p
+  CHECK(default_micro_batch_size(9, 4, "gpipe", 1) == 1);        // m = 9 (3 and 1 do not fill 4 stages)
+  CHECK(default_micro_batch_size(10, 4, "1f1b", 1) == 2);        // m = 5, the fewest >= 4 dividing 10
+  CHECK(default_micro_batch_size(3, 4, "1f1b", 1) == 1);         // fewer rows than stages: a row each
+  CHECK(default_micro_batch_size(6, 4, "interleaved", 1) == 1);  // one chunk: 1f1b's rule
+  REQUIRE_THROWS_WITH(default_micro_batch_size(6, 4, "interleaved", 2),
+                      Catch::Contains("--pp-schedule interleaved needs a number of micro-batches that is a multiple of "
+                                      "--pp 4, and none divides the rank's 6 rows"));
+}
+
 TEST_CASE("impossible pipelines are refused with the reason", "[pp]") {
   REQUIRE_THROWS_WITH(interleaved(4, 6, 2), Catch::Contains("multiple of the pipeline stages (4)"));
   REQUIRE_THROWS_WITH(make_schedule("zigzag", 2, 4), Catch::Contains("unknown schedule 'zigzag'"));

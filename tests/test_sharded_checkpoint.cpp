@@ -429,4 +429,7 @@ TEST_CASE("the fuzz seed corpus of the index reader: good seeds load, bad ones a
   CHECK_THROWS_WITH(ShardedCheckpoint(d.p.string()), Catch::Contains("is not a plain"));
   fs::copy_file(corpus / "gap", d.p / "index.json", fs::copy_options::overwrite_existing);
   CHECK_THROWS_WITH(ShardedCheckpoint(d.p.string()), Catch::Contains("are in no piece"));
+  // 2^62 f32 elements: 2^64 bytes, which wrapped to 0 and passed as an empty piece (then a crash)
+  fs::copy_file(corpus / "overflow", d.p / "index.json", fs::copy_options::overwrite_existing);
+  CHECK_THROWS_WITH(ShardedCheckpoint(d.p.string()), Catch::Contains("[4611686018427387904] F32 is more bytes than a file can hold"));
 }

@@ -21,11 +21,11 @@ void check_param_like(const char* op, const char* what, const Tensor& x, const T
 void check_layernorm_args(const char* op, const Tensor& x, const Tensor& w, const Tensor& b) {
   detail::check_floating(op, x);
   const int64_t C = x.size(-1);
-  SG_CHECK(w.dim() == 1 && w.size(0) == C, op, ": weight ", shape_str(w.shape()), " does not match input ",
-           shape_str(x.shape()));
+  SG_CHECK(!w.defined() || (w.dim() == 1 && w.size(0) == C), op, ": weight ", shape_str(w.shape()),
+           " does not match input ", shape_str(x.shape()));
   SG_CHECK(!b.defined() || (b.dim() == 1 && b.size(0) == C), op, ": bias ", shape_str(b.shape()),
            " does not match input ", shape_str(x.shape()));
-  check_param_like(op, "weight", x, w);
+  if (w.defined()) check_param_like(op, "weight", x, w);
   if (b.defined()) check_param_like(op, "bias", x, b);
 }
 
@@ -39,7 +39,8 @@ std::pair<Tensor, Tensor> layernorm_impl(const char* op, const Tensor& x, const 
   {
     autograd::NoGradGuard ng;
     X = detail::operand(x);
-    W = detail::operand(w);
+    // no weight (PyTorch's elementwise_affine=False): the kernels' gain of one
+    W = w.defined() ? detail::operand(w) : full({C}, 1.0, X.dtype(), X.device());
     Tensor B = detail::operand_if(b);
     const DType st = kernels::stats_dtype(X.dtype());
     y = empty(X.shape(), X.dtype(), X.device());
@@ -62,9 +63,9 @@ std::pair<Tensor, Tensor> layernorm_impl(const char* op, const Tensor& x, const 
   const TensorList inputs = fused ? TensorList{x, residual, w, b} : TensorList{x, w, b};
   if (needs_grad(inputs)) {
     const DType want = x.dtype();
-    const bool has_b = b.defined();
+    const bool has_b = b.defined(), has_w = w.defined();
     X = detach(X);
-    auto backward = [X, W, mean, rstd, rows, C, want, has_b, fused](const TensorList& g) {
+    auto backward = [X, W, mean, rstd, rows, C, want, has_b, has_w, fused](const TensorList& g) {
       // g: add_layernorm's {d r, d y}; layernorm's {d y, what x has gathered from its other
       // consumers} (the tape hands that over: absorb_edge). Either way the kernel adds the first
       // to the input gradient itself (residual_layernorm_backward's dr), over it when this node
@@ -87,7 +88,7 @@ std::pair<Tensor, Tensor> layernorm_impl(const char* op, const Tensor& x, const 
                                                   W.data_ptr(), mean.data_ptr(), rstd.data_ptr(), rows, C);
       }
       dx = detail::narrow_result(dx, want);
-      Tensor dwn = detail::narrow_result(dw, want), dbn = has_b ? detail::narrow_result(db, want) : Tensor();
+      Tensor dwn = has_w ? detail::narrow_result(dw, want) : Tensor(), dbn = has_b ? detail::narrow_result(db, want) : Tensor();
       return fused ? TensorList{dx, dx, dwn, dbn} : TensorList{dx, dwn, dbn};
     };
     if (fused) record(op, inputs, {r, y}, backward);

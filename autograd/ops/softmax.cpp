@@ -54,8 +54,11 @@ Tensor cross_entropy(Tensor logits, const Tensor& targets, const CrossEntropyOpt
   const int64_t Vp = logits.size(-1), rows = logits.numel() / Vp;
   const int64_t V = opt.vocab < 0 ? Vp : opt.vocab;
   SG_CHECK(V >= 1 && V <= Vp, "cross_entropy: vocab ", V, " is outside the ", Vp, " logit columns (1..", Vp, ")");
+  const Shape leading(logits.shape().begin(), logits.shape().end() - 1);
   SG_CHECK(targets.numel() == rows, "cross_entropy: logits ", shape_str(logits.shape()), " give ", rows,
            " rows but targets ", shape_str(targets.shape()), " has ", targets.numel());
+  SG_CHECK(targets.shape() == leading || targets.dim() == 1, "cross_entropy: targets ", shape_str(targets.shape()),
+           " are neither the logits' leading dims ", shape_str(leading), " nor flat [", rows, "]");
   detail::check_same_device("cross_entropy", logits, targets);
   // mean: divide by the number of counted targets (as PyTorch's reduction='mean' with ignore_index)
   double factor = opt.scale;

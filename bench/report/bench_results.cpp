@@ -8,6 +8,7 @@
 
 #include "bench/report/step_metrics.h"
 #include "core/error.h"
+#include "parallel/pp/schedule.h"
 
 namespace sg::report {
 
@@ -236,7 +237,15 @@ bool planner_layout(const BenchLayout& row, int64_t batch, Layout& out) {
   if (!flag_value(row.args, "shard-group-size").empty()) out.shard_group_size = std::stoi(flag_value(row.args, "shard-group-size"));
   if (!flag_value(row.args, "offload").empty()) out.offload = flag_value(row.args, "offload");
   const std::string mbs = flag_value(row.args, "micro-batch-size");
-  out.micro_batch_size = mbs.empty() || mbs == "0" ? batch / out.dp : std::stoll(mbs);
+  if (!mbs.empty() && mbs != "0") {
+    out.micro_batch_size = std::stoll(mbs);
+    return true;
+  }
+  try {  // train's own choice (the run itself refused a batch it cannot split)
+    out.micro_batch_size = parallel::pp::default_micro_batch_size(batch / out.dp, out.pp, out.pp_schedule, out.virtual_stages);
+  } catch (const Error&) {
+    return false;
+  }
   return true;
 }
 

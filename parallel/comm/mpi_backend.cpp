@@ -429,6 +429,16 @@ std::string MpiProcessGroup::closed_reason() const {
   return comm_ == MPI_COMM_NULL ? "the process group was shut down (comm::finalize)" : "";
 }
 
+int MpiProcessGroup::backend_max_tag() const {
+  static const int ub = [] {
+    int* v = nullptr;
+    int flag = 0;
+    MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &v, &flag);  // a predefined attribute of the world
+    return flag && v ? *v : 32767;                               // the standard's least upper bound
+  }();
+  return ub;
+}
+
 std::shared_ptr<Work> MpiProcessGroup::do_send(const Tensor& t, int dst, int tag) {
   reap_orphans(false);  // (a closed group was refused before: ProcessGroup::count)
   HostView buf(t, true);

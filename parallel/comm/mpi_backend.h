@@ -62,6 +62,7 @@ class MpiProcessGroup : public ProcessGroup {
   std::shared_ptr<Work> do_send(const Tensor& t, int dst, int tag) override;
   std::shared_ptr<Work> do_recv(const Tensor& t, int src, int tag) override;
   std::string closed_reason() const override;
+  int backend_max_tag() const override;  // MPI_TAG_UB
   std::shared_ptr<Work> do_barrier() override;
   std::shared_ptr<ProcessGroup> do_split(int color, int key) override;
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <limits>
 
 #include "autograd/ops.h"
 #include "core/error.h"
@@ -132,6 +133,57 @@ void ProcessGroup::check_same_call(CommKind k, int64_t numel, DType dtype, int64
              at());
 }
 
+namespace {
+uint64_t fnv1a(const std::string& s, uint64_t h = 14695981039346656037ull) {
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+constexpr size_t kShownDims = 4;
+// A parameter as integers: name hash, dtype, rank (number of dims), numel, its first kShownDims dims.
+std::vector<int64_t> parameter_fingerprint(const std::string& name, const Tensor& p) {
+  std::vector<int64_t> f = {int64_t(fnv1a(name) >> 1), int64_t(p.dtype()), p.dim(), p.numel()};
+  for (size_t d = 0; d < kShownDims; ++d) f.push_back(int64_t(d) < p.dim() ? p.size(int64_t(d)) : -1);
+  return f;
+}
+std::string describe_fingerprint(const int64_t* f) {
+  std::string dims;
+  for (int64_t d = 0; d < f[2]; ++d) dims += str(d ? "," : "", d < int64_t(kShownDims) ? str(f[4 + d]) : "...");
+  return str(dtype_name(DType(f[1])), "[", dims, "]");
+}
+}  // namespace
+
+void ProcessGroup::check_same_parameters(const char* who, const std::vector<std::pair<std::string, Tensor>>& params) {
+  if (size_ == 1 || !closed_reason().empty()) return;
+  const int64_t width = 4 + int64_t(kShownDims);
+  std::vector<int64_t> each;
+  uint64_t h = 14695981039346656037ull;
+  for (const auto& [n, p] : params) {
+    const auto f = parameter_fingerprint(n, p);
+    each.insert(each.end(), f.begin(), f.end());
+    for (int64_t v : f) h = fnv1a(std::to_string(v), h);
+  }
+  const auto summary = gather_uncounted({int64_t(params.size()), int64_t(h >> 1)});
+  const int64_t mine = int64_t(params.size());
+  bool same = true;
+  for (int q = 0; q < size_; ++q) {
+    SG_CHECK(summary[size_t(q)][0] == mine, who, ": rank ", q, " of the group has ", summary[size_t(q)][0],
+             " parameters where this rank has ", mine, ": every rank must wrap the same model", at());
+    same = same && summary[size_t(q)][1] == summary[size_t(rank_)][1];
+  }
+  if (same) return;
+  const auto all = gather_uncounted(each);  // the counts agree: the same length everywhere
+  for (int64_t i = 0; i < mine; ++i)
+    for (int q = 0; q < size_; ++q) {
+      const int64_t* theirs = all[size_t(q)].data() + i * width;
+      const int64_t* ours = each.data() + i * width;
+      if (std::equal(ours, ours + width, theirs)) continue;
+      const bool renamed = theirs[0] != ours[0];
+      throw Error(str(who, ": parameter ", i, " ('", params[size_t(i)].first, "', ", describe_fingerprint(ours),
+                      " here) is ", renamed ? "named differently and " : "", describe_fingerprint(theirs),
+                      " on rank ", q, " of the group: every rank must wrap the same model", at()));
+    }
+}
+
 void ProcessGroup::check_tensor(const char* op, const char* role, const Tensor& t) const {
   SG_CHECK(t.defined(), op, ": ", role, " is undefined", at());
   std::string name = t.name().empty() ? std::string(role) : str(role, " '", t.name(), "'");
@@ -197,10 +249,6 @@ class WatchedWork final : public Work {
   std::string what_;
 };
 
-std::string collective_name(CommKind k, int size) {
-  const std::string name = comm_kind_name(k);
-  return str(name[0] == 'a' ? "an " : "a ", name, " among the ", size, " ranks of its group");
-}
 
 // Hands the operation to the backend (start) with the caller's intent visible to it, and waits
 // for a blocking one before returning (the MPI backend runs a blocking one inside start()).
@@ -230,13 +278,43 @@ bool overlap(const Tensor& a, const Tensor& b) {
 }
 }  // namespace
 
+std::string ProcessGroup::collective_name(CommKind k) const {
+  const std::string name = comm_kind_name(k);
+  return str(name[0] == 'a' ? "an " : "a ", name, " among the ", size_, " ranks of its group",
+             world_ranks_.empty() ? "" : str(" (world ranks ", shape_str(world_ranks_), ")"));
+}
+
+int ProcessGroup::backend_max_tag() const { return std::numeric_limits<int>::max(); }
+int ProcessGroup::max_tag() const { return tag_limit_ >= 0 ? std::min(tag_limit_, backend_max_tag()) : backend_max_tag(); }
+void ProcessGroup::limit_tags(int max) {
+  SG_CHECK(max >= 1, "limit_tags: ", max, " leaves no tag", at());
+  tag_limit_ = max;
+}
+
+std::string ProcessGroup::peer_name(int q) const {
+  return str("rank ", q, world_ranks_.empty() ? "" : str(" (world rank ", world_ranks_[size_t(q)], ")"));
+}
+
+void ProcessGroup::learn_world_ranks(int world_rank) {
+  const auto all = gather_uncounted({world_rank});
+  std::vector<int> ranks;
+  bool identity = true, all_same = size_ > 1;
+  for (int q = 0; q < size_; ++q) {
+    ranks.push_back(int(all[size_t(q)][0]));
+    identity = identity && ranks.back() == q;
+    all_same = all_same && ranks.back() == ranks.front();
+  }
+  // all the same: a backend that moves no values (sim); the identity: the world's own numbering
+  if (!identity && !all_same) world_ranks_ = ranks;
+}
+
 std::shared_ptr<Work> ProcessGroup::all_reduce(const Tensor& t, ReduceOp op, Sync sync) {
   check_tensor("all_reduce", "tensor", t);
   SG_CHECK(op != ReduceOp::avg || is_floating(t.dtype()), "all_reduce: avg of ", t.describe(),
            " would not be exact; use sum and divide", at());
   check_same_call(CommKind::all_reduce, t.numel(), t.dtype(), int64_t(op));
   count(CommKind::all_reduce, all_reduce_bytes(int64_t(t.nbytes()), size_));
-  return issue(sync, collective_name(CommKind::all_reduce, size_),
+  return issue(sync, collective_name(CommKind::all_reduce),
                [&] { return traced(this, CommKind::all_reduce, t.nbytes(), do_all_reduce(t, op)); });
 }
 
@@ -252,7 +330,7 @@ std::shared_ptr<Work> ProcessGroup::reduce_scatter(const Tensor& out, const Tens
            " would not be exact; use sum and divide", at());
   check_same_call(CommKind::reduce_scatter, in.numel(), in.dtype(), int64_t(op));
   count(CommKind::reduce_scatter, reduce_scatter_bytes(int64_t(in.nbytes()), size_));
-  return issue(sync, collective_name(CommKind::reduce_scatter, size_),
+  return issue(sync, collective_name(CommKind::reduce_scatter),
                [&] { return traced(this, CommKind::reduce_scatter, in.nbytes(), do_reduce_scatter(out, in, op)); });
 }
 
@@ -269,7 +347,7 @@ std::shared_ptr<Work> ProcessGroup::all_gather(const Tensor& out, const Tensor& 
            rank_, at());
   check_same_call(CommKind::all_gather, out.numel(), out.dtype(), 0);
   count(CommKind::all_gather, all_gather_bytes(int64_t(out.nbytes()), size_));
-  return issue(sync, collective_name(CommKind::all_gather, size_),
+  return issue(sync, collective_name(CommKind::all_gather),
                [&] { return traced(this, CommKind::all_gather, out.nbytes(), do_all_gather(out, in)); });
 }
 
@@ -278,7 +356,7 @@ std::shared_ptr<Work> ProcessGroup::broadcast(const Tensor& t, int root, Sync sy
   check_peer("broadcast", "root", root, true);
   check_same_call(CommKind::broadcast, t.numel(), t.dtype(), root);
   count(CommKind::broadcast, size_ > 1 ? int64_t(t.nbytes()) : 0);
-  return issue(sync, collective_name(CommKind::broadcast, size_),
+  return issue(sync, collective_name(CommKind::broadcast),
                [&] { return traced(this, CommKind::broadcast, t.nbytes(), do_broadcast(t, root)); });
 }
 
@@ -289,36 +367,42 @@ std::shared_ptr<Work> ProcessGroup::reduce(const Tensor& t, int root, ReduceOp o
            " would not be exact; use sum and divide", at());
   check_same_call(CommKind::reduce, t.numel(), t.dtype(), root * 16 + int64_t(op));
   count(CommKind::reduce, size_ > 1 ? int64_t(t.nbytes()) : 0);
-  return issue(sync, collective_name(CommKind::reduce, size_),
+  return issue(sync, collective_name(CommKind::reduce),
                [&] { return traced(this, CommKind::reduce, t.nbytes(), do_reduce(t, root, op)); });
 }
 
 std::shared_ptr<Work> ProcessGroup::send(const Tensor& t, int dst, int tag) {
   check_tensor("send", "tensor", t);
   check_peer("send", "destination", dst, false);
-  SG_CHECK(tag >= 0, "send: tag ", tag, " is negative", at());
+  SG_CHECK(tag >= 0 && tag <= max_tag(), "send: tag ", tag, tag < 0 ? " is negative" : str(" is above the ", backend_name(),
+           " backend's largest tag ", max_tag(), backend_name() == "mpi" ? " (MPI_TAG_UB)" : ""), at());
   count(CommKind::send, int64_t(t.nbytes()));
   return std::make_shared<WatchedWork>(traced(this, CommKind::send, t.nbytes(), do_send(t, dst, tag)),
-                                       str("a send to rank ", dst, " of its ", size_, "-rank group"));
+                                       str("a send to ", peer_name(dst), " of its ", size_, "-rank group"));
 }
 
 std::shared_ptr<Work> ProcessGroup::recv(const Tensor& t, int src, int tag) {
   check_tensor("recv", "tensor", t);
   check_peer("recv", "source", src, false);
-  SG_CHECK(tag >= 0, "recv: tag ", tag, " is negative", at());
+  SG_CHECK(tag >= 0 && tag <= max_tag(), "recv: tag ", tag, tag < 0 ? " is negative" : str(" is above the ", backend_name(),
+           " backend's largest tag ", max_tag(), backend_name() == "mpi" ? " (MPI_TAG_UB)" : ""), at());
   count(CommKind::recv, int64_t(t.nbytes()));
   return std::make_shared<WatchedWork>(traced(this, CommKind::recv, t.nbytes(), do_recv(t, src, tag)),
-                                       str("a recv from rank ", src, " of its ", size_, "-rank group"));
+                                       str("a recv from ", peer_name(src), " of its ", size_, "-rank group"));
 }
 
 std::shared_ptr<Work> ProcessGroup::barrier(Sync sync) {
   check_same_call(CommKind::barrier, 0, DType::f32, 0);
   count(CommKind::barrier, 0);
-  return issue(sync, collective_name(CommKind::barrier, size_),
+  return issue(sync, collective_name(CommKind::barrier),
                [&] { return traced(this, CommKind::barrier, 0, do_barrier()); });
 }
 
-std::shared_ptr<ProcessGroup> ProcessGroup::split(int color, int key) { return do_split(color, key); }
+std::shared_ptr<ProcessGroup> ProcessGroup::split(int color, int key) {
+  auto child = do_split(color, key);
+  if (child) child->learn_world_ranks(world_ranks_.empty() ? rank_ : world_ranks_[size_t(rank_)]);
+  return child;
+}
 
 std::shared_ptr<ProcessGroup> ProcessGroup::new_group(const std::vector<int>& ranks) {
   SG_CHECK(!ranks.empty(), "new_group: empty rank list", at());
@@ -330,7 +414,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::new_group(const std::vector<int>& ra
   }
   auto it = std::find(ranks.begin(), ranks.end(), rank_);
   bool member = it != ranks.end();
-  return do_split(member ? 0 : -1, member ? int(it - ranks.begin()) : 0);
+  return split(member ? 0 : -1, member ? int(it - ranks.begin()) : 0);
 }
 
 }  // namespace sg::comm

@@ -83,6 +83,10 @@ class ProcessGroup {
   int rank() const { return rank_; }
   int size() const { return size_; }
   virtual std::string backend_name() const = 0;
+  // The largest message tag send/recv take: MPI's MPI_TAG_UB (the standard guarantees only 32767;
+  // Open MPI over UCX allows 2^23 - 1), or lower after limit_tags (tests: a smaller MPI's limit).
+  int max_tag() const;
+  void limit_tags(int max);
 
   // t = op over ranks of t. avg is refused for integer dtypes (it would not be exact).
   std::shared_ptr<Work> all_reduce(const Tensor& t, ReduceOp op = ReduceOp::sum, Sync sync = Sync::async);
@@ -125,6 +129,14 @@ class ProcessGroup {
   // left out of the counters, for checks that the ranks agree (the checked collectives, the
   // pipeline's schedule). A backend that moves no values (sim) returns this rank's v in each slot.
   std::vector<std::vector<int64_t>> gather_uncounted(const std::vector<int64_t>& v);
+  // Refuses, on every rank alike, parameters that differ across the group — in number, or a
+  // parameter's name, dtype or shape — naming the first difference and the rank that has it
+  // (PyTorch DDP's check of parameter shapes across processes). Data-parallel wrappers call it
+  // before their first collective, which would otherwise mix mismatched buffers. Uncounted.
+  void check_same_parameters(const char* who, const std::vector<std::pair<std::string, Tensor>>& params);
+  // "rank 1", or "rank 1 (world rank 3)" in a group split off the world whose numbering differs:
+  // how the watchdog's waits name a peer, so the stuck process can be found.
+  std::string peer_name(int q) const;
 
   // Each group keeps its own counters; a subgroup's traffic is not added to its parent's.
   CommCounters counters() const;
@@ -145,9 +157,12 @@ class ProcessGroup {
   // Why this group takes no more operations ("" while it does): checked before an operation is
   // counted, so a refused one never shows in the counters.
   virtual std::string closed_reason() const { return ""; }
+  // The backend's own tag limit (INT_MAX where tags are not used, as on NCCL).
+  virtual int backend_max_tag() const;
 
   // " (rank 1 of 4)": ends every error this group raises, so a log line names its rank.
   std::string at() const;
+
   // Inside a do_* call: whether the caller waits for this operation at once (Sync::blocking).
   static bool issuing_blocking();
 
@@ -159,7 +174,15 @@ class ProcessGroup {
   void check_peer(const char* op, const char* what, int peer, bool allow_self) const;
   void count(CommKind k, int64_t bytes);
 
+  // "an all_gather among the 2 ranks of its group (world ranks [1,3])": what a rank waits in.
+  std::string collective_name(CommKind k) const;
+  // Collective over this (new) group: records every member's world rank when they differ from
+  // the group's own numbering.
+  void learn_world_ranks(int world_rank);
+
   int rank_, size_;
+  int tag_limit_ = -1;  // limit_tags (-1: the backend's)
+  std::vector<int> world_ranks_;  // by group rank; empty: the world's own numbering (or unknown)
   mutable std::mutex counters_mu_;
   CommCounters counters_;
 };

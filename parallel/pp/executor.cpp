@@ -1,5 +1,6 @@
 #include "parallel/pp/executor.h"
 
+#include <algorithm>
 #include <chrono>
 #include <map>
 
@@ -11,9 +12,6 @@
 namespace sg::parallel::pp {
 
 namespace {
-// Message tags: one per (stage boundary, micro-batch, direction), so out-of-order arrivals match.
-int tag(int stage, int micro, bool grad) { return (stage * 100000 + micro) * 2 + (grad ? 1 : 0); }
-
 bool starts_with(const std::string& s, const std::string& p) { return s.rfind(p, 0) == 0; }
 }  // namespace
 
@@ -56,6 +54,16 @@ PipelineExecutor::PipelineExecutor(nn::GPT& model, Schedule schedule, std::share
       p.impl()->layout = Layout{{0}, {1}, 0};
     }
   }
+}
+
+// Message tags: one per (micro-batch, stage boundary) and direction, wrapped below the backend's
+// largest tag (the largest itself is the tied embedding's), the direction kept apart by the low
+// bit. Tags may repeat after the wrap: between two ranks, each direction's messages are sent and
+// received in the same order (the k-th forward of a stage's rank feeds the k-th forward of the
+// next stage's, and so for the backwards), and MPI's messages with one tag do not overtake.
+int PipelineExecutor::tag(int stage, int micro, bool grad) const {
+  const int64_t boundaries = std::max(1, group_->max_tag() / 2);
+  return int(((int64_t(micro) * schedule_.stages() + stage) % boundaries) * 2 + (grad ? 1 : 0));
 }
 
 int PipelineExecutor::blocks_per_stage() const { return int(model_.config.n_layer) / schedule_.stages(); }
@@ -125,7 +133,7 @@ double PipelineExecutor::run(const Tensor& idx, const Tensor& targets, double sc
   std::map<std::pair<int, int>, InFlight> live;  // (stage, micro)
   // Sends in flight, with the tensors they read (kept alive until the send completes).
   std::vector<std::pair<std::shared_ptr<comm::Work>, Tensor>> sends;
-  double loss = 0;
+  std::vector<Tensor> losses;  // the last stage's, one per micro-batch
   timeline_ = Timeline{};
   timeline_.per_rank.resize(size_t(schedule_.ranks));
   const auto t0 = std::chrono::steady_clock::now();
@@ -165,7 +173,7 @@ double PipelineExecutor::run(const Tensor& idx, const Tensor& targets, double sc
         if (before_forward) before_forward(a.stage);
         f.output = stage_forward(a.stage, f.input, mt, scale);
       }
-      if (a.stage == S - 1) loss += item(f.output);
+      if (a.stage == S - 1) losses.push_back(autograd::detach(f.output));  // read after the schedule: no sync here
       else sends.emplace_back(group_->send(f.output, schedule_.rank_of(a.stage + 1), tag(a.stage + 1, a.micro, false)), f.output);
       live[{a.stage, a.micro}] = std::move(f);
     } else {
@@ -197,6 +205,8 @@ double PipelineExecutor::run(const Tensor& idx, const Tensor& targets, double sc
   for (auto& [w, t] : sends) w->wait();
   timeline_.makespan = now();
   // Every rank reports the pipeline's loss (only the last stage computed it).
+  double loss = 0;
+  for (const Tensor& t : losses) loss += item(t);
   Tensor l = from_vector<double>({loss}, {1});
   group_->all_reduce(l, comm::ReduceOp::sum)->wait();
   return item(l);
@@ -211,7 +221,7 @@ int PipelineExecutor::tied_peer() const {
 
 Tensor PipelineExecutor::add_peer(const Tensor& t, int peer) {
   Tensor other = empty(t.shape(), t.dtype(), t.device());
-  const int tied_tag = 1 << 28;  // above every activation tag
+  const int tied_tag = group_->max_tag();  // above every activation tag
   auto s = group_->send(t, peer, tied_tag);
   group_->recv(other, peer, tied_tag)->wait();
   s->wait();

@@ -62,6 +62,7 @@ class PipelineExecutor {
   // targets are undefined.
   Tensor stage_forward(int s, const Tensor& input, const Tensor& targets, double scale);
   int blocks_per_stage() const;
+  int tag(int stage, int micro, bool grad) const;
   // Stage `stage`'s input activation for micro-batch `micro` ([rows, T or T/tp, C]), received from
   // the previous stage's rank; idx gives T and the device.
   Tensor receive_input(int stage, int micro, const Tensor& idx, int64_t rows);

@@ -74,8 +74,29 @@ void check_schedule(const std::string& kind, int chunks) {
 Schedule make_schedule(const std::string& kind, int ranks, int m, int chunks) {
   check_schedule(kind, chunks);
   if (kind == "gpipe") return gpipe(ranks, m);
-  if (kind == "1f1b") return one_f_one_b(ranks, m);
+  // interleaved over one chunk is 1F1B with a warm-up twice as deep: as many activations held
+  // for the same bubble (Megatron interleaves only with two virtual stages or more)
+  if (kind == "1f1b" || chunks == 1) return one_f_one_b(ranks, m);
   return interleaved(ranks, m, chunks);
+}
+
+int64_t default_micro_batch_size(int64_t rows, int pp, const std::string& kind, int chunks) {
+  if (pp <= 1 || rows < 1) return rows;
+  int64_t best = 0;  // micro-batches per step
+  for (int64_t m = pp; m <= rows; m += pp) {
+    if (rows % m) continue;
+    best = m;
+    if (m >= 4 * pp) break;
+  }
+  if (best) return rows / best;
+  SG_CHECK(kind != "interleaved" || chunks == 1, "--pp-schedule interleaved needs a number of micro-batches that is ",
+           "a multiple of --pp ", pp, ", and none divides the rank's ", rows, " rows: give a --batch-size whose ",
+           "per-rank rows are a multiple of ", pp);
+  // The fewest micro-batches that still give every stage one (each row its own when there are
+  // fewer rows than stages).
+  for (int64_t m = std::min<int64_t>(pp, rows); m < rows; ++m)
+    if (rows % m == 0) return rows / m;
+  return 1;
 }
 
 Timeline simulate(const Schedule& s, double tf, double tb) {

@@ -10,6 +10,7 @@
 // simulate() plays a schedule with fixed per-action times and returns the timeline, from which
 // the bubble fraction and the activations in flight are measured rather than assumed.
 #pragma once
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -36,7 +37,15 @@ struct Schedule {
 // make_schedule checks it too; a caller may check first, before building what the schedule splits.
 void check_schedule(const std::string& kind, int chunks);
 // Throws naming the impossible combination (m < 1, p < 1, interleaved with m % p != 0, ...).
+// interleaved with one chunk is 1f1b (it would only hold more activations for the same bubble).
 Schedule make_schedule(const std::string& kind, int ranks, int micro_batches, int chunks = 1);
+// --micro-batch-size 0: the rows of one micro-batch, given this rank's rows per step. Without a
+// pipeline, all of them; under one, the fewest micro-batches that are a multiple of p (interleaved
+// needs it) and at least 4 per stage (GPipe's m >= 4p keeps the bubble (p-1)/m under a quarter), or
+// the most such that the rows allow. When no multiple of p divides the rows, gpipe and 1f1b take
+// the fewest micro-batches >= p (every row its own when the rows are fewer than p); interleaved is
+// refused, naming the flags.
+int64_t default_micro_batch_size(int64_t rows, int pp, const std::string& kind, int chunks);
 Schedule gpipe(int ranks, int micro_batches);
 Schedule one_f_one_b(int ranks, int micro_batches);
 Schedule interleaved(int ranks, int micro_batches, int chunks);

@@ -375,7 +375,14 @@ TEST_CASE("split into even and odd ranks: each subgroup reduces only its own ran
     Tensor y = filled(r, 3, DType::i32);
     last_first->broadcast(y, 0)->wait();  // from world rank n - 1
     check_values(y, {value(n - 1, 0, DType::i32), value(n - 1, 1, DType::i32), value(n - 1, 2, DType::i32)});
+    // What a stuck wait says names the peer's world rank: the group's numbering is not the world's.
+    CHECK(last_first->peer_name(0) == str("rank 0 (world rank ", n - 1, ")"));
+    CHECK(last_first->peer_name(1) == "rank 1 (world rank 0)");
   }
+  // The world's own numbering, and the same numbering split off again, name no world rank.
+  CHECK(pg->peer_name(n - 1) == str("rank ", n - 1));
+  CHECK(pg->split(0, r)->peer_name(n - 1) == str("rank ", n - 1));
+  if (r % 2 == 1) CHECK(sub->peer_name(0) == "rank 0 (world rank 1)");
 }
 
 TEST_CASE("device mesh groups: tp innermost, each group ranked by its coordinate", "[comm][mesh]") {

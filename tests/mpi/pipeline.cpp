@@ -115,6 +115,30 @@ TEST_CASE("gpipe, 1f1b and interleaved pipelines reproduce the single-process lo
   }
 }
 
+// MPI guarantees tags up to 32767 only (UCX: 2^23 - 1): the pipeline's tags wrap below the group's
+// limit, here 5 (tags 0-3 for the micro-batches' messages, 5 for the tied embedding's), and every
+// schedule still pairs each message with its own receive; a tag above the limit is refused.
+TEST_CASE("under a small tag limit the pipelines' tags wrap and every schedule still reproduces the single-process losses",
+          "[pp]") {
+  auto world = comm::MpiProcessGroup::world();
+  const int p = world->size();
+  world->limit_tags(5);
+  CHECK(world->max_tag() == 5);
+  const int layers = 2 * p;
+  const auto ref = single(layers, 3);
+  for (const char* kind : {"gpipe", "1f1b", "interleaved"}) {
+    INFO(kind << " on " << p << " ranks");
+    auto got = piped(layers, 3, pp::make_schedule(kind, p, 2 * p, std::string(kind) == "interleaved" ? 2 : 1), world);
+    for (size_t i = 0; i < ref.size(); ++i) {
+      INFO("step " << i);
+      REQUIRE(std::abs(got[i] - ref[i]) <= 1e-5 * std::abs(ref[i]));
+    }
+  }
+  REQUIRE_THROWS_WITH(world->send(zeros({1}), (world->rank() + 1) % p, 6),
+                      Catch::Contains("send: tag 6 is above the mpi backend's largest tag 5 (MPI_TAG_UB)"));
+  REQUIRE_THROWS_WITH(world->limit_tags(0), Catch::Contains("limit_tags: 0 leaves no tag"));
+}
+
 // Losses alone would not see a gradient scaled by a constant (AdamW divides it out): each stage's
 // gradients, the tied wte's summed over the two ends, and the norm over the stages must be the
 // single process's.

@@ -11,6 +11,8 @@
 #include "optim/optim.h"
 #include "parallel/comm/mpi_backend.h"
 #include "parallel/comm/mesh.h"
+#include "parallel/ddp.h"
+#include "parallel/fsdp.h"
 #include "parallel/pp/executor.h"
 #include "parallel/tp/layers.h"
 #include "parallel/shard_state.h"
@@ -19,6 +21,7 @@
 #include "tests/support.h"
 
 using namespace sg;
+using Catch::Contains;
 
 namespace {
 
@@ -580,4 +583,63 @@ TEST_CASE("zero2 refuses a second synchronised backward, and the step after the 
   nn::GPT m(testing::tiny_gpt());
   parallel::ZeroOptimizer zero1(m.named_parameters(), w, optim::AdamWConfig{}, zo);
   REQUIRE_THROWS_WITH(zero1.reduce_micro_batch(), Catch::Contains("only stage 2 keeps"));
+}
+
+TEST_CASE("ddp, zero and fsdp refuse, on every rank, a model that differs across ranks, naming the parameter and the rank", "[zero]") {
+  auto w = testing::world();
+  const int last = w->size() - 1;
+  optim::AdamWConfig oc;
+  // The last rank's model has a wider vocabulary: wte's shape differs, the count does not.
+  nn::GPTConfig c = tiny(), wider = tiny();
+  wider.vocab_size += 100;
+  if (w->rank() == last) std::swap(c, wider);
+  {
+    nn::GPT model(c), other(wider);  // other: what the compared rank holds
+    const Shape s = other.wte->weight.shape();
+    const std::string theirs = str("f32[", s[0], ",", s[1], "] on rank ", w->rank() == last ? 0 : last);
+    REQUIRE_THROWS_WITH(parallel::DistributedDataParallel(model.named_parameters(), w, {}),
+                        Contains("ddp: parameter 0 ('wte.weight'") && Contains(theirs) &&
+                            Contains("every rank must wrap the same model"));
+    REQUIRE_THROWS_WITH(parallel::ZeroOptimizer(model.named_parameters(), w, oc, {}),
+                        Contains("zero: parameter 0 ('wte.weight'") && Contains(theirs));
+    REQUIRE_THROWS_WITH(parallel::FullyShardedDataParallel(model, w, oc, {}),
+                        Contains("fsdp: parameter ") && Contains("('wte.weight'") && Contains(theirs));
+  }
+  // Another layer count on the last rank: the counts differ.
+  nn::GPTConfig deeper = tiny();
+  if (w->rank() == last) deeper.n_layer += 1;
+  nn::GPT model(deeper);
+  REQUIRE_THROWS_WITH(parallel::ZeroOptimizer(model.named_parameters(), w, oc, {}),
+                      Contains("zero: rank ") && Contains(" parameters where this rank has "));
+  // The group is left as it was: the same model on every rank wraps and trains.
+  nn::GPT same(tiny());
+  parallel::DistributedDataParallel ddp(same.named_parameters(), w, {});
+  ddp.broadcast_parameters();
+}
+
+TEST_CASE("a parameter that zero or fsdp updates is refused by a plain optimizer and a second wrapper while they live", "[zero]") {
+  auto w = testing::world();
+  optim::AdamWConfig oc;
+  nn::GPT model(tiny());
+  auto params = model.named_parameters();
+  {
+    parallel::ZeroOptions zo;
+    zo.stage = 2;
+    parallel::ZeroOptimizer zero(params, w, oc, zo);
+    REQUIRE_THROWS_WITH(optim::AdamW(params, oc), Contains("AdamW: parameter 'wte.weight' is updated by a ZeRO-2 "
+                                                           "optimizer, whose own step() updates it"));
+    REQUIRE_THROWS_WITH(optim::SGD(params, {}), Contains("SGD: parameter 'wte.weight' is updated by a ZeRO-2"));
+    REQUIRE_THROWS_WITH(parallel::ZeroOptimizer(params, w, oc, {}),
+                        Contains("zero: parameter 'wte.weight' is updated by a ZeRO-2 optimizer already"));
+    REQUIRE_THROWS_WITH(parallel::FullyShardedDataParallel(model, w, oc, {}),
+                        Contains("fsdp: parameter 'wte.weight' is updated by a ZeRO-2 optimizer already"));
+  }
+  optim::AdamW plain(params, oc);  // the wrapper gone, its mark went with it
+  {
+    parallel::FullyShardedDataParallel fsdp(model, w, oc, {});
+    REQUIRE_THROWS_WITH(optim::AdamW(model.named_parameters(), oc),
+                        Contains("AdamW: parameter 'wte.weight' is updated by an FSDP wrapper (full_shard)"));
+    fsdp.gather_all();
+  }
+  optim::AdamW again(model.named_parameters(), oc);
 }
