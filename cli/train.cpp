@@ -57,7 +57,8 @@ void declare_flags(Args& a) {
   a.flag("eval-batches", "4", "validation batches per evaluation (split over the data-parallel ranks)");
   a.flag("eval-problems", "200", "synthetic task: problems for the accuracy figure");
   a.flag("sample-tokens", "0", "at each evaluation, rank 0 prints N tokens sampled (temperature 1, as llm.c) after "
-         "the held-out split's first 16; the same on every run with the same seed (0 = none)");
+         "the held-out split's first 16 (--shuffle: its first drawn row's; synthetic: its first problem); the same "
+         "on every run with the same seed (0 = none)");
   a.flag("tokenizer", "", "GPT-2 token shards: a folder with GPT-2's vocab.json and merges.txt, to show "
          "--sample-tokens' samples as text");
   a.flag("hellaswag", "", "at each evaluation, the accuracy on an llm.c multiple-choice eval file (hellaswag_val.bin "

@@ -726,8 +726,15 @@ json Trainer::hellaswag() {
           {"seconds", std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()}};
 }
 
+int64_t Trainer::sample_prompt_length() const {
+  // the synthetic task serves whole problems only: its prompt is the first one (the sampler's
+  // window keeps its last block_size ids)
+  if (auto* task = dynamic_cast<const io::SyntheticDataset*>(val_.get())) return task->task().problem_length();
+  return std::min<int64_t>({16, std::max<int64_t>(1, cfg_.block_size / 2), B_ * T_});
+}
+
 json Trainer::sample(int64_t step) {
-  const int64_t n_prompt = std::min<int64_t>({16, std::max<int64_t>(1, cfg_.block_size / 2), B_ * T_});
+  const int64_t n_prompt = sample_prompt_length();
   val_->set_position(0);
   const std::vector<int64_t> prompt = to_vector<int64_t>(to(val_->next(1, n_prompt).inputs, DType::i64));
   std::vector<int64_t> ids = prompt, drawn;

@@ -124,6 +124,7 @@ class Trainer {
   // --sample-tokens tokens drawn after the held-out split's first ones: {"sample_prompt",
   // "sample", "sample_ids"}, the same on every rank of the replica (same logits, same draws).
   nlohmann::json sample(int64_t step);
+  int64_t sample_prompt_length() const;  // the tokens sample() reads from the held-out split
   void write_timeline();
   std::string layout_label() const;  // "zero3 x 4", "tp 2 x pp 2 (4 ranks)", ...
 

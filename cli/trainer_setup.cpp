@@ -333,6 +333,8 @@ void Trainer::open_data() {
     if (std::find(from_ck.begin(), from_ck.end(), "data") == from_ck.end()) throw;
     throw Error(str(e.what(), " (--data ", data_opt_.spec, " is the checkpoint's; give --data to read it elsewhere)"));
   }
+  SG_CHECK(!data_opt_.shuffle || !io::is_generated_spec(data_opt_.spec), "train: --shuffle draws a file's rows at ",
+           "random; --data ", data_opt_.spec, " is generated, row by row, and has nothing to shuffle");
   if (dynamic_cast<const io::SyntheticDataset*>(train_.get())) positive(a, "eval-problems");  // the task's accuracy
 }
 
@@ -357,6 +359,7 @@ void Trainer::configure_samples() {
   const std::string& data = data_opt_.spec;
   SG_CHECK(!io::is_generated_spec(data) || data.rfind("synthetic", 0) == 0, "train: --sample-tokens: random tokens "
            "(--data ", data, ") have no text to show");
+  val_->check_batch(1, sample_prompt_length());  // the prompt: refused now, not at the first evaluation
   if (!tokenizer.empty()) {
     SG_CHECK(io::is_shard_spec(data), "train: --tokenizer is for GPT-2 token shards; --data ", data,
              " brings its own tokens");
@@ -431,7 +434,9 @@ void Trainer::build_model(const ckpt::Checkpoint* ck) {
   } else {
     cfg_ = model_config(a, train_->vocab_size());
   }
-  if (cfg_.vocab_size < train_->vocab_size()) {  // token shards of a smaller tokenizer; other data refuses
+  // Token shards of another tokenizer (their ids are uint16: up to 65536) take the model's
+  // vocabulary, smaller or larger; other data refuses a smaller one.
+  if (cfg_.vocab_size < train_->vocab_size() || (io::is_shard_spec(data_opt_.spec) && cfg_.vocab_size != train_->vocab_size())) {
     train_->restrict_vocab(cfg_.vocab_size);
     val_->restrict_vocab(cfg_.vocab_size);
   }
@@ -442,6 +447,18 @@ void Trainer::build_model(const ckpt::Checkpoint* ck) {
   SG_CHECK(T_ <= cfg_.block_size, "train: --seq-len ", T_, " exceeds the model's block size ", cfg_.block_size);
   train_->check_batch(B_, T_);
   val_->check_batch(B_, T_);  // the final evaluation reads one batch of the held-out split
+  // --eval-batches of a file read in order are consecutive batches: fewer tokens than they need
+  // would wrap around and count one batch several times
+  if (!data_opt_.shuffle && !io::is_generated_spec(data_opt_.spec)) {
+    const int64_t nb = a.i64("eval-batches");
+    try {
+      val_->check_batch(B_ * nb, T_);
+    } catch (const Error&) {
+      throw Error(str("train: --eval-batches ", nb, " of ", B_, " x ", T_, " tokens need ", B_ * nb * T_ + 1,
+                      " held-out tokens in order, more than --data ", data_opt_.spec, "'s val split holds: give ",
+                      "fewer --eval-batches (or --shuffle, which draws the rows)"));
+    }
+  }
   // The schedule's flags before the layer split, which --virtual-stages changes.
   if (pp_ > 1) {
     const int v = int(positive(a, "virtual-stages"));

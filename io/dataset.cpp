@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
 #include <cstdlib>
 #include <memory>
 
@@ -84,8 +85,12 @@ class FileDataset : public Dataset {
   bool draws_rows() const override { return shuffle_; }
   int64_t vocab_size() const override { return vocab_; }
   void restrict_vocab(int64_t v) override {
-    if (kind_ != "token shards" || v <= 0) Dataset::restrict_vocab(v);
-    vocab_ = std::min(vocab_, v);
+    if (kind_ != "token shards" || v <= 0) {
+      Dataset::restrict_vocab(v);
+      return;  // a larger model reads the bytes as they are
+    }
+    SG_CHECK(v <= 65536, "data ", spec_, ": token shards hold uint16 ids; a vocabulary of ", v, " is past their 65536");
+    vocab_ = v;  // another tokenizer's: fewer than GPT-2's 50257, or more
   }
 
   std::string describe() const override {
@@ -105,12 +110,12 @@ class FileDataset : public Dataset {
   }
 
   std::vector<int64_t> encode(const std::string& text) const override {
-    SG_CHECK(vocab_ == 256, "data ", spec_, ": token shards carry no tokenizer (io::Gpt2Tokenizer encodes GPT-2 tokens)");
+    SG_CHECK(kind_ == "text bytes", "data ", spec_, ": token shards carry no tokenizer (io::Gpt2Tokenizer encodes GPT-2 tokens)");
     return encode_bytes(text);
   }
 
   std::string decode(const std::vector<int64_t>& tokens) const override {
-    SG_CHECK(vocab_ == 256, "data ", spec_, ": token shards carry no tokenizer (io::Gpt2Tokenizer decodes GPT-2 tokens)");
+    SG_CHECK(kind_ == "text bytes", "data ", spec_, ": token shards carry no tokenizer (io::Gpt2Tokenizer decodes GPT-2 tokens)");
     return decode_bytes(tokens);
   }
 
@@ -222,7 +227,17 @@ std::string decode_bytes(const std::vector<int64_t>& ids) {
 }
 
 bool is_shard_spec(const std::string& s) {
-  return s.find_first_of("*?[") != std::string::npos || (s.size() >= 4 && s.compare(s.size() - 4, 4, ".bin") == 0);
+  const bool named_bin = s.size() >= 4 && s.compare(s.size() - 4, 4, ".bin") == 0;
+  std::error_code ec;
+  if (std::filesystem::is_regular_file(s, ec)) {  // a file of that very name (even with [ ? * in it)
+    int32_t magic = 0;
+    {
+      std::ifstream f(s, std::ios::binary);
+      f.read(reinterpret_cast<char*>(&magic), sizeof magic);
+    }
+    return named_bin || magic == kShardMagic;  // a shard by any name, read as one
+  }
+  return named_bin || s.find_first_of("*?[") != std::string::npos;
 }
 
 std::unique_ptr<Dataset> open_dataset(const DataOptions& opt) {

@@ -33,9 +33,9 @@ class Dataset {
   virtual void set_position(int64_t p) = 0;
   virtual bool draws_rows() const { return false; }  // position() counts rows
   virtual int64_t vocab_size() const = 0;    // tokens are in [0, vocab_size)
-  // For a model of fewer tokens than vocab_size(): token shards (GPT-2's 50257 ids at most, or
-  // another tokenizer's fewer) then check every id they read against v, naming the file and index
-  // of one outside; other data refuses, naming itself.
+  // For a model of another vocabulary than vocab_size(): token shards (GPT-2's 50257 ids, or another
+  // tokenizer's, fewer or more: uint16 ids, up to 65536) then check every id they read against v,
+  // naming the file and index of one outside; other data refuses a smaller v, naming itself.
   virtual void restrict_vocab(int64_t v);
   virtual std::string describe() const = 0;  // for the progress header
   // Text <-> tokens for `shardgrad generate` (bytes and the synthetic task; GPT-2 token shards are
@@ -52,7 +52,8 @@ struct DataOptions {
   double val_fraction = 0.1;  // for a single text file: the tail held out
 };
 
-// Whether a data spec names llm.c token shards (a glob, or a .bin file) rather than a text file.
+// Whether a data spec names llm.c token shards (a glob, a .bin file, or a file of any name that
+// starts with the shard magic) rather than a text file; a file of that very name is not a glob.
 bool is_shard_spec(const std::string& spec);
 // Whether a data spec is generated, not read from a file: synthetic[:...] or random[:V].
 bool is_generated_spec(const std::string& spec);

@@ -52,7 +52,8 @@ std::vector<uint16_t> read_token_shard(const std::string& path) {
 }
 
 std::vector<std::string> expand_glob(const std::string& pattern, const std::string& what) {
-  if (!has_glob_chars(pattern)) {
+  std::error_code ec;
+  if (!has_glob_chars(pattern) || std::filesystem::is_regular_file(pattern, ec)) {  // a file of that very name
     SG_CHECK(std::filesystem::exists(pattern), what, " ", pattern, ": no such file");
     return {pattern};
   }

@@ -25,8 +25,9 @@ int64_t token_shard_size(const std::string& path);
 // The whole shard, validated.
 std::vector<uint16_t> read_token_shard(const std::string& path);
 
-// The files matching a glob pattern (or naming one file), sorted by name. Throws naming the pattern
-// when nothing matches, after `what` (the flag or command it came from).
+// The files matching a glob pattern (or naming one file: a file of that very name is taken as it is,
+// [ ? * and all), sorted by name. Throws naming the pattern when nothing matches, after `what`
+// (the flag or command it came from).
 std::vector<std::string> expand_glob(const std::string& pattern, const std::string& what = "data");
 
 // A contiguous run of tokens inside one file: tokens [first, first + count) of the element array that

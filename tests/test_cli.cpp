@@ -145,6 +145,21 @@ TEST_CASE("train refuses bad flags, missing files and existing checkpoints, nami
   fails_with("train --stepz 10", "unknown flag --stepz");
   fails_with("train --batch-size 8 --micro-batch-size 3", "--micro-batch-size 3 does not divide --batch-size 8");
   fails_with("train --save " + (d.path / "k").string() + " --keep 4294967297", "--keep must be in [0, 2147483647] (0 = all), got 4294967297");
+  fails_with("train --shuffle", "--shuffle draws a file's rows at random; --data synthetic is generated");
+  {  // the synthetic task's samples start from a whole problem (16 tokens were less than a 5-digit
+     // one: the run failed at its final evaluation, after the training, its checkpoint unsaved)
+    Run r = shardgrad("train " + kSmall + " --data synthetic:5 --steps 2 --sample-tokens 4 --save " +
+                      (d.path / "syn5").string());
+    INFO(r.output);
+    CHECK(r.code == 0);
+    CHECK(r.output.find("tokens after \"") != std::string::npos);
+    CHECK(fs::exists(d.path / "syn5" / "step_00000002"));
+  }
+  {  // 2,000 bytes: 200 held out, fewer than 10 batches of 2 x 16 in order need (321)
+    std::ofstream(d.path / "short.txt") << std::string(2000, 'a');
+    fails_with("train --data " + (d.path / "short.txt").string() + " --batch-size 2 --seq-len 16 --eval-batches 10",
+               "--eval-batches 10 of 2 x 16 tokens need 321 held-out tokens in order");
+  }
   fails_with("train --n-head 5 --n-embd 64", "not divisible by n_head 5");
   fails_with("train --data /nonexistent/file.txt", "/nonexistent/file.txt");
   fails_with("train --steps 1 --comm-timeout 0", "--comm-timeout must be > 0");  // one process checks it too
@@ -911,6 +926,18 @@ TEST_CASE("tokenize writes GPT-2 tokens that train reads and generate decodes wi
           "is outside the vocabulary of 100");
   refuses(std::string(SG_BINARY) + " train --data " + (d.path / "b1.txt").string() + tiny + "--vocab-size 100 --steps 1",
           "a model of 100 tokens cannot read its 256");
+  // a tokenizer larger than GPT-2's: its shards train with the --vocab-size tokenize prints
+  const std::string big = (d.path / "big.bin").string();
+  {
+    std::vector<uint16_t> ids;
+    for (int i = 0; i < 1000; ++i) ids.push_back(uint16_t(i % 7 == 0 ? 50299 : i));
+    sg::io::write_token_shard(big, ids);
+  }
+  Run wide = shardgrad("train --data " + big + tiny + "--n-embd 16 --vocab-size 50300 --steps 1");
+  INFO(wide.output);
+  CHECK(wide.code == 0);
+  refuses(std::string(SG_BINARY) + " train --data " + big + tiny + "--vocab-size 50257 --steps 1",
+          "token 50299 at index 0 is outside the vocabulary of 50257");
   // train's samples need the tokenizer to be text; with it, ids among its 612
   refuses(std::string(SG_BINARY) + " train --data " + data + tiny + "--vocab-size 612 --steps 1 --sample-tokens 4",
           "the token shards " + data + " carry no tokenizer; pass --tokenizer DIR");

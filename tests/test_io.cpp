@@ -339,6 +339,27 @@ TEST_CASE("shard dataset: batch k is the k-th window of B*T+1 tokens across shar
   o.split = Split::train;
   o.val_fraction = 0;
   REQUIRE_THROWS_WITH(open_dataset(o)->next(1, 3), Contains("big.bin") && Contains("token 60000"));
+  // another tokenizer's shards take a larger vocabulary too (uint16 ids: 65536 at most)
+  auto wide = open_dataset(o);
+  wide->restrict_vocab(60001);
+  CHECK(row(wide->next(1, 3).inputs, 0) == std::vector<int64_t>{1, 2, 60000});
+  REQUIRE_THROWS_WITH(wide->restrict_vocab(65537), Contains("a vocabulary of 65537 is past their 65536"));
+  CHECK_THROWS_WITH(wide->decode({1}), Contains("token shards carry no tokenizer"));
+  wide->restrict_vocab(256);  // a 256-token tokenizer's shards are not text bytes
+  CHECK_THROWS_WITH(wide->decode({1}), Contains("token shards carry no tokenizer"));
+  // a shard by another name, or with [ ] in its name, is read as a shard (it was read as text bytes,
+  // or taken for a glob matching nothing)
+  for (const char* name : {"corpus.tok", "notes[1].bin"}) {
+    INFO(name);
+    write_token_shard(d / name, {5, 6, 7, 8});
+    o.spec = d / name;
+    CHECK(is_shard_spec(o.spec));
+    CHECK(row(open_dataset(o)->next(1, 3).inputs, 0) == std::vector<int64_t>{5, 6, 7});
+  }
+  std::ofstream(d / "plain[1].txt") << "hello world";  // a text file with [ ] in its name is text
+  o.spec = d / "plain[1].txt";
+  CHECK_FALSE(is_shard_spec(o.spec));
+  CHECK(open_dataset(o)->vocab_size() == 256);
 }
 
 TEST_CASE("file datasets resume exactly from position()", "[io]") {
