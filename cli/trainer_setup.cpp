@@ -147,6 +147,9 @@ void Trainer::configure() {
            strategy_, "' is not available (expected single, dp, ddp, zero1, zero2, zero3, fsdp, fsdp-grad-op, hsdp or no-shard)");
   tp_ = int(positive(a, "tp"));
   pp_ = int(positive(a, "pp"));
+  SG_CHECK(strategy_ != "dp" || (tp_ == 1 && pp_ == 1), "train: --strategy dp (replicas on the devices of one ",
+           "process) does not compose with ", pp_ > 1 ? "--pp" : "--tp", "; run ddp under mpirun");
+  SG_CHECK(!a.on("sequence-parallel") || tp_ > 1, "train: --sequence-parallel needs --tp > 1");
   // A flag of one strategy or layout, given where it would do nothing, is refused by name rather
   // than ignored.
   const auto only_for = [&](const char* flag, bool applies, const char* what) {
@@ -273,8 +276,13 @@ void Trainer::choose_device_and_batch() {
   fault_ = parallel::parse_fault(a.str("inject-fault"));
   nonfinite_ = optim::parse_nonfinite_policy(a.str("on-nonfinite"));
   device_ = parse_device(device_spec_);
-    if (strategy_ == "dp") {
+  SG_CHECK(sim_ || !device_.is_meta(), "train: --device ", device_.str(), " holds no values (it sizes a layout): ",
+           "use train --simulate N for that");
+  if (strategy_ == "dp") {
     dp_devices_ = parallel::parse_devices(a.str("devices"));
+    for (const Device& d : dp_devices_)
+      SG_CHECK(!d.is_meta(), "train: --devices ", a.str("devices"), ": ", d.str(), " holds no values (it sizes a layout: ",
+               "train --simulate N)");
     SG_CHECK(!a.given("device") || device_ == dp_devices_[0], "train: --device ", device_.str(),
              " differs from the first of --devices (", dp_devices_[0].str(), ")");
     device_ = dp_devices_[0];
@@ -295,6 +303,9 @@ void Trainer::choose_device_and_batch() {
   SG_CHECK((B_ / dp_size_) % micro_ == 0, "train: --micro-batch-size ", micro_, " does not divide ",
            dp_size_ > 1 ? str("the per-rank batch ", B_ / dp_size_, " (--batch-size ", B_, " over ", dp_size_, " ranks)")
                            : str("--batch-size ", B_));
+  SG_CHECK(strategy_ != "dp" || micro_ % int64_t(dp_devices_.size()) == 0, "train: --strategy dp: the micro-batch of ",
+           micro_, " rows (--micro-batch-size", a.i64("micro-batch-size") ? "" : " 0: the batch", ") does not split over ",
+           "the ", dp_devices_.size(), " --devices");
   steps_ = a.str("steps") != "auto" ? positive(a, "steps") : synthetic ? kSyntheticSteps : kFileSteps;
   stop_at_ = a.i64("stop-at");
   SG_CHECK(stop_at_ >= 0 && stop_at_ <= steps_, "train: --stop-at must be a step from 1 to --steps (", steps_,
@@ -476,19 +487,19 @@ void Trainer::build_model(const ckpt::Checkpoint* ck) {
   if (tp_ > 1 || pp_ > 1) {
     // Model parallelism composes with data parallelism over the mesh's dp axis: the rows are split
     // over dp, and DDP, ZeRO-1/2 or the FSDP family (all of it) reduce over dp only.
-    SG_CHECK(strategy_ != "dp", "train: --strategy dp (replicas on the devices of one process) does not compose with ",
-             pp_ > 1 ? "--pp" : "--tp", "; run ddp under mpirun");
     SG_CHECK(mesh.mesh.dp() == 1 || strategy_ != "single", "train: --tp ", tp_, " x --pp ", pp_, " on ", world_size_,
              " ranks leaves dp = ", mesh.mesh.dp(),
              ": the data-parallel replicas need a --strategy (ddp, zero1, zero2, zero3, fsdp, hsdp or no-shard)");
   }
   if (tp_ > 1) {
     cfg_.sequence_parallel = a.on("sequence-parallel");
-    SG_CHECK(!cfg_.sequence_parallel || T_ % tp_ == 0, "train: --sequence-parallel: --seq-len ", T_,
-             " does not split over --tp ", tp_);
+    SG_CHECK(!cfg_.sequence_parallel || T_ % tp_ == 0, "train: --sequence-parallel: ",
+             a.i64("seq-len") ? str("--seq-len ", T_) : str("rows of ", T_, " tokens (", dynamic_cast<const io::SyntheticDataset*>(train_.get()) ? "the synthetic task's problem length" : "the block size", "; no --seq-len given)"),
+             " do not split over --tp ", tp_, (T_ + tp_ - 1) / tp_ * tp_ <= cfg_.block_size
+                 ? str(": give --seq-len ", (T_ + tp_ - 1) / tp_ * tp_, " (a multiple of ", tp_, ")")
+                 : str(": give a --seq-len that is a multiple of ", tp_));
     cfg_.validate();
   }
-  SG_CHECK(!a.on("sequence-parallel") || tp_ > 1, "train: --sequence-parallel needs --tp > 1");
   const int v = int(positive(a, "virtual-stages"));
   if (pp_ > 1) {
     SG_CHECK(cfg_.n_layer % (pp_ * v) == 0, "train: --pp ", pp_, " x --virtual-stages ", v, ": ", cfg_.n_layer,
@@ -586,8 +597,6 @@ void Trainer::build_optimizer() {
     ddp_->broadcast_parameters();
   }
   if (strategy_ == "dp") {
-    SG_CHECK(micro_ % int64_t(dp_devices_.size()) == 0, "train: dp: the micro-batch of ", micro_,
-             " rows does not split over ", dp_devices_.size(), " devices");
     dp_ = std::make_unique<parallel::DataParallel>(*model_, dp_devices_);
   }
   sched_.kind = a.str("lr-schedule");

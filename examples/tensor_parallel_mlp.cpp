@@ -39,7 +39,13 @@ int main(int argc, char** argv) {
     auto group = comm::MpiProcessGroup::world();
     const int p = group->size(), rank = group->rank();
     constexpr int64_t B = 16, C = 32, H = 4 * C;  // rows, width, hidden width (split p ways)
-    SG_CHECK(H % p == 0, "tensor_parallel_mlp: the hidden width ", H, " does not split over ", p, " ranks");
+    if (H % p != 0) {  // the same on every rank, before any message: each says so and leaves
+      if (rank == 0) std::fprintf(stderr, "tensor_parallel_mlp: the hidden width %lld does not split over %d ranks\n",
+                                  (long long)H, p);
+      group.reset();
+      comm::finalize();
+      return 2;
+    }
 
     // The unsharded MLP, the same on every rank (seeded), and its sharded twin.
     nn::Linear fc(C, H, true), proj(H, C, true);

@@ -16,8 +16,17 @@ std::vector<Device> parse_devices(const std::string& list) {
   std::vector<Device> out;
   std::stringstream ss(list);
   std::string item;
-  while (std::getline(ss, item, ',')) out.push_back(parse_device(item));
+  while (std::getline(ss, item, ',')) {
+    const size_t b = item.find_first_not_of(" \t"), e = item.find_last_not_of(" \t");
+    SG_CHECK(b != std::string::npos, "--devices ", list, ": an empty entry (expected cpu:N or cuda:N, comma-separated)");
+    try {
+      out.push_back(parse_device(item.substr(b, e - b + 1)));
+    } catch (const Error& err) {
+      throw Error(str("--devices ", list, ": ", err.what()));
+    }
+  }
   SG_CHECK(!out.empty(), "--devices: empty list");
+  SG_CHECK(list.empty() || list.back() != ',', "--devices ", list, ": an empty entry after the last comma");
   for (size_t i = 0; i < out.size(); ++i)
     for (size_t j = 0; j < i; ++j) SG_CHECK(out[i] != out[j], "--devices: ", out[i].str(), " is listed twice");
   return out;

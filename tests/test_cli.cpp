@@ -146,6 +146,15 @@ TEST_CASE("train refuses bad flags, missing files and existing checkpoints, nami
   fails_with("train --batch-size 8 --micro-batch-size 3", "--micro-batch-size 3 does not divide --batch-size 8");
   fails_with("train --save " + (d.path / "k").string() + " --keep 4294967297", "--keep must be in [0, 2147483647] (0 = all), got 4294967297");
   fails_with("train --shuffle", "--shuffle draws a file's rows at random; --data synthetic is generated");
+  fails_with("train --device meta", "--device meta holds no values (it sizes a layout): use train --simulate N");
+  fails_with("train --strategy dp --devices cpu:0,meta", "--devices cpu:0,meta: meta holds no values");
+  fails_with("train --strategy dp --devices cpu:0,", "--devices cpu:0,: an empty entry after the last comma");
+  fails_with("train --strategy dp --devices 'cpu:0, gpu:1'", "--devices cpu:0, gpu:1: ");
+  fails_with("train --strategy dp --tp 2", "--strategy dp (replicas on the devices of one process) does not compose with --tp");
+  fails_with("train --simulate 2 --tp 2 --sequence-parallel",
+             "rows of 13 tokens (the synthetic task's problem length; no --seq-len given) do not split over --tp 2: give "
+             "--seq-len 14");
+  fails_with("train --sequence-parallel --strategy zero2 --grad-accumulation sharded", "--sequence-parallel needs --tp > 1");
   {  // the synthetic task's samples start from a whole problem (16 tokens were less than a 5-digit
      // one: the run failed at its final evaluation, after the training, its checkpoint unsaved)
     Run r = shardgrad("train " + kSmall + " --data synthetic:5 --steps 2 --sample-tokens 4 --save " +
@@ -717,6 +726,11 @@ TEST_CASE("the ZeRO-3 example shards a module of its own: one process's losses o
 
 TEST_CASE("the tensor-parallel example equals the unsharded MLP on 2 and 4 ranks, with two all-reduces of 2(p-1)/p of the activation", "[cli][mpi]") {
   const std::string example = std::string(SG_EXAMPLES_DIR) + "/sg_example_tensor_parallel_mlp";
+  // 3 ranks cannot split its 128 hidden units: it says so and exits 2 on every rank (it aborted)
+  Run three = run_command(sg::testing::mpirun_command(3) + example);
+  CHECK(three.code != 0);
+  CHECK(three.output.find("tensor_parallel_mlp: the hidden width 128 does not split over 3 ranks") != std::string::npos);
+  CHECK(three.output.find("terminate called") == std::string::npos);  // (it aborted: std::terminate)
   for (int p : {2, 4}) {
     Run r = run_command(sg::testing::mpirun_command(p) + example);
     INFO(r.output);

@@ -32,7 +32,15 @@ Tensor vocab_parallel_cross_entropy(const Tensor& logits, const Tensor& targets,
   const int64_t Vl = logits.size(-1), rows = logits.numel() / std::max<int64_t>(Vl, 1);
   SG_CHECK(targets.numel() == rows, "vocab_parallel_cross_entropy: logits ", shape_str(logits.shape()), " give ", rows,
            " rows but targets ", shape_str(targets.shape()), " has ", targets.numel());
+  const Shape leading(logits.shape().begin(), logits.shape().end() - 1);
+  SG_CHECK(targets.shape() == leading || targets.dim() == 1, "vocab_parallel_cross_entropy: targets ",
+           shape_str(targets.shape()), " are neither the logits' leading dims ", shape_str(leading), " nor flat [", rows, "]");
   const int64_t V = opt.vocab < 0 ? Vl * group.size() : opt.vocab;
+  // A target no rank's slice holds would count with no logit: a loss of log-sum-exp alone.
+  SG_CHECK(V >= 1 && V <= Vl * group.size(), "vocab_parallel_cross_entropy: vocab ", V, " is outside the ",
+           Vl * group.size(), " columns of the ", group.size(), " slices of ", Vl, " (1..", Vl * group.size(), ")");
+  SG_CHECK(vocab_start >= 0 && vocab_start == group.rank() * Vl, "vocab_parallel_cross_entropy: vocab_start ",
+           vocab_start, " is not this rank's first column (rank ", group.rank(), " x ", Vl, " = ", group.rank() * Vl, ")");
   // This rank's columns that are real vocabulary (the padded tail never counts).
   const int64_t valid = std::clamp<int64_t>(V - vocab_start, 0, Vl);
 

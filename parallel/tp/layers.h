@@ -17,9 +17,11 @@
 // residual adds, dropout) activations are split along the sequence, [B, T/p, C]. The column-
 // parallel input then enters through all_gather_seq instead of copy_to_region and the row-
 // parallel output leaves through reduce_scatter_seq instead of reduce_from_region: an all-reduce
-// is a reduce-scatter plus an all-gather, so the bytes are the same and the activations p times
-// smaller. Replicated parameters (LayerNorms, row-parallel biases, wpe) then see only their
-// rank's tokens: sync_sequence_parallel_grads sums their gradients over the group.
+// is a reduce-scatter plus an all-gather, so those bytes are the same and the activations p times
+// smaller. What it adds: the backward gathers c_attn's and c_fc's sequence shards again (two more
+// all-gathers per layer, as Megatron does, rather than keep them whole), and the replicated
+// parameters (LayerNorms, row-parallel biases, wpe), which see only their rank's tokens, have
+// their gradients summed over the group (sync_sequence_parallel_grads: one all-reduce a step).
 //
 // Every layer can copy its slice out of the unsharded layer (load_full) so that tests compare a
 // sharded layer with the single-process one built from the same weights.

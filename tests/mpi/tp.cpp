@@ -237,6 +237,18 @@ TEST_CASE("vocab-parallel cross-entropy equals cross_entropy over the gathered l
         REQUIRE(max_abs(x.grad(), narrow(xr.grad(), 2, r * Vl, Vl)) < 1e-6);
       }
     }
+    // a vocabulary past the slices (its last targets on no rank: a loss of log-sum-exp alone), a
+    // start that is not this rank's, and targets of another shape are refused
+    Tensor x = narrow(mul(shared({2, 6, Vp}, 1), 3.0), 2, r * Vl, Vl);
+    Tensor targets = from_vector(std::vector<int64_t>(12, 1), {2, 6});
+    CrossEntropyOptions wide;
+    wide.vocab = Vp + 1;
+    REQUIRE_THROWS_WITH(parallel::tp::vocab_parallel_cross_entropy(x, targets, r * Vl, *g, wide),
+                        Catch::Contains("vocab " + std::to_string(Vp + 1) + " is outside the " + std::to_string(Vp) + " columns"));
+    REQUIRE_THROWS_WITH(parallel::tp::vocab_parallel_cross_entropy(x, targets, r * Vl + 1, *g, {}),
+                        Catch::Contains("is not this rank's first column"));
+    REQUIRE_THROWS_WITH(parallel::tp::vocab_parallel_cross_entropy(x, from_vector(std::vector<int64_t>(12, 1), {6, 2}), r * Vl, *g, {}),
+                        Catch::Contains("targets [6,2] are neither the logits' leading dims [2,6] nor flat [12]"));
   }
 }
 
