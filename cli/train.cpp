@@ -27,7 +27,7 @@ void declare_flags(Args& a) {
   a.toggle("shuffle", "draw rows at seeded random positions instead of reading sequentially");
   a.flag("batch-size", "0", "global batch: sequences per optimizer step (0 = 32; 128 one-problem rows on the synthetic task)");
   a.flag("micro-batch-size", "0", "sequences per forward/backward (0 = the per-rank batch; under --pp, enough "
-         "micro-batches for at least 4 per stage); must divide --batch-size");
+         "micro-batches for at least 4 per stage); must divide the per-rank batch (--batch-size over the data-parallel ranks)");
   a.flag("steps", "auto", "optimizer steps (auto: 1500 on the synthetic task, 1000 on file data)");
   a.flag("lr", "auto", "peak learning rate (auto: by model size, non-embedding parameters: 1e-2 below 1M, 1e-3 "
          "below 20M, then GPT-3's 6e-4 / 3e-4 / 2.5e-4 / 2e-4 for GPT-2's four sizes; 5e-3 on the synthetic task)");
@@ -111,7 +111,8 @@ void declare_flags(Args& a) {
   a.flag("min-loss-scale", "1", "fp16: the loss scale never backs off below this");
   a.flag("loss-scale", "0", "fp16: a fixed loss scale instead (overflowing steps are still skipped; 0 = dynamic)");
   a.flag("on-nonfinite", "stop", "a NaN/Inf loss or gradient: stop (naming the step and the tensor) or skip the step (counted)");
-  a.toggle("find-unused-parameters", "ddp: allow parameters that get no gradient (their gradient counts as zero)");
+  a.toggle("find-unused-parameters", "ddp: allow parameters that get no gradient (one some rank used gets the average, counting "
+           "zero for the others; one no rank used keeps no gradient and AdamW skips it)");
   a.flag("simulate", "0", "dry run of N ranks as threads of this one process on the meta device (shapes and bytes, no "
          "values, no arithmetic): each rank's peak ledger bytes per category and bytes sent per collective kind over "
          "3 steps of this layout, as the engine would hold and send them (no mpirun; --log-json gets them as JSON)");
