@@ -4,6 +4,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -88,9 +89,12 @@ void check_loop() {
     std::fflush(stderr);
     int up = 0;
     MPI_Initialized(&up);
-    // The stuck rank and its waiting peers time out within moments of each other: a second's grace
-    // lets each say its part before the first abort takes the job down.
-    std::this_thread::sleep_for(std::chrono::seconds(1));
+    // The stuck rank and its waiting peers time out within moments of each other: a grace lets each
+    // say its part before the first abort takes the job down. A waiting rank's is longer (a quarter
+    // of the timeout, 1 to 5 s): the stuck rank's clock starts at its last busy moment (the files
+    // it wrote before it hung in a save, say), later than its peers' last beat.
+    const bool victim = !waits.empty() && !(frozen_end >= last && frozen_s >= std::max(2.0, limit / 2));
+    std::this_thread::sleep_for(std::chrono::duration<double>(victim ? std::clamp(limit / 4, 1.0, 5.0) : 1.0));
     if (up) MPI_Abort(MPI_COMM_WORLD, 3);
     std::_Exit(3);
   }
