@@ -152,6 +152,9 @@ struct CrossEntropyOptions {
 // are read from memory once. Logits the caller still holds are never written.
 Tensor cross_entropy(Tensor logits, const Tensor& targets, const CrossEntropyOptions& opt = {});
 int64_t count_targets(const Tensor& targets, int64_t ignore_index);
+// The checks every loss over class logits makes of its targets, named by `op`: i32/i64, one per
+// row of logits [..., V], shaped as the logits' leading dims or flat [rows]. Returns rows.
+int64_t check_class_targets(const char* op, const Tensor& logits, const Tensor& targets);
 
 // Dropout with a Philox mask from the dropout generator's next stream; identity when p == 0 or
 // the generator is off (evaluation).

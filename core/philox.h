@@ -7,6 +7,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "core/hash.h"
+
 #ifdef __CUDACC__
 #define SG_HD __host__ __device__
 #else
@@ -59,10 +61,8 @@ struct Philox {
 };
 
 // Stream ids keep independent uses of the same seed apart.
-inline uint64_t rng_stream_from_name(const char* s) {  // FNV-1a: a parameter's name picks its init stream
-  uint64_t h = 1469598103934665603ull;
-  for (; *s; ++s) h = (h ^ uint8_t(*s)) * 1099511628211ull;
-  return h;
+inline uint64_t rng_stream_from_name(const char* s) {  // a parameter's name picks its init stream
+  return fnv1a(std::string_view(s), kFnvShortBasis);
 }
 
 }  // namespace sg

@@ -11,6 +11,7 @@
 
 #include "autograd/ops.h"
 #include "core/error.h"
+#include "core/hash.h"
 #include "io/file.h"
 #include "parallel/watchdog.h"
 
@@ -31,12 +32,9 @@ void fsync_path(const std::string& p) {
   ::close(fd);
 }
 
-// FNV-1a's loop with the offset basis 1469598103934665603 (the standard's 14695981039346656037
-// without its last digit: a variant, kept so that every checkpoint written verifies).
+// FNV-1a with the short offset basis (core/hash.h), so that every checkpoint written verifies.
 std::string bytes_checksum(const void* data, size_t n) {
-  const auto* p = static_cast<const unsigned char*>(data);
-  uint64_t x = 1469598103934665603ull;
-  for (size_t i = 0; i < n; ++i) x = (x ^ p[i]) * 1099511628211ull;
+  const uint64_t x = fnv1a(data, n, kFnvShortBasis);
   char buf[17];
   std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(x));
   return buf;

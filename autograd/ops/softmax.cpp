@@ -45,20 +45,25 @@ int64_t count_targets(const Tensor& targets, int64_t ignore_index) {
   return n;
 }
 
+int64_t check_class_targets(const char* op, const Tensor& logits, const Tensor& targets) {
+  SG_CHECK(targets.dtype() == DType::i32 || targets.dtype() == DType::i64, op, ": targets must be i32/i64, got ",
+           targets.describe());
+  SG_CHECK(logits.dim() >= 1 && logits.size(-1) >= 1, op, ": logits ", shape_str(logits.shape()),
+           " have no class dim to take the loss over");
+  const int64_t rows = logits.numel() / logits.size(-1);
+  SG_CHECK(targets.numel() == rows, op, ": logits ", shape_str(logits.shape()), " give ", rows, " rows but targets ",
+           shape_str(targets.shape()), " has ", targets.numel());
+  const Shape leading(logits.shape().begin(), logits.shape().end() - 1);
+  SG_CHECK(targets.shape() == leading || targets.dim() == 1, op, ": targets ", shape_str(targets.shape()),
+           " are neither the logits' leading dims ", shape_str(leading), " nor flat [", rows, "]");
+  return rows;
+}
+
 Tensor cross_entropy(Tensor logits, const Tensor& targets, const CrossEntropyOptions& opt) {
   detail::check_floating("cross_entropy", logits);
-  SG_CHECK(targets.dtype() == DType::i32 || targets.dtype() == DType::i64, "cross_entropy: targets must be i32/i64, got ",
-           targets.describe());
-  SG_CHECK(logits.dim() >= 1 && logits.size(-1) >= 1, "cross_entropy: logits ", shape_str(logits.shape()),
-           " have no class dim to take the loss over");
-  const int64_t Vp = logits.size(-1), rows = logits.numel() / Vp;
+  const int64_t rows = check_class_targets("cross_entropy", logits, targets), Vp = logits.size(-1);
   const int64_t V = opt.vocab < 0 ? Vp : opt.vocab;
   SG_CHECK(V >= 1 && V <= Vp, "cross_entropy: vocab ", V, " is outside the ", Vp, " logit columns (1..", Vp, ")");
-  const Shape leading(logits.shape().begin(), logits.shape().end() - 1);
-  SG_CHECK(targets.numel() == rows, "cross_entropy: logits ", shape_str(logits.shape()), " give ", rows,
-           " rows but targets ", shape_str(targets.shape()), " has ", targets.numel());
-  SG_CHECK(targets.shape() == leading || targets.dim() == 1, "cross_entropy: targets ", shape_str(targets.shape()),
-           " are neither the logits' leading dims ", shape_str(leading), " nor flat [", rows, "]");
   detail::check_same_device("cross_entropy", logits, targets);
   // mean: divide by the number of counted targets (as PyTorch's reduction='mean' with ignore_index)
   double factor = opt.scale;

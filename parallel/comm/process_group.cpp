@@ -7,6 +7,7 @@
 
 #include "autograd/ops.h"
 #include "core/error.h"
+#include "core/hash.h"
 #include "core/trace.h"
 #include "parallel/watchdog.h"
 
@@ -134,10 +135,6 @@ void ProcessGroup::check_same_call(CommKind k, int64_t numel, DType dtype, int64
 }
 
 namespace {
-uint64_t fnv1a(const std::string& s, uint64_t h = 14695981039346656037ull) {
-  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
-  return h;
-}
 constexpr size_t kShownDims = 4;
 // A parameter as integers: name hash, dtype, rank (number of dims), numel, its first kShownDims dims.
 std::vector<int64_t> parameter_fingerprint(const std::string& name, const Tensor& p) {
@@ -156,7 +153,7 @@ void ProcessGroup::check_same_parameters(const char* who, const std::vector<std:
   if (size_ == 1 || !closed_reason().empty()) return;
   const int64_t width = 4 + int64_t(kShownDims);
   std::vector<int64_t> each;
-  uint64_t h = 14695981039346656037ull;
+  uint64_t h = kFnvBasis;
   for (const auto& [n, p] : params) {
     const auto f = parameter_fingerprint(n, p);
     each.insert(each.end(), f.begin(), f.end());

@@ -27,14 +27,7 @@ Tensor vocab_parallel_cross_entropy(const Tensor& logits, const Tensor& targets,
                                     comm::ProcessGroup& group, const CrossEntropyOptions& opt) {
   SG_CHECK(is_floating(logits.dtype()), "vocab_parallel_cross_entropy: expected floating logits, got ",
            logits.describe());
-  SG_CHECK(targets.dtype() == DType::i32 || targets.dtype() == DType::i64,
-           "vocab_parallel_cross_entropy: targets must be i32/i64, got ", targets.describe());
-  const int64_t Vl = logits.size(-1), rows = logits.numel() / std::max<int64_t>(Vl, 1);
-  SG_CHECK(targets.numel() == rows, "vocab_parallel_cross_entropy: logits ", shape_str(logits.shape()), " give ", rows,
-           " rows but targets ", shape_str(targets.shape()), " has ", targets.numel());
-  const Shape leading(logits.shape().begin(), logits.shape().end() - 1);
-  SG_CHECK(targets.shape() == leading || targets.dim() == 1, "vocab_parallel_cross_entropy: targets ",
-           shape_str(targets.shape()), " are neither the logits' leading dims ", shape_str(leading), " nor flat [", rows, "]");
+  const int64_t rows = check_class_targets("vocab_parallel_cross_entropy", logits, targets), Vl = logits.size(-1);
   const int64_t V = opt.vocab < 0 ? Vl * group.size() : opt.vocab;
   // A target no rank's slice holds would count with no logit: a loss of log-sum-exp alone.
   SG_CHECK(V >= 1 && V <= Vl * group.size(), "vocab_parallel_cross_entropy: vocab ", V, " is outside the ",
