@@ -15,6 +15,13 @@ using nlohmann::json;
 
 json Trainer::simulate(int64_t steps) {
   setup();
+  // The setup's own peaks (the model built and initialised, the optimizer's state): under --pp a
+  // rank's parameters peak at its stages' share, never at the whole model.
+  json setup_peak = json::object();
+  {
+    const json ledger = ledger_json(device_);  // kept alive: items() iterates it
+    for (const auto& [cat, v] : ledger.items()) setup_peak[cat] = v["peak"];
+  }
   steps = std::min(steps, steps_);
   json peak = json::object(), end, last_comm;
   for (int64_t step = 0; step < steps; ++step) {
@@ -35,7 +42,7 @@ json Trainer::simulate(int64_t steps) {
       last_comm[kind] = {{"calls", v["calls"].get<int64_t>() - before[kind]["calls"].get<int64_t>()},
                          {"bytes", v["bytes"].get<int64_t>() - before[kind]["bytes"].get<int64_t>()}};
   }
-  json out = {{"rank", rank_}, {"peak", peak}, {"end", end}, {"comm", last_comm}};
+  json out = {{"rank", rank_}, {"peak", peak}, {"end", end}, {"comm", last_comm}, {"setup_peak", setup_peak}};
   if (args_.str("offload") != "none") {  // the offloaded state's ledger, the last step's peaks
     json host = json::object();
     const json ledger = ledger_json(host_device());  // kept alive: items() iterates it
@@ -123,8 +130,8 @@ int simulate_main(const Args& given) {
                   human_bytes(result[size_t(r)]["host_peak"].value("param", int64_t(0))).c_str());
     r = e;
   }
-  std::printf("peaks: the largest of each category over the steps, and of their sum (peak total); exact bytes in "
-              "--log-json\n");
+  std::printf("peaks: the largest of each category over the steps, and of their sum (peak total); exact bytes, and "
+              "the setup's own peaks, in --log-json\n");
   if (const std::string path = a.str("log-json"); !path.empty()) {
     io::make_parent_folder(path, "train: --log-json");
     std::ofstream f(path);

@@ -152,6 +152,9 @@ class Trainer {
   // Where --offload puts its state: the host, or under --simulate a meta device of the rank's own
   // standing for it (a ledger apart from the rank's compute device's, and no memory).
   Device host_device() const { return sim_ ? Device::meta((1 << 20) + rank_) : Device::cpu(0); }
+  // Where a pipeline rank builds its model before materialising its stages' parameters on the
+  // compute device: a meta device of its own (a ledger that no report reads).
+  Device staging_device() const { return Device::meta((2 << 20) + rank_); }
   // The model's parameters this rank holds: all of them, or under --pp its stages'.
   io::NamedTensors held_parameters() const { return pipe_ ? pipe_->parameters() : model_->named_parameters(); }
   // bf16/f16 without ZeRO: the f32 masters take the held parameters' half gradients as they are.

@@ -170,6 +170,7 @@ ckpt::LocalView Trainer::view_of(const std::string& name, const Shape& local_sha
 void Trainer::load_parameters(const ckpt::Checkpoint& ck) {
   autograd::NoGradGuard ng;
   for (auto& [n, p] : model_->named_parameters()) {
+    if (p.device() == staging_device()) continue;  // another pipeline stage's: never materialised here
     // An f32 run resumed from a bf16/f16 one goes on from the saved f32 masters, not from their
     // rounded copies (a half-precision run reads its masters in load_optimizer).
     const bool master = dtype_ == DType::f32 && ck.has(n + ".master");

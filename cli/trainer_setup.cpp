@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <set>
 #include <thread>
 
@@ -517,12 +518,19 @@ void Trainer::build_model(const ckpt::Checkpoint* ck) {
     groups_.dp = world_;  // data parallelism alone: the world is the dp group
     dp_metrics_ = metrics_;
   }
+  // A pipeline rank builds the model on a meta device of its own (no memory, a ledger apart) and
+  // gives memory to its stages' parameters alone: it never holds the whole model.
+  std::optional<parallel::pp::Schedule> sched;
+  if (pp_ > 1) sched = parallel::pp::make_schedule(a.str("pp-schedule"), pp_, int((B_ / dp_size_) / micro_), v);
   try {
-    model_ = std::make_unique<nn::GPT>(cfg_, dtype_, device_, tp_ > 1 ? groups_.tp : nullptr);
+    model_ = std::make_unique<nn::GPT>(cfg_, dtype_, sched ? staging_device() : device_, tp_ > 1 ? groups_.tp : nullptr);
+    if (sched)
+      for (auto& [n, p] : model_->named_parameters())
+        if (parallel::pp::holds_parameter(*sched, groups_.pp->rank(), n, cfg_.n_layer)) nn::materialize(p, device_);
   } catch (const Error& e) {  // out of memory, most likely: say for what, with the flags that size it
     throw Error(str("train: the model's ", cfg_.num_params(), " parameters (", cfg_.n_layer, " layers, width ",
-                    cfg_.n_embd, ", vocab ", cfg_.vocab_size, ") in ", dtype_name(dtype_), " on ", device_.str(),
-                    " do not fit: ", e.what()));
+                    cfg_.n_embd, ", vocab ", cfg_.vocab_size, ")", sched ? str(", its stages' on this rank,") : "",
+                    " in ", dtype_name(dtype_), " on ", device_.str(), " do not fit: ", e.what()));
   }
   model_->recompute = nn::parse_recompute(a.str("recompute"));
   if (ck) {
@@ -532,10 +540,7 @@ void Trainer::build_model(const ckpt::Checkpoint* ck) {
   } else {
     model_->init_weights(seed_);
   }
-  if (pp_ > 1) {
-    auto sched = parallel::pp::make_schedule(a.str("pp-schedule"), pp_, int((B_ / dp_size_) / micro_), v);
-    pipe_ = std::make_unique<parallel::pp::PipelineExecutor>(*model_, sched, groups_.pp);
-  }
+  if (sched) pipe_ = std::make_unique<parallel::pp::PipelineExecutor>(*model_, *sched, groups_.pp);
 }
 
 bool Trainer::offload_state() const {

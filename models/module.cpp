@@ -77,6 +77,15 @@ Tensor Module::register_parameter(const std::string& name, const Shape& shape, D
   return t;
 }
 
+void materialize(const Tensor& p, Device device) {
+  SG_CHECK(p.defined() && p.device().is_meta(), "materialize: ", p.defined() ? p.describe() : "an undefined tensor",
+           " is not on a meta device");
+  SG_CHECK(p.is_contiguous() && p.offset() == 0 && p.storage()->nbytes() == p.nbytes(), "materialize: ",
+           p.describe(), " is a view into a larger storage, not a parameter of its own");
+  MemScope scope(MemCategory::param);
+  p.impl()->storage = zeros(p.shape(), p.dtype(), device).impl()->storage;
+}
+
 Tensor Module::register_buffer(const std::string& name, Tensor t) {
   buffers_.emplace_back(name, t);
   return t;

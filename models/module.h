@@ -54,6 +54,12 @@ class Module {
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
 };
 
+// Gives a parameter built on a meta device real memory on `device`, zeroed and charged to the param
+// category, keeping its handle, shape, name and requires_grad (PyTorch's to_empty on one tensor):
+// a model built on meta then holds memory only for the parameters this rank keeps (a pipeline
+// stage's). Initialise or load it afterwards.
+void materialize(const Tensor& p, Device device);
+
 // Parameters start at zero (LayerNorm's and BatchNorm's gains at one): the engine draws nothing
 // without a seed. Initialise them from one (randn(shape, seed, stream, ...) copied in under a
 // NoGradGuard, as examples/ do; GPT::init_weights for GPT-2's scheme). PyTorch's modules draw a

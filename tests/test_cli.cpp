@@ -2033,6 +2033,33 @@ TEST_CASE("train --simulate sizes what this machine cannot hold, and refuses wha
   refuses(std::string(SG_BINARY) + " train --simulate 3 --tp 3", "--tp 3");
 }
 
+// A pipeline rank builds the model on a meta device and gives memory to its stages' parameters
+// alone: at no point of the setup does it hold the whole model (a model that fits only when split
+// must start). The setup's peaks are the engine's own ledger, printed by --simulate's --log-json.
+TEST_CASE("a pipeline rank never holds the whole model: its setup's parameter peak is its stages' share", "[cli]") {
+  TempDir d;
+  const std::string common = " --model gpt2-medium --dtype bf16 --data random --batch-size 4 --seq-len 64 --steps 1 --log-json ";
+  Run whole = shardgrad("train --simulate 1" + common + (d.path / "one.json").string());
+  INFO(whole.output);
+  REQUIRE(whole.code == 0);
+  const int64_t C = 1024, Vp = 50304, bf16 = 2;
+  const int64_t model = read_log(d.path / "one.json").at(0)["ranks"][0]["setup_peak"]["param"].get<int64_t>();
+  CHECK(model == 354871296 * bf16);  // GPT-2 medium, vocabulary padded to 50,304
+  Run pp = shardgrad("train --simulate 4 --pp 4" + common + (d.path / "pp.json").string());
+  INFO(pp.output);
+  REQUIRE(pp.code == 0);
+  const auto ranks = read_log(d.path / "pp.json").at(0)["ranks"];
+  REQUIRE(ranks.size() == 4);
+  int64_t sum = 0;
+  for (const auto& rank : ranks) {
+    const int64_t setup = rank["setup_peak"]["param"].get<int64_t>();
+    CHECK(setup == rank["end"]["param"].get<int64_t>());  // what it keeps is all it ever held
+    CHECK(setup < model / 2);
+    sum += setup;
+  }
+  CHECK(sum == model + Vp * C * bf16);  // every parameter once, the tied embedding on two stages
+}
+
 // At a real model's size the engine runs only on the meta device: plan's closed forms (ZeRO's
 // sharded optimizer state, FSDP's gathers and reductions, tp's all-reduces, the pipeline's
 // sends) must equal what train --simulate counts, rank by rank. plan also prints that command.

@@ -15,6 +15,18 @@ namespace {
 bool starts_with(const std::string& s, const std::string& p) { return s.rfind(p, 0) == 0; }
 }  // namespace
 
+bool holds_parameter(const Schedule& schedule, int rank, const std::string& name, int64_t n_layer) {
+  const int S = schedule.stages();
+  auto holds = [&](int stage) { return schedule.rank_of(stage) == rank; };
+  if (name == "wte.weight") return holds(0) || holds(S - 1);
+  if (starts_with(name, "wpe.")) return holds(0);
+  if (starts_with(name, "ln_f.")) return holds(S - 1);
+  SG_CHECK(starts_with(name, "h.") && n_layer % S == 0, "pipeline: parameter '", name, "' is not one of a GPT's ",
+           n_layer, " blocks split into ", S, " stages");
+  const int64_t layer = std::stoll(name.substr(2, name.find('.', 2) - 2));  // "h.<i>."
+  return holds(int(layer / (n_layer / S)));
+}
+
 PipelineExecutor::PipelineExecutor(nn::GPT& model, Schedule schedule, std::shared_ptr<comm::ProcessGroup> pp_group)
     : model_(model), schedule_(std::move(schedule)), group_(std::move(pp_group)) {
   SG_CHECK(group_->size() == schedule_.ranks, "pipeline: the schedule has ", schedule_.ranks, " ranks, the group ",
@@ -35,18 +47,8 @@ PipelineExecutor::PipelineExecutor(nn::GPT& model, Schedule schedule, std::share
   const int S = schedule_.stages();
   SG_CHECK(model_.config.n_layer % S == 0, "--pp: ", model_.config.n_layer, " layers cannot be split into ", S,
            " stages evenly");
-  const int L = blocks_per_stage();
-  auto owner_of = [&](const std::string& name) -> std::vector<int> {  // stages using a parameter
-    if (name == "wte.weight") return {0, S - 1};
-    if (starts_with(name, "wpe.")) return {0};
-    if (starts_with(name, "ln_f.")) return {S - 1};
-    int layer = std::stoi(name.substr(2, name.find('.', 2) - 2));  // "h.<i>."
-    return {layer / L};
-  };
   for (auto& [name, p] : model_.named_parameters()) {
-    bool mine = false;
-    for (int s : owner_of(name)) mine = mine || holds_stage(s);
-    if (mine) {
+    if (holds_parameter(schedule_, group_->rank(), name, model_.config.n_layer)) {
       owned_.emplace_back(name, p);
     } else {
       // Not ours: drop the storage so the ledger holds only this rank's share; any use fails loudly.

@@ -21,11 +21,18 @@
 
 namespace sg::parallel::pp {
 
+// Whether `rank` of the schedule holds GPT parameter `name` of a model of n_layer blocks: one of
+// its stages uses it (wte: the first and the last stage; wpe: the first; ln_f: the last; h.<i>.*:
+// its block's stage). A rank that builds its model on a meta device materialises these alone.
+bool holds_parameter(const Schedule& schedule, int rank, const std::string& name, int64_t n_layer);
+
 class PipelineExecutor {
  public:
   using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
   // model: a full GPT built from the same seed on every rank; the parameters of stages this rank
-  // does not hold are released (the ledger then shows only this rank's share).
+  // does not hold are released (the ledger then shows only this rank's share). Or a GPT built on a
+  // meta device whose held parameters (holds_parameter) were materialised and initialised: the
+  // rank never holds the whole model (what `train --pp` does).
   PipelineExecutor(nn::GPT& model, Schedule schedule, std::shared_ptr<comm::ProcessGroup> pp_group);
 
   // One step over this rank's rows [m * micro, T]: returns the mean loss of those rows (summed
