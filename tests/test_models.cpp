@@ -118,6 +118,41 @@ TEST_CASE("GPT-2 init: seeded, N(0, 0.02) weights, scaled residual projections, 
   REQUIRE(sum_squares(a.h[1]->attn->c_attn->bias) == 0.0);
 }
 
+// What a pipeline rank does (cli: train --pp): build on meta, give memory to some parameters,
+// initialise. The materialised parameters get the values of a model built whole; the others keep
+// no memory; the ledger holds only what was materialised.
+TEST_CASE("a GPT built on meta and materialised in part initialises those parameters as a whole model does", "[models]") {
+  const Device staging = Device::meta(77);
+  const int64_t before = Ledger::global().stats(Device::cpu()).cur(MemCategory::param);
+  nn::GPT whole(small_config(128));
+  whole.init_weights(7);
+  const int64_t whole_bytes = Ledger::global().stats(Device::cpu()).cur(MemCategory::param) - before;
+  nn::GPT part(small_config(128), DType::f32, staging);
+  int64_t kept = 0;
+  for (auto& [n, p] : part.named_parameters())
+    if (n.rfind("h.1.", 0) == 0 || n == "wte.weight") {
+      nn::materialize(p, Device::cpu());
+      kept += int64_t(p.nbytes());
+    }
+  CHECK(Ledger::global().stats(Device::cpu()).cur(MemCategory::param) - before == whole_bytes + kept);
+  part.init_weights(7);
+  const auto want = whole.named_parameters();
+  const auto got = part.named_parameters();
+  REQUIRE(want.size() == got.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    INFO(got[i].first);
+    CHECK(got[i].second.shape() == want[i].second.shape());
+    CHECK(got[i].second.requires_grad());
+    if (got[i].second.device().is_cpu())
+      CHECK(to_vector<float>(got[i].second) == to_vector<float>(want[i].second));
+    else
+      CHECK(got[i].second.device() == staging);
+  }
+  REQUIRE_THROWS_WITH(nn::materialize(whole.wte->weight, Device::cpu()), Catch::Contains("is not on a meta device"));
+  Tensor on_meta = zeros({4, 8}, DType::f32, staging);
+  REQUIRE_THROWS_WITH(nn::materialize(narrow(on_meta, 0, 1, 2), Device::cpu()), Catch::Contains("is a view into a larger storage"));
+}
+
 TEST_CASE("a padded vocabulary changes no logit, loss or gradient", "[models]") {
   nn::GPT a(small_config(61)), b(small_config(128));
   a.init_weights(3);
