@@ -1,5 +1,5 @@
 // What every hand-written kernel in kernels/cuda/ includes: the CUDA dialect (real under nvcc,
-// emulated on CPU threads by kernels/emu otherwise), the one launch helper, the storage types
+// emulated on CPU fibers by kernels/emu otherwise), the one launch helper, the storage types
 // and their f32 conversions, 128-bit packs, and warp/block reductions.
 //
 // Rules that keep one source valid in both worlds:

@@ -1,21 +1,26 @@
-// CUDA emulation: runs the kernels of kernels/cuda/ on CPU threads, so CI (no GPU) executes the
-// same kernel source that nvcc compiles. Included by kernels/cuda/common.cuh when __CUDACC__ is
-// not defined; kernel code never includes it directly.
+// CUDA emulation: runs the kernels of kernels/cuda/ on the CPU, so CI (no GPU) executes the same
+// kernel source that nvcc compiles. Included by kernels/cuda/common.cuh when __CUDACC__ is not
+// defined; kernel code never includes it directly.
 //
-// Model: a launch creates one std::thread per thread of a block; the blocks of the grid run one
-// after another on those threads. Within a block the threads really run concurrently, so
+// Model: a launch runs every thread of a block as a fiber (a ucontext of its own stack) on the
+// launching OS thread; the blocks of the grid run one after another on those fibers. A fiber runs
+// until it reaches a barrier, then the next one runs, so
 //   __syncthreads()           is a barrier among the block's threads,
 //   shared memory             is one buffer per launch, reused (and poisoned with NaNs) per block,
 //   warp shuffles and ballots exchange values among the warp's 32 lanes through a slot array
 //                             guarded by a warp barrier,
 //   atomics                   are std::atomic_ref operations.
-// Misuse that a GPU would turn into silent garbage aborts here with a message instead: a barrier
-// reached by some threads while others exited (or stand at a different kind of barrier), a
-// barrier that never completes (deadlock), a block of more than 1024 threads.
+// The threads between two barriers run in turn, in ascending order on one pass over the block
+// and descending on the next, so a read of another thread's write that lacks its barrier meets
+// the write missing (a NaN from the poison, or a stale value) one way or the other. Misuse that a
+// GPU would turn into silent garbage aborts here with a message instead: a barrier reached by some
+// threads while others exited (or stand at a different kind of barrier), a barrier that can never
+// complete (deadlock: no thread can run), a block of more than 1024 threads.
 #pragma once
+#include <sys/mman.h>
+#include <ucontext.h>
+
 #include <atomic>
-#include <chrono>
-#include <condition_variable>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -23,8 +28,6 @@
 #include <cstring>
 #include <functional>
 #include <memory>
-#include <mutex>
-#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -59,14 +62,48 @@ using Stream = void*;  // launches run synchronously; the stream only keeps sign
   std::abort();
 }
 
+struct Grid;
+
+// The calling thread's coordinates (each emulated CUDA thread is one fiber).
+struct ThreadState {
+  dim3 thread_idx, block_idx, block_dim, grid_dim;
+  Grid* grid = nullptr;
+  int lane = 0, warp = 0;
+  size_t shared_offset = 0;  // next free byte of the block's static shared memory
+};
+
+// One emulated thread: its context, its coordinates, and whether it can run.
+struct Fiber {
+  enum class Status { ready, waiting, done };
+  ucontext_t context;
+  ThreadState state;
+  Status status = Status::ready;
+  const char* waits_at = "";  // the barrier it waits at
+};
+
+// What the launching OS thread runs: the scheduler's context and the fiber running now.
+struct Scheduler {
+  ucontext_t context;
+  Fiber* running = nullptr;
+};
+inline thread_local Scheduler* this_scheduler = nullptr;
+inline ThreadState& me() { return this_scheduler->running->state; }
+
+// The running fiber stops here until wake() makes it ready again.
+[[gnu::noinline]] inline void block_running(const char* kind) {
+  Fiber* f = this_scheduler->running;
+  f->status = Fiber::Status::waiting;
+  f->waits_at = kind;
+  if (swapcontext(&f->context, &this_scheduler->context) != 0) fail("swapcontext failed");
+}
+
 // A reusable barrier for n threads. Every arrival names the kind of barrier it is ("__syncthreads",
 // "end of block", ...); arrivals of different kinds in one phase mean divergent control flow
 // around a barrier, which is undefined on a GPU, so it aborts here.
 class Barrier {
  public:
-  explicit Barrier(int n) : n_(n) {}
+  explicit Barrier(int n) : n_(n) { waiters_.reserve(size_t(n)); }
   void wait(const char* kind) {
-    std::unique_lock<std::mutex> lock(mu_);
     if (arrived_ == 0) {
       kind_ = kind;
     } else if (std::strcmp(kind_, kind) != 0) {
@@ -74,27 +111,44 @@ class Barrier {
       std::snprintf(msg, sizeof msg, "divergent barrier: one thread at '%s' while another is at '%s'", kind, kind_);
       fail(msg);
     }
-    if (++arrived_ == n_) {
+    if (++arrived_ == n_) {  // the last to arrive goes on; the others run again in their turn
       arrived_ = 0;
-      ++generation_;
-      cv_.notify_all();
+      for (Fiber* f : waiters_) f->status = Fiber::Status::ready;
+      waiters_.clear();
       return;
     }
-    const uint64_t gen = generation_;
-    if (!cv_.wait_for(lock, std::chrono::seconds(30), [&] { return generation_ != gen; })) {
-      char msg[256];
-      std::snprintf(msg, sizeof msg, "deadlock: %d of %d threads waited 30 s at '%s'", arrived_, n_, kind);
-      fail(msg);
-    }
+    waiters_.push_back(this_scheduler->running);
+    block_running(kind);
   }
 
  private:
-  std::mutex mu_;
-  std::condition_variable cv_;
   const int n_;
   int arrived_ = 0;
-  uint64_t generation_ = 0;
   const char* kind_ = "";
+  std::vector<Fiber*> waiters_;
+};
+
+// Fiber stacks, kept by each launching OS thread for its next launches (mapping 1024 stacks per
+// launch would cost more than the kernels): 256 KiB each, below a guard page, so that an overflow
+// faults instead of writing over a neighbour.
+class FiberStacks {
+ public:
+  static constexpr size_t kSize = 256 * 1024, kGuard = 4096;
+  char* get(size_t i) {
+    while (stacks_.size() <= i) {
+      void* p = mmap(nullptr, kSize + kGuard, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      if (p == MAP_FAILED) fail("cannot map a fiber stack");
+      if (mprotect(p, kGuard, PROT_NONE) != 0) fail("cannot protect a fiber stack's guard page");
+      stacks_.push_back(static_cast<char*>(p));
+    }
+    return stacks_[i] + kGuard;
+  }
+  ~FiberStacks() {
+    for (char* p : stacks_) munmap(p, kSize + kGuard);
+  }
+
+ private:
+  std::vector<char*> stacks_;
 };
 
 constexpr size_t kStaticShared = 48 * 1024;       // the default static shared-memory limit of a block
@@ -119,20 +173,11 @@ struct Grid {
   }
 };
 
-// The calling thread's coordinates (each emulated CUDA thread is one std::thread).
-struct ThreadState {
-  dim3 thread_idx, block_idx, block_dim, grid_dim;
-  Grid* grid = nullptr;
-  int lane = 0, warp = 0;
-  size_t shared_offset = 0;  // next free byte of the block's static shared memory
-};
-inline thread_local ThreadState this_thread;
-
 // A block-shared array: every thread of the block declares the same arrays in the same order, so
 // each gets the same offset into the block's shared buffer.
 template <class T>
 T* shared_array(size_t count) {
-  ThreadState& t = this_thread;
+  ThreadState& t = me();
   const size_t align = alignof(T) < 16 ? 16 : alignof(T);
   const size_t off = (t.shared_offset + align - 1) / align * align;
   if (off + count * sizeof(T) > kStaticShared) fail("static shared memory over 48 KiB");
@@ -144,17 +189,17 @@ T* shared_array(size_t count) {
 }
 template <class T>
 T* dynamic_shared() {
-  return reinterpret_cast<T*>(this_thread.grid->dynamic_shared.data());
+  return reinterpret_cast<T*>(me().grid->dynamic_shared.data());
 }
 
-inline void warp_sync() { this_thread.grid->warp_barriers[size_t(this_thread.warp)]->wait("warp barrier"); }
+inline void warp_sync() { me().grid->warp_barriers[size_t(me().warp)]->wait("warp barrier"); }
 
 // Every lane publishes v; returns the value published by lane src (its own when src is not a
 // live lane). Two warp barriers: one so all values are written, one so none is overwritten early.
 template <class T>
 T warp_exchange(T v, int src) {
   static_assert(sizeof(T) <= 8 && std::is_trivially_copyable_v<T>, "warp shuffles move at most 8 bytes");
-  ThreadState& t = this_thread;
+  ThreadState& t = me();
   uint64_t* slots = t.grid->warp_slots.data() + size_t(t.warp) * 32;
   const int live = std::min(32, t.grid->threads - 32 * t.warp);
   uint64_t bits = 0;
@@ -167,15 +212,45 @@ T warp_exchange(T v, int src) {
   return out;
 }
 
+// The fiber's entry: makecontext passes no pointer portably, so the fiber reads what to run from
+// its scheduler.
+struct FiberMain {
+  const std::function<void(int)>* body;
+  int tid;
+};
+inline thread_local FiberMain fiber_main{};
+inline void fiber_entry() {
+  const FiberMain m = fiber_main;
+  (*m.body)(m.tid);
+  this_scheduler->running->status = Fiber::Status::done;  // returns to the scheduler (uc_link)
+}
+
+// The context calls live in functions of their own: the compiler treats getcontext and
+// swapcontext as returning twice (as setjmp), which no local variable of the scheduler should meet.
+[[gnu::noinline]] inline void start_fiber(Fiber& f, char* stack, Scheduler& sched) {
+  if (getcontext(&f.context) != 0) fail("getcontext failed");
+  f.context.uc_stack.ss_sp = stack;
+  f.context.uc_stack.ss_size = FiberStacks::kSize;
+  f.context.uc_link = &sched.context;
+  makecontext(&f.context, fiber_entry, 0);
+}
+[[gnu::noinline]] inline void resume_fiber(Fiber& f, Scheduler& sched) {
+  sched.running = &f;
+  if (swapcontext(&sched.context, &f.context) != 0) fail("swapcontext failed");
+  sched.running = nullptr;
+}
+
 inline void run_grid(dim3 grid, dim3 block, size_t shmem, const std::function<void()>& body) {
   const unsigned threads = block.x * block.y * block.z;
   if (threads == 0 || threads > 1024) fail("a block needs 1 to 1024 threads");
   if (grid.y > 65535 || grid.z > 65535) fail("gridDim.y and gridDim.z are at most 65535");
   if (shmem > kMaxDynamicShared) fail("dynamic shared memory over 227 KiB (sm_90's most for a block)");
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;  // (their product could wrap in 32 bits)
+  if (this_scheduler) fail("a kernel launched from inside a kernel");
+  static thread_local FiberStacks stacks;
   Grid g(grid, block, shmem);
-  auto thread_main = [&](int tid) {
-    ThreadState& t = this_thread;
+  const std::function<void(int)> thread_main = [&](int tid) {
+    ThreadState& t = me();
     t.grid = &g;
     t.thread_idx = dim3(unsigned(tid) % block.x, unsigned(tid) / block.x % block.y, unsigned(tid) / (block.x * block.y));
     t.block_dim = block;
@@ -196,10 +271,42 @@ inline void run_grid(dim3 grid, dim3 block, size_t shmem, const std::function<vo
           g.block_barrier.wait("end of block");
         }
   };
-  std::vector<std::thread> pool;
-  pool.reserve(threads);
-  for (unsigned i = 0; i < threads; ++i) pool.emplace_back(thread_main, int(i));
-  for (auto& th : pool) th.join();
+  Scheduler sched;
+  std::vector<Fiber> fibers(threads);
+  struct Scope {  // the scheduler is this OS thread's for the launch only
+    Scheduler* s;
+    explicit Scope(Scheduler* s_) : s(s_) { this_scheduler = s; }
+    ~Scope() { this_scheduler = nullptr; }
+  } scope(&sched);
+  // A fiber starts when it first runs: makecontext there, with its tid in fiber_main.
+  std::vector<bool> started(threads, false);
+  unsigned done = 0;
+  for (uint64_t pass = 0; done < threads; ++pass) {
+    bool ran = false;
+    for (unsigned k = 0; k < threads; ++k) {
+      const unsigned i = pass % 2 ? threads - 1 - k : k;
+      Fiber& f = fibers[i];
+      if (f.status != Fiber::Status::ready) continue;
+      if (!started[i]) {
+        started[i] = true;
+        start_fiber(f, stacks.get(i), sched);
+        fiber_main = FiberMain{&thread_main, int(i)};
+      }
+      resume_fiber(f, sched);
+      ran = true;
+      if (f.status == Fiber::Status::done) ++done;
+    }
+    if (!ran) {
+      unsigned waiting = 0;
+      const char* at = "";
+      for (const Fiber& f : fibers)
+        if (f.status == Fiber::Status::waiting) ++waiting, at = f.waits_at;
+      char msg[256];
+      std::snprintf(msg, sizeof msg, "deadlock: %u of %u threads wait at a barrier that can never complete (one at '%s')",
+                    waiting, threads, at);
+      fail(msg);
+    }
+  }
 }
 
 // launch(kernel, grid, block, shmem, stream, args...): the kernel runs on every emulated thread
@@ -220,13 +327,13 @@ inline f16 f16_from(float f) { return f16{f32_to_f16(f)}; }
 // ---- the CUDA built-ins, at global scope as nvcc has them ----
 
 using sg::emu::dim3;
-#define threadIdx (::sg::emu::this_thread.thread_idx)
-#define blockIdx (::sg::emu::this_thread.block_idx)
-#define blockDim (::sg::emu::this_thread.block_dim)
-#define gridDim (::sg::emu::this_thread.grid_dim)
+#define threadIdx (::sg::emu::me().thread_idx)
+#define blockIdx (::sg::emu::me().block_idx)
+#define blockDim (::sg::emu::me().block_dim)
+#define gridDim (::sg::emu::me().grid_dim)
 constexpr int warpSize = 32;
 
-inline void __syncthreads() { sg::emu::this_thread.grid->block_barrier.wait("__syncthreads"); }
+inline void __syncthreads() { sg::emu::me().grid->block_barrier.wait("__syncthreads"); }
 inline void __syncwarp(unsigned = 0xffffffffu) { sg::emu::warp_sync(); }
 
 // Shuffles over `width`-lane segments of the warp, with the CUDA rules for out-of-segment sources
@@ -234,21 +341,21 @@ inline void __syncwarp(unsigned = 0xffffffffu) { sg::emu::warp_sync(); }
 // caller's own value). The mask is not checked: our kernels shuffle whole warps.
 template <class T>
 T __shfl_sync(unsigned, T v, int src_lane, int width = 32) {
-  const int lane = sg::emu::this_thread.lane;
+  const int lane = sg::emu::me().lane;
   return sg::emu::warp_exchange(v, (lane & ~(width - 1)) + (src_lane & (width - 1)));
 }
 template <class T>
 T __shfl_xor_sync(unsigned, T v, int lane_mask, int width = 32) {
-  const int lane = sg::emu::this_thread.lane, src = lane ^ lane_mask;
+  const int lane = sg::emu::me().lane, src = lane ^ lane_mask;
   return sg::emu::warp_exchange(v, src < (lane & ~(width - 1)) + width ? src : lane);
 }
 template <class T>
 T __shfl_down_sync(unsigned, T v, unsigned delta, int width = 32) {
-  const int lane = sg::emu::this_thread.lane, src = lane + int(delta);
+  const int lane = sg::emu::me().lane, src = lane + int(delta);
   return sg::emu::warp_exchange(v, (src & ~(width - 1)) == (lane & ~(width - 1)) ? src : lane);
 }
 inline unsigned __ballot_sync(unsigned, int predicate) {
-  sg::emu::ThreadState& t = sg::emu::this_thread;
+  sg::emu::ThreadState& t = sg::emu::me();
   uint64_t* slots = t.grid->warp_slots.data() + size_t(t.warp) * 32;
   const int live = std::min(32, t.grid->threads - 32 * t.warp);
   slots[t.lane] = predicate != 0;
@@ -291,7 +398,7 @@ namespace sg::emu {
 // differ only in how `widen` turns a 16-bit half into f32.
 template <float (*widen)(uint16_t)>
 void mma_m16n8k16(float d[4], const uint32_t a[4], const uint32_t b[2], const float c[4]) {
-  ThreadState& t = this_thread;
+  ThreadState& t = me();
   if (std::min(32, t.grid->threads - 32 * t.warp) != 32) fail("mma.sync needs all 32 lanes of the warp");
   uint32_t* warp = t.grid->warp_fragments.data() + size_t(t.warp) * 32 * 10;
   uint32_t* mine = warp + t.lane * 10;
@@ -329,7 +436,7 @@ void mma_m16n8k16(float d[4], const uint32_t a[4], const uint32_t b[2], const fl
 // the transpose (rows 2(lane%4) and 2(lane%4)+1 of column lane/4). (PTX ISA, "Warp-level matrix
 // load instruction: ldmatrix".) The row addresses must be 16-byte aligned and in shared memory.
 inline void ldmatrix_x4(uint32_t r[4], const void* row, bool trans) {
-  ThreadState& t = this_thread;
+  ThreadState& t = me();
   if (std::min(32, t.grid->threads - 32 * t.warp) != 32) fail("ldmatrix needs all 32 lanes of the warp");
   const auto* p = static_cast<const unsigned char*>(row);
   const auto within = [p](const std::vector<unsigned char>& s) { return p >= s.data() && p + 16 <= s.data() + s.size(); };

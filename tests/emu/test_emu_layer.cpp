@@ -36,7 +36,32 @@ __global__ void coordinates_kernel(int* out) {
   out[bx * blockDim.x * blockDim.y + tx] = int(blockIdx.y * 1000 + blockIdx.x * 100 + threadIdx.y * 10 + threadIdx.x);
 }
 
+// Each thread writes its slot of shared memory, then reads a neighbour's slot (offset +1 or -1)
+// with (sync = 1) or without (sync = 0) the barrier between.
+__global__ void neighbour_kernel(int* out, int offset, int sync) {
+  SG_SHARED(int, slot, 64);
+  const int t = int(threadIdx.x);
+  slot[t] = t;
+  if (sync) __syncthreads();
+  out[int(blockIdx.x) * 64 + t] = slot[(t + offset + 64) % 64];
+}
+
 }  // namespace
+
+TEST_CASE("emu threads run in turn between barriers, so a read that lacks its barrier meets the write missing", "[emu]") {
+  for (int offset : {1, -1}) {
+    INFO("offset " << offset);
+    std::vector<int> out(2 * 64, 0);
+    cu::launch(neighbour_kernel, dim3(2), dim3(64), 0, nullptr, out.data(), offset, 1);
+    for (int g = 0; g < 2 * 64; ++g) CHECK(out[size_t(g)] == (g % 64 + offset + 64) % 64);
+    // Without the barrier, some thread reads its neighbour's slot before the neighbour wrote it:
+    // the poison (all bits set, -1), deterministically, whichever way the neighbour lies.
+    cu::launch(neighbour_kernel, dim3(2), dim3(64), 0, nullptr, out.data(), offset, 0);
+    int unwritten = 0;
+    for (int v : out) unwritten += v == -1;
+    CHECK(unwritten >= 1);
+  }
+}
 
 TEST_CASE("emu built-ins: ballot, shuffles with widths, shared memory and atomics as documented", "[emu]") {
   const int n = 2 * 64;
