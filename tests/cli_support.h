@@ -21,12 +21,17 @@ struct CommandResult {
 };
 
 // seconds, when given, receives the wall time the command took.
+// The command gets one OpenMP thread per process unless OMP_NUM_THREADS is set (or the command sets
+// or unsets it with env): CTest runs two tests at once on a 2-core machine, and two processes whose
+// 2-thread OpenMP teams spin on the same cores took 3-4 times as long as with one thread each
+// (the tiny models gain nothing from a second thread; results do not depend on the thread count).
 inline CommandResult run_shell(const std::string& cmdline, double* seconds = nullptr) {
   static int calls = 0;
   const auto t0 = std::chrono::steady_clock::now();
   const std::filesystem::path captured =
       std::filesystem::temp_directory_path() / ("sg_cmd_" + std::to_string(::getpid()) + "_" + std::to_string(calls++) + ".txt");
-  const int status = std::system((cmdline + " > '" + captured.string() + "' 2>&1").c_str());
+  const int status = std::system(("export OMP_NUM_THREADS=\"${OMP_NUM_THREADS:-1}\"; " + cmdline + " > '" +
+                                  captured.string() + "' 2>&1").c_str());
   if (seconds) *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   CommandResult r;
   r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
