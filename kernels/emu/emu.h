@@ -89,7 +89,8 @@ struct Scheduler {
 inline thread_local Scheduler* this_scheduler = nullptr;
 inline ThreadState& me() { return this_scheduler->running->state; }
 
-// The running fiber stops here until wake() makes it ready again.
+// The running fiber stops here, back to the scheduler, until the barrier it waits at completes
+// (Barrier::wait marks its waiters ready) and the scheduler runs it again.
 [[gnu::noinline]] inline void block_running(const char* kind) {
   Fiber* f = this_scheduler->running;
   f->status = Fiber::Status::waiting;
