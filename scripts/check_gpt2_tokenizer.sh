@@ -37,6 +37,12 @@ oracle="$work/package"
 196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783  encoder.json
 1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5  vocab.bpe
 EOF
+# The package's encode() appends each piece's ids with `bpe_tokens = bpe_tokens.concat(...)`,
+# copying the whole list every time: quadratic (a 400,000-character text took 200 s). The same
+# append done in place gives the same ids in linear time (0.3 s); nothing else is changed.
+concat='bpe_tokens = bpe_tokens.concat(new_tokens)'
+grep -qF "$concat" "$oracle/Encoder.js" || { echo "check_gpt2_tokenizer: $pkg's Encoder.js has no '$concat' to make linear" >&2; exit 1; }
+sed -i "s/$concat/bpe_tokens.push(...new_tokens)/" "$oracle/Encoder.js"
 mkdir "$work/gpt2"
 cp "$oracle/encoder.json" "$work/gpt2/vocab.json"
 cp "$oracle/vocab.bpe" "$work/gpt2/merges.txt"
