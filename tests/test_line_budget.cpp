@@ -13,7 +13,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-constexpr int kCoreBudget = 3500;  // 3,124 on 2026-11-29
+constexpr int kCoreBudget = 3500;  // 3,143 on 2026-11-29
 
 int lines_of_code(const fs::path& file) {
   std::ifstream in(file);
