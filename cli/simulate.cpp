@@ -13,15 +13,21 @@ namespace sg::cli {
 
 using nlohmann::json;
 
+namespace {
+// A device's ledger as {category: peak bytes}.
+json peaks(Device d) {
+  json out = json::object();
+  const json ledger = ledger_json(d);  // kept alive: items() iterates it
+  for (const auto& [cat, v] : ledger.items()) out[cat] = v["peak"];
+  return out;
+}
+}  // namespace
+
 json Trainer::simulate(int64_t steps) {
   setup();
   // The setup's own peaks (the model built and initialised, the optimizer's state): under --pp a
   // rank's parameters peak at its stages' share, never at the whole model.
-  json setup_peak = json::object();
-  {
-    const json ledger = ledger_json(device_);  // kept alive: items() iterates it
-    for (const auto& [cat, v] : ledger.items()) setup_peak[cat] = v["peak"];
-  }
+  const json setup_peak = peaks(device_);
   steps = std::min(steps, steps_);
   json peak = json::object(), end, last_comm;
   for (int64_t step = 0; step < steps; ++step) {
@@ -44,10 +50,7 @@ json Trainer::simulate(int64_t steps) {
   }
   json out = {{"rank", rank_}, {"peak", peak}, {"end", end}, {"comm", last_comm}, {"setup_peak", setup_peak}};
   if (args_.str("offload") != "none") {  // the offloaded state's ledger, the last step's peaks
-    json host = json::object();
-    const json ledger = ledger_json(host_device());  // kept alive: items() iterates it
-    for (const auto& [cat, v] : ledger.items()) host[cat] = v["peak"];
-    out["host_peak"] = host;
+    out["host_peak"] = peaks(host_device());
   }
   if (lead())
     out["header"] = str("model ", cfg_.name, ": ", double(cfg_.num_params()) / 1e6, "M params | ", layout_label(),
