@@ -81,9 +81,12 @@ struct Fiber {
   const char* waits_at = "";  // the barrier it waits at
 };
 
-// What the launching OS thread runs: the scheduler's context and the fiber running now.
+// What the launching OS thread runs: the scheduler's context, the launch's fibers (thread i is
+// fibers[i]), what each runs, and the fiber running now.
 struct Scheduler {
   ucontext_t context;
+  Fiber* fibers = nullptr;
+  const std::function<void(int)>* thread_main = nullptr;
   Fiber* running = nullptr;
 };
 inline thread_local Scheduler* this_scheduler = nullptr;
@@ -213,17 +216,12 @@ T warp_exchange(T v, int src) {
   return out;
 }
 
-// The fiber's entry: makecontext passes no pointer portably, so the fiber reads what to run from
-// its scheduler.
-struct FiberMain {
-  const std::function<void(int)>* body;
-  int tid;
-};
-inline thread_local FiberMain fiber_main{};
+// A fiber's entry (makecontext passes no pointer portably): its thread index is its place among
+// the scheduler's fibers.
 inline void fiber_entry() {
-  const FiberMain m = fiber_main;
-  (*m.body)(m.tid);
-  this_scheduler->running->status = Fiber::Status::done;  // returns to the scheduler (uc_link)
+  Scheduler& s = *this_scheduler;
+  (*s.thread_main)(int(s.running - s.fibers));
+  s.running->status = Fiber::Status::done;  // returns to the scheduler (uc_link)
 }
 
 // The context calls live in functions of their own: the compiler treats getcontext and
@@ -272,15 +270,16 @@ inline void run_grid(dim3 grid, dim3 block, size_t shmem, const std::function<vo
           g.block_barrier.wait("end of block");
         }
   };
-  Scheduler sched;
   std::vector<Fiber> fibers(threads);
+  Scheduler sched;
+  sched.fibers = fibers.data();
+  sched.thread_main = &thread_main;
+  for (unsigned i = 0; i < threads; ++i) start_fiber(fibers[i], stacks.get(i), sched);
   struct Scope {  // the scheduler is this OS thread's for the launch only
     Scheduler* s;
     explicit Scope(Scheduler* s_) : s(s_) { this_scheduler = s; }
     ~Scope() { this_scheduler = nullptr; }
   } scope(&sched);
-  // A fiber starts when it first runs: makecontext there, with its tid in fiber_main.
-  std::vector<bool> started(threads, false);
   unsigned done = 0;
   for (uint64_t pass = 0; done < threads; ++pass) {
     bool ran = false;
@@ -288,11 +287,6 @@ inline void run_grid(dim3 grid, dim3 block, size_t shmem, const std::function<vo
       const unsigned i = pass % 2 ? threads - 1 - k : k;
       Fiber& f = fibers[i];
       if (f.status != Fiber::Status::ready) continue;
-      if (!started[i]) {
-        started[i] = true;
-        start_fiber(f, stacks.get(i), sched);
-        fiber_main = FiberMain{&thread_main, int(i)};
-      }
       resume_fiber(f, sched);
       ran = true;
       if (f.status == Fiber::Status::done) ++done;
