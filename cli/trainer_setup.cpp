@@ -440,7 +440,8 @@ void Trainer::build_model(const ckpt::Checkpoint* ck) {
     refuse_unknown_tensors(*ck, cfg_);
     agree("the checkpoint " + ck->path());
   } else if (!a.str("init-from").empty()) {
-    io::SafetensorsFile f = io::load_safetensors(a.str("init-from"));
+    // the header's shapes: the tensors are read once the model says which it holds
+    const io::SafetensorsFile f = io::load_safetensors(a.str("init-from"), [](const std::string&) { return false; });
     cfg_ = nn::config_from_hf(f, a.i64("n-head"));
     agree("--init-from " + a.str("init-from"));
   } else {
@@ -536,7 +537,7 @@ void Trainer::build_model(const ckpt::Checkpoint* ck) {
   if (ck) {
     load_parameters(*ck);
   } else if (!a.str("init-from").empty()) {
-    load_hf_state(*model_, io::load_safetensors(a.str("init-from")));
+    load_hf_state(*model_, io::load_safetensors(a.str("init-from"), nn::hf_tensors_held(*model_)));
   } else {
     model_->init_weights(seed_);
   }

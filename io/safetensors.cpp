@@ -24,6 +24,9 @@ using ojson = nlohmann::ordered_json;
 
 constexpr int64_t kMaxHeaderBytes = 100'000'000;  // the limit the reference implementation enforces
 const char* const kMetadataKey = "__metadata__";
+// Where a tensor not read lives: a meta device of its own, so that its bytes are charged to a
+// ledger no report reads (meta:0 is a simulated rank's).
+const Device kNotRead = Device::meta(3 << 20);
 
 const char* safetensors_dtype(DType t) {
   switch (t) {
@@ -173,7 +176,7 @@ Entry parse_entry(const std::string& path, const std::string& name, const ojson&
 
 }  // namespace
 
-SafetensorsFile load_safetensors(const std::string& path) {
+SafetensorsFile load_safetensors(const std::string& path, const TensorFilter& want) {
   ReadFile f(path, "safetensors");
   const int64_t size = f.size();
   SG_CHECK(size >= 8, "safetensors ", path, ": the file is ", size, " bytes, shorter than the 8-byte header length");
@@ -226,6 +229,10 @@ SafetensorsFile load_safetensors(const std::string& path) {
            data_start + covered, ")");
 
   for (const Entry& e : entries) {
+    if (want && !want(e.name)) {
+      out.tensors.emplace(e.name, Tensor::empty(e.shape, e.dtype, kNotRead));
+      continue;
+    }
     Tensor t = Tensor::empty(e.shape, e.dtype, Device::cpu());
     if (e.end > e.begin) f.read_at(t.data_ptr(), size_t(e.end - e.begin), data_start + e.begin);
     out.tensors.emplace(e.name, std::move(t));

@@ -2,6 +2,7 @@
 // {"name": {"dtype", "shape", "data_offsets": [begin, end)}, "__metadata__": {str: str}},
 // then the raw little-endian tensor bytes. Every field of a file we read is validated.
 #pragma once
+#include <functional>
 #include <map>
 #include <string>
 #include <utility>
@@ -19,7 +20,7 @@ void save_safetensors(const std::string& path, const NamedTensors& tensors,
                       const std::map<std::string, std::string>& metadata = {});
 
 struct SafetensorsFile {
-  std::map<std::string, Tensor> tensors;  // CPU tensors
+  std::map<std::string, Tensor> tensors;  // CPU tensors; meta ones (shape and dtype only) for those not read
   std::vector<std::string> order;         // names in file order
   std::map<std::string, std::string> metadata;
   const Tensor& at(const std::string& name) const;  // throws naming the file and the tensor
@@ -27,7 +28,11 @@ struct SafetensorsFile {
   std::string path;
 };
 
-// Throws sg::Error naming the file and the problem for anything malformed or truncated.
-SafetensorsFile load_safetensors(const std::string& path);
+// Reads the tensors `want` names (every one when it is empty); the others come back as meta
+// tensors of their dtype and shape, their bytes not read: a pipeline rank reads its stages' alone,
+// a header's shapes cost no more than the header. Throws sg::Error naming the file and the problem
+// for anything malformed or truncated, whatever is read.
+using TensorFilter = std::function<bool(const std::string& name)>;
+SafetensorsFile load_safetensors(const std::string& path, const TensorFilter& want = {});
 
 }  // namespace sg::io

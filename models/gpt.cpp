@@ -332,13 +332,21 @@ void load_hf_state(GPT& model, const io::SafetensorsFile& file) {
              ")");
     used.insert(name);
     Tensor src = it->second;
-    const optim::NonFinite bad = optim::first_nonfinite({{name, src}});
-    SG_CHECK(!bad.found(), file.path, ": tensor '", name, "' holds a non-finite value (element ", bad.index, " is ",
-             bad.value, "): the file's weights are damaged");
+    // A tensor the file was read without (another pipeline stage's: the parameter is not held
+    // here) has its shape checked all the same, and nothing copied.
+    const bool read = !src.device().is_meta();
+    SG_CHECK(read || p.device().is_meta(), file.path, ": tensor '", name, "' was not read, but the model holds it on ",
+             p.device().str());
+    if (read) {
+      const optim::NonFinite bad = optim::first_nonfinite({{name, src}});
+      SG_CHECK(!bad.found(), file.path, ": tensor '", name, "' holds a non-finite value (element ", bad.index, " is ",
+               bad.value, "): the file's weights are damaged");
+    }
     if (name == "wte.weight") {
       SG_CHECK(src.dim() == 2 && src.size(0) == model.config.vocab_size && src.size(1) == whole.at(1), file.path,
                ": tensor 'wte.weight' has shape ", shape_str(src.shape()), " but the model expects [",
                model.config.vocab_size, ",", whole.at(1), "]");
+      if (!read) continue;
       Tensor padded = zeros(whole, src.dtype(), src.device());  // the rows past the vocabulary stay 0
       copy_(narrow(padded, 0, 0, model.config.vocab_size), src);
       place(padded);
@@ -346,11 +354,11 @@ void load_hf_state(GPT& model, const io::SafetensorsFile& file) {
       SG_CHECK(src.dim() == 2 && src.size(0) == whole.at(1) && src.size(1) == whole.at(0), file.path, ": tensor '", name,
                "' has shape ", shape_str(src.shape()), " but the model expects [", whole.at(1), ",", whole.at(0),
                "] (Conv1D [in, out])");
-      place(transpose(src, 0, 1));
+      if (read) place(transpose(src, 0, 1));
     } else {
       SG_CHECK(src.shape() == whole, file.path, ": tensor '", name, "' has shape ", shape_str(src.shape()),
                " but the model expects ", shape_str(whole));
-      place(src);
+      if (read) place(src);
     }
   }
   for (auto& [n, t] : by_name) {
@@ -359,7 +367,8 @@ void load_hf_state(GPT& model, const io::SafetensorsFile& file) {
     if (mask_buffer) continue;  // causal masks
     if (n == "lm_head.weight") {  // the tied head: wte again, or an output layer this model cannot hold
       const Tensor& wte = by_name.at("wte.weight");
-      SG_CHECK(t.shape() == wte.shape() && to_vector<float>(t) == to_vector<float>(wte), file.path,
+      const bool both_read = !t.device().is_meta() && !wte.device().is_meta();  // else the ranks that read them compare
+      SG_CHECK(t.shape() == wte.shape() && (!both_read || to_vector<float>(t) == to_vector<float>(wte)), file.path,
                ": 'lm_head.weight' differs from 'wte.weight': an untied output layer, which this GPT-2 (its head tied "
                "to the token embedding) cannot hold; loading it would drop it");
       continue;
@@ -367,6 +376,14 @@ void load_hf_state(GPT& model, const io::SafetensorsFile& file) {
     throw Error(str(file.path, ": unexpected tensor '", n, "' (not part of a GPT-2 with ", model.config.n_layer,
                     " layers)"));
   }
+}
+
+io::TensorFilter hf_tensors_held(const GPT& model) {
+  std::set<std::string> held;
+  for (const auto& [n, p] : model.named_parameters())
+    if (!p.device().is_meta()) held.insert(n);
+  if (held.count("wte.weight")) held.insert("lm_head.weight");  // compared with wte when the file has it
+  return [held = std::move(held)](const std::string& name) { return held.count(strip_prefix(name)) != 0; };
 }
 
 GPTConfig config_from_hf(const io::SafetensorsFile& file, int64_t n_head_hint) {

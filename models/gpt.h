@@ -173,7 +173,12 @@ io::NamedTensors hf_state_dict(const GPT& model);
 // attn.masked_bias buffers accepted; lm_head.weight accepted when it equals wte). Every
 // expected tensor must be present with the right shape and finite (no NaN or inf); errors name the
 // tensor and the file. A model split over tp (config.tp > 1) takes its tp rank's slice of each tensor.
+// Tensors the file was read without (io::load_safetensors's filter) are shape-checked only, and
+// only for parameters the model does not hold (on a meta device).
 void load_hf_state(GPT& model, const io::SafetensorsFile& file);
+// The filter that reads a Hugging Face-named file's tensors for the parameters the model holds
+// (not on a meta device: a pipeline rank's other stages'), lm_head.weight beside a held wte.
+io::TensorFilter hf_tensors_held(const GPT& model);
 // The config a Hugging Face-named file describes (n_layer from h.N, n_embd and vocab from wte,
 // block_size from wpe); n_head must come from metadata ("n_head") or the caller.
 GPTConfig config_from_hf(const io::SafetensorsFile& file, int64_t n_head_hint = 0);

@@ -138,6 +138,32 @@ TEST_CASE("safetensors round-trips every dtype, views, empty tensors, scalars an
   REQUIRE_THROWS_WITH(f.at("missing"), Contains(path) && Contains("'missing'"));
 }
 
+TEST_CASE("safetensors reads only the tensors a filter names: the others are their shape and dtype, no bytes", "[io]") {
+  TempDir d;
+  const std::string path = d / "part.safetensors";
+  save_safetensors(path, {{"a", from_vector(iota_f(6), {2, 3})}, {"b", to(from_vector(iota_f(4), {4}), DType::bf16)},
+                          {"c", from_vector(std::vector<int64_t>{9, 8}, {2, 1})}},
+                   {{"n_head", "2"}});
+  const int64_t before = Ledger::global().stats(Device::cpu()).total_current;
+  SafetensorsFile f = load_safetensors(path, [](const std::string& n) { return n == "b"; });
+  CHECK(Ledger::global().stats(Device::cpu()).total_current - before == 4 * 2);  // b's bytes alone are on the host
+  CHECK(f.order == std::vector<std::string>{"a", "b", "c"});
+  CHECK(f.metadata.at("n_head") == "2");
+  CHECK(f.at("b").device() == Device::cpu());
+  CHECK(to_vector<float>(f.at("b")) == to_vector<float>(to(from_vector(iota_f(4), {4}), DType::bf16)));
+  for (const auto& [name, shape, dtype] : {std::tuple{"a", Shape{2, 3}, DType::f32}, std::tuple{"c", Shape{2, 1}, DType::i64}}) {
+    INFO(name);
+    CHECK(f.at(name).device().is_meta());
+    CHECK(f.at(name).shape() == shape);
+    CHECK(f.at(name).dtype() == dtype);
+  }
+  // A header read alone is still checked against the whole file: a cut data section is refused.
+  const std::string bytes = read_bytes(path);
+  const std::string cut = d / "cut.safetensors";
+  write_bytes(cut, bytes.substr(0, bytes.size() - 1));
+  REQUIRE_THROWS_WITH(load_safetensors(cut, [](const std::string&) { return false; }), Contains(cut));
+}
+
 TEST_CASE("safetensors save is atomic: no temporary file is left, an existing file is replaced", "[io]") {
   TempDir d;
   const std::string path = d / "w.safetensors";

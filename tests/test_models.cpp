@@ -153,6 +153,47 @@ TEST_CASE("a GPT built on meta and materialised in part initialises those parame
   REQUIRE_THROWS_WITH(nn::materialize(narrow(on_meta, 0, 1, 2), Device::cpu()), Catch::Contains("is a view into a larger storage"));
 }
 
+TEST_CASE("a GPT materialised in part reads from a Hugging Face file the tensors it holds, and only those", "[models]") {
+  nn::GPT whole(small_config());
+  whole.init_weights(11);
+  const std::string path =
+      (std::filesystem::temp_directory_path() / ("sg_models_part_" + std::to_string(::getpid()) + ".safetensors")).string();
+  io::NamedTensors sd;
+  for (auto& [n, t] : nn::hf_state_dict(whole)) sd.emplace_back("transformer." + n, t);
+  sd.emplace_back("lm_head.weight", sd[0].second);  // the tied head, as some files carry it
+  // A damaged tensor of a layer this model does not hold: never read, so it cannot stop the load.
+  for (auto& [n, t] : sd)
+    if (n == "transformer.h.0.mlp.c_fc.weight") t = full(t.shape(), std::numeric_limits<double>::quiet_NaN());
+  io::save_safetensors(path, sd, {{"n_head", "4"}});
+  const Device staging = Device::meta(78);
+  nn::GPT part(small_config(), DType::f32, staging);
+  for (auto& [n, p] : part.named_parameters())
+    if (n.rfind("h.1.", 0) == 0 || n == "wte.weight" || n.rfind("ln_f.", 0) == 0) nn::materialize(p, Device::cpu());
+  const io::SafetensorsFile f = io::load_safetensors(path, nn::hf_tensors_held(part));
+  for (const auto& [n, t] : f.tensors) {
+    INFO(n);
+    const bool held = n.find("h.1.") != std::string::npos || n.find("wte.") != std::string::npos ||
+                      n.find("ln_f.") != std::string::npos || n == "lm_head.weight";
+    CHECK(t.device().is_cpu() == held);
+  }
+  nn::load_hf_state(part, f);
+  const auto want = whole.named_parameters();
+  const auto got = part.named_parameters();
+  REQUIRE(want.size() == got.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    INFO(got[i].first);
+    if (got[i].second.device().is_cpu()) CHECK(to_vector<float>(got[i].second) == to_vector<float>(want[i].second));
+  }
+  // The whole model needs the damaged tensor: it is read, and refused.
+  nn::GPT all(small_config());
+  REQUIRE_THROWS_WITH(nn::load_hf_state(all, io::load_safetensors(path, nn::hf_tensors_held(all))),
+                      Catch::Contains("'h.0.mlp.c_fc.weight' holds a non-finite value"));
+  // A file read without a tensor the model holds is refused, not left at its initial values.
+  REQUIRE_THROWS_WITH(nn::load_hf_state(all, io::load_safetensors(path, [](const std::string&) { return false; })),
+                      Catch::Contains("'wte.weight' was not read, but the model holds it on cpu"));
+  std::filesystem::remove(path);
+}
+
 TEST_CASE("a padded vocabulary changes no logit, loss or gradient", "[models]") {
   nn::GPT a(small_config(61)), b(small_config(128));
   a.init_weights(3);
