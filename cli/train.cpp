@@ -99,7 +99,10 @@ void declare_flags(Args& a) {
          "environment: rank 0 hands NCCL's id to the others through PATH, on a file system they all see, or on "
          "PORT of its host HOST)");
   a.flag("comm-timeout", "300", "seconds without progress before the watchdog aborts the job, naming the stuck rank");
-  a.flag("inject-fault", "", "testing: rank=R,step=S,kind=exit|throw|abort|kill|hang|nan[,during=save]");
+  a.flag("checkpoint-timeout", "1800", "seconds a checkpoint's save or load may make no progress (a rank blocked on "
+         "a slow disk, its peers waiting for it) before the watchdog aborts the job, in place of --comm-timeout");
+  a.flag("inject-fault", "", "testing: rank=R,step=S,kind=exit|throw|abort|kill|hang|nan|slow[,seconds=N]"
+         "[,during=save|load]");
   a.flag("peak-tflops", "auto", "one device's peak TFLOP/s in the training dtype, for the MFU on the progress line "
          "(tokens/s x model FLOPs per token / (devices x peak); auto: a known GPU's dense bf16/fp16 peak, e.g. 989 "
          "for an H100 or H200, else none; 0: none)");

@@ -76,11 +76,20 @@ void Trainer::setup() {
   // A checkpoint of any layout (sharded, or the older full format): this run reads its own slices.
   // --resume auto: the newest complete checkpoint of the --save directory, or none yet.
   const std::unique_ptr<ckpt::Checkpoint> ck = std::move(resumed_);
-  build_model(ck.get());
-  configure_samples();
-  configure_hellaswag();
-  build_optimizer();
-  restore(ck.get());
+  {
+    // A rank reading its pieces from a slow disk, and its peers waiting for it at the barrier that
+    // ends the reading: --checkpoint-timeout's, not --comm-timeout's.
+    parallel::watchdog::Patience patience(ck ? args_.f64("checkpoint-timeout") : 0, "--checkpoint-timeout");
+    build_model(ck.get());
+    configure_samples();
+    configure_hellaswag();
+    build_optimizer();
+    restore(ck.get());
+    if (ck && metrics_ && world_size_ > 1 && !sim_) {
+      parallel::watchdog::Waiting w("the checkpoint load barrier");
+      metrics_->barrier()->wait();
+    }
+  }
   start_trace();
 }
 
@@ -210,6 +219,7 @@ void Trainer::configure() {
 void Trainer::join_world() {
   const Args& a = args_;
   const comm::Rendezvous rdv = comm::parse_rendezvous(a.str("rendezvous"));
+  SG_CHECK(a.f64("checkpoint-timeout") > 0, "train: --checkpoint-timeout must be > 0, got ", a.str("checkpoint-timeout"));
   SG_CHECK(a.f64("comm-timeout") > 0, "train: --comm-timeout must be > 0");  // in one process too: a flag is checked
   if (distributed()) {
     const bool nccl = a.str("backend") == "nccl";
@@ -316,6 +326,8 @@ void Trainer::choose_device_and_batch() {
            world_size_, world_size_ == 1 ? " rank" : " ranks");
   SG_CHECK(!fault_.active() || fault_.step <= steps_, "train: --inject-fault step=", fault_.step, ": the run has ",
            steps_, " steps (--steps)");
+  SG_CHECK(!fault_.active() || fault_.during != "load" || resumed_, "train: --inject-fault during=load: the run ",
+           "resumes no checkpoint (give --resume, or --resume auto with a --save directory that holds one)");
   if (fault_.active() && fault_.during == "save") {
     SG_CHECK(saves_after(fault_.step), "train: --inject-fault step=", fault_.step,
              ",during=save: that step saves no checkpoint (--save ",
@@ -674,11 +686,14 @@ void Trainer::restore(const ckpt::Checkpoint* ck) {
     SG_CHECK(!stop_at_ || stop_at_ > start_step_, "train: --stop-at ", stop_at_, " is not after the checkpoint's step ",
              start_step_, ": nothing to train (give a later step, or leave --stop-at out)");
     // Nor would a fault or a profile at a step the checkpoint is past ever happen.
-    SG_CHECK(!fault_.active() || fault_.step > start_step_, "train: --inject-fault step=", fault_.step,
-             ": the run resumes after the checkpoint's step ", start_step_, ", so it would never fire");
+    SG_CHECK(!fault_.active() || (fault_.during == "load" ? fault_.step == start_step_ : fault_.step > start_step_),
+             "train: --inject-fault step=", fault_.step, fault_.during == "load" ? ",during=load: the run resumes the "
+             "checkpoint of step " : ": the run resumes after the checkpoint's step ", start_step_, ", so it would never fire");
     SG_CHECK(!a.i64("profile-ops") || a.i64("profile-ops") > start_step_, "train: --profile-ops ", a.i64("profile-ops"),
              ": the run resumes after the checkpoint's step ", start_step_, ", so that step is not run");
+    parallel::watchdog::beat("the checkpoint load", start_step_ - 1);  // a stall is named at the checkpoint's step
     load_optimizer(*ck, optimizer_step);
+    parallel::maybe_inject_in_load(fault_, rank_, start_step_);  // testing: this rank's pieces read
     if (lead()) {
       std::string flags;
       for (const std::string& f : a.inherited()) flags.append(" ").append(a.spelled(f));

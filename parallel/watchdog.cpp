@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
@@ -25,6 +26,8 @@ using Clock = std::chrono::steady_clock;
 std::mutex mu;
 std::atomic<bool> armed{false};
 double limit = 0;
+double patience = 0;                  // a Patience's timeout (0: none alive)
+const char* patience_flag = nullptr;  // and the flag that sets it
 int my_rank = 0;
 const char* phase = "startup";
 std::map<uint64_t, std::string> waits;  // the waits in progress, oldest first
@@ -57,34 +60,37 @@ void check_loop() {
     if (cpu_now - cpu_before >= 0.1 * std::chrono::duration<double>(now - tick_before).count()) last_busy = now;
     cpu_before = cpu_now, tick_before = now;
     double idle = std::chrono::duration<double>(now - last).count();
-    if (!armed.load() || idle < limit) continue;
+    // The timeout that applies now: a Patience's while one lives.
+    const double timeout = patience > 0 ? patience : limit;
+    const char* const flag = patience > 0 ? patience_flag : "--comm-timeout";
+    if (!armed.load() || idle < timeout) continue;
     // Outside any wait, a rank that keeps computing (a long forward on a CPU) is not stuck: the
     // timeout bounds waits on peers and ranks that stopped, as PyTorch's bounds collectives. A hung
-    // rank (asleep, deadlocked) uses no CPU: it fails `limit` seconds after its last busy tick.
+    // rank (asleep, deadlocked) uses no CPU: it fails `timeout` seconds after its last busy tick.
     if (waits.empty()) {
       idle = std::min(idle, std::chrono::duration<double>(now - last_busy).count());
-      if (idle < limit) continue;
+      if (idle < timeout) continue;
     }
-    if (!waits.empty() && frozen_end >= last && frozen_s >= std::max(2.0, limit / 2)) {
+    if (!waits.empty() && frozen_end >= last && frozen_s >= std::max(2.0, timeout / 2)) {
       // Its peers waited on it: this process itself did not run (SIGSTOP, or starved of CPU), and
       // its own waits are stale.
       std::fprintf(stderr,
                    "shardgrad: rank %d: FAILED: this process was stopped for %.0f s (SIGSTOP, or starved of the "
-                   "CPU) at step %lld; aborting the job (--comm-timeout %.0f)\n",
-                   my_rank, frozen_s, (long long)at_step + 1, limit);
+                   "CPU) at step %lld; aborting the job (%s %.0f)\n",
+                   my_rank, frozen_s, (long long)at_step + 1, flag, timeout);
     } else if (!waits.empty()) {
       // the outermost wait names the phase, the innermost the operation it is stuck in
       std::string what = waits.begin()->second;
       if (waits.size() > 1) what += " (" + waits.rbegin()->second + ")";
       std::fprintf(stderr,
                    "shardgrad: rank %d: no progress for %.0f s while waiting in %s at step %lld: a peer rank "
-                   "stopped responding; aborting the job (--comm-timeout %.0f)\n",
-                   my_rank, idle, what.c_str(), (long long)at_step + 1, limit);
+                   "stopped responding; aborting the job (%s %.0f)\n",
+                   my_rank, idle, what.c_str(), (long long)at_step + 1, flag, timeout);
     } else {
       std::fprintf(stderr,
                    "shardgrad: rank %d: FAILED: no progress for %.0f s in %s at step %lld (not waiting on any "
-                   "peer); aborting the job (--comm-timeout %.0f)\n",
-                   my_rank, idle, phase, (long long)at_step + 1, limit);
+                   "peer); aborting the job (%s %.0f)\n",
+                   my_rank, idle, phase, (long long)at_step + 1, flag, timeout);
     }
     std::fflush(stderr);
     int up = 0;
@@ -93,8 +99,8 @@ void check_loop() {
     // say its part before the first abort takes the job down. A waiting rank's is longer (a quarter
     // of the timeout, 1 to 5 s): the stuck rank's clock starts at its last busy moment (the files
     // it wrote before it hung in a save, say), later than its peers' last beat.
-    const bool victim = !waits.empty() && !(frozen_end >= last && frozen_s >= std::max(2.0, limit / 2));
-    std::this_thread::sleep_for(std::chrono::duration<double>(victim ? std::clamp(limit / 4, 1.0, 5.0) : 1.0));
+    const bool victim = !waits.empty() && !(frozen_end >= last && frozen_s >= std::max(2.0, timeout / 2));
+    std::this_thread::sleep_for(std::chrono::duration<double>(victim ? std::clamp(timeout / 4, 1.0, 5.0) : 1.0));
     if (up) MPI_Abort(MPI_COMM_WORLD, 3);
     std::_Exit(3);
   }
@@ -131,6 +137,19 @@ Waiting::Waiting(std::string what) {
   last = Clock::now();
 }
 
+Patience::Patience(double seconds, const char* flag) {
+  std::lock_guard<std::mutex> g(mu);
+  prev_seconds_ = patience;
+  prev_flag_ = patience_flag;
+  if (seconds > 0) patience = seconds, patience_flag = flag;
+}
+
+Patience::~Patience() {
+  std::lock_guard<std::mutex> g(mu);
+  patience = prev_seconds_;
+  patience_flag = prev_flag_;
+}
+
 Waiting::~Waiting() {
   std::lock_guard<std::mutex> g(mu);
   waits.erase(id_);
@@ -152,18 +171,21 @@ Fault parse_fault(const std::string& spec) {
       else if (k == "step") f.step = std::stoll(v);
       else if (k == "kind") f.kind = v;
       else if (k == "during") f.during = v;
-      else throw Error(str("--inject-fault: unknown key '", k, "' (expected rank, step, kind, during)"));
+      else if (k == "seconds") f.seconds = std::stod(v);
+      else throw Error(str("--inject-fault: unknown key '", k, "' (expected rank, step, kind, seconds, during)"));
     } catch (const std::invalid_argument&) {
       throw Error(str("--inject-fault: ", k, "=", v, " is not a number"));
     }
   }
   SG_CHECK(f.rank >= 0 && f.step >= 1, "--inject-fault: needs rank >= 0 and step >= 1, got '", spec, "'");
   SG_CHECK(f.kind == "exit" || f.kind == "throw" || f.kind == "abort" || f.kind == "kill" || f.kind == "hang" ||
-               f.kind == "nan",
-           "--inject-fault: kind '", f.kind, "' is not one of exit, throw, abort, kill, hang, nan");
-  SG_CHECK(f.kind != "nan" || f.during.empty(), "--inject-fault: kind nan poisons a step's gradients, not a save");
-  SG_CHECK(f.during.empty() || f.during == "save", "--inject-fault: during '", f.during,
-           "' is not 'save' (omit it to fail at the start of the step)");
+               f.kind == "nan" || f.kind == "slow",
+           "--inject-fault: kind '", f.kind, "' is not one of exit, throw, abort, kill, hang, nan, slow");
+  SG_CHECK(f.kind != "nan" || f.during.empty(), "--inject-fault: kind nan poisons a step's gradients, not a save or a load");
+  SG_CHECK(f.during.empty() || f.during == "save" || f.during == "load", "--inject-fault: during '", f.during,
+           "' is not 'save' or 'load' (omit it to fail at the start of the step)");
+  SG_CHECK(f.kind == "slow" ? std::isfinite(f.seconds) && f.seconds > 0 : f.seconds == 0, "--inject-fault: ",
+           f.kind == "slow" ? "kind slow needs seconds=N > 0" : "seconds=N is for kind slow");
   return f;
 }
 
@@ -174,9 +196,13 @@ int save_fault_rank = -1;
 
 void fire(const Fault& f, int rank, int64_t step) {
   std::fprintf(stderr, "shardgrad: rank %d: injecting fault '%s' at step %lld%s\n", rank, f.kind.c_str(),
-               (long long)step, f.during == "save" ? " while saving the checkpoint" : "");
+               (long long)step, f.during == "save" ? " while saving the checkpoint" : f.during == "load" ? " after reading its checkpoint" : "");
   std::fflush(stderr);
   if (f.kind == "nan") return;  // the trainer poisons this step's loss scale (NaN gradients)
+  if (f.kind == "slow") {  // blocked, as in a write or an fsync to a slow disk, then on
+    std::this_thread::sleep_for(std::chrono::duration<double>(f.seconds));
+    return;
+  }
   if (f.kind == "exit") std::_Exit(7);  // at once, as a process ending itself: no destructors (a live
                                          // communication thread would turn std::exit into an abort)
   if (f.kind == "abort") std::abort();
@@ -190,7 +216,7 @@ void fire(const Fault& f, int rank, int64_t step) {
 }  // namespace
 
 void maybe_inject(const Fault& f, int rank, int64_t step) {
-  if (!f.active() || f.rank != rank) return;
+  if (!f.active() || f.rank != rank || f.during == "load") return;
   if (f.during == "save") {
     std::lock_guard<std::mutex> g(save_fault_mu);
     save_fault = f;
@@ -211,6 +237,10 @@ void maybe_inject_in_save(int64_t step) {
     save_fault = Fault{};
   }
   fire(f, rank, step);
+}
+
+void maybe_inject_in_load(const Fault& f, int rank, int64_t step) {
+  if (f.active() && f.during == "load" && f.rank == rank && f.step == step) fire(f, rank, step);
 }
 
 }  // namespace sg::parallel

@@ -1,6 +1,7 @@
 // The supervisor and faults during a save, as a user meets them: `shardgrad launch` restarts a job
 // whose rank died and the losses continue exactly; a rank dying inside a checkpoint save leaves
-// the previous checkpoint loadable and the job ends within --comm-timeout naming the rank.
+// the previous checkpoint loadable and the job ends within --comm-timeout naming the rank; a rank
+// stalled on a slow disk in a save or a load is waited for up to --checkpoint-timeout.
 #include "tests/catch.h"
 #include <chrono>
 #include <cstdlib>
@@ -129,7 +130,7 @@ TEST_CASE("a rank dying inside a checkpoint save leaves the previous checkpoint 
     TempDir d;
     const fs::path run = d.path / "run";
     double secs = 0;
-    Run r = run_command(mpirun(2) + " train " + kSmall + " --steps 6 --strategy ddp --save-every 2 --comm-timeout 10 --save " +
+    Run r = run_command(mpirun(2) + " train " + kSmall + " --steps 6 --strategy ddp --save-every 2 --comm-timeout 10 --checkpoint-timeout 10 --save " +
                             run.string() + " --inject-fault rank=0,step=4,kind=" + kind + ",during=save",
                         &secs);
     INFO(r.output);
@@ -147,6 +148,48 @@ TEST_CASE("a rank dying inside a checkpoint save leaves the previous checkpoint 
     for (const auto& name : c->names()) (void)c->tensor(name);  // every checksum holds
     REQUIRE(sg::ckpt::open_checkpoint(run.string())->state()["step"] == 2);
   }
+}
+
+// A slow disk: a rank blocked writing or reading its checkpoint files for longer than
+// --comm-timeout, its peer waiting for it at the barriers. --checkpoint-timeout bounds those.
+TEST_CASE("a checkpoint save or load stalled past --comm-timeout is waited for up to --checkpoint-timeout", "[cli][mpi][launch]") {
+  TempDir d;
+  const fs::path run = d.path / "run";
+  const std::string train = mpirun(2) + " train " + kSmall + " --strategy ddp --comm-timeout 3 --save " + run.string();
+  const std::string slow = ",kind=slow,seconds=7";
+  Run saved = run_command(train + " --steps 4 --save-every 2 --inject-fault rank=1,step=2" + slow + ",during=save");
+  INFO(saved.output);
+  REQUIRE(saved.code == 0);
+  REQUIRE(saved.output.find("injecting fault 'slow' at step 2 while saving the checkpoint") != std::string::npos);
+  REQUIRE(fs::exists(run / "step_00000004"));
+  Run loaded = run_command(train + " --steps 6 --resume auto --inject-fault rank=1,step=4" + slow + ",during=load");
+  INFO(loaded.output);
+  REQUIRE(loaded.code == 0);
+  REQUIRE(loaded.output.find("injecting fault 'slow' at step 4 after reading its checkpoint") != std::string::npos);
+  REQUIRE(fs::exists(run / "step_00000006"));
+  // A shorter --checkpoint-timeout ends the job at the barrier the peer waits at, naming the flag;
+  // the stalled save commits nothing.
+  for (const char* during : {"save", "load"}) {
+    INFO(during);
+    double secs = 0;
+    const bool save = std::string(during) == "save";
+    Run r = run_command(train + " --checkpoint-timeout 2 --resume auto --steps 8 --save-every 1 --inject-fault rank=1,step=" +
+                            (save ? "7" : "6") + slow + ",during=" + during, &secs);
+    INFO(r.output);
+    REQUIRE(r.code != 0);
+    CHECK(secs < 30);
+    CHECK(r.output.find(save ? "waiting in the checkpoint barrier" : "waiting in the checkpoint load barrier") !=
+          std::string::npos);
+    CHECK(r.output.find("aborting the job (--checkpoint-timeout 2)") != std::string::npos);
+    CHECK_FALSE(fs::exists(run / "step_00000007"));
+  }
+  // A load fault for another step than the checkpoint's would never fire: refused.
+  Run other = run_command(std::string(SG_BINARY) + " train " + kSmall + " --steps 8 --resume auto --save " + run.string() +
+                          " --inject-fault rank=0,step=4,kind=slow,seconds=1,during=load");
+  INFO(other.output);
+  CHECK(other.code != 0);
+  CHECK(other.output.find("--inject-fault step=4,during=load: the run resumes the checkpoint of step 6, so it would "
+                          "never fire") != std::string::npos);
 }
 
 namespace {
