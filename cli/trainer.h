@@ -153,7 +153,8 @@ class Trainer {
   // standing for it (a ledger apart from the rank's compute device's, and no memory).
   Device host_device() const { return sim_ ? Device::meta((1 << 20) + rank_) : Device::cpu(0); }
   // Where a pipeline rank builds its model before materialising its stages' parameters on the
-  // compute device: a meta device of its own (a ledger that no report reads).
+  // compute device, and an FSDP-family rank before its wrapper gives memory to one unit at a time:
+  // a meta device of its own (a ledger that no report reads).
   Device staging_device() const { return Device::meta((2 << 20) + rank_); }
   // The model's parameters this rank holds: all of them, or under --pp its stages'.
   io::NamedTensors held_parameters() const { return pipe_ ? pipe_->parameters() : model_->named_parameters(); }
@@ -236,6 +237,7 @@ class Trainer {
   uint64_t seed_ = 0;
   std::string save_dir_;
   parallel::Fault fault_;
+  bool resuming_ = false;  // the run resumes a checkpoint (whose values replace any initialisation)
   optim::NonFinitePolicy nonfinite_ = optim::NonFinitePolicy::stop;
   int64_t nonfinite_skipped_ = 0;
   bool overflowed_ = false;  // the last step was skipped for fp16 gradients that overflowed (the scaler's)

@@ -535,9 +535,13 @@ void Trainer::build_model(const ckpt::Checkpoint* ck) {
   // gives memory to its stages' parameters alone: it never holds the whole model.
   std::optional<parallel::pp::Schedule> sched;
   if (pp_ > 1) sched = parallel::pp::make_schedule(a.str("pp-schedule"), pp_, int((B_ / dp_size_) / micro_), v);
+  // A pipeline rank gives memory to its stages' parameters alone; the FSDP family to one unit at a
+  // time, as it shards them (fsdp_options): neither ever holds the whole model.
+  const bool staged = sched || zero_stage() == 3;
+  resuming_ = ck != nullptr;
   try {
-    model_ = std::make_unique<nn::GPT>(cfg_, dtype_, sched ? staging_device() : device_, tp_ > 1 ? groups_.tp : nullptr);
-    if (sched)
+    model_ = std::make_unique<nn::GPT>(cfg_, dtype_, staged ? staging_device() : device_, tp_ > 1 ? groups_.tp : nullptr);
+    if (sched && zero_stage() != 3)
       for (auto& [n, p] : model_->named_parameters())
         if (parallel::pp::holds_parameter(*sched, groups_.pp->rank(), n, cfg_.n_layer)) nn::materialize(p, device_);
   } catch (const Error& e) {  // out of memory, most likely: say for what, with the flags that size it
@@ -824,6 +828,21 @@ parallel::FsdpOptions Trainer::fsdp_options() const {
     for (const auto& [n, p] : pipe_->parameters()) names.insert(n);
     o.holds = [names](const std::string& n) { return names.count(n) > 0; };
   }
+  // The model was built on the staging device: each unit is given memory and its values (the seed's,
+  // or --init-from's tensors of the unit alone) one at a time. Resumed, its shards are then read
+  // from the checkpoint (load_state), whatever the unit held.
+  o.materialize_on = device_;
+  o.init = [this](const io::NamedTensors& unit) {
+    if (resuming_) return;
+    if (const std::string file = args_.str("init-from"); !file.empty()) {
+      std::set<std::string> names;
+      for (const auto& [n, p] : unit) names.insert(n);
+      nn::load_hf_state(*model_, io::load_safetensors(file, nn::hf_tensors_of(names)),
+                        [&](const std::string& n) { return names.count(n) != 0; });
+    } else {
+      for (const auto& [n, p] : unit) model_->init_parameter(n, p, seed_);
+    }
+  };
   return o;
 }
 

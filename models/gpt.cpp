@@ -161,32 +161,35 @@ GPT::GPT(const GPTConfig& c, DType dtype, Device device, std::shared_ptr<comm::P
 }
 
 void GPT::init_weights(uint64_t seed) {
+  for (auto& [name, p] : named_parameters()) init_parameter(name, p, seed);
+}
+
+void GPT::init_parameter(const std::string& name, const Tensor& p, uint64_t seed) const {
   autograd::NoGradGuard ng;
-  const double std_resid = 0.02 / std::sqrt(2.0 * double(config.n_layer));
-  for (auto& [name, p] : named_parameters()) {
-    const bool is_bias = name.size() >= 5 && name.compare(name.size() - 5, 5, ".bias") == 0;
-    const bool is_ln = name.find("ln_") != std::string::npos;
-    if (is_ln) {
-      fill_(p, is_bias ? 0.0 : 1.0);
-    } else if (is_bias) {
-      zero_(p);
-    } else {
-      const bool resid = name.find("c_proj.weight") != std::string::npos;
-      const parallel::tp::Split split = tp_group ? parallel::tp::gpt_param_split(name) : parallel::tp::Split{};
-      Shape full = p.shape();
-      if (!split.replicated()) full[size_t(split.dim)] *= config.tp;
-      Tensor r = randn(full, seed, rng_stream_from_name(name.c_str()), 0.0, resid ? std_resid : 0.02, p.dtype(), p.device());
-      copy_(p, tp_group ? parallel::tp::shard_of(r, split, tp_group->rank(), tp_group->size()) : r);
-    }
+  const bool is_bias = name.size() >= 5 && name.compare(name.size() - 5, 5, ".bias") == 0;
+  const bool is_ln = name.find("ln_") != std::string::npos;
+  if (is_ln) {
+    fill_(p, is_bias ? 0.0 : 1.0);
+  } else if (is_bias) {
+    zero_(p);
+  } else {
+    const double std_resid = 0.02 / std::sqrt(2.0 * double(config.n_layer));
+    const bool resid = name.find("c_proj.weight") != std::string::npos;
+    const parallel::tp::Split split = tp_group ? parallel::tp::gpt_param_split(name) : parallel::tp::Split{};
+    Shape full = p.shape();
+    if (!split.replicated()) full[size_t(split.dim)] *= config.tp;
+    Tensor r = randn(full, seed, rng_stream_from_name(name.c_str()), 0.0, resid ? std_resid : 0.02, p.dtype(), p.device());
+    copy_(p, tp_group ? parallel::tp::shard_of(r, split, tp_group->rank(), tp_group->size()) : r);
   }
+  if (name != "wte.weight") return;
   // Padded vocabulary rows are never looked up and never predicted: keep them zero.
   const int64_t V = config.vocab_size, Vp = config.vocab_rows();
   if (tp_wte) {
-    const int64_t rows = tp_wte->weight.size(0), start = tp_wte->vocab_start();
+    const int64_t rows = p.size(0), start = tp_wte->vocab_start();
     const int64_t first_pad = std::clamp<int64_t>(V - start, 0, rows);
-    if (first_pad < rows) zero_(narrow(tp_wte->weight, 0, first_pad, rows - first_pad));
+    if (first_pad < rows) zero_(narrow(p, 0, first_pad, rows - first_pad));
   } else if (Vp > V) {
-    zero_(narrow(wte->weight, 0, V, Vp - V));
+    zero_(narrow(p, 0, V, Vp - V));
   }
 }
 
@@ -310,7 +313,7 @@ static std::string strip_prefix(const std::string& n) {
   return n.rfind(pre, 0) == 0 ? n.substr(pre.size()) : n;
 }
 
-void load_hf_state(GPT& model, const io::SafetensorsFile& file) {
+void load_hf_state(GPT& model, const io::SafetensorsFile& file, const std::function<bool(const std::string&)>& only) {
   autograd::NoGradGuard ng;
   const int tp = int(model.config.tp), tp_rank = model.tp_group ? model.tp_group->rank() : 0;
   std::map<std::string, Tensor> by_name;
@@ -331,6 +334,7 @@ void load_hf_state(GPT& model, const io::SafetensorsFile& file) {
                                             : (is_conv1d(name) ? Shape{whole.at(1), whole.at(0)} : whole)),
              ")");
     used.insert(name);
+    if (only && !only(name)) continue;
     Tensor src = it->second;
     // A tensor the file was read without (another pipeline stage's: the parameter is not held
     // here) has its shape checked all the same, and nothing copied.
@@ -378,12 +382,16 @@ void load_hf_state(GPT& model, const io::SafetensorsFile& file) {
   }
 }
 
+io::TensorFilter hf_tensors_of(std::set<std::string> names) {
+  if (names.count("wte.weight")) names.insert("lm_head.weight");  // compared with wte when the file has it
+  return [names = std::move(names)](const std::string& name) { return names.count(strip_prefix(name)) != 0; };
+}
+
 io::TensorFilter hf_tensors_held(const GPT& model) {
   std::set<std::string> held;
   for (const auto& [n, p] : model.named_parameters())
     if (!p.device().is_meta()) held.insert(n);
-  if (held.count("wte.weight")) held.insert("lm_head.weight");  // compared with wte when the file has it
-  return [held = std::move(held)](const std::string& name) { return held.count(strip_prefix(name)) != 0; };
+  return hf_tensors_of(std::move(held));
 }
 
 GPTConfig config_from_hf(const io::SafetensorsFile& file, int64_t n_head_hint) {

@@ -1,7 +1,9 @@
 // GPT-2: learned positions, pre-LN blocks (attention then GELU-tanh MLP), final LayerNorm, the
 // output head tied to the token embedding. The body is a flat list of calls, as in llm.c.
 #pragma once
+#include <functional>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -129,6 +131,9 @@ class GPT : public Module {
   // Philox stream (named by the parameter), so the values do not depend on any sharding (under
   // tp, each rank keeps its slice of the full draw).
   void init_weights(uint64_t seed);
+  // The same for one parameter (its model name, its tensor: a tensor of the same shape, such as
+  // the parameter given memory in an FSDP unit's flat storage), the value init_weights gives it.
+  void init_parameter(const std::string& name, const Tensor& p, uint64_t seed) const;
   // idx [B, T] -> logits [B, T, vocab_rows]; under tp, this rank's vocabulary slice
   // [B, T, vocab_rows / tp] (columns [rank * vocab_rows / tp, ...)), for the whole sequence
   // also under sequence parallelism (T must then divide by tp). GPT's own pre_forward runs before
@@ -174,11 +179,16 @@ io::NamedTensors hf_state_dict(const GPT& model);
 // expected tensor must be present with the right shape and finite (no NaN or inf); errors name the
 // tensor and the file. A model split over tp (config.tp > 1) takes its tp rank's slice of each tensor.
 // Tensors the file was read without (io::load_safetensors's filter) are shape-checked only, and
-// only for parameters the model does not hold (on a meta device).
-void load_hf_state(GPT& model, const io::SafetensorsFile& file);
+// only for parameters the model does not hold (on a meta device). With `only`, the parameters it
+// names alone are loaded (an FSDP unit's, given memory one unit at a time); the file is checked
+// as a whole all the same.
+void load_hf_state(GPT& model, const io::SafetensorsFile& file,
+                   const std::function<bool(const std::string& name)>& only = {});
 // The filter that reads a Hugging Face-named file's tensors for the parameters the model holds
 // (not on a meta device: a pipeline rank's other stages'), lm_head.weight beside a held wte.
 io::TensorFilter hf_tensors_held(const GPT& model);
+// The filter that reads the tensors of the parameters named (lm_head.weight beside wte).
+io::TensorFilter hf_tensors_of(std::set<std::string> names);
 // The config a Hugging Face-named file describes (n_layer from h.N, n_embd and vocab from wte,
 // block_size from wpe); n_head must come from metadata ("n_head") or the caller.
 GPTConfig config_from_hf(const io::SafetensorsFile& file, int64_t n_head_hint = 0);

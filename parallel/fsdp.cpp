@@ -255,9 +255,15 @@ void FullyShardedDataParallel::shard_units() {
   tagged_ = true;
   for (size_t k = 0; k < units_.size(); ++k) {
     Unit& u = units_[k];
-    const Device dev = u.params[0].second.device();
+    const Device built = u.params[0].second.device();
+    // Built on a meta device: the unit's memory is made here, its values set by opt_.init.
+    const bool materialise = opt_.materialize_on && built != *opt_.materialize_on;
+    SG_CHECK(!materialise || (built.is_meta() && opt_.init), "fsdp: parameter '", u.params[0].first, "' is on ",
+             built.str(), ", not on ", opt_.materialize_on->str(), ": only a model built on a meta device is given ",
+             "memory there, and only with an init function");
+    const Device dev = materialise ? *opt_.materialize_on : built;
     for (auto& [n, p] : u.params) {
-      SG_CHECK(p.dtype() == dtype_ && p.device() == dev, "fsdp: parameter '", n, "' is ", p.describe(),
+      SG_CHECK(p.dtype() == dtype_ && p.device() == built, "fsdp: parameter '", n, "' is ", p.describe(),
                ": one flat vector per unit needs one dtype and device (", dtype_name(dtype_), ")");
       SG_CHECK(p.is_contiguous() && p.offset() == 0, "fsdp: parameter '", n, "' is not a whole contiguous tensor");
       u.offsets.push_back(u.numel);
@@ -271,10 +277,11 @@ void FullyShardedDataParallel::shard_units() {
     // Move every parameter into the flat storage: same handle, new storage and offset.
     for (size_t i = 0; i < u.params.size(); ++i) {
       Tensor& p = u.params[i].second;
-      copy_(narrow(u.full, 0, u.offsets[i], p.numel()), flat_view(p));
+      if (!materialise) copy_(narrow(u.full, 0, u.offsets[i], p.numel()), flat_view(p));
       p.impl()->storage = u.flat;
       p.impl()->layout.offset = u.offsets[i];
     }
+    if (materialise) opt_.init(u.params);
     if (opt_.broadcast_from_rank0 && N > 1) world_->broadcast(u.full, 0)->wait();
     if (shard_) {
       {

@@ -40,7 +40,9 @@
 //                (m, v and the f32 master shard that AdamW updates; the parameter shard is its
 //                rounding)
 // At peak, full_shard holds the root unit and up to limit_all_gathers Block units gathered on
-// top; shard_grad_op every unit.
+// top; shard_grad_op every unit. A model built on a meta device (FsdpOptions::materialize_on,
+// init) is given memory unit by unit while it is sharded: the setup's peak is the shards made so
+// far plus one whole unit, never the whole model.
 //
 // Overlap. Collectives are asynchronous (Work handles): reductions run while backward continues
 // and are collected by finish_gradients(); with forward_prefetch a unit's pre-forward issues the
@@ -119,6 +121,13 @@ struct FsdpOptions {
   // then holds parameters only while a unit is gathered); each gather first stages the shard to
   // the compute device (comm_buffer).
   bool offload_params = false;
+  // A model built on a meta device (no memory; PyTorch FSDP's meta-device initialisation): each
+  // unit's parameters are given memory on this device, in the unit's flat storage, and set by
+  // `init` (the unit's parameters, by model name), one unit at a time before it is sharded, so that
+  // no rank ever holds more than its shards and one whole unit. Parameters already on this device
+  // are taken as they are.
+  std::optional<Device> materialize_on;
+  std::function<void(const std::vector<std::pair<std::string, Tensor>>& unit_params)> init;
 };
 
 class FullyShardedDataParallel {

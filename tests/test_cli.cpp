@@ -1533,7 +1533,7 @@ TEST_CASE("3-D layouts (dp x tp x pp, ddp, zero1/2, zero3, hsdp or no-shard acro
           "leaves dp = 2: the data-parallel replicas need a --strategy");
 }
 
-TEST_CASE("train --init-from under tp, sequence parallelism and pp: each rank takes its slices of the file, the single-process losses", "[cli][mpi]") {
+TEST_CASE("train --init-from under tp, sequence parallelism, pp and zero3: each rank takes its slices of the file, the single-process losses", "[cli][mpi]") {
   TempDir d;
   // a model of vocabulary 61 (64 rows: under tp 2 each rank holds real rows of wte), exported to a
   // Hugging Face file after 2 steps so that no tensor holds its initial values
@@ -1549,7 +1549,8 @@ TEST_CASE("train --init-from under tp, sequence parallelism and pp: each rank ta
   REQUIRE(fresh.code == 0);
   CHECK(std::abs(read_log(d.path / "fresh.jsonl")[0]["loss"].get<double>() - a[0]["loss"].get<double>()) > 1e-3);
   const std::vector<std::pair<int, std::string>> layouts = {
-      {2, "--tp 2"}, {2, "--tp 2 --sequence-parallel"}, {4, "--tp 2 --pp 2 --strategy ddp"}, {4, "--tp 2 --strategy zero3"}};
+      {2, "--tp 2"}, {2, "--tp 2 --sequence-parallel"}, {4, "--tp 2 --pp 2 --strategy ddp"}, {4, "--tp 2 --strategy zero3"},
+      {4, "--pp 2 --strategy zero3"}};  // zero3: each unit's tensors read as the unit is made, its stages' alone
   for (size_t k = 0; k < layouts.size(); ++k)
     matches_one_process(a, layouts[k].first, args, layouts[k].second, log_path(d, "l", k));
   // a file of another width than the flags ask for is refused before any step, under tp too
@@ -2064,6 +2065,28 @@ TEST_CASE("a pipeline rank never holds the whole model: its setup's parameter pe
     sum += setup;
   }
   CHECK(sum == model + Vp * C * bf16);  // every parameter once, the tied embedding on two stages
+}
+
+// ZeRO-3's point is a model larger than one device: the FSDP family builds the GPT on a meta device
+// and gives memory to one unit at a time as it shards it (PyTorch FSDP's meta-device init).
+TEST_CASE("a ZeRO-3 / FSDP rank never holds the whole model: its setup's parameter peak is its shards and one unit", "[cli]") {
+  TempDir d;
+  const std::string common = " --model gpt2-medium --dtype bf16 --data random --batch-size 4 --seq-len 64 --steps 1 --log-json ";
+  const int64_t C = 1024, bf16 = 2, model = 354871296 * bf16, block = (12 * C * C + 13 * C) * bf16;
+  for (const char* strategy : {"zero3", "fsdp-grad-op"}) {
+    INFO(strategy);
+    const std::string log = (d.path / (std::string(strategy) + ".json")).string();
+    Run r = shardgrad(std::string("train --simulate 4 --strategy ") + strategy + common + log);
+    INFO(r.output);
+    REQUIRE(r.code == 0);
+    const auto ranks = read_log(log).at(0)["ranks"];
+    REQUIRE(ranks.size() == 4);
+    for (const auto& rank : ranks) {
+      const int64_t setup = rank["setup_peak"]["param"].get<int64_t>(), shards = rank["end"]["param"].get<int64_t>();
+      CHECK(shards * 4 == model);  // a quarter of every unit (no padding at these sizes)
+      CHECK(setup == shards + block);  // at most: the shards made so far, the last block unit whole
+    }
+  }
 }
 
 // At a real model's size the engine runs only on the meta device: plan's closed forms (ZeRO's
