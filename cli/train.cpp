@@ -99,8 +99,8 @@ void declare_flags(Args& a) {
          "environment: rank 0 hands NCCL's id to the others through PATH, on a file system they all see, or on "
          "PORT of its host HOST)");
   a.flag("comm-timeout", "300", "seconds without progress before the watchdog aborts the job, naming the stuck rank");
-  a.flag("checkpoint-timeout", "1800", "seconds a checkpoint's save or load may make no progress (a rank blocked on "
-         "a slow disk, its peers waiting for it) before the watchdog aborts the job, in place of --comm-timeout");
+  a.flag("checkpoint-timeout", "0", "seconds a checkpoint's save or load may make no progress (a rank blocked on "
+         "a slow disk, its peers waiting for it) before the watchdog aborts the job (0: --comm-timeout's)");
   a.flag("inject-fault", "", "testing: rank=R,step=S,kind=exit|throw|abort|kill|hang|nan|slow[,seconds=N]"
          "[,during=save|load]");
   a.flag("peak-tflops", "auto", "one device's peak TFLOP/s in the training dtype, for the MFU on the progress line "

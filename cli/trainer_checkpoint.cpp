@@ -228,7 +228,7 @@ void Trainer::save(int64_t next_step) {
   const int keep = int(args_.i64("keep"));
   std::string where;
   // A rank blocked writing its files to a slow disk, and its peers waiting for it at the save's
-  // barriers: --checkpoint-timeout's, not --comm-timeout's.
+  // barriers: --checkpoint-timeout's when given.
   parallel::watchdog::Patience patience(args_.f64("checkpoint-timeout"), "--checkpoint-timeout");
   if (metrics_) {
     where = ckpt::save_sharded(save_dir_, next_step, mine, s, meta, *metrics_, keep);

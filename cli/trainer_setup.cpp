@@ -78,7 +78,7 @@ void Trainer::setup() {
   const std::unique_ptr<ckpt::Checkpoint> ck = std::move(resumed_);
   {
     // A rank reading its pieces from a slow disk, and its peers waiting for it at the barrier that
-    // ends the reading: --checkpoint-timeout's, not --comm-timeout's.
+    // ends the reading: --checkpoint-timeout's when given.
     parallel::watchdog::Patience patience(ck ? args_.f64("checkpoint-timeout") : 0, "--checkpoint-timeout");
     build_model(ck.get());
     configure_samples();
@@ -219,7 +219,8 @@ void Trainer::configure() {
 void Trainer::join_world() {
   const Args& a = args_;
   const comm::Rendezvous rdv = comm::parse_rendezvous(a.str("rendezvous"));
-  SG_CHECK(a.f64("checkpoint-timeout") > 0, "train: --checkpoint-timeout must be > 0, got ", a.str("checkpoint-timeout"));
+  SG_CHECK(a.f64("checkpoint-timeout") >= 0, "train: --checkpoint-timeout must be >= 0 (0: --comm-timeout's), got ",
+           a.str("checkpoint-timeout"));
   SG_CHECK(a.f64("comm-timeout") > 0, "train: --comm-timeout must be > 0");  // in one process too: a flag is checked
   if (distributed()) {
     const bool nccl = a.str("backend") == "nccl";

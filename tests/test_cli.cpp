@@ -222,7 +222,7 @@ TEST_CASE("train refuses bad flags, missing files and existing checkpoints, nami
   fails_with("train --steps 5 --inject-fault rank=0,step=3,kind=slow", "--inject-fault: kind slow needs seconds=N > 0");
   fails_with("train --steps 5 --inject-fault rank=0,step=3,kind=hang,seconds=2", "--inject-fault: seconds=N is for kind slow");
   fails_with("train --steps 5 --inject-fault rank=0,step=3,kind=exit,during=eval", "during 'eval' is not 'save' or 'load'");
-  fails_with("train --steps 1 --checkpoint-timeout 0", "--checkpoint-timeout must be > 0, got 0");
+  fails_with("train --steps 1 --checkpoint-timeout -1", "--checkpoint-timeout must be >= 0 (0: --comm-timeout's), got -1");
   fails_with("plan --model gpt2 --dp 8 --gpu-memory -1", "--gpu-memory must be > 0, got -1");
   {
     // a held-out split too small for the final evaluation is refused before training, not after it
