@@ -137,6 +137,12 @@ Waiting::Waiting(std::string what) {
   last = Clock::now();
 }
 
+Waiting::~Waiting() {
+  std::lock_guard<std::mutex> g(mu);
+  waits.erase(id_);
+  last = Clock::now();
+}
+
 Patience::Patience(double seconds, const char* flag) {
   std::lock_guard<std::mutex> g(mu);
   prev_seconds_ = patience;
@@ -148,12 +154,6 @@ Patience::~Patience() {
   std::lock_guard<std::mutex> g(mu);
   patience = prev_seconds_;
   patience_flag = prev_flag_;
-}
-
-Waiting::~Waiting() {
-  std::lock_guard<std::mutex> g(mu);
-  waits.erase(id_);
-  last = Clock::now();
 }
 }  // namespace watchdog
 
