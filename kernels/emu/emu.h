@@ -33,6 +33,19 @@
 
 #include "core/dtype.h"
 
+// AddressSanitizer keeps a thread's stack bounds (and its fake stacks for use-after-return): each
+// switch between the scheduler and a fiber tells it which stack comes next.
+#if defined(__SANITIZE_ADDRESS__)
+#define SG_EMU_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define SG_EMU_ASAN 1
+#endif
+#endif
+#ifdef SG_EMU_ASAN
+#include <sanitizer/common_interface_defs.h>
+#endif
+
 #define __global__
 #define __device__
 #define __host__
@@ -72,10 +85,30 @@ struct ThreadState {
   size_t shared_offset = 0;  // next free byte of the block's static shared memory
 };
 
+// A stack's lowest address and size, for AddressSanitizer's switch annotations.
+struct StackBounds {
+  const void* bottom = nullptr;
+  size_t size = 0;
+};
+// Before a switch: the stack the switch goes to (fake: where to keep the leaving side's fake
+// stack; null when that side ends for good). After it, on the arriving side: the fake stack kept,
+// and (from, when given) the bounds of the stack just left.
+inline void leave_stack([[maybe_unused]] void** fake, [[maybe_unused]] StackBounds to) {
+#ifdef SG_EMU_ASAN
+  __sanitizer_start_switch_fiber(fake, to.bottom, to.size);
+#endif
+}
+inline void arrive_on_stack([[maybe_unused]] void* fake, [[maybe_unused]] StackBounds* from) {
+#ifdef SG_EMU_ASAN
+  __sanitizer_finish_switch_fiber(fake, from ? &from->bottom : nullptr, from ? &from->size : nullptr);
+#endif
+}
+
 // One emulated thread: its context, its coordinates, and whether it can run.
 struct Fiber {
   enum class Status { ready, waiting, done };
   ucontext_t context;
+  StackBounds stack;
   ThreadState state;
   Status status = Status::ready;
   const char* waits_at = "";  // the barrier it waits at
@@ -85,6 +118,7 @@ struct Fiber {
 // fibers[i]), what each runs, and the fiber running now.
 struct Scheduler {
   ucontext_t context;
+  StackBounds thread_stack;  // the launching thread's (AddressSanitizer's), learnt on each arrival
   Fiber* fibers = nullptr;
   const std::function<void(int)>* thread_main = nullptr;
   Fiber* running = nullptr;
@@ -98,7 +132,10 @@ inline ThreadState& me() { return this_scheduler->running->state; }
   Fiber* f = this_scheduler->running;
   f->status = Fiber::Status::waiting;
   f->waits_at = kind;
+  void* fake = nullptr;
+  leave_stack(&fake, this_scheduler->thread_stack);
   if (swapcontext(&f->context, &this_scheduler->context) != 0) fail("swapcontext failed");
+  arrive_on_stack(fake, &this_scheduler->thread_stack);
 }
 
 // A reusable barrier for n threads. Every arrival names the kind of barrier it is ("__syncthreads",
@@ -220,8 +257,10 @@ T warp_exchange(T v, int src) {
 // the scheduler's fibers.
 inline void fiber_entry() {
   Scheduler& s = *this_scheduler;
+  arrive_on_stack(nullptr, &s.thread_stack);
   (*s.thread_main)(int(s.running - s.fibers));
-  s.running->status = Fiber::Status::done;  // returns to the scheduler (uc_link)
+  s.running->status = Fiber::Status::done;
+  leave_stack(nullptr, s.thread_stack);  // for good: returns to the scheduler (uc_link)
 }
 
 // The context calls live in functions of their own: the compiler treats getcontext and
@@ -230,12 +269,16 @@ inline void fiber_entry() {
   if (getcontext(&f.context) != 0) fail("getcontext failed");
   f.context.uc_stack.ss_sp = stack;
   f.context.uc_stack.ss_size = FiberStacks::kSize;
+  f.stack = {stack, FiberStacks::kSize};
   f.context.uc_link = &sched.context;
   makecontext(&f.context, fiber_entry, 0);
 }
 [[gnu::noinline]] inline void resume_fiber(Fiber& f, Scheduler& sched) {
   sched.running = &f;
+  void* fake = nullptr;
+  leave_stack(&fake, f.stack);
   if (swapcontext(&sched.context, &f.context) != 0) fail("swapcontext failed");
+  arrive_on_stack(fake, nullptr);
   sched.running = nullptr;
 }
 
