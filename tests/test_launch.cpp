@@ -157,18 +157,23 @@ TEST_CASE("a checkpoint save or load stalled past --comm-timeout is waited for u
   const fs::path run = d.path / "run";
   const std::string train = mpirun(2) + " train " + kSmall + " --strategy ddp --comm-timeout 3 --save " + run.string();
   const std::string slow = ",kind=slow,seconds=7";
-  Run saved = run_command(train + " --checkpoint-timeout 20 --steps 4 --save-every 2 --inject-fault rank=1,step=2" + slow +
-                          ",during=save");
-  INFO(saved.output);
-  REQUIRE(saved.code == 0);
-  REQUIRE(saved.output.find("injecting fault 'slow' at step 2 while saving the checkpoint") != std::string::npos);
-  REQUIRE(fs::exists(run / "step_00000004"));
-  Run loaded = run_command(train + " --checkpoint-timeout 20 --steps 6 --resume auto --inject-fault rank=1,step=4" + slow +
-                           ",during=load");
-  INFO(loaded.output);
-  REQUIRE(loaded.code == 0);
-  REQUIRE(loaded.output.find("injecting fault 'slow' at step 4 after reading its checkpoint") != std::string::npos);
-  REQUIRE(fs::exists(run / "step_00000006"));
+  // The save of step 2 stalls (steps 1-4); then the resume from step 4 stalls in its load (steps 5-6).
+  struct Stall {
+    const char* flags;
+    const char* fault;  // rank 1's, beside kind=slow
+    const char* said;
+    const char* last;
+  };
+  for (const Stall& st : {Stall{" --steps 4 --save-every 2", "step=2,during=save", "at step 2 while saving the checkpoint",
+                                "step_00000004"},
+                          Stall{" --steps 6 --resume auto", "step=4,during=load", "at step 4 after reading its checkpoint",
+                                "step_00000006"}}) {
+    Run r = run_command(train + " --checkpoint-timeout 20" + st.flags + " --inject-fault rank=1," + st.fault + slow);
+    INFO(r.output);
+    REQUIRE(r.code == 0);
+    REQUIRE(r.output.find(std::string("injecting fault 'slow' ") + st.said) != std::string::npos);
+    REQUIRE(fs::exists(run / st.last));
+  }
   // Without the flag the save has --comm-timeout's bound; with a shorter one the job ends there.
   // Either way at the barrier the peer waits at, naming the flag, and a stalled save commits nothing.
   for (const char* during : {"save", "load"}) {
