@@ -831,8 +831,9 @@ parallel::FsdpOptions Trainer::fsdp_options() const {
   }
   // The model was built on the staging device: each unit is given memory and its values (the seed's,
   // or --init-from's tensors of the unit alone) one at a time. Resumed, its shards are then read
-  // from the checkpoint (load_state), whatever the unit held.
+  // from the checkpoint (load_state): the unit is neither initialised nor broadcast.
   o.materialize_on = device_;
+  o.broadcast_from_rank0 = !resuming_;  // a resumed unit holds nothing yet: its shards are read
   o.init = [this](const io::NamedTensors& unit) {
     if (resuming_) return;
     if (const std::string file = args_.str("init-from"); !file.empty()) {
