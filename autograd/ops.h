@@ -24,6 +24,8 @@ Tensor randn(const Shape& shape, uint64_t seed, uint64_t stream, double mean = 0
              DType dtype = DType::f32, Device device = Device::cpu(), uint64_t first = 0);
 Tensor rand(const Shape& shape, uint64_t seed, uint64_t stream, double lo = 0, double hi = 1,
             DType dtype = DType::f32, Device device = Device::cpu(), uint64_t first = 0);
+// randn's draws written over t (contiguous, not recorded): element i takes counter first + i.
+void normal_(const Tensor& t, uint64_t seed, uint64_t stream, double mean = 0, double std = 1, uint64_t first = 0);
 
 template <class T>
 Tensor from_vector(const std::vector<T>& v, const Shape& shape, Device device = Device::cpu());

@@ -175,11 +175,11 @@ void GPT::init_parameter(const std::string& name, const Tensor& p, uint64_t seed
   } else {
     const double std_resid = 0.02 / std::sqrt(2.0 * double(config.n_layer));
     const bool resid = name.find("c_proj.weight") != std::string::npos;
+    // Drawn in place (a rank's piece of the full tensor's draws under tp): no temporary the size of
+    // the parameter, let alone of the whole embedding.
     const parallel::tp::Split split = tp_group ? parallel::tp::gpt_param_split(name) : parallel::tp::Split{};
-    Shape full = p.shape();
-    if (!split.replicated()) full[size_t(split.dim)] *= config.tp;
-    Tensor r = randn(full, seed, rng_stream_from_name(name.c_str()), 0.0, resid ? std_resid : 0.02, p.dtype(), p.device());
-    copy_(p, tp_group ? parallel::tp::shard_of(r, split, tp_group->rank(), tp_group->size()) : r);
+    parallel::tp::normal_shard_(p, split, tp_group ? tp_group->rank() : 0, tp_group ? tp_group->size() : 1, seed,
+                                rng_stream_from_name(name.c_str()), 0.0, resid ? std_resid : 0.02);
   }
   if (name != "wte.weight") return;
   // Padded vocabulary rows are never looked up and never predicted: keep them zero.

@@ -2067,6 +2067,7 @@ TEST_CASE("a pipeline rank never holds the whole model: its setup's parameter pe
     const int64_t setup = rank["setup_peak"]["param"].get<int64_t>();
     CHECK(setup == rank["end"]["param"].get<int64_t>());  // what it keeps is all it ever held
     CHECK(setup < model / 2);
+    CHECK(rank["setup_peak"]["activation"] == 0);  // each parameter drawn in place, wte included
     sum += setup;
   }
   CHECK(sum == model + Vp * C * bf16);  // every parameter once, the tied embedding on two stages
@@ -2090,6 +2091,7 @@ TEST_CASE("a ZeRO-3 / FSDP rank never holds the whole model: its setup's paramet
       const int64_t setup = rank["setup_peak"]["param"].get<int64_t>(), shards = rank["end"]["param"].get<int64_t>();
       CHECK(shards * 4 == model);  // a quarter of every unit (no padding at these sizes)
       CHECK(setup == shards + block);  // at most: the shards made so far, the last block unit whole
+      CHECK(rank["setup_peak"]["activation"] == 0);  // each parameter drawn in place, wte included
     }
   }
 }

@@ -404,6 +404,20 @@ TEST_CASE("Philox: a value is a pure function of (seed, stream, index), whatever
   for (size_t i = 0; i < 100; ++i) CHECK(float(in_f64[i]) == whole[i]);  // same draw in every dtype
 }
 
+TEST_CASE("normal_ writes randn's draws over a tensor in place, a half tensor a piece at a time", "[core]") {
+  // 2^20 + 37 elements: the bf16 draw (computed in f32 on the CPU) spans two pieces.
+  const int64_t n = (int64_t(1) << 20) + 37;
+  Tensor h = zeros({n}, DType::bf16);
+  normal_(h, 11, 5, 0.5, 2.0);
+  CHECK(to_vector<float>(h) == to_vector<float>(to(randn({n}, 11, 5, 0.5, 2.0), DType::bf16)));
+  // a contiguous piece of a tensor, from a counter on: the rows of the whole draw
+  Tensor m = zeros({6, 4});
+  normal_(narrow(m, 0, 2, 3), 11, 5, 0, 1, 8);
+  const std::vector<float> whole = to_vector<float>(randn({6, 4}, 11, 5)), got = to_vector<float>(m);
+  for (size_t i = 0; i < 24; ++i) CHECK(got[i] == (i >= 8 && i < 20 ? whole[i] : 0.0f));
+  REQUIRE_THROWS_WITH(normal_(transpose(m, 0, 1), 1, 1), Catch::Contains("normal_: the tensor must be contiguous"));
+}
+
 TEST_CASE("Philox: 100k normals have mean 0 and std 1, uniforms stay within lo and hi", "[core]") {
   auto z = to_vector<double>(randn({100000}, 3, 9, 0, 1, DType::f64));
   double m = 0, s = 0;

@@ -39,6 +39,25 @@ TEST_CASE("tensor-parallel pieces reassemble the global tensor and read back per
   }
 }
 
+TEST_CASE("a rank's piece of a drawn tensor is drawn without the whole tensor, equal to the whole draw's piece", "[shard]") {
+  // c_attn-like (3 parts along dim 0), c_fc-like (dim 0), c_proj-like (dim 1, rows a band at a
+  // time: 7 rows over 2 and 3 ranks leave a short last band); f32 and bf16.
+  const std::vector<std::pair<Shape, parallel::tp::Split>> cases = {
+      {{12, 5}, {0, 3}}, {{6, 7}, {0, 1}}, {{7, 12}, {1, 1}}, {{12}, {0, 3}}, {{4, 5}, {}}};
+  for (DType dt : {DType::f32, DType::bf16})
+    for (const auto& [full, split] : cases)
+      for (int size : {2, 3}) {
+        if (!split.replicated() && full[size_t(split.dim)] % (split.parts * size) != 0) continue;
+        for (int r = 0; r < size; ++r) {
+          INFO(shape_str(full) << " split dim " << split.dim << " x" << split.parts << ", rank " << r << " of " << size);
+          const Tensor want = parallel::tp::shard_of(randn(full, 3, 77, 0.0, 0.02, dt), split, r, size);
+          Tensor got = zeros(want.shape(), dt);
+          parallel::tp::normal_shard_(got, split, r, size, 3, 77, 0.0, 0.02);
+          CHECK(same(got, want));
+        }
+      }
+}
+
 TEST_CASE("flat runs across blocks and padding rows cut into pieces (ZeRO/FSDP shards)", "[shard]") {
   // wte: 10 real rows padded to 12 locally, split over 2 tp ranks (rows 6..11 on rank 1, 4 real).
   Tensor wte = numbered({10, 3});

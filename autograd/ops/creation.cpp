@@ -28,13 +28,30 @@ Tensor arange(int64_t n, DType dtype, Device device) {
   return to(to(from_vector(v, {n}), dtype), device);
 }
 
+// Draws into t (contiguous): element i takes counter first + i. A half tensor computed in f32 (the
+// CPU) is drawn a piece at a time, so no temporary is the size of t.
+static void random_into(const Tensor& t, bool normal, double a, double b, uint64_t seed, uint64_t stream,
+                        uint64_t first) {
+  const int64_t n = t.numel();
+  const DType cd = detail::compute_dtype(t);
+  kernels::table(t.device());
+  if (cd == t.dtype()) {
+    if (n > 0) SG_KERNEL(t.device(), random)(cd, t.data_ptr(), n, normal, a, b, seed, stream, first);
+    return;
+  }
+  constexpr int64_t kPiece = int64_t(1) << 20;
+  const Tensor flat = reshape(t, {n});
+  const Tensor buf = empty({std::min(kPiece, n)}, cd, t.device());
+  for (int64_t at = 0; at < n; at += kPiece) {
+    const int64_t len = std::min(kPiece, n - at);
+    SG_KERNEL(t.device(), random)(cd, buf.data_ptr(), len, normal, a, b, seed, stream, first + uint64_t(at));
+    copy_(narrow(flat, 0, at, len), narrow(buf, 0, 0, len));
+  }
+}
 static Tensor random_fill(const Shape& shape, bool normal, double a, double b, uint64_t seed, uint64_t stream,
                           DType dtype, Device device, uint64_t first) {
   Tensor t = empty(shape, dtype, device);
-  DType cd = detail::compute_dtype(t);
-  Tensor target = cd == dtype ? t : empty(shape, cd, device);
-  SG_KERNEL(device, random)(cd, target.data_ptr(), t.numel(), normal, a, b, seed, stream, first);
-  if (cd != dtype) copy_(t, target);
+  random_into(t, normal, a, b, seed, stream, first);
   return t;
 }
 Tensor randn(const Shape& shape, uint64_t seed, uint64_t stream, double mean, double std, DType dtype, Device device,
@@ -44,6 +61,11 @@ Tensor randn(const Shape& shape, uint64_t seed, uint64_t stream, double mean, do
 Tensor rand(const Shape& shape, uint64_t seed, uint64_t stream, double lo, double hi, DType dtype, Device device,
             uint64_t first) {
   return random_fill(shape, false, lo, hi, seed, stream, dtype, device, first);
+}
+void normal_(const Tensor& t, uint64_t seed, uint64_t stream, double mean, double std, uint64_t first) {
+  SG_CHECK(t.is_contiguous(), "normal_: the tensor must be contiguous, got ", t.describe());
+  autograd::NoGradGuard ng;
+  random_into(t, true, mean, std, seed, stream, first);
 }
 
 template <class T>

@@ -22,6 +22,31 @@ Tensor shard_of(const Tensor& full, Split s, int rank, int size) {
   return contiguous(pieces.size() == 1 ? clone(pieces[0]) : cat(pieces, s.dim));
 }
 
+void normal_shard_(const Tensor& local, Split s, int rank, int size, uint64_t seed, uint64_t stream, double mean,
+                   double std) {
+  if (s.replicated()) return normal_(local, seed, stream, mean, std);
+  autograd::NoGradGuard ng;
+  SG_CHECK(local.is_contiguous() && local.size(s.dim) % s.parts == 0, "normal_shard_: ", local.describe(),
+           " is not a contiguous piece of ", s.parts, " part(s) along dim ", s.dim);
+  Shape full = local.shape();
+  full[size_t(s.dim)] *= size;
+  const int64_t piece = local.size(s.dim) / s.parts, block = piece * size;
+  if (s.dim == 0) {  // each part's piece is one run of the full tensor's elements
+    const int64_t row = local.numel() / std::max<int64_t>(local.size(0), 1);
+    for (int64_t k = 0; k < s.parts; ++k)
+      normal_(narrow(local, 0, k * piece, piece), seed, stream, mean, std, uint64_t((k * block + rank * piece) * row));
+    return;
+  }
+  // Rows of the full tensor a band at a time, each band's piece copied out.
+  const int64_t rows = full[0], band = std::max<int64_t>(1, rows / size), row = shape_numel(full) / std::max<int64_t>(rows, 1);
+  for (int64_t r = 0; r < rows; r += band) {
+    Shape shape = full;
+    shape[0] = std::min(band, rows - r);
+    const Tensor drawn = randn(shape, seed, stream, mean, std, local.dtype(), local.device(), uint64_t(r * row));
+    copy_(narrow(local, 0, r, shape[0]), shard_of(drawn, s, rank, size));
+  }
+}
+
 Tensor unshard(const Tensor& local, Split s, comm::ProcessGroup& group) {
   if (s.replicated()) return local;
   autograd::NoGradGuard ng;

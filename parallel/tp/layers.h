@@ -47,6 +47,11 @@ struct Split {
 };
 // Rank `rank`'s piece of the full tensor (a copy; replicated tensors come back as they are).
 Tensor shard_of(const Tensor& full, Split s, int rank, int size);
+// shard_of(randn(full shape, seed, stream, mean, std), s, rank, size) written over local, without
+// the full tensor: along dim 0 each part's piece is drawn in place; along another dim, a band of
+// rows at a time (a temporary about local's size).
+void normal_shard_(const Tensor& local, Split s, int rank, int size, uint64_t seed, uint64_t stream, double mean,
+                   double std);
 // The full tensor from every rank's piece (an all-gather over the group; not recorded).
 Tensor unshard(const Tensor& local, Split s, comm::ProcessGroup& group);
 // How GPT's parameters are split under tensor parallelism, by name ("h.0.attn.c_attn.weight").
