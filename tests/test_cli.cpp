@@ -1240,7 +1240,8 @@ TEST_CASE("a checkpoint saved under one layout resumes under any other with the 
   INFO(saved.output);
   REQUIRE(saved.code == 0);
   REQUIRE(fs::exists(d.path / "run" / "step_00000003" / "rank_00003.safetensors"));
-  for (const auto& rank : read_log(d.path / "z.jsonl").at(0)["ranks"]) CHECK(rank["comm"]["broadcast"]["calls"] > 0);
+  const auto saving = read_log(d.path / "z.jsonl");  // kept alive: the loop walks one of its members
+  for (const auto& rank : saving.at(0)["ranks"]) CHECK(rank["comm"]["broadcast"]["calls"] > 0);
   const std::vector<std::pair<int, std::string>> layouts = {
       {4, "--tp 2 --pp 2"}, {2, "--strategy zero2"}, {4, "--strategy ddp --tp 2"}, {2, "--strategy fsdp-grad-op"},
       {4, "--pp 2 --strategy zero3"}, {4, "--strategy zero2 --tp 2 --bucket-mb 0.01"}, {1, ""}};  // zero2 x tp: sharded accumulation
