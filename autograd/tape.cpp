@@ -192,10 +192,10 @@ void Tape::run(const TensorList& outputs, const TensorList& grad_outputs, const 
     Tensor& slot = leaf->grad;
     if (!slot.defined()) {
       if (sole_owner(g)) {  // nobody else can see g's bytes: keep them instead of copying
-        g.storage()->recategorize(MemCategory::grad);
+        g.storage()->recategorize(leaf->grad_category);
         slot = g;
       } else {
-        MemScope scope(MemCategory::grad);
+        MemScope scope(leaf->grad_category);
         slot = sg::clone(g);
       }
     } else {
@@ -245,7 +245,7 @@ void Tape::run(const TensorList& outputs, const TensorList& grad_outputs, const 
         if (g.defined()) accumulate(producer_slot(n, k), g);
       } else if (e.leaf) {
         if (absorbed && int(k) == n.absorb_edge) {  // the sum with the leaf's own .grad, which n took
-          if (g.storage()->category() != MemCategory::grad) g.storage()->recategorize(MemCategory::grad);
+          if (g.storage()->category() != e.leaf->grad_category) g.storage()->recategorize(e.leaf->grad_category);
           e.leaf->grad = g;
         } else {
           deliver_leaf(e.leaf, g);

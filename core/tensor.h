@@ -101,6 +101,9 @@ struct TensorImpl {
   std::shared_ptr<autograd::Node> grad_fn;
   int output_nr = 0;
   std::vector<std::function<void(const Tensor&)>> grad_ready_hooks;
+  // The ledger category of the .grad backward delivers to this leaf: grad, but activation for a
+  // pipeline stage's received input, whose gradient is an activation's on its way upstream.
+  MemCategory grad_category = MemCategory::grad;
   std::string name;
   std::string updated_by;
 };

@@ -55,6 +55,27 @@ TEST_CASE("gradients accumulate (+=) into .grad across two backward calls", "[au
   CHECK(x.grad().storage()->category() == MemCategory::grad);
 }
 
+TEST_CASE("a leaf's .grad is charged to its grad_category: grad, or activation for a pipeline stage's input", "[autograd]") {
+  // Twice each: the first delivery keeps the gradient's own bytes (sole owner) or copies them (a
+  // gradient another leaf also gets: add's, handed to both its inputs), the second adds into it.
+  for (const bool shared : {false, true}) {
+    Tensor x = leaf({3, 4}, 1), z = leaf({3, 4}, 2);
+    x.impl()->grad_category = MemCategory::activation;
+    for (int step = 1; step <= 2; ++step) {
+      Tape tape;
+      Tensor loss;
+      {
+        TapeScope s(tape);
+        loss = shared ? sum(square(add(x, z))) : sum(square(x));
+      }
+      tape.backward(loss);
+      CHECK(x.grad().storage()->category() == MemCategory::activation);
+    }
+    check_close(vec(x.grad()), shared ? axpb(vec(add(x, z)), 4.0, {}) : axpb(vec(x), 4.0, {}));
+    if (shared) CHECK(z.grad().storage()->category() == MemCategory::grad);
+  }
+}
+
 TEST_CASE("backward(outputs, grad_outputs) seeds a non-scalar output", "[autograd]") {
   Tensor x = leaf({2, 3}, 2);
   Tensor G = randn({2, 3}, 5, 3, 0, 1, DType::f64);

@@ -169,6 +169,8 @@ double PipelineExecutor::run(const Tensor& idx, const Tensor& targets, double sc
       } else {
         f.input = received;
         f.input.set_requires_grad(true);  // a leaf: its .grad is what goes back upstream
+        // An activation's gradient, not a parameter's: charged as one from its delivery on.
+        f.input.impl()->grad_category = MemCategory::activation;
       }
       {
         autograd::TapeScope scope(*f.tape);
@@ -183,10 +185,7 @@ double PipelineExecutor::run(const Tensor& idx, const Tensor& targets, double sc
       if (a.stage == S - 1) f.tape->backward(f.output);
       else f.tape->backward({f.output}, {received});
       if (a.stage > 0) {
-        // The input's gradient is an activation's, not a parameter's: charged as one (the tape files
-        // every leaf's .grad under grad), so the grad peak does not hang on when its send completes.
         const Tensor dx = f.input.grad();
-        dx.storage()->recategorize(MemCategory::activation);
         sends.emplace_back(group_->send(dx, schedule_.rank_of(a.stage - 1), tag(a.stage, a.micro, true)), dx);
       }
       live.erase(it);  // the stage's activations for this micro-batch go now
