@@ -1,5 +1,6 @@
 #include "cli/args.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
@@ -17,6 +18,31 @@ void Args::flag(const std::string& name, const std::string& default_value, const
 void Args::toggle(const std::string& name, const std::string& help) {
   flags_[name] = Flag{"0", help, true, false};
   order_.push_back(name);
+}
+
+// Edits (insert, delete, replace, swap two neighbours) between a and b: --stpes is one from --steps.
+static size_t edits(const std::string& a, const std::string& b) {
+  std::vector<std::vector<size_t>> d(a.size() + 1, std::vector<size_t>(b.size() + 1));
+  for (size_t i = 0; i <= a.size(); ++i) d[i][0] = i;
+  for (size_t j = 0; j <= b.size(); ++j) d[0][j] = j;
+  for (size_t i = 1; i <= a.size(); ++i)
+    for (size_t j = 1; j <= b.size(); ++j) {
+      d[i][j] = std::min({d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + (a[i - 1] != b[j - 1])});
+      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1]) d[i][j] = std::min(d[i][j], d[i - 2][j - 2] + 1);
+    }
+  return d[a.size()][b.size()];
+}
+
+std::string Args::nearest(const std::string& name) const {
+  std::string best;
+  if (name.size() > 64) return best;  // no flag is that long
+  size_t best_edits = std::max<size_t>(1, std::min<size_t>(3, name.size() / 3)) + 1;  // a third of it, 1 to 3
+  for (const auto& n : order_) {
+    // the start of one flag (--warmup for --warmup-steps) counts as a near miss too
+    const size_t e = n.size() > name.size() && n.rfind(name, 0) == 0 && name.size() >= 3 ? 1 : edits(name, n);
+    if (e < best_edits) best = n, best_edits = e;
+  }
+  return best;
 }
 
 void Args::positional(const std::string& name, const std::string& help) { positionals_.emplace_back(name, help); }
@@ -50,7 +76,11 @@ bool Args::parse(int argc, char** argv) {
       has_value = true;
     }
     auto it = flags_.find(name);
-    SG_CHECK(it != flags_.end(), command_, ": unknown flag --", name, " (see shardgrad ", command_, " --help)");
+    if (it == flags_.end()) {
+      const std::string near = nearest(name);
+      throw Error(sg::str(command_, ": unknown flag --", name, near.empty() ? "" : "; did you mean --" + near + "?",
+                      " (see shardgrad ", command_, " --help)"));
+    }
     if (it->second.is_toggle) {
       SG_CHECK(!has_value || value == "0" || value == "1", command_, ": --", name, " takes no value");
       it->second.value = has_value ? value : "1";

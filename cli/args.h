@@ -48,6 +48,7 @@ class Args {
     bool is_toggle = false, given = false;
   };
   const Flag& get(const std::string& name) const;
+  std::string nearest(const std::string& name) const;  // the declared flag a mistyped name likely meant, or ""
   std::string command_, summary_, synopsis_;
   std::map<std::string, Flag> flags_;
   std::vector<std::string> order_;

@@ -142,7 +142,12 @@ TEST_CASE("train refuses bad flags, missing files and existing checkpoints, nami
     refuses(std::string(SG_BINARY) + " " + args, text, args.rfind("train", 0) == 0 ? 64 : -1);
   };
   fails_with("train --steps ten", "--steps expects an integer, got 'ten'");
-  fails_with("train --stepz 10", "unknown flag --stepz");
+  // an unknown flag names the declared one it likely meant: a few edits away, or the start of it
+  fails_with("train --stepz 10", "unknown flag --stepz; did you mean --steps? (see shardgrad train --help)");
+  fails_with("train --stpes 10", "unknown flag --stpes; did you mean --steps?");
+  fails_with("train --stop-after 10", "unknown flag --stop-after; did you mean --stop-at?");
+  fails_with("train --warmup 10", "unknown flag --warmup; did you mean --warmup-steps?");
+  fails_with("train --until 10", "unknown flag --until (see shardgrad train --help)");  // nothing near: no guess
   fails_with("train --batch-size 8 --micro-batch-size 3", "--micro-batch-size 3 does not divide --batch-size 8");
   fails_with("train --save " + (d.path / "k").string() + " --keep 4294967297", "--keep must be in [0, 2147483647] (0 = all), got 4294967297");
   fails_with("train --shuffle", "--shuffle draws a file's rows at random; --data synthetic is generated");
