@@ -79,6 +79,7 @@ class Trainer {
   void choose_device_and_batch(); // device, dtype, batch and micro-batch, steps
   void open_data();
   void build_model(const ckpt::Checkpoint* ck);  // config, mesh groups, weights, pipeline
+  void refuse_what_cannot_fit() const;  // a layout this machine's memory could never hold, before building it
   void configure_samples();       // --sample-tokens, --tokenizer: what the samples decode with
   void configure_hellaswag();     // --hellaswag's examples, read and checked against the vocabulary
   void build_optimizer();         // masters, AdamW / ZeRO / FSDP, DDP or dp, the schedule

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iomanip>
 #include <optional>
 #include <set>
 #include <thread>
@@ -283,6 +284,38 @@ void Trainer::join_world() {
   if (sim_) device_spec_ = Device::meta(rank_).str();  // a ledger of its own per simulated rank
 }
 
+// What a rank holds at the least: its share of the parameters (the whole model unless the layout
+// splits it), one micro-batch's logits and a step's token ids. Past the machine's RAM and swap the run
+// could only fail later: a bare bad_alloc in the first step, or a model built a layer at a time
+// until the kernel's OOM killer ends the job. Sizes in double: the flags may overflow int64.
+void Trainer::refuse_what_cannot_fit() const {
+  if (sim_) return;  // --simulate sizes any layout on the meta device
+  const double host = double(host_memory_bytes()), elem = double(dtype_size(dtype_));
+  if (host == 0) return;
+  const double split = double(tp_) * pp_ * (zero_stage() == 3 ? dp_size_ : 1);
+  std::vector<std::pair<std::string, double>> parts = {
+      {str("a step's token ids (--batch-size ", B_, " x --seq-len ", T_, ")"),
+       double(B_) * double(T_) * 2 * sizeof(int64_t)}};  // inputs and targets, as read
+  if (device_.type == DeviceType::cpu) {
+    parts.emplace_back(str("the model's ", cfg_.num_params(), " parameters in ", dtype_name(dtype_),
+                           split > 1 ? str(", its 1/", split, " share") : std::string(), " (", cfg_.n_layer,
+                           " layers, width ", cfg_.n_embd, ", vocab ", cfg_.vocab_size, ")"),
+                       double(cfg_.num_params()) * elem / split);
+    parts.emplace_back(str("one micro-batch's logits (--micro-batch-size ", micro_, " x --seq-len ", T_, " x ",
+                           cfg_.vocab_rows() / tp_, " vocabulary rows)"),
+                       double(micro_) * double(T_) * double(cfg_.vocab_rows()) / tp_ * elem);
+  }
+  double need = 0;
+  for (const auto& p : parts) need += p.second;
+  if (need <= host) return;
+  const auto gib = [](double b) { return str(std::fixed, std::setprecision(2), b / double(1 << 30), " GiB"); };
+  std::string what;
+  for (const auto& [name, bytes] : parts)
+    if (bytes >= need / 100) what += str(what.empty() ? "" : "; ", name, ": ", gib(bytes));
+  throw Error(str("train: a rank needs at least ", gib(need), " of host memory, more than this machine's ", gib(host),
+                  " (RAM and swap): ", what));
+}
+
 void Trainer::choose_device_and_batch() {
   const Args& a = args_;
   fault_ = parallel::parse_fault(a.str("inject-fault"));
@@ -540,6 +573,7 @@ void Trainer::build_model(const ckpt::Checkpoint* ck) {
   // time, as it shards them (fsdp_options): neither ever holds the whole model.
   const bool staged = sched || zero_stage() == 3;
   resuming_ = ck != nullptr;
+  refuse_what_cannot_fit();
   try {
     model_ = std::make_unique<nn::GPT>(cfg_, dtype_, staged ? staging_device() : device_, tp_ > 1 ? groups_.tp : nullptr);
     if (sched && zero_stage() != 3)

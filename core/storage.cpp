@@ -5,6 +5,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include <sys/sysinfo.h>
+
 #include "core/error.h"
 
 namespace sg {
@@ -40,6 +42,12 @@ Allocator*& pinned_slot() {
   return a;
 }
 }  // namespace
+
+size_t host_memory_bytes() {
+  struct sysinfo si {};
+  if (sysinfo(&si) != 0) return 0;
+  return (size_t(si.totalram) + size_t(si.totalswap)) * size_t(si.mem_unit);
+}
 
 void register_pinned_allocator(Allocator* a) { pinned_slot() = a; }
 Allocator* pinned_allocator() { return pinned_slot(); }

@@ -22,6 +22,9 @@ Allocator* allocator_for(DeviceType t);
 void register_pinned_allocator(Allocator* a);
 Allocator* pinned_allocator();
 
+// The memory this machine could ever give a process, in bytes: RAM plus swap (0 when unknown).
+size_t host_memory_bytes();
+
 class Storage {
  public:
   Storage(size_t nbytes, Device d, MemCategory c);

@@ -51,6 +51,9 @@ void GPTConfig::validate() const {
   SG_CHECK(tp >= 1, "--tp must be >= 1, got ", tp);
   SG_CHECK(n_head % tp == 0, "--tp ", tp, ": ", n_head, " heads cannot be split ", tp, " ways");
   SG_CHECK(!sequence_parallel || tp > 1, "--sequence-parallel needs --tp > 1");
+  const double C = double(n_embd), params = double(vocab_rows() + block_size) * C + double(n_layer) * 13 * C * C;
+  SG_CHECK(params < 0x1p62, "model: about ", params, " parameters (", n_layer, " layers, width ", n_embd, ", vocab ",
+           vocab_size, ", block size ", block_size, ") are past what num_params counts in int64");
   SG_CHECK(vocab_rows() % tp == 0, "--tp ", tp, ": ", vocab_rows(), " vocabulary rows cannot be split ", tp, " ways");
 }
 

@@ -213,9 +213,24 @@ TEST_CASE("train refuses bad flags, missing files and existing checkpoints, nami
   fails_with("train --save-every 5", "--save-every needs --save DIR");
   fails_with("train --eval-problems 0", "--eval-problems must be >= 1, got 0");  // not after the last step
   fails_with("train --block-size 5", "rows of T=5 tokens are shorter than one 3-digit problem (13 tokens)");
-  // a model too large for memory (2.6 PB: past any address space, overcommitted or not) names its size
-  fails_with("train --vocab-size 10000000000000", "train: the model's 640000000104192 parameters (2 layers, width 64, "
-             "vocab 10000000000000) in f32 on cpu do not fit: cpu allocator: out of memory allocating");
+  // what could never fit this machine's memory (RAM and swap) is refused before anything is built,
+  // naming what sizes it: a model too large (2.6 PB), one of many small layers (18 TiB: it grew a
+  // layer at a time until the OOM killer came), a batch too large (a bare bad_alloc in the first step)
+  fails_with("train --vocab-size 10000000000000", "train: a rank needs at least ");
+  fails_with("train --vocab-size 10000000000000", "the model's 640000000104192 parameters in f32 (2 layers, width 64, "
+             "vocab 10000000000000): 2384185.79 GiB");
+  fails_with("train --n-layer 100000000", "the model's 4998400008320 parameters in f32 (100000000 layers, width 64, "
+             "vocab 13): 18620.49 GiB");
+  fails_with("train --batch-size 1099511627776", "a step's token ids (--batch-size 1099511627776 x --seq-len 13): "
+             "212992.00 GiB; one micro-batch's logits (--micro-batch-size 1099511627776 x --seq-len 13 x 64 vocabulary "
+             "rows): 3407872.00 GiB");
+  fails_with("train --n-embd 4000000000 --n-head 1", "model: about 4.16e+20 parameters (2 layers, width 4000000000");
+#ifndef __SANITIZE_ADDRESS__  // ASan's shadow memory needs more address space than any such limit
+  // past the process's own limit (1.2 GB) but not the machine's: the allocator's refusal, with the size
+  refuses("ulimit -v 1200000 && " + std::string(SG_BINARY) + " train --n-embd 2048 --n-head 4 --n-layer 8 --steps 1",
+          "train: the model's 403132416 parameters (8 layers, width 2048, vocab 13) in f32 on cpu do not fit: cpu "
+          "allocator: out of memory allocating", 64);
+#endif
   // train's own dtypes, and a fault that could never fire
   fails_with("train --dtype fp8", "--dtype must be fp32, bf16 or fp16, got 'fp8'");
   fails_with("train --strategy ddp --inject-fault rank=5,step=2,kind=exit", "--inject-fault rank=5: the job has 1 rank");
