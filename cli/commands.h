@@ -12,7 +12,7 @@ int bench_main(int argc, char** argv);
 int tokenize_main(int argc, char** argv);
 int eval_main(int argc, char** argv);
 
-// train's exit status when SIGUSR1 or SIGTERM stopped it early after saving the step it had reached
+// train's exit status when SIGUSR1, SIGTERM or SIGINT stopped it early after saving the step it had reached
 // (sysexits' EX_TEMPFAIL: the run can be resumed). launch does not restart such a job.
 constexpr int kStoppedOnSignal = 75;
 // train's exit status when it failed before its first step: a refused flag, a file or checkpoint it

@@ -25,14 +25,17 @@ namespace sg::cli {
 namespace {
 
 pid_t child = -1;
-volatile sig_atomic_t forwarded = 0;  // the last signal passed on to the job
+volatile sig_atomic_t forwarded = 0;  // the last signal launch received (0: none)
 
-// SIGINT and SIGTERM: mpirun ends the job (SIGTERM to the ranks, SIGKILL a second later); SIGUSR1:
-// mpirun passes it on and the ranks stop after their step, saving it (train, kStoppedOnSignal).
-// Either way the job is not restarted: someone asked it to stop.
+// The first SIGINT, SIGTERM or SIGUSR1 reaches the job as SIGUSR1, which mpirun passes on: the ranks
+// stop after their step, saving it (train, kStoppedOnSignal), however long a large model's save
+// takes. Passed on as they are, SIGINT and SIGTERM would have mpirun kill the ranks a second later,
+// saved or not (Slurm's SIGTERM at a time limit, a Ctrl-C). A second signal goes on as it came: the
+// way to end the job at once. Either way the job is not restarted: someone asked it to stop.
 void forward_signal(int sig) {
+  const bool first = !forwarded;
   forwarded = sig;
-  if (child > 0) ::kill(child, sig);
+  if (child > 0) ::kill(child, first ? SIGUSR1 : sig);
 }
 
 // Runs argv, waits for it, returns its exit status (128 + signal when killed). A program that

@@ -49,8 +49,8 @@ void declare_flags(Args& a) {
   a.flag("save", "", "run directory for checkpoints (never overwritten)");
   a.flag("save-every", "0", "checkpoint every N steps (0 = only at the end, when --save is given)");
   a.flag("stop-at", "0", "stop after step N (saving it, with --save) while --steps still sets the schedule: a long run "
-         "in slices, each resumed with --resume auto (0 = run to --steps). With --save, SIGUSR1 or SIGTERM also stops "
-         "the run after its step, saving it (exit status 75)");
+         "in slices, each resumed with --resume auto (0 = run to --steps). With --save, SIGUSR1, SIGTERM or SIGINT "
+         "(Ctrl-C) also stops the run after its step, saving it (exit status 75); a second one ends it at once");
   a.flag("resume", "", "continue from a run directory or step directory, or auto: the newest complete checkpoint of "
          "--save (none yet: start at step 0)");
   a.flag("eval-every", "250", "evaluate every N steps (0 = only at the end)");

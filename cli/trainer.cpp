@@ -115,9 +115,10 @@ void print_op_profile(const std::map<std::string, kernels::OpTime>& ops, double 
               step_ms > 0 ? 100.0 * (step_ms - cost(all)) / step_ms : 0.0);
 }
 
-// A stop asked for by a signal (with --save): the first SIGUSR1 or SIGTERM is recorded and the run
-// stops after the step it is in, saving it; a second one ends the process at once, as the signal
-// would have without us. SA_RESTART: reads, writes and MPI's waits go on undisturbed.
+// A stop asked for by a signal (with --save): the first SIGUSR1, SIGTERM or SIGINT (Ctrl-C) is
+// recorded and the run stops after the step it is in, saving it; a second one ends the process at
+// once, as the signal would have without us. SA_RESTART: reads, writes and MPI's waits go on
+// undisturbed. A SIGINT ignored from the start (a background job of a shell, nohup) stays ignored.
 volatile std::sig_atomic_t stop_signal = 0;
 
 extern "C" void on_stop_signal(int sig) {
@@ -130,7 +131,7 @@ extern "C" void on_stop_signal(int sig) {
 }
 
 struct StopSignals {
-  struct sigaction old_usr1 {}, old_term {};
+  struct sigaction old_usr1 {}, old_term {}, old_int {};
   StopSignals() {
     stop_signal = 0;
     struct sigaction sa {};
@@ -139,12 +140,17 @@ struct StopSignals {
     ::sigemptyset(&sa.sa_mask);
     ::sigaction(SIGUSR1, &sa, &old_usr1);
     ::sigaction(SIGTERM, &sa, &old_term);
+    ::sigaction(SIGINT, nullptr, &old_int);
+    if (old_int.sa_handler != SIG_IGN) ::sigaction(SIGINT, &sa, nullptr);
   }
   ~StopSignals() {
     ::sigaction(SIGUSR1, &old_usr1, nullptr);
     ::sigaction(SIGTERM, &old_term, nullptr);
+    ::sigaction(SIGINT, &old_int, nullptr);
   }
 };
+
+const char* stop_signal_name(int sig) { return sig == SIGUSR1 ? "SIGUSR1" : sig == SIGTERM ? "SIGTERM" : "SIGINT"; }
 
 json op_profile_json(const std::map<std::string, kernels::OpTime>& ops) {
   json out = json::object();
@@ -309,7 +315,7 @@ int Trainer::run() {
       }
       if (lead())
         std::printf("stopped at step %lld of %lld (%s); %s\n", (long long)step + 1, (long long)steps_,
-                    !stopped_on ? "--stop-at" : stopped_on == SIGUSR1 ? "SIGUSR1" : "SIGTERM",
+                    !stopped_on ? "--stop-at" : stop_signal_name(stopped_on),
                     args_.str("save").empty() ? "no --save: nothing to resume from"
                                               : str("go on with --save ", args_.str("save"), " --resume auto").c_str());
       std::fflush(stdout);
@@ -571,7 +577,7 @@ double Trainer::world_sum(double x) {
 int Trainer::agreed_stop_signal() {
   const int mine = int(stop_signal);
   if (!metrics_ || world_size_ == 1) return mine;
-  Tensor t = from_vector<int32_t>({mine}, {1});  // SIGTERM (15) outranks SIGUSR1 (10) when both came
+  Tensor t = from_vector<int32_t>({mine}, {1});  // SIGTERM (15) outranks SIGUSR1 (10), SIGINT (2), when several came
   metrics_->all_reduce(t, comm::ReduceOp::max)->wait();
   return int(item(t));
 }

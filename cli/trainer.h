@@ -109,7 +109,7 @@ class Trainer {
   };
   EvalShare eval_share(int64_t n) const;
   double world_sum(double x);  // over every rank (metrics group)
-  // With --save, SIGUSR1 and SIGTERM ask the run to stop: the signal this rank or any other has
+  // With --save, SIGUSR1, SIGTERM and SIGINT ask the run to stop: the signal this rank or any other has
   // received (0: none), agreed over the ranks after every step so that all stop at the same one.
   int agreed_stop_signal();
   nlohmann::json evaluate(int64_t step);

@@ -211,8 +211,10 @@ namespace {
 // reported, so that a signal ignored fails the test rather than hanging it.
 Run signal_after_steps(const std::string& cmd, const fs::path& log, int lines, const std::string& sig, bool to_rank = false) {
   const std::string target = to_rank ? "$(cat /proc/$pid/task/*/children | tr ' ' '\\n' | grep . | tail -n 1)" : "$pid";
+  // A shell without job control starts its background jobs with SIGINT ignored (as nohup would):
+  // with it, the job gets Ctrl-C's signal as a foreground one would.
   const std::string script =
-      cmd + " & pid=$!\n"
+      std::string(sig == "INT" ? "set -m\n" : "") + cmd + " & pid=$!\n"
       "for i in $(seq 1 1200); do [ -f '" + log.string() + "' ] && [ $(wc -l < '" + log.string() + "') -ge " +
       std::to_string(lines) + " ] && break; sleep 0.05; done\n"
       "kill -" + sig + " " + target + "\n"
@@ -261,7 +263,7 @@ TEST_CASE("train --stop-at trains a long schedule in slices with the losses of o
   REQUIRE(r.output.find("--stop-at 4 is not after the checkpoint's step 12") != std::string::npos);
 }
 
-TEST_CASE("SIGTERM or SIGUSR1 stops train after its step, saved, every rank at the same step", "[cli][mpi][launch]") {
+TEST_CASE("SIGTERM, SIGINT or SIGUSR1 stops train after its step, saved, every rank at the same step", "[cli][mpi][launch]") {
   TempDir d;
   const std::string flags = " train " + kSmall + " --steps 100000 --save-every 1000";
   SECTION("one process, SIGTERM: the step it reached is saved and resumes as if uninterrupted") {
@@ -283,6 +285,16 @@ TEST_CASE("SIGTERM or SIGUSR1 stops train after its step, saved, every rank at t
                         (d.path / "b.jsonl").string() + more).code == 0);
     same_losses(read_log(d.path / "b.jsonl"), read_log(log));
   }
+  SECTION("one process, SIGINT (Ctrl-C): stopped after its step and saved, as SIGTERM") {
+    const fs::path log = d.path / "i.jsonl", run = d.path / "i";
+    Run r = signal_after_steps(std::string(SG_BINARY) + flags + " --save " + run.string() + " --log-json " + log.string(),
+                               log, 3, "INT");
+    INFO(r.output);
+    REQUIRE(exit_status(r) == 75);
+    const int64_t at = read_log(log).back()["step"].get<int64_t>();
+    REQUIRE(r.output.find("stopped at step " + std::to_string(at) + " of 100000 (SIGINT)") != std::string::npos);
+    REQUIRE(sg::ckpt::open_checkpoint("auto:" + run.string())->state()["step"] == at);
+  }
   SECTION("two ranks, SIGUSR1 to one of them: both stop after the same step and the checkpoint is whole") {
     const fs::path log = d.path / "c.jsonl", run = d.path / "c";
     Run r = signal_after_steps(mpirun(2) + flags + " --strategy zero2 --save " + run.string() + " --log-json " + log.string(),
@@ -295,16 +307,19 @@ TEST_CASE("SIGTERM or SIGUSR1 stops train after its step, saved, every rank at t
     REQUIRE(c->state()["step"] == at);
     for (const auto& name : c->names()) (void)c->tensor(name);  // both ranks' pieces, every checksum
   }
-  SECTION("launch passes SIGUSR1 on to the job and does not restart what stopped on request") {
-    const fs::path log = d.path / "e.jsonl", run = d.path / "e";
-    Run r = signal_after_steps(launch() + " -n 2 --max-restarts 3 --" + flags + " --strategy ddp --save " + run.string() +
-                                   " --log-json " + log.string(),
-                               log, 3, "USR1");
-    INFO(r.output);
-    REQUIRE(exit_status(r) == 75);
-    REQUIRE(r.output.find("the job stopped on SIGUSR1 (exit status 75) after saving its checkpoint in " + run.string() +
-                          "; not restarted") != std::string::npos);
-    REQUIRE(r.output.find("restart 1") == std::string::npos);
-    REQUIRE(sg::ckpt::open_checkpoint("auto:" + run.string())->state()["step"] == read_log(log).back()["step"]);
-  }
+  // launch passes a first SIGTERM (Slurm's at a time limit) or SIGINT on as SIGUSR1: mpirun would
+  // kill the ranks a second after passing either on, saved or not
+  for (const std::string sig : {"USR1", "TERM"})
+    SECTION("launch passes SIG" + sig + " on to the job as SIGUSR1 and does not restart what stopped on request") {
+      const fs::path log = d.path / "e.jsonl", run = d.path / "e";
+      Run r = signal_after_steps(launch() + " -n 2 --max-restarts 3 --" + flags + " --strategy ddp --save " +
+                                     run.string() + " --log-json " + log.string(),
+                                 log, 3, sig);
+      INFO(r.output);
+      REQUIRE(exit_status(r) == 75);
+      REQUIRE(r.output.find("the job stopped on SIG" + sig + " (exit status 75) after saving its checkpoint in " +
+                            run.string() + "; not restarted") != std::string::npos);
+      REQUIRE(r.output.find("restart 1") == std::string::npos);
+      REQUIRE(sg::ckpt::open_checkpoint("auto:" + run.string())->state()["step"] == read_log(log).back()["step"]);
+    }
 }
