@@ -266,35 +266,28 @@ TEST_CASE("train --stop-at trains a long schedule in slices with the losses of o
 TEST_CASE("SIGTERM, SIGINT or SIGUSR1 stops train after its step, saved, every rank at the same step", "[cli][mpi][launch]") {
   TempDir d;
   const std::string flags = " train " + kSmall + " --steps 100000 --save-every 1000";
-  SECTION("one process, SIGTERM: the step it reached is saved and resumes as if uninterrupted") {
-    const fs::path log = d.path / "a.jsonl", run = d.path / "a";
-    Run r = signal_after_steps(std::string(SG_BINARY) + flags + " --save " + run.string() + " --log-json " + log.string(),
-                               log, 3, "TERM");
-    INFO(r.output);
-    REQUIRE(exit_status(r) == 75);
-    const auto steps = read_log(log);
-    const int64_t at = steps.back()["step"].get<int64_t>();
-    REQUIRE(at >= 3);
-    REQUIRE(r.output.find("stopped at step " + std::to_string(at) + " of 100000 (SIGTERM)") != std::string::npos);
-    REQUIRE(sg::ckpt::open_checkpoint("auto:" + run.string())->state()["step"] == at);
-    // Two more steps from there match a run that was never stopped.
-    const std::string more = " --stop-at " + std::to_string(at + 2);
-    REQUIRE(run_command(std::string(SG_BINARY) + flags + " --save " + run.string() + " --resume auto --log-json " +
-                        log.string() + more).code == 0);
-    REQUIRE(run_command(std::string(SG_BINARY) + flags + " --save " + (d.path / "b").string() + " --log-json " +
-                        (d.path / "b.jsonl").string() + more).code == 0);
-    same_losses(read_log(d.path / "b.jsonl"), read_log(log));
-  }
-  SECTION("one process, SIGINT (Ctrl-C): stopped after its step and saved, as SIGTERM") {
-    const fs::path log = d.path / "i.jsonl", run = d.path / "i";
-    Run r = signal_after_steps(std::string(SG_BINARY) + flags + " --save " + run.string() + " --log-json " + log.string(),
-                               log, 3, "INT");
-    INFO(r.output);
-    REQUIRE(exit_status(r) == 75);
-    const int64_t at = read_log(log).back()["step"].get<int64_t>();
-    REQUIRE(r.output.find("stopped at step " + std::to_string(at) + " of 100000 (SIGINT)") != std::string::npos);
-    REQUIRE(sg::ckpt::open_checkpoint("auto:" + run.string())->state()["step"] == at);
-  }
+  for (const std::string sig : {"TERM", "INT"})  // INT: Ctrl-C
+    SECTION("one process, SIG" + sig + ": the step it reached is saved and resumes as if uninterrupted") {
+      const fs::path log = d.path / "a.jsonl", run = d.path / "a";
+      Run r = signal_after_steps(std::string(SG_BINARY) + flags + " --save " + run.string() + " --log-json " +
+                                     log.string(),
+                                 log, 3, sig);
+      INFO(r.output);
+      REQUIRE(exit_status(r) == 75);
+      const auto steps = read_log(log);
+      const int64_t at = steps.back()["step"].get<int64_t>();
+      REQUIRE(at >= 3);
+      REQUIRE(r.output.find("stopped at step " + std::to_string(at) + " of 100000 (SIG" + sig + ")") !=
+              std::string::npos);
+      REQUIRE(sg::ckpt::open_checkpoint("auto:" + run.string())->state()["step"] == at);
+      // Two more steps from there match a run that was never stopped.
+      const std::string more = " --stop-at " + std::to_string(at + 2);
+      REQUIRE(run_command(std::string(SG_BINARY) + flags + " --save " + run.string() + " --resume auto --log-json " +
+                          log.string() + more).code == 0);
+      REQUIRE(run_command(std::string(SG_BINARY) + flags + " --save " + (d.path / "b").string() + " --log-json " +
+                          (d.path / "b.jsonl").string() + more).code == 0);
+      same_losses(read_log(d.path / "b.jsonl"), read_log(log));
+    }
   SECTION("two ranks, SIGUSR1 to one of them: both stop after the same step and the checkpoint is whole") {
     const fs::path log = d.path / "c.jsonl", run = d.path / "c";
     Run r = signal_after_steps(mpirun(2) + flags + " --strategy zero2 --save " + run.string() + " --log-json " + log.string(),
