@@ -452,6 +452,11 @@ std::string ShardedCheckpoint::missing_files() const {
 
 std::string checkpoint_files_problem(const std::string& step_dir) {
   if (!is_sharded_checkpoint(step_dir)) {
+    // a sharded save's pieces without their index: the index is what was lost
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(step_dir, ec))
+      if (e.path().filename().string().rfind("rank_", 0) == 0)
+        return str((fs::path(step_dir) / kShardedManifest).string(), " is missing");
     for (const char* f : {"model.safetensors", "optim.safetensors"})
       if (!fs::exists(fs::path(step_dir) / f)) return str((fs::path(step_dir) / f).string(), " is missing");
     return "";

@@ -668,6 +668,13 @@ TEST_CASE("resume auto skips the newest checkpoint when a file it lists is gone,
   REQUIRE(shardgrad(resume).code == 0);
   CHECK(std::filesystem::exists(d.path / "run" / "step_00000004.damaged.2"));
   CHECK(std::filesystem::exists(d.path / "run" / "step_00000004.damaged"));
+  // Its index lost, the damage named is the index (not a full checkpoint's model file it never had).
+  std::filesystem::remove(d.path / "run" / "step_00000004" / "index.json");
+  Run lost_index = shardgrad(resume);
+  INFO(lost_index.output);
+  REQUIRE(lost_index.code == 0);
+  CHECK(lost_index.output.find("moved the damaged " + run + "/step_00000004 (" + run + "/step_00000004/index.json is "
+                               "missing) to ") != std::string::npos);
   // A complete later step is another run's history: refused before training.
   Run complete = shardgrad("train " + kSmall + " --steps 4 --save-every 2 --resume " + run + "/step_00000002 --save " + run);
   INFO(complete.output);
