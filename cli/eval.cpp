@@ -42,6 +42,8 @@ int eval_main(int argc, char** argv) {
   if (!log_path.empty()) io::make_parent_folder(log_path, "eval: --log-json");
   const std::vector<io::ChoiceExample> examples = io::read_choice_file(file, limit);
   SG_CHECK(!examples.empty(), "eval: --hellaswag ", file, " holds no examples");
+  if (limit > int64_t(examples.size()))
+    std::printf("note: --examples %lld: %s holds %zu; all are scored\n", (long long)limit, file.c_str(), examples.size());
   const ModelFrom m = model_from(a, model_dtype(a), device);
   io::check_choice_tokens(examples, m.cfg.vocab_size, str("eval: --hellaswag ", file), str(" (", m.file, ")"));
 

@@ -79,7 +79,8 @@ int export_main(int argc, char** argv) {
               (long long)cfg.n_head, (long long)cfg.n_embd, (long long)cfg.vocab_size,
               std::filesystem::path(out).filename() == "model.safetensors"
                   ? ""
-                  : "; transformers' from_pretrained(folder) reads model.safetensors");
+                  : "; transformers' from_pretrained(folder) looks for model.safetensors, not this name: rename "
+                    "the file (or export with --out FOLDER/model.safetensors) to load the folder");
   return 0;
 }
 

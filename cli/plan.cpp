@@ -81,7 +81,8 @@ int plan_main(int argc, char** argv) {
   a.flag("block-size", "0", "override the preset's longest sequence (rows of wpe)");
   a.flag("vocab-size", "0", "override the preset's vocabulary");
   a.flag("seq-len", "0", "tokens per row (0 = the block size)");
-  a.flag("params", "0", "a raw parameter count instead of a model shape (model states and dp traffic only)");
+  a.flag("params", "0", "a raw parameter count instead of a model shape (model states and dp traffic only; the "
+         "compute time with --seq-len)");
   a.flag("batch-size", "64", "global batch: sequences per optimizer step");
   a.flag("micro-batch-size", "1", "sequences per forward/backward");
   a.flag("dtype", "bf16", "fp32 | bf16 | fp16 (half types: f32 master weights in the optimizer state)");
@@ -120,8 +121,16 @@ int plan_main(int argc, char** argv) {
   report::PlanInput in;
   if (a.i64("params")) {
     SG_CHECK(a.i64("params") > 0, "plan: --params must be > 0");
+    for (const char* f : {"model", "n-layer", "n-head", "n-embd", "block-size", "vocab-size"})
+      SG_CHECK(!a.given(f), "plan: --params ", a.i64("params"), " is a raw parameter count; --", f,
+               " shapes a model instead: give one or the other");
     in.model.params = a.i64("params");
     in.model.name = std::to_string(a.i64("params")) + " params";
+    // tokens a row, for the compute time (6 FLOPs a parameter a token); none given: not estimated
+    SG_CHECK(a.i64("seq-len") >= 0, "plan: --seq-len must be >= 0");
+    SG_CHECK(a.i64("seq-len") > 0 || !a.on("search"), "plan: --search ranks layouts by tokens/s: with --params, ",
+             "give --seq-len (the tokens a row)");
+    in.model.seq_len = a.i64("seq-len");
   } else {
     in.model = report::model_preset(a.str("model"));
     auto set = [&](const char* f, int64_t& field) {

@@ -198,8 +198,9 @@ int Trainer::run() {
   if (lead()) {
     // The whole model's size; under tp/pp rank 0 holds a part of it (before any dp sharding).
     const int64_t whole = cfg_.num_params(), held = model_->num_parameters();
-    std::printf("shardgrad train | model %s: %lld layers, %lld heads, width %lld, vocab %lld (padded %lld), %.2fM params%s\n",
-                cfg_.name.c_str(), (long long)cfg_.n_layer, (long long)cfg_.n_head, (long long)cfg_.n_embd,
+    std::printf("shardgrad train | model %s: %lld layer%s, %lld head%s, width %lld, vocab %lld (padded %lld), %.2fM params%s\n",
+                cfg_.name.c_str(), (long long)cfg_.n_layer, cfg_.n_layer == 1 ? "" : "s", (long long)cfg_.n_head,
+                cfg_.n_head == 1 ? "" : "s", (long long)cfg_.n_embd,
                 (long long)cfg_.vocab_size, (long long)cfg_.vocab_rows(), double(whole) / 1e6,
                 held == whole ? "" : str(" (rank 0's tp/pp part: ", std::lround(held / 1e4) / 100.0, "M)").c_str());
     const std::string layout = layout_label();

@@ -455,6 +455,9 @@ void Trainer::configure_hellaswag() {
                     "or --hellaswag '' for none)"));
   }
   SG_CHECK(!choices_.empty(), "train: --hellaswag ", file, " holds no examples");
+  if (lead() && limit > int64_t(choices_.size()))
+    std::printf("note: --hellaswag-examples %lld: %s holds %zu; all are scored\n", (long long)limit, file.c_str(),
+                choices_.size());
   io::check_choice_tokens(choices_, cfg_.vocab_size, str("train: --hellaswag ", file),
                           str(" (the model's; --data ", data_opt_.spec, " trains on other tokens than the file's?)"));
 }
@@ -486,6 +489,9 @@ void Trainer::build_model(const ckpt::Checkpoint* ck) {
     refuse_unknown_tensors(*ck, cfg_);
     agree("the checkpoint " + ck->path());
   } else if (!a.str("init-from").empty()) {
+    SG_CHECK(!std::filesystem::is_directory(a.str("init-from")), "train: --init-from ", a.str("init-from"), " is a folder: ",
+             "it takes one .safetensors file (a Hugging Face GPT-2's, or what shardgrad export writes); a checkpoint ",
+             "folder goes on with --resume, or starts another run once exported (shardgrad export DIR --out FILE)");
     // the header's shapes: the tensors are read once the model says which it holds
     const io::SafetensorsFile f = io::load_safetensors(a.str("init-from"), [](const std::string&) { return false; });
     cfg_ = nn::config_from_hf(f, a.i64("n-head"));

@@ -9,6 +9,8 @@
 #include <filesystem>
 
 #include "core/error.h"
+#include "io/multiple_choice.h"
+#include "io/token_shards.h"
 
 namespace sg::io {
 
@@ -97,7 +99,11 @@ LlmcHeader read_llmc_header(const ReadFile& f, const std::string& what, int32_t 
            kLlmcHeaderBytes, "-byte header");
   LlmcHeader h{};
   f.read_at(&h, sizeof(h), 0);
-  SG_CHECK(h.magic == magic, what, " ", path, ": magic number ", h.magic, " is not ", magic, " (", hint, ")");
+  // llm.c's other kind of file, said by name: its token shards and its multiple-choice eval files
+  const char* other = h.magic == kShardMagic    ? ": it is an llm.c token shard (train --data)"
+                      : h.magic == kChoiceMagic ? ": it is an llm.c multiple-choice eval file (eval/train --hellaswag)"
+                                                : "";
+  SG_CHECK(h.magic == magic, what, " ", path, ": magic number ", h.magic, " is not ", magic, " (", hint, ")", other);
   SG_CHECK(h.version == version, what, " ", path, ": version ", h.version, " is not ", version);
   SG_CHECK(h.count >= 0, what, " ", path, ": negative ", count_name, " count ", h.count);
   return h;

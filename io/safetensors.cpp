@@ -182,6 +182,12 @@ SafetensorsFile load_safetensors(const std::string& path, const TensorFilter& wa
   SG_CHECK(size >= 8, "safetensors ", path, ": the file is ", size, " bytes, shorter than the 8-byte header length");
   uint64_t header_len = 0;
   f.read_at(&header_len, 8, 0);
+  // A header length past the limit or the file, with no JSON object after it: another kind of file
+  // (a text, a token shard), said to be one rather than measured by its first 8 bytes.
+  char opening = 0;
+  if (size > 8) f.read_at(&opening, 1, 8);
+  SG_CHECK(opening == '{' || (header_len <= uint64_t(kMaxHeaderBytes) && int64_t(header_len) <= size - 8), "safetensors ",
+           path, ": not a safetensors file (no 8-byte header length followed by a JSON header)");
   SG_CHECK(header_len <= uint64_t(kMaxHeaderBytes), "safetensors ", path, ": header length ", header_len,
            " exceeds the 100 MB limit");
   SG_CHECK(int64_t(header_len) <= size - 8, "safetensors ", path, ": header length ", header_len,

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 #include <numeric>
+#include <optional>
 #include <set>
 
 #include <nlohmann/json.hpp>
@@ -427,16 +428,45 @@ GPTConfig config_from_hf(const io::SafetensorsFile& file, int64_t n_head_hint) {
              v.substr(0, 64), "'");
     return n;
   };
+  // What the file records of its shape must be what its tensors have (a file whose wpe was cut
+  // short would otherwise load as a model of a shorter context, said nowhere).
+  const auto shaped = [&](const std::string& where, const char* key, int64_t recorded, const std::string& tensor,
+                          int64_t actual) {
+    SG_CHECK(recorded == actual, where, ": '", key, "' is ", recorded, " but ", tensor, " has ", actual,
+             ": the file and what it records of its model disagree");
+  };
+  const std::string in_metadata = file.path + " (its metadata)";
+  if (file.metadata.count("n_layer")) shaped(in_metadata, "n_layer", recorded("n_layer", 0), "the file", c.n_layer);
+  if (file.metadata.count("n_embd")) shaped(in_metadata, "n_embd", recorded("n_embd", 0), "wte.weight's row", c.n_embd);
+  if (file.metadata.count("block_size"))
+    shaped(in_metadata, "block_size", recorded("block_size", 0), "wpe.weight's rows", c.block_size);
   c.n_head = recorded("n_head", n_head_hint);
   // A Hugging Face model folder records the head count in config.json, beside model.safetensors,
   // with the settings that would make it another model than this GPT-2: those are refused, not
-  // ignored (the tensors alone cannot tell).
+  // ignored (the tensors alone cannot tell). One that is not JSON is refused too: it is this
+  // folder's description of its model.
   const std::filesystem::path hf_config = std::filesystem::path(file.path).parent_path() / "config.json";
   if (std::filesystem::is_regular_file(hf_config)) {
     std::ifstream in(hf_config);
     const nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-    if (j.is_object()) {
-      if (c.n_head <= 0 && j.contains("n_head") && j["n_head"].is_number_integer()) c.n_head = j["n_head"].get<int64_t>();
+    SG_CHECK(j.is_object(), hf_config.string(), " (beside ", file.path, ") is not a JSON object: fix it, or move it away");
+    {
+      const auto number = [&](const char* key) -> std::optional<int64_t> {
+        if (!j.contains(key)) return std::nullopt;
+        SG_CHECK(j[key].is_number_integer(), hf_config.string(), ": \"", key, "\": ", j[key].dump(), " is not a whole number");
+        return j[key].get<int64_t>();
+      };
+      const std::string where = hf_config.string();
+      if (const auto n = number("n_layer")) shaped(where, "n_layer", *n, file.path, c.n_layer);
+      if (const auto n = number("n_embd")) shaped(where, "n_embd", *n, file.path + "'s wte.weight row", c.n_embd);
+      if (const auto n = number("vocab_size")) shaped(where, "vocab_size", *n, file.path + "'s wte.weight rows", c.vocab_size);
+      for (const char* key : {"n_positions", "n_ctx"})
+        if (const auto n = number(key)) shaped(where, key, *n, file.path + "'s wpe.weight rows", c.block_size);
+      if (const auto n = number("n_head")) {
+        SG_CHECK(!file.metadata.count("n_head") || *n == c.n_head, where, ": \"n_head\" is ", *n, " but ", in_metadata,
+                 " records ", c.n_head, ": the file and what the folder says of its model disagree");
+        if (c.n_head <= 0) c.n_head = *n;
+      }
       const auto differs = [&](const char* key, const std::string& want) {
         throw Error(str(hf_config.string(), ": \"", key, "\": ", j[key].dump(), " makes another model than this GPT-2 (",
                         want, ")"));

@@ -614,6 +614,9 @@ TEST_CASE("train refuses before its first step what would stop it at a save or w
   REQUIRE(shardgrad("export " + run + " --out " + file).code == 0);
   not_started("train " + kSmall + " --steps 2 --init-from " + file + " --n-layer 2",
               "--n-layer 2 does not match --init-from " + file + " (1)");
+  not_started("train " + kSmall + " --steps 2 --init-from " + run, "--init-from " + run + " is a folder: it takes one "
+              ".safetensors file (a Hugging Face GPT-2's, or what shardgrad export writes); a checkpoint folder goes on "
+              "with --resume");
   {
     // A flag that agrees is taken, whatever the default preset's shape (12 heads do not divide the
     // tiny preset's width 64: the check compares with the file, not with a model built from flags).
@@ -2201,6 +2204,9 @@ TEST_CASE("plan refuses numbers past its limits by name before printing anything
   plan_refuses("--vocab-size 9223372036854775807", "--vocab-size must be in [1, 1073741824], got 9223372036854775807");
   plan_refuses("--n-embd 9223372036854775807 --n-head 1", "--n-embd must be in [1, 1048576], got 9223372036854775807");
   plan_refuses("--params 9000000000000", "--params 9000000000000 is more than the planner's 8796093022208 (2^43)");
+  plan_refuses("--params 1000 --model gpt2-xl", "--params 1000 is a raw parameter count; --model shapes a model "
+               "instead: give one or the other");
+  plan_refuses("--params 7500000000 --search", "--search ranks layouts by tokens/s: with --params, give --seq-len");
   plan_refuses("--batch-size 1048576 --dp 8", "is 131072 micro-batches a step, more than the planner's 65536");
   // flags the schedule simulation reads, checked before the report rather than after it
   plan_refuses("--pp 2 --backward-ratio 0", "--backward-ratio must be > 0, got 0");
@@ -2341,6 +2347,13 @@ TEST_CASE("train --hellaswag scores an eval file at each evaluation, the same un
   CHECK(lines.back()["accuracy_sum"] == want.back()["accuracy_sum"]);
   CHECK(lines[5]["mean_loss"].size() == 4);
   CHECK(ev.output.find("hellaswag " + file + ": 16 examples | acc_norm ") != std::string::npos);
+  CHECK(ev.output.find("note: --examples") == std::string::npos);
+  // more examples asked for than the file holds: all of them, said
+  Run past = shardgrad("eval --from " + (d.path / "run").string() + " --hellaswag " + file + " --batch-size 8 --examples 100");
+  INFO(past.output);
+  REQUIRE(past.code == 0);
+  CHECK(past.output.find("note: --examples 100: " + file + " holds 16; all are scored") != std::string::npos);
+  CHECK(past.output.find("hellaswag " + file + ": 16 examples | acc_norm ") != std::string::npos);
   // every rank of a replica scores the same examples with the whole model: tp (its vocabulary
   // slices gathered), sequence parallelism (rows padded to a multiple of tp), pp, zero3
   on_two_ranks(d, args, "h", [&](const fs::path& log, const Run&) {
@@ -2360,6 +2373,12 @@ TEST_CASE("train --hellaswag scores an eval file at each evaluation, the same un
   CHECK(few_eval["hellaswag"]["examples"] == 5);
   CHECK(few_eval["hellaswag"]["per_rank"] == nlohmann::json::array({5}));
   CHECK(few_eval["val_batches_per_rank"] == nlohmann::json::array({3}));
+  CHECK(few.output.find("note: --hellaswag-examples") == std::string::npos);
+  Run many = shardgrad(args + (d.path / "many.jsonl").string() + " --hellaswag-examples 100 --steps 1");
+  INFO(many.output);
+  REQUIRE(many.code == 0);
+  CHECK(many.output.find("note: --hellaswag-examples 100: " + file + " holds 16; all are scored") != std::string::npos);
+  CHECK(read_log(d.path / "many.jsonl").back()["eval"]["hellaswag"]["examples"] == 16);
   // the data-parallel ranks split the examples and the held-out batches (rank 0: examples 0, 2, 4
   // and batches 0, 2) and sum what they score; under zero3 the rank with the shorter share runs
   // forwards that count nothing, as the gathers are collective (without them it waits out the timeout)

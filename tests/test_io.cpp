@@ -212,12 +212,17 @@ TEST_CASE("safetensors refuses malformed headers, naming the file and the tensor
   };
   const std::string a8 = R"("a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]})";
 
-  // Header length: beyond the file, beyond 100 MB.
+  // Header length: beyond the file, beyond 100 MB; with no JSON header after it, another kind of file.
   for (uint64_t n : {uint64_t(64), uint64_t(200'000'000), ~uint64_t(0)}) {
     std::string bytes(reinterpret_cast<const char*>(&n), 8);
-    write_bytes(p, bytes + std::string(16, ' '));
+    write_bytes(p, bytes + "{" + std::string(15, ' '));
     REQUIRE_THROWS_WITH(load_safetensors(p), Contains(p) && Contains("header length"));
+    write_bytes(p, bytes + std::string(16, ' '));
+    REQUIRE_THROWS_WITH(load_safetensors(p), Contains(p + ": not a safetensors file (no 8-byte header length followed "
+                                                      "by a JSON header)"));
   }
+  write_bytes(p, "First Citizen:\nBefore we proceed any further, hear me speak.\n");  // a text
+  REQUIRE_THROWS_WITH(load_safetensors(p), Contains(p + ": not a safetensors file"));
   refuses("{not json", 0, "not valid JSON");
   refuses("[1,2]", 0, "not an object");
   refuses("{" + a8 + "," + a8 + "}", 8, "names 'a' twice");
@@ -785,6 +790,11 @@ TEST_CASE("eval files: written and read back, a prefix read alone, bad files ref
   }
   CHECK(read_choice_file(f, 2).size() == 2);
   CHECK(read_choice_file(f, 9).size() == 3);
+  // llm.c's two kinds of file, each read as the other, say what they are
+  REQUIRE_THROWS_WITH(read_token_shard(f), Catch::Contains("magic number 20240522 is not 20240520") &&
+                                               Catch::Contains(": it is an llm.c multiple-choice eval file"));
+  write_token_shard(d / "tokens.bin", {1, 2, 3});
+  REQUIRE_THROWS_WITH(read_choice_file(d / "tokens.bin"), Catch::Contains(": it is an llm.c token shard (train --data)"));
 
   auto bad = [&](const std::string& name, std::string b, const std::string& msg) {
     const std::string p = d / name;

@@ -289,7 +289,7 @@ TEST_CASE("forward_cached: a prompt, then one token at a time, gives forward's l
   REQUIRE_THROWS_WITH(m.forward_cached(narrow(idx, 1, 3, 2), some), Catch::Contains("2 new positions after 3 cached ones"));
 }
 
-TEST_CASE("a Hugging Face model folder's config.json gives the head count its safetensors file does not record, and metadata that is not a number is refused by name", "[models][io]") {
+TEST_CASE("a Hugging Face model folder's config.json gives the head count its safetensors file does not record, what disagrees with the tensors is refused, and metadata that is not a number is refused by name", "[models][io]") {
   nn::GPT a(small_config());
   a.init_weights(5);
   const auto dir = std::filesystem::temp_directory_path() / ("sg_models_hfdir_" + std::to_string(::getpid()));
@@ -317,8 +317,33 @@ TEST_CASE("a Hugging Face model folder's config.json gives the head count its sa
     REQUIRE_THROWS_WITH(nn::config_from_hf(io::load_safetensors(path)),
                         Catch::Contains("\"" + key + "\": ") && Catch::Contains("makes another model than this GPT-2"));
   }
+  // the folder's description of its model must be JSON, and agree with the file's tensors and metadata
   std::ofstream(dir / "config.json") << "not json";
-  REQUIRE_THROWS_WITH(nn::config_from_hf(io::load_safetensors(path)), Catch::Contains("pass --n-head"));
+  REQUIRE_THROWS_WITH(nn::config_from_hf(io::load_safetensors(path)),
+                      Catch::Contains((dir / "config.json").string() + " (beside " + path + ") is not a JSON object"));
+  for (const auto& [json, said] : std::vector<std::pair<std::string, std::string>>{
+           {R"({"n_head": 4, "n_positions": 32})", "'n_positions' is 32 but " + path + "'s wpe.weight rows has 16"},
+           {R"({"n_head": 4, "n_ctx": 8})", "'n_ctx' is 8 but"},
+           {R"({"n_head": 4, "n_layer": 3})", "'n_layer' is 3 but " + path + " has 2"},
+           {R"({"n_head": 4, "n_embd": 64})", "'n_embd' is 64 but"},
+           {R"({"n_head": 4, "vocab_size": 50257})", "'vocab_size' is 50257 but"},
+           {R"({"n_head": "4"})", "\"n_head\": \"4\" is not a whole number"}}) {
+    std::ofstream(dir / "config.json") << json;
+    REQUIRE_THROWS_WITH(nn::config_from_hf(io::load_safetensors(path)), Catch::Contains(said));
+  }
+  std::ofstream(dir / "config.json") << R"({"n_head": 8, "n_positions": 16, "n_layer": 2, "n_embd": 32, "vocab_size": 61})";
+  CHECK(nn::config_from_hf(io::load_safetensors(path)).n_head == 8);  // the shapes agree: config.json's heads
+  io::save_safetensors(path, nn::hf_state_dict(a), {{"n_head", "4"}});
+  REQUIRE_THROWS_WITH(nn::config_from_hf(io::load_safetensors(path)),
+                      Catch::Contains("\"n_head\" is 8 but " + path + " (its metadata) records 4"));
+  std::filesystem::remove(dir / "config.json");
+  // the file's own metadata must agree with its tensors too (a wpe cut short loaded as a shorter context)
+  for (const char* key : {"block_size", "n_layer", "n_embd"}) {
+    io::save_safetensors(path, nn::hf_state_dict(a), {{"n_head", "4"}, {key, "128"}});
+    REQUIRE_THROWS_WITH(nn::config_from_hf(io::load_safetensors(path)),
+                        Catch::Contains(path + " (its metadata): '" + key + "' is 128 but ") &&
+                            Catch::Contains("the file and what it records of its model disagree"));
+  }
   // metadata that is not a number is refused naming the file and the key (std::stoll said "stoll")
   for (const char* key : {"n_head", "padded_vocab"}) {
     std::map<std::string, std::string> meta{{"n_head", "4"}};

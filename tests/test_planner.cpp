@@ -58,6 +58,21 @@ TEST_CASE("the ZeRO paper's 7.5B-parameter example on 64 GPUs: 120, 31.4, 16.6 a
   CHECK(make_plan(raw(psi, 64, "zero3")).worst.total() / 1e9 == Approx(1.875).margin(0.05));
 }
 
+TEST_CASE("a raw parameter count is timed only with the tokens a row: 6 FLOPs a parameter a token") {
+  PlanInput in = raw(7500000000, 64, "zero2");
+  const Plan untimed = make_plan(in);
+  CHECK_FALSE(untimed.timed());
+  CHECK((untimed.compute_s == 0 && untimed.tokens_per_s == 0 && untimed.mfu == 0));
+  CHECK(untimed.step_s == untimed.comm_exposed_s);  // what it can say: the exposed communication
+  CHECK(untimed.comm_exposed_s > 0);
+  in.model.seq_len = 2048;
+  const Plan timed = make_plan(in);
+  REQUIRE(timed.timed());
+  const double tokens_per_rank = 2048;  // one row a rank
+  CHECK(timed.compute_s == Approx(tokens_per_rank * 6 * 7500000000.0 / (in.cluster.peak_flops * in.cluster.efficiency)));
+  CHECK(timed.tokens_per_s == Approx(64 * 2048 / timed.step_s));
+}
+
 TEST_CASE("fp32 training keeps no master copy: 4Ψ + 4Ψ + 8Ψ") {
   CHECK(model_states(make_plan(raw(1000, 1, "ddp", "fp32"))) == 16 * 1000);
   CHECK(make_plan(raw(1000, 4, "zero1", "fp32")).worst.optim_state == 8 * 250);

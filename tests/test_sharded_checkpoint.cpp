@@ -402,6 +402,12 @@ TEST_CASE("export consolidates a sharded checkpoint into one Hugging Face file t
                             " --steps 1 --seq-len 16 --batch-size 2 --threads 1 --eval-every 0 --eval-batches 1 "
                             "--eval-problems 2";
   INFO(train);
+  // read back beside that other model's config.json: refused, naming it (the file records 2 heads)
+  const fs::path said = d.p / "said.txt";
+  CHECK(std::system((train + " > " + said.string() + " 2>&1").c_str()) != 0);
+  CHECK(io::read_file(said.string(), "test").find("config.json: \"n_head\" is 12 but " + out.string() +
+                                                  " (its metadata) records 2") != std::string::npos);
+  fs::remove(out.parent_path() / "config.json");
   CHECK(std::system((train + " > /dev/null 2>&1").c_str()) == 0);
 }
 

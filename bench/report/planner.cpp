@@ -446,7 +446,7 @@ void add_step_time(Plan& p, double dp_time, double dp_tail, double other_time) {
   if (l.recompute == "full") hw += 2 * (psi - wpe) + 4 * L * s * h;
   if (l.recompute == "selective") hw += 4 * L * s * h;
   const double tokens = double(in.global_batch) * std::max(1.0, s);
-  p.compute_s = tokens / l.dp * hw / double(l.tp * l.pp) / (c.peak_flops * c.efficiency);
+  p.compute_s = p.timed() ? tokens / l.dp * hw / double(l.tp * l.pp) / (c.peak_flops * c.efficiency) : 0;
   const double t_dp = dp_time, backward = p.compute_s * 2.0 / 3.0;
   // The backward that ddp's buckets and zero2's stripes can hide behind: every micro-batch's when
   // zero2 reduces each, else the last one's (no_sync before it); none under a pipeline (or zero2
@@ -469,6 +469,7 @@ void add_step_time(Plan& p, double dp_time, double dp_tail, double other_time) {
   p.step_s = p.compute_s * (1 + p.bubble) + p.comm_exposed_s;
   p.tokens_per_s = tokens / p.step_s;
   p.mfu = p.tokens_per_s * p.model_flops_per_token / (double(p.world) * c.peak_flops);
+  if (!p.timed()) p.tokens_per_s = p.mfu = 0;  // a raw parameter count without --seq-len: no tokens to count
 }
 
 void add_notes(Plan& p) {
@@ -669,12 +670,13 @@ std::string describe(const Plan& p) {
   const PlanInput& in = p.input;
   o << "model " << in.model.name << ": " << double(in.model.num_params()) / 1e6 << "M params";
   if (in.model.has_shape())
-    o << " (" << in.model.n_layer << " layers, width " << in.model.n_embd << ", " << in.model.n_head << " heads, seq "
+    o << " (" << in.model.n_layer << (in.model.n_layer == 1 ? " layer" : " layers") << ", width " << in.model.n_embd
+      << ", " << in.model.n_head << (in.model.n_head == 1 ? " head" : " heads") << ", seq "
       << in.model.seq_len << ")";
   o << " | " << in.dtype << " | global batch " << in.global_batch << "\n";
   o << "cluster " << in.cluster.name << ": " << in.cluster.nodes << " x " << in.cluster.gpus_per_node << " GPUs, "
     << gib(in.cluster.gpu_memory) << " each | layout " << in.layout.label() << " (" << p.world << " GPUs, "
-    << p.micro_batches << " micro-batches per step)\n";
+    << p.micro_batches << (p.micro_batches == 1 ? " micro-batch" : " micro-batches") << " per step)\n";
   o << "memory per GPU (busiest pipeline rank):\n";
   const RankMemory& w = p.worst;
   o << "  params " << gib(double(w.param)) << " | grads " << gib(double(w.grad)) << " | optimizer "
@@ -686,10 +688,14 @@ std::string describe(const Plan& p) {
   if (p.comm.count("recv")) o << " (and received: " << gib(double(p.comm.at("recv"))) << ")";
   o << "\n  busiest rank: intra-node " << gib(p.intra_bytes) << ", inter-node " << gib(p.inter_bytes) << "\n";
   char buf[256];
-  std::snprintf(buf, sizeof buf,
-                "time: compute %.3f s, pipeline bubble %.1f%% of busy time, exposed communication %.3f s -> step %.3f s, "
-                "%.0f tokens/s, MFU %.1f%%\n",
-                p.compute_s, 100 * p.bubble, p.comm_exposed_s, p.step_s, p.tokens_per_s, 100 * p.mfu);
+  if (p.timed())
+    std::snprintf(buf, sizeof buf,
+                  "time: compute %.3f s, pipeline bubble %.1f%% of busy time, exposed communication %.3f s -> step %.3f s, "
+                  "%.0f tokens/s, MFU %.1f%%\n",
+                  p.compute_s, 100 * p.bubble, p.comm_exposed_s, p.step_s, p.tokens_per_s, 100 * p.mfu);
+  else
+    std::snprintf(buf, sizeof buf, "time: exposed communication %.3f s a step (compute, tokens/s and MFU: give --seq-len)\n",
+                  p.comm_exposed_s);
   o << buf;
   for (const auto& n : p.notes) o << "note: " << n << "\n";
   return o.str();

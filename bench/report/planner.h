@@ -105,9 +105,11 @@ struct Plan {
   std::map<std::string, int64_t> comm;  // per collective kind, bytes pipeline rank 0 sends per step
   double intra_bytes = 0, inter_bytes = 0;  // per step, the busiest rank, by link class
   double bubble = 0;                        // idle over busy time of the schedule
-  double compute_s = 0, comm_exposed_s = 0, step_s = 0, tokens_per_s = 0, mfu = 0;
+  double compute_s = 0, comm_exposed_s = 0, step_s = 0, tokens_per_s = 0, mfu = 0;  // 0 where not timed()
   double model_flops_per_token = 0;
   bool fits = false;
+  // A step's compute needs the tokens a row: a model's shape, or a raw count's --seq-len.
+  bool timed() const { return input.model.has_shape() || input.model.seq_len > 0; }
   std::vector<std::string> notes;
   nlohmann::json to_json() const;
 };
