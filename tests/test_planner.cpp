@@ -145,6 +145,7 @@ TEST_CASE("zero2 over M micro-batches: accumulating sharded reduce-scatters M ti
 TEST_CASE("what the backward hides: ddp and unsharded zero2 reduce in the last micro-batch's backward, sharded zero2 in every one, a pipeline after the schedule") {
   PlanInput in = raw(100000000, 8, "ddp", "bf16");  // 2e8 bytes of bf16 gradient, 8 ranks in a node
   in.global_batch = 32;                             // 4 rows a rank
+  in.model.seq_len = 1;                             // a token a row: timed (the compute is scaled below)
   const auto plan = [&](const char* strategy, int64_t mbs, const char* accumulation = "sharded", int pp = 1) {
     PlanInput x = in;
     x.layout.strategy = strategy, x.layout.micro_batch_size = mbs, x.layout.grad_accumulation = accumulation;
