@@ -9,8 +9,6 @@
 #include <filesystem>
 
 #include "core/error.h"
-#include "io/multiple_choice.h"
-#include "io/token_shards.h"
 
 namespace sg::io {
 

@@ -41,6 +41,8 @@ void write_file_atomic(const std::string& path, const std::string& what,
 // >= 0 ("negative <count_name> count"), and returns the first four words; errors name `what` and
 // the file.
 constexpr int64_t kLlmcHeaderBytes = 256 * 4;
+constexpr int32_t kShardMagic = 20240520;   // a token shard (io/token_shards.h)
+constexpr int32_t kChoiceMagic = 20240522;  // a multiple-choice eval file (io/multiple_choice.h)
 struct LlmcHeader {
   int32_t magic, version, count, field3;  // field3: the eval file's longest example in bytes
 };

@@ -15,10 +15,10 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "io/file.h"  // kChoiceMagic
 
 namespace sg::io {
 
-constexpr int32_t kChoiceMagic = 20240522;
 constexpr int32_t kChoiceVersion = 1;
 
 struct ChoiceExample {

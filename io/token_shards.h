@@ -11,9 +11,10 @@
 #include <string>
 #include <vector>
 
+#include "io/file.h"  // kShardMagic
+
 namespace sg::io {
 
-constexpr int32_t kShardMagic = 20240520;
 constexpr int32_t kShardVersion = 1;
 constexpr int64_t kShardHeaderBytes = 256 * 4;
 constexpr int64_t kGpt2Vocab = 50257;

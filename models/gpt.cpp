@@ -450,40 +450,38 @@ GPTConfig config_from_hf(const io::SafetensorsFile& file, int64_t n_head_hint) {
     std::ifstream in(hf_config);
     const nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
     SG_CHECK(j.is_object(), hf_config.string(), " (beside ", file.path, ") is not a JSON object: fix it, or move it away");
-    {
-      const auto number = [&](const char* key) -> std::optional<int64_t> {
-        if (!j.contains(key)) return std::nullopt;
-        SG_CHECK(j[key].is_number_integer(), hf_config.string(), ": \"", key, "\": ", j[key].dump(), " is not a whole number");
-        return j[key].get<int64_t>();
-      };
-      const std::string where = hf_config.string();
-      if (const auto n = number("n_layer")) shaped(where, "n_layer", *n, file.path, c.n_layer);
-      if (const auto n = number("n_embd")) shaped(where, "n_embd", *n, file.path + "'s wte.weight row", c.n_embd);
-      if (const auto n = number("vocab_size")) shaped(where, "vocab_size", *n, file.path + "'s wte.weight rows", c.vocab_size);
-      for (const char* key : {"n_positions", "n_ctx"})
-        if (const auto n = number(key)) shaped(where, key, *n, file.path + "'s wpe.weight rows", c.block_size);
-      if (const auto n = number("n_head")) {
-        SG_CHECK(!file.metadata.count("n_head") || *n == c.n_head, where, ": \"n_head\" is ", *n, " but ", in_metadata,
-                 " records ", c.n_head, ": the file and what the folder says of its model disagree");
-        if (c.n_head <= 0) c.n_head = *n;
-      }
-      const auto differs = [&](const char* key, const std::string& want) {
-        throw Error(str(hf_config.string(), ": \"", key, "\": ", j[key].dump(), " makes another model than this GPT-2 (",
-                        want, ")"));
-      };
-      if (j.contains("activation_function") && j["activation_function"] != "gelu_new" &&
-          j["activation_function"] != "gelu_pytorch_tanh")
-        differs("activation_function", "GELU's tanh form: \"gelu_new\"");
-      if (j.contains("layer_norm_epsilon") &&
-          !(j["layer_norm_epsilon"].is_number() && std::abs(j["layer_norm_epsilon"].get<double>() - c.ln_eps) <= 1e-12))
-        differs("layer_norm_epsilon", str("LayerNorm's epsilon ", c.ln_eps));
-      if (j.contains("n_inner") && !j["n_inner"].is_null() && j["n_inner"] != 4 * c.n_embd)
-        differs("n_inner", str("an MLP of 4 x n_embd = ", 4 * c.n_embd, ", or null"));
-      if (j.contains("scale_attn_weights") && j["scale_attn_weights"] != true)
-        differs("scale_attn_weights", "scores scaled by 1/sqrt(head dim)");
-      if (j.contains("scale_attn_by_inverse_layer_idx") && j["scale_attn_by_inverse_layer_idx"] != false)
-        differs("scale_attn_by_inverse_layer_idx", "no per-layer scaling of the scores");
+    const auto number = [&](const char* key) -> std::optional<int64_t> {
+      if (!j.contains(key)) return std::nullopt;
+      SG_CHECK(j[key].is_number_integer(), hf_config.string(), ": \"", key, "\": ", j[key].dump(), " is not a whole number");
+      return j[key].get<int64_t>();
+    };
+    const std::string where = hf_config.string();
+    if (const auto n = number("n_layer")) shaped(where, "n_layer", *n, file.path, c.n_layer);
+    if (const auto n = number("n_embd")) shaped(where, "n_embd", *n, file.path + "'s wte.weight row", c.n_embd);
+    if (const auto n = number("vocab_size")) shaped(where, "vocab_size", *n, file.path + "'s wte.weight rows", c.vocab_size);
+    for (const char* key : {"n_positions", "n_ctx"})
+      if (const auto n = number(key)) shaped(where, key, *n, file.path + "'s wpe.weight rows", c.block_size);
+    if (const auto n = number("n_head")) {
+      SG_CHECK(!file.metadata.count("n_head") || *n == c.n_head, where, ": \"n_head\" is ", *n, " but ", in_metadata,
+               " records ", c.n_head, ": the file and what the folder says of its model disagree");
+      if (c.n_head <= 0) c.n_head = *n;
     }
+    const auto differs = [&](const char* key, const std::string& want) {
+      throw Error(str(hf_config.string(), ": \"", key, "\": ", j[key].dump(), " makes another model than this GPT-2 (",
+                      want, ")"));
+    };
+    if (j.contains("activation_function") && j["activation_function"] != "gelu_new" &&
+        j["activation_function"] != "gelu_pytorch_tanh")
+      differs("activation_function", "GELU's tanh form: \"gelu_new\"");
+    if (j.contains("layer_norm_epsilon") &&
+        !(j["layer_norm_epsilon"].is_number() && std::abs(j["layer_norm_epsilon"].get<double>() - c.ln_eps) <= 1e-12))
+      differs("layer_norm_epsilon", str("LayerNorm's epsilon ", c.ln_eps));
+    if (j.contains("n_inner") && !j["n_inner"].is_null() && j["n_inner"] != 4 * c.n_embd)
+      differs("n_inner", str("an MLP of 4 x n_embd = ", 4 * c.n_embd, ", or null"));
+    if (j.contains("scale_attn_weights") && j["scale_attn_weights"] != true)
+      differs("scale_attn_weights", "scores scaled by 1/sqrt(head dim)");
+    if (j.contains("scale_attn_by_inverse_layer_idx") && j["scale_attn_by_inverse_layer_idx"] != false)
+      differs("scale_attn_by_inverse_layer_idx", "no per-layer scaling of the scores");
   }
   SG_CHECK(c.n_head > 0, file.path, ": the number of heads is not recorded (in its metadata or a config.json beside it); "
            "pass --n-head");
